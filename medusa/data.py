@@ -1,0 +1,163 @@
+"""Training prompts, evaluation-overlap filtering and the tokenised, label-masked batches heads train on.
+
+Prompt sources are named in configs as one of:
+  - `bench:<name>` for the files in `../shared/bench_data` (t0, alpaca, gsm8k, seed_tasks);
+  - a local `.json` / `.jsonl` file whose rows carry a `prompt`, `instruction` (+ `input`), `question` or `turns`;
+  - `hf:<dataset id>[:split]`, loaded with `datasets.load_dataset` (needs the Hub or a warm cache).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+BENCH_FILES = {
+    "t0": "t0_train_50k_prompts.jsonl",
+    "alpaca": "stanford_alpaca_5000_subset.json",
+    "gsm8k": "gsm8k_train.jsonl",
+    "seed_tasks": "stanford_alpaca_seed_tasks.jsonl",
+}
+# Evaluation sets: never trained on; any training prompt that matches one of their turns is dropped.
+EVALUATION_FILES = (
+    "spec_bench_question.jsonl",
+    "mt_bench_question.jsonl",
+    "eagle_gsm8k_question.jsonl",
+    "self_instruct_user_oriented_instructions.jsonl",
+)
+
+
+def bench_data_dir() -> Path:
+    """`$MEDUSA_BENCH_DATA`, else `../shared/bench_data` beside the repository."""
+    env = os.environ.get("MEDUSA_BENCH_DATA")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parent.parent.parent / "shared" / "bench_data"
+
+
+def _read_rows(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file {path} does not exist")
+    text = path.read_text()
+    if path.suffix == ".json":
+        rows = json.loads(text)
+        if not isinstance(rows, list):
+            raise ValueError(f"{path}: expected a JSON list of objects")
+        return rows
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def _row_prompt(row: dict) -> str | None:
+    """The user prompt in one row of any supported layout."""
+    if "prompt" in row:
+        return row["prompt"]
+    if "instruction" in row:
+        extra = row.get("input") or ""
+        if not extra and row.get("instances"):
+            extra = row["instances"][0].get("input", "")
+        return row["instruction"] + ("\n\n" + extra if extra else "")
+    if "question" in row:
+        return row["question"]
+    if "turns" in row:
+        return row["turns"][0]
+    return None
+
+
+def load_prompts(source: str) -> list[str]:
+    """All prompts of one source (see module docstring). Raises with the accepted layouts when none are found."""
+    if source.startswith("bench:"):
+        name = source.split(":", 1)[1]
+        if name not in BENCH_FILES:
+            raise ValueError(f"unknown bench source {name!r}: use one of {sorted(BENCH_FILES)}")
+        rows = _read_rows(bench_data_dir() / BENCH_FILES[name])
+    elif source.startswith("hf:"):
+        from datasets import load_dataset  # optional dependency, only for Hub datasets
+
+        _, dataset_id, *split = source.split(":")
+        rows = list(load_dataset(dataset_id, split=split[0] if split else "train"))
+    else:
+        rows = _read_rows(Path(source))
+    prompts = [p for p in (_row_prompt(r) for r in rows) if p and p.strip()]
+    if not prompts:
+        raise ValueError(
+            f"no prompts in {source!r}: rows need a 'prompt', 'instruction' (+'input'), 'question' or 'turns' field"
+        )
+    return prompts
+
+
+def normalise(text: str) -> str:
+    return re.sub(r"\s+", " ", text.strip().lower())
+
+
+def evaluation_prompts(directory: Path | None = None) -> set[str]:
+    """Normalised text of every turn of every evaluation set that is present."""
+    directory = directory or bench_data_dir()
+    seen: set[str] = set()
+    for name in EVALUATION_FILES:
+        path = directory / name
+        if not path.is_file():
+            continue
+        for row in _read_rows(path):
+            turns = row.get("turns") or [_row_prompt(row) or ""]
+            seen.update(normalise(t) for t in turns if t)
+    return seen
+
+
+def drop_evaluation_overlap(prompts: Iterable[str], evaluation: set[str]) -> list[str]:
+    """Drop prompts equal to, or containing, an evaluation turn (e.g. 'Prove the Pythagorean theorem.')."""
+    long_turns = [t for t in evaluation if len(t) >= 20]
+    kept = []
+    for prompt in prompts:
+        norm = normalise(prompt)
+        if norm in evaluation or any(t in norm for t in long_turns if len(t) <= len(norm)):
+            continue
+        kept.append(prompt)
+    return kept
+
+
+def build_prompt_mix(sources: dict[str, int], seed: int = 0) -> list[tuple[str, str]]:
+    """`{source: count}` -> a shuffled, evaluation-filtered, deterministic list of `(source, prompt)`.
+
+    A count of -1 takes every prompt of that source. Deterministic so that resumed runs see the same order.
+    """
+    if not sources:
+        raise ValueError("data.sources is empty: name at least one prompt source, e.g. {'bench:alpaca': 1000}")
+    rng = random.Random(seed)
+    evaluation = evaluation_prompts()
+    mix: list[tuple[str, str]] = []
+    for source, count in sources.items():
+        prompts = drop_evaluation_overlap(dict.fromkeys(load_prompts(source)), evaluation)
+        rng.shuffle(prompts)
+        take = prompts if count < 0 else prompts[:count]
+        mix.extend((source, p) for p in take)
+    rng.shuffle(mix)
+    return mix
+
+
+@dataclass(frozen=True)
+class Batch:
+    input_ids: torch.Tensor  # (B, T) right-padded with pad_id
+    attention_mask: torch.Tensor  # (B, T) 1 for real tokens
+    loss_mask: torch.Tensor  # (B, T) 1 where the token is part of a response (a training target)
+
+
+def collate(rows: list[dict], pad_id: int, max_length: int) -> Batch:
+    """Rows with `input_ids` and `response_start` -> a right-padded Batch, truncated to `max_length`."""
+    if not rows:
+        raise ValueError("collate got no rows: the dataset is empty")
+    seqs = [r["input_ids"][:max_length] for r in rows]
+    width = max(len(s) for s in seqs)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    loss_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (row, seq) in enumerate(zip(rows, seqs)):
+        input_ids[i, : len(seq)] = torch.tensor(seq)
+        attention[i, : len(seq)] = 1
+        loss_mask[i, min(row["response_start"], len(seq)) : len(seq)] = 1
+    return Batch(input_ids, attention, loss_mask)

@@ -1,0 +1,140 @@
+"""The decoding loop: prefill, then [propose -> verify -> accept -> commit] until a stop condition."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from medusa import kv_cache
+from medusa.acceptance import AcceptanceRule
+from medusa.propose import Proposer
+from medusa.sampling import SamplingConfig, select_token
+from medusa.verify import verify
+
+
+@dataclass
+class DecodeState:
+    cache: DynamicCache
+    length: int  # tokens in the cache
+    root_token: torch.Tensor  # 0-dim long: the target's next token, not yet in the cache
+    last_hidden: torch.Tensor  # (H,): hidden state at the last cached position (the one that chose root_token)
+    tokens: list[int]  # prompt + every token emitted so far (root_token included)
+
+
+@dataclass
+class DecodeStats:
+    steps: int = 0  # target forwards, prefill included
+    new_tokens: int = 0
+    accepted_lengths: list[int] = field(default_factory=list)  # tokens committed by each verify step (bonus included)
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per phase, when profiling
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        """tau: new tokens per target forward (plain decoding: 1.0)."""
+        return self.new_tokens / max(self.steps, 1)
+
+    @property
+    def accepted_length_histogram(self) -> dict[int, int]:
+        return dict(sorted(Counter(self.accepted_lengths).items()))
+
+
+@dataclass
+class GenerateOutput:
+    sequences: torch.Tensor  # (1, prompt + new): like transformers' generate
+    stats: DecodeStats
+
+
+class _PhaseTimer:
+    def __init__(self, stats: DecodeStats, enabled: bool, device: torch.device):
+        self.stats, self.enabled, self.cuda = stats, enabled, device.type == "cuda"
+
+    @contextmanager
+    def __call__(self, phase: str):
+        if not self.enabled:
+            yield
+            return
+        if self.cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        yield
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.stats.timings[phase] = self.stats.timings.get(phase, 0.0) + time.perf_counter() - start
+
+
+@torch.inference_mode()
+def prefill(model, input_ids: torch.Tensor, sampling: SamplingConfig, generator=None) -> DecodeState:
+    """One ordinary forward over the prompt (1, T): fills the cache and chooses the first new token."""
+    cache = DynamicCache(config=model.config)
+    out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, output_hidden_states=True,
+                logits_to_keep=1)
+    root = select_token(out.logits[0, -1], sampling, generator)
+    return DecodeState(cache, input_ids.shape[1], root, out.hidden_states[-1][0, -1], input_ids[0].tolist() + [int(root)])
+
+
+def _stop_index(tokens: list[int], stop_ids: set[int]) -> int | None:
+    return next((i for i, t in enumerate(tokens) if t in stop_ids), None)
+
+
+@torch.inference_mode()
+def decode(
+    model,
+    proposer: Proposer,
+    rule: AcceptanceRule,
+    input_ids: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    sampling: SamplingConfig,
+    stop_ids: set[int],
+    streamer=None,
+    generator: torch.Generator | None = None,
+    profile: bool = False,
+) -> GenerateOutput:
+    """input_ids (1, T) -> GenerateOutput. Callers validate inputs (see MedusaModel.generate)."""
+    stats = DecodeStats()
+    timer = _PhaseTimer(stats, profile, input_ids.device)
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+    with timer("prefill"):
+        state = prefill(model, input_ids, sampling, generator)
+    stats.steps = 1
+    new: list[int] = []
+
+    def emit(tokens: list[int]) -> bool:
+        """Append tokens up to max_new_tokens and the first stop token (kept, as transformers does); True when done."""
+        room = max_new_tokens - len(new)
+        stop = _stop_index(tokens[:room], stop_ids)
+        kept = tokens[: room if stop is None else stop + 1]
+        new.extend(kept)
+        if streamer is not None and kept:
+            streamer.put(torch.tensor(kept))
+        return stop is not None or len(new) >= max_new_tokens
+
+    done = emit([int(state.root_token)])
+    while not done:
+        with timer("propose"):
+            candidates = proposer.propose(state)
+        with timer("verify"):
+            verified = verify(model, state.cache, candidates, state.length)
+        with timer("accept"):
+            accepted = rule(candidates, verified, sampling, generator)
+        with timer("commit"):
+            kv_cache.commit(state.cache, state.length, accepted.nodes)
+            state.length += accepted.nodes.numel()
+            state.last_hidden = verified.hidden[accepted.nodes[-1]]
+            state.root_token = torch.tensor(accepted.tokens[-1], device=input_ids.device)
+            state.tokens.extend(accepted.tokens)
+            proposer.observe(state, accepted.tokens)
+        stats.steps += 1
+        stats.accepted_lengths.append(len(accepted.tokens))
+        done = emit(accepted.tokens)
+    if streamer is not None:
+        streamer.end()
+    stats.new_tokens = len(new)
+    sequences = torch.cat([input_ids, torch.tensor([new], dtype=input_ids.dtype, device=input_ids.device)], dim=1)
+    return GenerateOutput(sequences=sequences, stats=stats)

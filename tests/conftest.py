@@ -1,0 +1,49 @@
+"""Tiny randomly initialised models of several families (seconds on CPU) and the real embedded model (slow)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GemmaConfig, LlamaConfig, Qwen2Config
+
+from medusa import MedusaConfig, MedusaHeads, MedusaModel
+
+VOCAB, HIDDEN = 96, 64
+_COMMON = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=512, eos_token_id=None, bos_token_id=None, pad_token_id=0)
+TINY_CONFIGS = {
+    "llama": lambda: LlamaConfig(**_COMMON),
+    "qwen2": lambda: Qwen2Config(**_COMMON),
+    "gemma": lambda: GemmaConfig(**_COMMON, head_dim=16),
+}
+FAMILIES = sorted(TINY_CONFIGS)
+
+
+def make_tiny_model(family: str, seed: int = 0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    config = TINY_CONFIGS[family]()
+    config._attn_implementation = "sdpa"
+    return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+
+
+def make_heads(num_heads: int = 4, random: bool = False, projection: str = "shared", seed: int = 1,
+               num_layers: int = 1, hidden: int = HIDDEN, vocab: int = VOCAB) -> MedusaHeads:
+    """Untrained heads (identity blocks), or random ones whose guesses are often wrong (exercise rejection paths)."""
+    torch.manual_seed(seed)
+    heads = MedusaHeads(MedusaConfig(hidden_size=hidden, vocab_size=vocab, num_heads=num_heads,
+                                     num_layers=num_layers, projection=projection))
+    if random:
+        for p in heads.parameters():
+            torch.nn.init.normal_(p, std=0.3)
+    return heads
+
+
+@pytest.fixture(params=FAMILIES)
+def tiny_model(request):
+    return make_tiny_model(request.param)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real embedded default with untrained heads (loads from the safetensors cache after the first time)."""
+    return MedusaModel.from_base()

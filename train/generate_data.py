@@ -1,0 +1,141 @@
+"""Self-distillation data: the target answers training prompts through its chat template.
+
+    python train/generate_data.py --config configs/smollm2-135m.yaml [--data.sources '{bench:alpaca: 100}']
+
+Output: `<data.out_dir>/shard-00000/ ...`, each a `datasets` dataset on disk with columns
+`input_ids` (prompt + response tokens), `response_start`, `source`, `greedy`. A shard is written to a temporary
+folder and renamed into place, so a killed run loses at most the shard in flight and a restart continues there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from medusa.data import build_prompt_mix  # noqa: E402
+from medusa.loading import load_base  # noqa: E402
+from train.config import DataConfig, ModelConfig, parse_args  # noqa: E402
+
+# Fields that decide which prompt lands in which shard: a resumed run must agree on them.
+ORDER_FIELDS = ("sources", "seed", "shard_size", "max_prompt_tokens")
+
+
+def shard_dirs(out_dir: Path) -> list[Path]:
+    return sorted(p for p in out_dir.glob("shard-*") if p.is_dir())
+
+
+def load_shards(out_dir: str | Path):
+    """Every finished shard of a data directory as one `datasets.Dataset`."""
+    from datasets import concatenate_datasets, load_from_disk
+
+    shards = shard_dirs(Path(out_dir))
+    if not shards:
+        raise FileNotFoundError(f"no data shards in {out_dir}: run train/generate_data.py first")
+    return concatenate_datasets([load_from_disk(str(s)) for s in shards])
+
+
+def check_resume(out_dir: Path, cfg: DataConfig) -> None:
+    meta = out_dir / "data_config.json"
+    current = {k: asdict(cfg)[k] for k in ORDER_FIELDS}
+    if meta.is_file():
+        previous = {k: json.loads(meta.read_text()).get(k) for k in ORDER_FIELDS}
+        if previous != current:
+            raise ValueError(
+                f"{out_dir} was generated with {previous}, this run asks for {current}: "
+                "use another data.out_dir or the same settings to resume"
+            )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta.write_text(json.dumps(asdict(cfg), indent=2))
+
+
+def tokenize_prompts(tokenizer, mix, max_prompt_tokens: int) -> list[dict]:
+    if tokenizer.chat_template is None:
+        raise ValueError(
+            "the base tokenizer has no chat template: self-distillation needs one to answer prompts as the model "
+            "would in use (set tokenizer.chat_template or use an instruct model)"
+        )
+    items = []
+    for source, prompt in mix:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        if len(ids) <= max_prompt_tokens:
+            items.append({"source": source, "prompt_ids": ids})
+    return items
+
+
+@torch.inference_mode()
+def answer_batch(model, prompt_ids: list[list[int]], pad_id: int, eos_ids: list[int], cfg: DataConfig, greedy: bool):
+    """Left-padded batched generation; returns each response up to and including its first stop token."""
+    width = max(len(p) for p in prompt_ids)
+    input_ids = torch.full((len(prompt_ids), width), pad_id, dtype=torch.long)
+    attention = torch.zeros_like(input_ids)
+    for i, ids in enumerate(prompt_ids):
+        input_ids[i, width - len(ids):] = torch.tensor(ids)
+        attention[i, width - len(ids):] = 1
+    sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": cfg.temperature, "top_p": cfg.top_p}
+    out = model.generate(
+        input_ids=input_ids.to(model.device), attention_mask=attention.to(model.device),
+        max_new_tokens=cfg.max_new_tokens, pad_token_id=pad_id, eos_token_id=eos_ids, top_k=None, **sampling,
+    )[:, width:].tolist()
+    responses = []
+    for row in out:
+        cut = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
+        responses.append(row[:cut])
+    return responses
+
+
+def main(argv=None) -> None:
+    args, cfgs = parse_args(__doc__, {"model": ModelConfig, "data": DataConfig}, argv)
+    cfg: DataConfig = cfgs["data"]
+    torch.manual_seed(cfg.seed)
+    out_dir = Path(cfg.out_dir)
+    check_resume(out_dir, cfg)
+    model, tokenizer = load_base(cfgs["model"].base, dtype=cfg.dtype)
+    eos_ids = [tokenizer.eos_token_id]
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    items = tokenize_prompts(tokenizer, build_prompt_mix(cfg.sources, cfg.seed), cfg.max_prompt_tokens)
+    n_shards = (len(items) + cfg.shard_size - 1) // cfg.shard_size
+    done = {p.name for p in shard_dirs(out_dir)}
+    from datasets import Dataset
+
+    bar = tqdm(total=len(items), unit="prompt", desc="self-distill")
+    tokens, start = 0, time.time()
+    for shard in range(n_shards):
+        name = f"shard-{shard:05d}"
+        chunk = items[shard * cfg.shard_size:(shard + 1) * cfg.shard_size]
+        if name in done:
+            bar.update(len(chunk))
+            continue
+        greedy = (shard % 100) < cfg.greedy_fraction * 100  # deterministic split between greedy and sampled shards
+        torch.manual_seed(cfg.seed * 100_003 + shard)  # a resumed shard samples what it would have
+        order = sorted(range(len(chunk)), key=lambda i: len(chunk[i]["prompt_ids"]))  # less padding per batch
+        records = []
+        for b in range(0, len(order), cfg.batch_size):
+            batch = [chunk[i] for i in order[b:b + cfg.batch_size]]
+            responses = answer_batch(model, [x["prompt_ids"] for x in batch], pad_id, eos_ids, cfg, greedy)
+            for item, response in zip(batch, responses):
+                records.append({"input_ids": item["prompt_ids"] + response, "response_start": len(item["prompt_ids"]),
+                                "source": item["source"], "greedy": greedy})
+                tokens += len(response)
+            bar.update(len(batch))
+            bar.set_postfix(tokens=tokens, tok_per_s=f"{tokens / (time.time() - start):.0f}")
+        tmp = out_dir / f".tmp-{name}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        Dataset.from_list(records).save_to_disk(str(tmp))
+        os.replace(tmp, out_dir / name)
+    bar.close()
+    print(f"{n_shards} shards in {out_dir}; {tokens} response tokens generated this run")
+
+
+if __name__ == "__main__":
+    main()
