@@ -18,7 +18,7 @@ from medusa.config import CONFIG_NAME, WEIGHTS_NAME, MedusaConfig
 from medusa.decode import GenerateOutput, decode
 from medusa.heads import MedusaHeads
 from medusa.loading import DEFAULT_BASE, BaseSource, load_base, resolve_dtype
-from medusa.propose import MedusaProposer
+from medusa.propose import get_proposer
 from medusa.sampling import SamplingConfig
 from medusa.tree import TreeSpec, build_buffers, chain, load_tree
 
@@ -130,6 +130,9 @@ class MedusaModel(nn.Module):
         top_k: int | None = None,
         top_p: float | None = None,
         acceptance: str | None = None,
+        proposer: str = "medusa",
+        posterior_threshold: float = 0.09,
+        posterior_alpha: float = 0.3,
         tree: list[list[int]] | str | None = None,
         eos_token_id: int | list[int] | None = None,
         streamer=None,
@@ -142,12 +145,13 @@ class MedusaModel(nn.Module):
         """
         input_ids = self._prepare_input(input_ids)
         check_lengths(self.base, input_ids.shape[1], max_new_tokens)
-        sampling = SamplingConfig(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
+        sampling = SamplingConfig(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+                                  posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha)
         rule = get_rule(acceptance or ("rejection" if do_sample else "greedy"))
         buffers = build_buffers(TreeSpec(_tree_arg(tree) or self.tree, self.config.num_heads), self.config.num_heads)
-        proposer = MedusaProposer(self.heads, self.base.get_output_embeddings(), buffers.to(self.device))
+        build_proposer = get_proposer(proposer)
         return decode(
-            self.base, proposer, rule, input_ids, max_new_tokens=max_new_tokens, sampling=sampling,
+            self.base, build_proposer(self, buffers.to(self.device)), rule, input_ids, max_new_tokens=max_new_tokens, sampling=sampling,
             stop_ids=self._stop_ids(eos_token_id), streamer=streamer, generator=generator, profile=profile,
         )
 

@@ -52,3 +52,18 @@ class MedusaProposer:
 
     def observe(self, state, accepted_tokens: list[int]) -> None:
         pass
+
+
+def build_medusa_proposer(model, tree: TreeBuffers) -> MedusaProposer:
+    return MedusaProposer(model.heads, model.base.get_output_embeddings(), tree)
+
+
+# name -> builder(model: MedusaModel, tree: TreeBuffers on the model's device) -> Proposer.
+# Other modules add their proposers here (dynamic tree, prompt lookup, hybrid).
+PROPOSERS = {"medusa": build_medusa_proposer}
+
+
+def get_proposer(name: str):
+    if name not in PROPOSERS:
+        raise ValueError(f"unknown proposer {name!r}: use one of {sorted(PROPOSERS)}")
+    return PROPOSERS[name]

@@ -13,6 +13,9 @@ class SamplingConfig:
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
+    # Typical acceptance (lossy): accept x if p(x) > min(posterior_threshold, posterior_alpha * exp(-H(p))).
+    posterior_threshold: float = 0.09
+    posterior_alpha: float = 0.3
 
     def __post_init__(self):
         if self.do_sample:
