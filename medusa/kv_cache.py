@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 
+@torch.inference_mode()
 def commit(cache, past_length: int, accepted_nodes: torch.Tensor) -> None:
     """Cache rows past_length + accepted_nodes (src) move to past_length .. past_length + a (dst); the rest go.
 

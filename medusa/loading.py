@@ -132,8 +132,11 @@ def load_base(
             model = model.to(resolve_dtype(dtype))
         if device is not None:
             model = model.to(device)
-        if tokenizer is None:
-            tokenizer = AutoTokenizer.from_pretrained(model.config.name_or_path)
+        if tokenizer is None and model.config.name_or_path:
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(model.config.name_or_path)
+            except OSError:  # a model built in memory has no tokenizer to find; generate() needs none
+                logger.info("no tokenizer found for %s; pass tokenizer= to decode text", model.config.name_or_path)
         return model.eval(), tokenizer
     path = resolve_base_path(source)
     try:

@@ -1,0 +1,73 @@
+"""Integration on the real embedded SmolLM2-135M-Instruct (fp32): greedy identity, loading, the shipped heads."""
+
+import time
+
+import pytest
+import torch
+
+from medusa import MedusaModel
+from medusa.loading import convert_gguf, default_gguf_path, gguf_cache_dir
+from tests.conftest import make_heads
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "Write a short story about a robot learning to paint.",
+    "Explain how a hash table works, with an example in Python.",
+    "What are the health benefits of green tea?",
+    "Summarize the causes of the French Revolution in a few sentences.",
+    "Give me three tips for writing a good cover letter.",
+]
+
+
+def _chat(model, text):
+    return model.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                               return_tensors="pt")
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    return MedusaModel.from_pretrained()
+
+
+def test_gguf_is_converted_once():
+    cached = convert_gguf(default_gguf_path())
+    assert cached == gguf_cache_dir(default_gguf_path()) and (cached / "config.json").is_file()
+    stamp = (cached / "config.json").stat().st_mtime
+    start = time.perf_counter()
+    assert convert_gguf(default_gguf_path()) == cached
+    assert (cached / "config.json").stat().st_mtime == stamp and time.perf_counter() - start < 1.0
+
+
+def test_shipped_heads_greedy_identity(shipped):
+    for text in PROMPTS:
+        ids = _chat(shipped, text)
+        reference = shipped.base.generate(**ids, max_new_tokens=128, do_sample=False)
+        out = shipped.generate(ids, max_new_tokens=128)
+        assert torch.equal(out.sequences, reference), text
+
+
+def test_random_heads_greedy_identity(shipped):
+    config = shipped.config
+    heads = make_heads(num_heads=config.num_heads, random=True, hidden=config.hidden_size, vocab=config.vocab_size)
+    model = MedusaModel(shipped.base, heads, shipped.tokenizer, tree=[[0], [1], [2], [0, 0], [1, 0], [0, 0, 0]])
+    for text in PROMPTS:
+        ids = _chat(model, text)
+        reference = model.base.generate(**ids, max_new_tokens=128, do_sample=False)
+        assert torch.equal(model.generate(ids, max_new_tokens=128).sequences, reference), text
+
+
+def test_untrained_heads_greedy_identity_and_stats(shipped):
+    model = MedusaModel.from_base(shipped.base, tokenizer=shipped.tokenizer)
+    ids = _chat(model, PROMPTS[0])
+    out = model.generate(ids, max_new_tokens=64)
+    assert torch.equal(out.sequences, model.base.generate(**ids, max_new_tokens=64, do_sample=False))
+    assert 1.0 <= out.stats.mean_accepted_tokens and out.stats.steps <= 64
+
+
+def test_stops_at_eos_like_generate(shipped):
+    ids = _chat(shipped, "Say just the word 'yes'.")
+    reference = shipped.base.generate(**ids, max_new_tokens=100, do_sample=False)
+    out = shipped.generate(ids, max_new_tokens=100)
+    assert torch.equal(out.sequences, reference)
+    assert out.sequences[0, -1].item() == shipped.tokenizer.eos_token_id

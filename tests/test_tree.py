@@ -1,0 +1,71 @@
+import pytest
+import torch
+
+from medusa.tree import TreeSpec, build_buffers, chain, load_tree
+
+# The hand-drawn tree (node numbers in canonical order):
+#            0 (root)
+#          /   \
+#     1 [0]     2 [1]
+#     /   \        \
+# 3 [0,0] 4 [0,1]  5 [1,0]
+#    |
+# 6 [0,0,0]
+HAND_TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+
+
+def test_hand_drawn_seven_node_tree():
+    b = build_buffers(TreeSpec(HAND_TREE, num_heads=3), num_heads=3)
+    assert b.num_nodes == 7
+    assert b.depth.tolist() == [0, 1, 1, 2, 2, 2, 3]
+    assert b.parent.tolist() == [0, 0, 0, 1, 1, 2, 3]
+    # flat candidates: [root, head0 top-2, head1 top-2, head2 top-1]
+    assert b.topk_per_head == (2, 2, 1)
+    assert b.candidate_index.tolist() == [0, 1, 2, 3, 4, 3, 5]
+    # leaves 4, 5, 6; paths padded with the sentinel 7
+    assert b.leaf_paths.tolist() == [[0, 1, 4, 7], [0, 2, 5, 7], [0, 1, 3, 6]]
+    visible = {i: set(torch.nonzero(b.visible[i]).flatten().tolist()) for i in range(7)}
+    assert visible == {0: {0}, 1: {0, 1}, 2: {0, 2}, 3: {0, 1, 3}, 4: {0, 1, 4}, 5: {0, 2, 5}, 6: {0, 1, 3, 6}}
+    bias = b.attention_bias(torch.float32, torch.device("cpu"))
+    assert bias[6, 3] == 0 and bias[6, 2] == torch.finfo(torch.float32).min and bias[4, 3] < 0
+
+
+def test_spec_is_reordered_canonically():
+    shuffled = [[0, 0, 0], [1, 0], [0], [0, 1], [1], [0, 0]]
+    assert TreeSpec(shuffled).to_list() == HAND_TREE
+
+
+@pytest.mark.parametrize("paths, message", [
+    ([[1]], "gap in ranks"),
+    ([[0], [0, 2], [0, 1]], "gap in ranks"),
+    ([[0, 0]], "no parent"),
+    ([[0], [0]], "duplicate"),
+    ([[0], []], "non-empty"),
+    ([[0], [-1]], "non-negative"),
+    ("0,1", "list of rank paths"),
+])
+def test_invalid_specs_are_named(paths, message):
+    with pytest.raises(ValueError, match=message):
+        TreeSpec(paths)
+
+
+def test_depth_beyond_heads_is_named():
+    with pytest.raises(ValueError, match="only 2 heads"):
+        TreeSpec(chain(3), num_heads=2)
+
+
+def test_root_only_tree():
+    b = build_buffers(TreeSpec([]), num_heads=1)
+    assert b.num_nodes == 1 and b.leaf_paths.tolist() == [[0]]
+
+
+def test_shipped_tree_files_are_valid():
+    from medusa.tree import TREES_DIR
+
+    for path in TREES_DIR.glob("*.json"):
+        assert load_tree(path), path
+
+
+def test_unknown_tree_name_lists_alternatives():
+    with pytest.raises(FileNotFoundError, match="not found"):
+        load_tree("no-such-tree")

@@ -1,0 +1,59 @@
+"""The key invariant: one tree-verify forward gives every node the logits of running its path sequentially."""
+
+import torch
+from transformers import DynamicCache
+
+from medusa import kv_cache
+from medusa.propose import Candidates
+from medusa.tree import TreeSpec, build_buffers
+from medusa.verify import verify
+from tests.test_tree import HAND_TREE
+
+
+def _prefill(model, prompt):
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(input_ids=prompt, past_key_values=cache, use_cache=True)
+    return cache
+
+
+def _sequential_logits(model, tokens):
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([tokens])).logits[0, -1]
+
+
+def test_tree_logits_equal_sequential_paths(tiny_model):
+    torch.manual_seed(0)
+    prompt = torch.randint(1, 90, (1, 11))
+    buffers = build_buffers(TreeSpec(HAND_TREE, 3), 3)
+    tokens = torch.randint(1, 90, (buffers.num_nodes,))
+    cache = _prefill(tiny_model, prompt)
+    out = verify(tiny_model, cache, Candidates(tokens=tokens, tree=buffers), prompt.shape[1])
+    for node in range(buffers.num_nodes):
+        path = [node]
+        while path[-1] != 0:
+            path.append(int(buffers.parent[path[-1]]))
+        path_tokens = prompt[0].tolist() + tokens[list(reversed(path))].tolist()
+        torch.testing.assert_close(out.logits[node], _sequential_logits(tiny_model, path_tokens), atol=1e-4, rtol=1e-4)
+
+
+def test_commit_keeps_accepted_rows_and_next_step_matches(tiny_model):
+    torch.manual_seed(1)
+    prompt = torch.randint(1, 90, (1, 9))
+    buffers = build_buffers(TreeSpec(HAND_TREE, 3), 3)
+    tokens = torch.randint(1, 90, (buffers.num_nodes,))
+    cache = _prefill(tiny_model, prompt)
+    verify(tiny_model, cache, Candidates(tokens=tokens, tree=buffers), prompt.shape[1])
+    accepted = torch.tensor([0, 1, 3, 6])  # the deepest path
+    kv_cache.commit(cache, prompt.shape[1], accepted)
+    assert cache.get_seq_length() == prompt.shape[1] + 4
+
+    committed = torch.cat([prompt[0], tokens[accepted]])
+    fresh = _prefill(tiny_model, committed[None])
+    for got, want in zip(cache.layers, fresh.layers):
+        torch.testing.assert_close(got.keys, want.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got.values, want.values, atol=1e-5, rtol=1e-5)
+    nxt = torch.tensor([[7]])
+    with torch.inference_mode():
+        after_commit = tiny_model(input_ids=nxt, past_key_values=cache, use_cache=True).logits[0, -1]
+    torch.testing.assert_close(after_commit, _sequential_logits(tiny_model, committed.tolist() + [7]), atol=1e-4, rtol=1e-4)
