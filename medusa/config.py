@@ -24,6 +24,9 @@ class MedusaConfig:
     base_model_name_or_path: str | None = None
     revision: str | None = None
     tree: list[list[int]] | None = None  # default tree for these heads (rank paths, see medusa.tree)
+    # Candidates come only from these most frequent tokens (ids stored with the weights): the heads' vocabulary
+    # projection is then that much cheaper, and exactness is untouched because the target verifies every guess.
+    vocab_subset_size: int | None = None
     format_version: int = FORMAT_VERSION
     extra: dict = field(default_factory=dict)  # free-form provenance (training run, data), never read by code
 
@@ -35,6 +38,8 @@ class MedusaConfig:
             raise ValueError(f"MedusaConfig.num_layers must be >= 0, got {self.num_layers!r}")
         if self.projection not in PROJECTIONS:
             raise ValueError(f"MedusaConfig.projection must be one of {PROJECTIONS}, got {self.projection!r}")
+        if self.vocab_subset_size is not None and not 0 < self.vocab_subset_size <= self.vocab_size:
+            raise ValueError(f"MedusaConfig.vocab_subset_size must lie in [1, vocab_size], got {self.vocab_subset_size}")
         if self.format_version > FORMAT_VERSION:
             raise ValueError(
                 f"heads format_version {self.format_version} is newer than this medusa ({FORMAT_VERSION}): upgrade medusa"

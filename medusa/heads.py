@@ -50,6 +50,23 @@ class MedusaHeads(nn.Module):
                     proj.weight.data.copy_(base_lm_head.weight.data)
         else:
             self.projections = None
+        if config.vocab_subset_size:
+            # (V',) token ids candidates may come from; set from training-data frequencies (see set_vocab_subset)
+            self.register_buffer("vocab_subset", torch.arange(config.vocab_subset_size))
+
+    def set_vocab_subset(self, token_ids: torch.Tensor) -> None:
+        """Restrict candidates to `token_ids` (V',), e.g. the most frequent response tokens of the training data."""
+        token_ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+        if token_ids.numel() == 0 or token_ids.min() < 0 or token_ids.max() >= self.config.vocab_size:
+            raise ValueError(f"vocab subset ids must lie in [0, {self.config.vocab_size}) and not be empty")
+        self.config.vocab_subset_size = token_ids.numel()
+        self.register_buffer("vocab_subset", token_ids.to(next(iter(self.blocks.parameters()), token_ids).device))
+
+    def candidate_weight(self, lm_head: nn.Module) -> torch.Tensor:
+        """(V', H) shared or (K, V', H) own projection rows of the candidate vocabulary."""
+        subset = getattr(self, "vocab_subset", None)
+        weight = lm_head.weight if self.projections is None else torch.stack([p.weight for p in self.projections])
+        return weight if subset is None else weight[..., subset, :]
 
     def head_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (..., H) -> (K, ..., H): each head's transformed hidden state before projection."""

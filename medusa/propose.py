@@ -25,19 +25,44 @@ class Proposer(Protocol):
         """Learn what the target committed this step (e.g. to roll back a draft model's cache)."""
 
 
+@dataclass(frozen=True)
+class CandidateProjection:
+    """The heads' vocabulary projection as used for proposing: built once per model, maybe cheaper than the base's.
+
+    Candidates only need a ranking, not exact logits, so the projection may use a lower precision and a subset of
+    frequent tokens; the target still verifies every candidate, so outputs do not change.
+    """
+
+    weight: torch.Tensor  # (V', H) shared or (K, V', H) own
+    token_ids: torch.Tensor | None  # (V',) candidate index -> token id; None: the full vocabulary
+
+    @classmethod
+    def build(cls, heads, lm_head, dtype: torch.dtype) -> "CandidateProjection":
+        return cls(heads.candidate_weight(lm_head).detach().to(dtype).contiguous(), getattr(heads, "vocab_subset", None))
+
+    def logits(self, head_hidden: torch.Tensor) -> torch.Tensor:
+        """(K, H) -> (K, V') logits over the candidate vocabulary."""
+        head_hidden = head_hidden.to(self.weight.dtype)
+        if self.weight.dim() == 2:
+            return head_hidden @ self.weight.T
+        return torch.einsum("kh,kvh->kv", head_hidden, self.weight[: head_hidden.shape[0]])
+
+    def token(self, index: torch.Tensor) -> torch.Tensor:
+        return index if self.token_ids is None else self.token_ids[index]
+
+
 class MedusaProposer:
     """Top-s tokens of each head, read from the last committed hidden state, placed by a static tree."""
 
-    def __init__(self, heads, lm_head, tree: TreeBuffers):
+    def __init__(self, heads, projection: CandidateProjection, tree: TreeBuffers):
         if len(tree.topk_per_head) > heads.config.num_heads:
             raise ValueError(f"tree needs {len(tree.topk_per_head)} heads, the model has {heads.config.num_heads}")
-        self.heads, self.lm_head, self.tree = heads, lm_head, tree
+        self.heads, self.projection, self.tree = heads, projection, tree
         self.used_heads = max((k + 1 for k, s in enumerate(tree.topk_per_head) if s), default=0)
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden (H,) -> (K_used, V): only the heads the tree uses, all through one projection."""
-        head_hidden = self.heads.head_hidden(hidden)[: self.used_heads]
-        return self.heads.project(head_hidden, self.lm_head)
+        """hidden (H,) -> (K_used, V'): the heads the tree uses, over the candidate vocabulary (map with `.projection.token`)."""
+        return self.projection.logits(self.heads.head_hidden(hidden)[: self.used_heads])
 
     def propose(self, state) -> Candidates:
         tree = self.tree
@@ -45,7 +70,7 @@ class MedusaProposer:
         if self.used_heads:
             logits = self.head_logits(state.last_hidden)
             width = max(tree.topk_per_head)
-            top = torch.topk(logits, width, dim=-1).indices  # (K_used, width)
+            top = self.projection.token(torch.topk(logits, width, dim=-1).indices)  # (K_used, width) token ids
             parts += [top[k, :s] for k, s in enumerate(tree.topk_per_head[: self.used_heads]) if s]
         flat = torch.cat(parts)
         return Candidates(tokens=flat[tree.candidate_index], tree=tree)
@@ -55,7 +80,7 @@ class MedusaProposer:
 
 
 def build_medusa_proposer(model, tree: TreeBuffers) -> MedusaProposer:
-    return MedusaProposer(model.heads, model.base.get_output_embeddings(), tree)
+    return MedusaProposer(model.heads, model.candidate_projection, tree)
 
 
 # name -> builder(model: MedusaModel, tree: TreeBuffers on the model's device) -> Proposer.

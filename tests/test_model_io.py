@@ -113,3 +113,25 @@ def test_bad_tree_argument_is_named():
         model.generate(torch.tensor([[1, 2]]), max_new_tokens=3, tree=[[0], [2]])
     with pytest.raises(ValueError, match="only 2 heads"):
         model.generate(torch.tensor([[1, 2]]), max_new_tokens=3, tree=[[0], [0, 0], [0, 0, 0]])
+
+
+def test_vocab_subset_restricts_candidates_keeps_identity_and_round_trips(tmp_path):
+    base = make_tiny_model("qwen2")
+    heads = make_heads(random=True)
+    subset = torch.arange(0, 96, 3)  # every third token
+    heads.set_vocab_subset(subset)
+    model = MedusaModel(base, heads, tree=[[0], [1], [0, 0], [0, 0, 0]])
+    state = type("S", (), {"root_token": torch.tensor(5), "last_hidden": torch.randn(64)})()
+    from medusa.propose import build_medusa_proposer
+    from medusa.tree import TreeSpec, build_buffers
+
+    proposer = build_medusa_proposer(model, build_buffers(TreeSpec(model.tree, 4), 4))
+    assert set(proposer.propose(state).tokens[1:].tolist()) <= set(subset.tolist())
+    prompt = torch.tensor([[7, 8, 9]])
+    reference = base.generate(prompt, max_new_tokens=30, do_sample=False)
+    assert torch.equal(model.generate(prompt, max_new_tokens=30).sequences, reference)
+    model.save_pretrained(tmp_path / "h")
+    loaded = MedusaModel.from_pretrained(tmp_path / "h", base=base)
+    assert loaded.config.vocab_subset_size == 32 and torch.equal(loaded.heads.vocab_subset, subset)
+    with pytest.raises(ValueError, match="vocab subset ids"):
+        heads.set_vocab_subset(torch.tensor([0, 500]))
