@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -64,6 +65,7 @@ class MedusaProposer:
         """hidden (H,) -> (K_used, V'): the heads the tree uses, over the candidate vocabulary (map with `.projection.token`)."""
         return self.projection.logits(self.heads.head_hidden(hidden)[: self.used_heads])
 
+    @torch.inference_mode()
     def propose(self, state) -> Candidates:
         tree = self.tree
         parts = [state.root_token.view(1)]
@@ -83,9 +85,20 @@ def build_medusa_proposer(model, tree: TreeBuffers) -> MedusaProposer:
     return MedusaProposer(model.heads, model.candidate_projection, tree)
 
 
+def _lazy(target: str):
+    """'module:builder' -> a builder that imports it on first use (those modules import this one)."""
+    module, name = target.split(":")
+    return lambda model, tree: getattr(importlib.import_module(module), name)(model, tree)
+
+
 # name -> builder(model: MedusaModel, tree: TreeBuffers on the model's device) -> Proposer.
 # Other modules add their proposers here (dynamic tree, prompt lookup, hybrid).
-PROPOSERS = {"medusa": build_medusa_proposer}
+PROPOSERS = {
+    "medusa": build_medusa_proposer,
+    "dynamic": _lazy("medusa.dynamic_tree:build_dynamic_proposer"),
+    "prompt_lookup": _lazy("medusa.prompt_lookup:build_prompt_lookup_proposer"),
+    "hybrid": _lazy("medusa.prompt_lookup:build_hybrid_proposer"),
+}
 
 
 def get_proposer(name: str):

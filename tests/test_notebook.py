@@ -1,0 +1,18 @@
+"""The walk-through notebook is executed, so it cannot rot."""
+
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "walkthrough.ipynb"
+
+
+def test_walkthrough_notebook_runs():
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    nbclient.NotebookClient(notebook, timeout=600, kernel_name="python3",
+                            resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
+    outputs = "".join(o.get("text", "") for c in notebook.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    assert "median speedup" in outputs and "accepted nodes" in outputs
