@@ -1,0 +1,130 @@
+"""Head accuracy by rank on the target's own responses: acc[k][r], the input the tree builder grows trees from.
+
+acc[k][r] = the share of scored positions where the r-th most likely token (0-based) of head k is the token the
+target actually emitted there. Head k reads the hidden state at position t and is scored against token
+t + head_target_offset(k). Only positions the decoder really consults are scored: t runs from the last prompt
+token (the heads' first use, right after prefill) to the last position whose target is still in the sequence.
+Ranks come from the model's candidate projection, as the proposer ranks them (its dtype, its vocabulary subset:
+a token outside the subset is never a hit).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from medusa.heads import head_target_offset
+from medusa.propose import CandidateProjection
+
+
+@dataclass(frozen=True)
+class RankAccuracy:
+    hits: torch.Tensor  # (K, R) long: scored positions where rank r of head k was the emitted token
+    counts: torch.Tensor  # (K,) long: positions scored for head k (fewer for far heads: their targets run out)
+
+    @property
+    def acc(self) -> torch.Tensor:
+        """(K, R) float: hits / counts (0 where a head scored no position)."""
+        return self.hits.double() / self.counts.clamp(min=1)[:, None]
+
+    def top(self, n: int) -> torch.Tensor:
+        """(K,) cumulative top-n accuracy: the emitted token is among head k's n best."""
+        return self.acc[:, :n].sum(1)
+
+    def __add__(self, other: "RankAccuracy") -> "RankAccuracy":
+        return RankAccuracy(self.hits + other.hits, self.counts + other.counts)
+
+
+@torch.inference_mode()
+def head_rank_hits(model, input_ids, response_start: int, ranks: int = 10, chunk: int = 64) -> RankAccuracy:
+    """Rank hits of every head on one sequence (prompt + the target's response).
+
+    model: a MedusaModel (`.base`, a causal LM; `.heads`; `.candidate_projection`, else the full vocabulary in
+    the lm_head's dtype). input_ids: (T,) ids; response_start: index of the first response token.
+    `chunk` bounds the (K, chunk, V') logits held at once.
+    """
+    ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1)
+    heads, total, lm_head = model.heads, ids.shape[0], model.base.get_output_embeddings()
+    num_heads = heads.config.num_heads
+    projection = getattr(model, "candidate_projection", None) or CandidateProjection.build(
+        heads, lm_head, lm_head.weight.dtype)
+    candidates = projection.weight.shape[-2]
+    if not 1 <= ranks <= candidates:
+        raise ValueError(f"ranks must lie in [1, {candidates}] (the candidate vocabulary size), got {ranks}")
+    if not 0 <= response_start <= total:
+        raise ValueError(f"response_start {response_start} lies outside the sequence of {total} tokens")
+    hits = torch.zeros(num_heads, ranks, dtype=torch.long)
+    counts = torch.zeros(num_heads, dtype=torch.long)
+    first = max(response_start - 1, 0)  # the heads' first read: the last prompt position, after prefill
+    last = total - 1 - head_target_offset(0)  # the nearest head's last source position with a target
+    if last < first:
+        return RankAccuracy(hits, counts)
+    device = model.base.device
+    hidden = model.base(input_ids=ids[None].to(device), output_hidden_states=True).hidden_states[-1][0]  # (T, H)
+    offsets = torch.tensor([head_target_offset(k) for k in range(num_heads)])  # (K,)
+    for start in range(first, last + 1, chunk):
+        src = torch.arange(start, min(start + chunk, last + 1))  # (n,) positions whose hidden state the heads read
+        logits = candidate_logits(projection, heads.head_hidden(hidden[src.to(device)]))  # (K, n, V')
+        top = projection.token(logits.topk(ranks, dim=-1).indices).cpu()  # (K, n, R) token ids
+        dst = src[None, :] + offsets[:, None]  # (K, n) positions of the tokens each head predicts
+        valid = dst < total  # (K, n) far heads run out of targets before near ones
+        target = ids[dst.clamp(max=total - 1)]  # (K, n)
+        hits += ((top == target[..., None]) & valid[..., None]).sum(1)
+        counts += valid.sum(1)
+    return RankAccuracy(hits, counts)
+
+
+def candidate_logits(projection: CandidateProjection, head_hidden: torch.Tensor) -> torch.Tensor:
+    """(K, n, H) -> (K, n, V'): `CandidateProjection.logits` for n positions at once."""
+    head_hidden = head_hidden.to(projection.weight.dtype)
+    if projection.weight.dim() == 2:  # shared: one (V', H) matrix
+        return head_hidden @ projection.weight.T
+    return torch.bmm(head_hidden, projection.weight[: head_hidden.shape[0]].transpose(1, 2))  # own: (K, V', H)
+
+
+def head_rank_accuracy(model, sequences, response_starts, ranks: int = 10) -> RankAccuracy:
+    """Pooled rank hits over many sequences: `sequences[i]` (T_i,) ids, `response_starts[i]` where its response begins."""
+    if len(sequences) != len(response_starts):
+        raise ValueError(f"{len(sequences)} sequences but {len(response_starts)} response starts")
+    if not sequences:
+        raise ValueError("no sequences to score")
+    total = None
+    for ids, start in zip(sequences, response_starts):
+        one = head_rank_hits(model, ids, start, ranks)
+        total = one if total is None else total + one
+    return total
+
+
+def load_questions(path: str | Path) -> list[dict]:
+    """Spec-Bench / MT-bench style JSONL: one `{question_id, category, turns: [str, ...]}` object a line."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"question file {path} does not exist")
+    questions = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{number} is not valid JSON ({err})") from err
+        turns = row.get("turns") if isinstance(row, dict) else None
+        if not turns or not isinstance(turns[0], str):
+            raise ValueError(f"{path}:{number}: expected {{question_id, category, turns: [str, ...]}}, got {line[:80]!r}")
+        questions.append({"question_id": row.get("question_id", number), "category": row.get("category"), "turns": turns})
+    if not questions:
+        raise ValueError(f"{path} holds no questions")
+    return questions
+
+
+def spread(items: list, limit: int | None) -> list:
+    """`limit` items evenly spaced through `items` (all when None): Spec-Bench is grouped by category, so the
+    first N would all come from one category."""
+    if limit is None or limit >= len(items):
+        return list(items)
+    if limit <= 0:
+        raise ValueError(f"limit must be positive, got {limit}")
+    return [items[i * len(items) // limit] for i in range(limit)]

@@ -1,0 +1,46 @@
+"""Export Medusa heads for other engines.
+
+    python scripts/export.py <heads-dir> --format medusa|vllm <out-dir> [--base BASE] [--base-name NAME] [--dtype fp16]
+
+--format medusa: the official Medusa layout (config.json + medusa_lm_head.safetensors), read by TGI and
+                 TensorRT-LLM. --format vllm: config.json + model.safetensors for vLLM's Medusa drafter.
+<heads-dir> may be a native, official or vLLM directory. Heads that share the base lm_head need the base model
+(--base, else the one their config names) to copy it into every head. --base-name is what config.json tells the
+serving engine to load as the base (a Hub id or a path it can reach).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from medusa.export import FORMATS, export_directory  # noqa: E402
+from medusa.loading import DTYPES  # noqa: E402
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("heads_dir", help="heads directory to export")
+    parser.add_argument("out_dir", help="directory to write (must not exist or be empty, unless --overwrite)")
+    parser.add_argument("--format", required=True, choices=FORMATS)
+    parser.add_argument("--base", help="base model to copy a shared lm_head from (default: the heads' own base)")
+    parser.add_argument("--base-name",
+                        help="base_model_name_or_path written into config.json (default: --base or the heads' base)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast the exported tensors (default: as saved)")
+    parser.add_argument("--overwrite", action="store_true", help="replace the layout files in a non-empty out_dir")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    try:
+        out = export_directory(args.heads_dir, args.out_dir, args.format, base=args.base,
+                               base_model_name_or_path=args.base_name, dtype=DTYPES[args.dtype] if args.dtype else None,
+                               overwrite=args.overwrite)
+    except (FileExistsError, FileNotFoundError, ValueError) as err:  # named, user-fixable problems: no traceback
+        parser.exit(1, f"error: {err}\n")
+    print(f"wrote {args.format} layout to {out}: " + ", ".join(sorted(p.name for p in out.iterdir())))
+
+
+if __name__ == "__main__":
+    main()

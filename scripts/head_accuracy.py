@@ -1,0 +1,114 @@
+"""Per-head, per-rank accuracy of Medusa heads on the target's own greedy answers to a question file.
+
+    python scripts/head_accuracy.py --questions ../shared/bench_data/spec_bench_question.jsonl --limit 80 \\
+        --out runs/acc.json [--heads DIR] [--max-new-tokens 128] [--dtype float32] [--ranks 10]
+
+The target answers the first turn of each question through its chat template, greedily, exactly as
+train/generate_data.py answers training prompts; then acc[k][r] is the share of response positions where rank r
+(0-based) of head k, ranked as the proposer ranks candidates, is the token the target emitted (see
+medusa/evaluation.py). scripts/build_tree.py reads the JSON:
+{"acc": [[...]], "top1", "top5", "positions", "questions", "counts", "settings"}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from medusa import MedusaModel  # noqa: E402
+from medusa.config import atomic_write_text  # noqa: E402
+from medusa.data import bench_data_dir  # noqa: E402
+from medusa.evaluation import RankAccuracy, head_rank_accuracy, load_questions, spread  # noqa: E402
+from medusa.heads import head_target_offset  # noqa: E402
+from medusa.loading import DTYPES  # noqa: E402
+from train.config import DataConfig  # noqa: E402
+from train.generate_data import answer_batch, tokenize_prompts  # noqa: E402
+
+
+def answer_questions(model: MedusaModel, questions: list[dict], max_new_tokens: int, batch_size: int):
+    """Greedy self-distilled answers to each question's first turn -> (sequences, response_starts, answered)."""
+    tokenizer = model.tokenizer
+    window = model.base.config.get_text_config().max_position_embeddings
+    items = tokenize_prompts(tokenizer, [(i, q["turns"][0]) for i, q in enumerate(questions)], window - max_new_tokens)
+    eos_ids = [tokenizer.eos_token_id]  # as generate_data does
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    cfg = DataConfig(max_new_tokens=max_new_tokens, batch_size=batch_size)
+    items.sort(key=lambda x: len(x["prompt_ids"]))  # less padding per batch
+    sequences, starts, answered = [], [], []
+    for b in range(0, len(items), batch_size):
+        batch = items[b:b + batch_size]
+        responses = answer_batch(model.base, [x["prompt_ids"] for x in batch], pad_id, eos_ids, cfg, greedy=True)
+        for item, response in zip(batch, responses):
+            sequences.append(item["prompt_ids"] + response)
+            starts.append(len(item["prompt_ids"]))
+            answered.append(questions[item["source"]])
+        print(f"answered {len(sequences)}/{len(items)} questions", file=sys.stderr)
+    return sequences, starts, answered
+
+
+def print_table(result: RankAccuracy, shown: int = 5) -> None:
+    acc = result.acc
+    shown = min(shown, acc.shape[1])
+    ranks = " ".join(f"{'r' + str(r):>6}" for r in range(shown))
+    print(f"{'head':>4} {'offset':>6} {'scored':>7} {'top1':>6} {'top5':>6}  {ranks}")
+    for k in range(acc.shape[0]):
+        print(f"{k:>4} {'+' + str(head_target_offset(k)):>6} {int(result.counts[k]):>7} {float(acc[k, 0]):6.3f} "
+              f"{float(result.top(5)[k]):6.3f}  " + " ".join(f"{float(a):6.3f}" for a in acc[k, :shown]))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--questions", default=str(bench_data_dir() / "spec_bench_question.jsonl"),
+                        help="JSONL of {question_id, category, turns} (default: Spec-Bench)")
+    parser.add_argument("--limit", type=int, help="questions to use, evenly spread through the file (default: all)")
+    parser.add_argument("--out", required=True, help="JSON file to write")
+    parser.add_argument("--heads", help="heads directory (default: the shipped heads)")
+    parser.add_argument("--base", help="base model (default: the one the heads name)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    parser.add_argument("--device", help="e.g. cuda (default: cpu)")
+    parser.add_argument("--ranks", type=int, default=10, help="ranks per head to score")
+    parser.add_argument("--batch-size", type=int, default=8, help="questions answered per generate call")
+    args = parser.parse_args(argv)
+
+    started = time.time()
+    model = MedusaModel.from_pretrained(args.heads, base=args.base, dtype=args.dtype, device=args.device)
+    questions = spread(load_questions(args.questions), args.limit)
+    sequences, starts, answered = answer_questions(model, questions, args.max_new_tokens, args.batch_size)
+    if not sequences:
+        parser.exit(1, f"error: no question of {args.questions} fits the context window with "
+                       f"{args.max_new_tokens} new tokens\n")
+    result = head_rank_accuracy(model, sequences, starts, ranks=args.ranks)
+    print_table(result)
+
+    positions = sum(len(s) - start for s, start in zip(sequences, starts))
+    report = {
+        "acc": result.acc.tolist(),
+        "top1": result.top(1).tolist(),
+        "top5": result.top(5).tolist(),
+        "positions": positions,  # response tokens generated
+        "counts": result.counts.tolist(),  # positions scored per head
+        "questions": len(answered),
+        "settings": {
+            "heads": args.heads or "default", "base": model.config.base_model_name_or_path,
+            "questions_file": args.questions, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
+            "dtype": args.dtype, "ranks": args.ranks, "greedy": True, "num_heads": model.config.num_heads,
+            "projection": model.config.projection, "vocab_subset_size": model.config.vocab_subset_size,
+            "candidate_dtype": str(model.candidate_projection.weight.dtype).removeprefix("torch."),
+            "head_target_offsets": [head_target_offset(k) for k in range(model.config.num_heads)],
+            "question_ids": [q["question_id"] for q in answered], "torch": torch.__version__,
+            "seconds": round(time.time() - started, 1),
+        },
+    }
+    atomic_write_text(Path(args.out), json.dumps(report, indent=2))
+    print(f"{len(answered)} questions, {positions} response tokens -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""Head rank accuracy: exact on heads that are right by construction, equal to a slow reference loop otherwise."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from medusa import MedusaConfig, MedusaHeads, MedusaModel, head_target_offset
+from medusa.evaluation import head_rank_accuracy, head_rank_hits, load_questions, spread
+from tests.conftest import make_heads, make_tiny_model
+
+V = 16  # one-hot world: hidden size == vocabulary size
+
+
+class OneHotBase(nn.Module):
+    """A 'causal LM' whose last hidden state at t is one_hot(token t), with an identity lm_head."""
+
+    def __init__(self):
+        super().__init__()
+        self.lm_head = nn.Linear(V, V, bias=False)
+        self.lm_head.weight.data = torch.eye(V)
+
+    @property
+    def device(self):
+        return torch.device("cpu")
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def forward(self, input_ids, output_hidden_states=True):
+        return SimpleNamespace(hidden_states=(nn.functional.one_hot(input_ids, V).float(),))
+
+
+def counting_heads(num_heads: int) -> MedusaHeads:
+    """Heads that know the sequence counts up mod V: head k maps token x to x + head_target_offset(k)."""
+    heads = MedusaHeads(MedusaConfig(hidden_size=V, vocab_size=V, num_heads=num_heads, projection="own"))
+    for k, proj in enumerate(heads.projections):  # blocks stay zero: the identity
+        proj.weight.data = torch.roll(torch.eye(V), shifts=head_target_offset(k), dims=0)
+    return heads
+
+
+def counting_sequence(prompt_len: int, total: int) -> torch.Tensor:
+    """Junk prompt tokens, except the last one, which starts the counting run the response continues."""
+    ids = (torch.arange(total) + 3) % V
+    ids[: prompt_len - 1] = torch.tensor([7, 7, 1, 12, 0, 9, 9, 4][: prompt_len - 1])  # break the pattern
+    return ids
+
+
+def test_heads_right_by_construction_score_one_at_rank_zero():
+    model = SimpleNamespace(base=OneHotBase(), heads=counting_heads(3))
+    prompt_len, total = 6, 30
+    result = head_rank_hits(model, counting_sequence(prompt_len, total), response_start=prompt_len, ranks=4, chunk=5)
+    # head k is scored from the last prompt position t = prompt_len - 1 while t + offset(k) < total
+    expected_counts = [total - head_target_offset(k) - (prompt_len - 1) for k in range(3)]
+    assert result.counts.tolist() == expected_counts
+    assert torch.equal(result.acc[:, 0], torch.ones(3, dtype=torch.double))
+    assert torch.equal(result.acc[:, 1:], torch.zeros(3, 3, dtype=torch.double))
+    assert torch.equal(result.top(3), torch.ones(3, dtype=torch.double))
+
+
+def test_prompt_positions_and_a_wrong_offset_are_not_rewarded():
+    """Scoring prompt sources, or predicting one token too near, would break the perfect score."""
+    model = SimpleNamespace(base=OneHotBase(), heads=counting_heads(2))
+    ids = counting_sequence(6, 24)
+    assert head_rank_hits(model, ids, response_start=6).acc[:, 0].tolist() == [1.0, 1.0]
+    assert head_rank_hits(model, ids, response_start=2).acc[:, 0].max() < 1.0  # junk prompt sources count now
+    shifted = counting_heads(2)
+    for k, proj in enumerate(shifted.projections):
+        proj.weight.data = torch.roll(torch.eye(V), shifts=head_target_offset(k) - 1, dims=0)  # the base's offset
+    assert head_rank_hits(SimpleNamespace(base=OneHotBase(), heads=shifted), ids, 6).hits[:, 0].sum() == 0
+
+
+def reference_hits(model, ids: torch.Tensor, response_start: int, ranks: int):
+    """One position and one head at a time, counting the candidates the head prefers to the emitted token."""
+    num_heads, projection = model.heads.config.num_heads, model.candidate_projection
+    hits, counts = torch.zeros(num_heads, ranks, dtype=torch.long), torch.zeros(num_heads, dtype=torch.long)
+    candidates = projection.token(torch.arange(projection.weight.shape[-2])).tolist()
+    with torch.no_grad():
+        hidden = model.base(ids[None], output_hidden_states=True).hidden_states[-1][0]
+        for t in range(max(response_start - 1, 0), len(ids)):
+            logits = projection.logits(model.heads.head_hidden(hidden[t]))  # (K, V') as the proposer sees them
+            for k in range(num_heads):
+                j = t + head_target_offset(k)
+                if j >= len(ids):
+                    continue
+                counts[k] += 1
+                if int(ids[j]) not in candidates:  # outside the candidate subset: never a hit
+                    continue
+                rank = int((logits[k] > logits[k, candidates.index(int(ids[j]))]).sum())
+                if rank < ranks:
+                    hits[k, rank] += 1
+    return hits, counts
+
+
+@pytest.mark.parametrize("projection, subset", [("shared", False), ("own", False), ("shared", True), ("own", True)])
+def test_matches_slow_reference_on_a_tiny_model(projection, subset):
+    heads = make_heads(4, random=True, projection=projection)
+    if subset:  # candidates only from 40 of the 96 tokens
+        heads.set_vocab_subset(torch.randperm(96, generator=torch.Generator().manual_seed(2))[:40])
+    model = MedusaModel(make_tiny_model("llama"), heads, tokenizer=object(), projection_dtype=torch.float32)
+    torch.manual_seed(5)
+    sequences = [torch.randint(0, 96, (n,)) for n in (40, 9, 3)]
+    starts = [12, 8, 3]  # the last has no scorable position at all
+    got = head_rank_accuracy(model, sequences, starts, ranks=6)
+    want_hits, want_counts = torch.zeros(4, 6, dtype=torch.long), torch.zeros(4, dtype=torch.long)
+    for ids, start in zip(sequences, starts):
+        h, c = reference_hits(model, ids, start, 6)
+        want_hits, want_counts = want_hits + h, want_counts + c
+    assert torch.equal(got.counts, want_counts) and torch.equal(got.hits, want_hits)
+    assert got.hits.sum() > 0  # random heads still hit sometimes: the comparison is not vacuous
+    assert torch.all(got.acc.sum(1) <= 1)
+
+
+def test_bad_arguments_are_named():
+    model = SimpleNamespace(base=OneHotBase(), heads=counting_heads(1))
+    with pytest.raises(ValueError, match="ranks must lie in"):
+        head_rank_hits(model, torch.arange(8), 2, ranks=V + 1)
+    with pytest.raises(ValueError, match="response_start 9 lies outside"):
+        head_rank_hits(model, torch.arange(8), 9)
+    with pytest.raises(ValueError, match="2 sequences but 1 response starts"):
+        head_rank_accuracy(model, [torch.arange(8)] * 2, [1])
+
+
+def test_questions_load_and_spread_over_categories(tmp_path):
+    path = tmp_path / "q.jsonl"
+    rows = [{"question_id": i, "category": "ab"[i // 3], "turns": [f"q{i}", "follow-up"]} for i in range(6)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    questions = load_questions(path)
+    assert [q["turns"][0] for q in questions] == [f"q{i}" for i in range(6)]
+    assert [q["category"] for q in spread(questions, 2)] == ["a", "b"]
+    assert spread(questions, None) == questions and spread(questions, 10) == questions
+    path.write_text('{"question_id": 1, "category": "x"}\n')
+    with pytest.raises(ValueError, match=r"q.jsonl:1: expected \{question_id, category, turns"):
+        load_questions(path)

@@ -1,0 +1,226 @@
+"""Official Medusa / vLLM layouts: exact file contents, round trips, and named errors for broken directories."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from medusa import MedusaModel
+from medusa.export import (OFFICIAL_PICKLE, OFFICIAL_WEIGHTS, VLLM_WEIGHTS, export_directory, export_heads,
+                           export_model, foreign_layout, import_heads, load_heads)
+from tests.conftest import HIDDEN, VOCAB, make_heads, make_tiny_model
+
+K, L = 3, 2
+_TOKENIZER = object()  # tiny models have no tokenizer; from_pretrained only stores it
+
+
+def medusa_model(projection: str) -> MedusaModel:
+    base = make_tiny_model("llama")
+    heads = make_heads(num_heads=K, num_layers=L, random=True, projection=projection, seed=3)
+    heads.config.base_model_name_or_path = "org/tiny-llama"
+    return MedusaModel(base, heads, tokenizer=_TOKENIZER)
+
+
+def head_logits(model: MedusaModel) -> torch.Tensor:
+    """(K, 1, T, V) head logits on a fixed token sequence."""
+    ids = torch.arange(1, 17)[None] % VOCAB
+    with torch.no_grad():
+        hidden = model.base(ids, output_hidden_states=True).hidden_states[-1]
+        return model.heads(hidden, model.base.get_output_embeddings())
+
+
+@pytest.mark.parametrize("projection", ["shared", "own"])
+def test_official_export_layout_and_import_round_trip(tmp_path, projection):
+    model = medusa_model(projection)
+    out = export_model(model, tmp_path / "official", "medusa")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["medusa_num_heads"] == K and cfg["medusa_num_layers"] == L
+    assert cfg["base_model_name_or_path"] == "org/tiny-llama"
+    state = load_file(str(out / OFFICIAL_WEIGHTS))
+    expected = {f"{h}.{l}.linear.{p}" for h in range(K) for l in range(L) for p in ("weight", "bias")}
+    expected |= {f"{h}.{L}.weight" for h in range(K)}
+    assert set(state) == expected
+    assert state[f"1.{L}.weight"].shape == (VOCAB, HIDDEN)
+    torch.testing.assert_close(state["2.1.linear.weight"], model.heads.blocks[2][1].linear.weight, rtol=0, atol=0)
+    if projection == "shared":  # every head carries a copy of the base lm_head
+        lm_head = model.base.get_output_embeddings().weight
+        for h in range(K):
+            torch.testing.assert_close(state[f"{h}.{L}.weight"], lm_head, rtol=0, atol=0)
+
+    assert foreign_layout(out) == "medusa"
+    loaded = MedusaModel.from_pretrained(out, base=make_tiny_model("llama"), tokenizer=_TOKENIZER)
+    assert loaded.config.projection == "own" and loaded.config.num_heads == K and loaded.config.num_layers == L
+    assert loaded.config.base_model_name_or_path == "org/tiny-llama"
+    torch.testing.assert_close(head_logits(loaded), head_logits(model), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("projection", ["shared", "own"])
+def test_vllm_export_layout_and_load_back(tmp_path, projection):
+    model = medusa_model(projection)
+    out = export_model(model, tmp_path / "vllm", "vllm")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "medusa" and cfg["architectures"] == ["MedusaModel"]
+    assert (cfg["hidden_size"], cfg["vocab_size"], cfg["truncated_vocab_size"]) == (HIDDEN, VOCAB, VOCAB)
+    assert (cfg["num_heads"], cfg["num_hidden_layers"], cfg["medusa_fc_bias"]) == (K, L, True)
+    assert cfg["original_lm_head"] == (projection == "shared")
+    state = load_file(str(out / VLLM_WEIGHTS))
+    expected = {f"blocks.{h}.layers.{l}.{p}" for h in range(K) for l in range(L) for p in ("weight", "bias")}
+    expected |= {f"lm_heads.{h}.weight" for h in range(K)}
+    assert set(state) == expected
+    torch.testing.assert_close(state["blocks.1.layers.0.bias"], model.heads.blocks[1][0].linear.bias, rtol=0, atol=0)
+
+    heads = import_heads(out)
+    lm_head = model.base.get_output_embeddings().weight
+    for h in range(K):
+        want = lm_head if projection == "shared" else model.heads.projections[h].weight
+        torch.testing.assert_close(heads.projections[h].weight, want, rtol=0, atol=0)
+        for l in range(L):
+            for p in ("weight", "bias"):
+                got, ref = getattr(heads.blocks[h][l].linear, p), getattr(model.heads.blocks[h][l].linear, p)
+                torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    loaded = MedusaModel.from_pretrained(out, base=make_tiny_model("llama"), tokenizer=_TOKENIZER)
+    torch.testing.assert_close(head_logits(loaded), head_logits(model), rtol=0, atol=0)
+
+
+def test_vllm_import_without_bias_and_with_one_shared_lm_head(tmp_path):
+    """vLLM's own variants: medusa_fc_bias false (no bias tensors) and original_lm_head (only lm_heads.0)."""
+    torch.manual_seed(0)
+    w = {f"blocks.{h}.layers.0.weight": torch.randn(HIDDEN, HIDDEN) for h in range(2)}
+    w["lm_heads.0.weight"] = torch.randn(VOCAB, HIDDEN)
+    save_file(w, str(tmp_path / VLLM_WEIGHTS))
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "medusa", "hidden_size": HIDDEN, "vocab_size": VOCAB, "num_heads": 2, "num_hidden_layers": 1,
+        "medusa_fc_bias": False, "original_lm_head": True}))
+    heads = import_heads(tmp_path)
+    assert torch.equal(heads.blocks[1][0].linear.bias, torch.zeros(HIDDEN))
+    assert torch.equal(heads.projections[1].weight, w["lm_heads.0.weight"])
+    assert heads.projections[0].weight.data_ptr() != heads.projections[1].weight.data_ptr()  # not tied
+
+
+def test_export_directory_from_native_loads_base_for_shared_projection(tmp_path, monkeypatch):
+    model = medusa_model("shared")
+    base_dir = tmp_path / "base"
+    model.base.save_pretrained(base_dir)
+    model.save_pretrained(tmp_path / "native")
+    with pytest.raises(ValueError, match="share the base model's lm_head"):
+        export_heads(load_heads(tmp_path / "native"), tmp_path / "nope", "medusa")
+    import medusa.loading
+
+    # the tiny base has no tokenizer files, and copying lm_head needs no tokenizer
+    monkeypatch.setattr(medusa.loading.AutoTokenizer, "from_pretrained", lambda *a, **k: _TOKENIZER)
+    out = export_directory(tmp_path / "native", tmp_path / "official", "medusa", base=str(base_dir),
+                           base_model_name_or_path="org/tiny-llama", dtype=torch.float16)
+    state = load_file(str(out / OFFICIAL_WEIGHTS))
+    assert all(t.dtype == torch.float16 for t in state.values())
+    assert torch.equal(state[f"0.{L}.weight"], model.base.get_output_embeddings().weight.half())
+    # official -> vLLM conversion reads the official directory, needs no base
+    vllm = export_directory(out, tmp_path / "vllm", "vllm")
+    assert torch.equal(load_file(str(vllm / VLLM_WEIGHTS))["lm_heads.2.weight"], state[f"2.{L}.weight"])
+
+
+def test_export_is_atomic_and_refuses_non_empty_directory(tmp_path, monkeypatch):
+    model = medusa_model("own")
+    out = export_model(model, tmp_path / "x", "medusa")
+    with pytest.raises(FileExistsError, match="overwrite"):
+        export_model(model, out, "vllm")
+    export_model(model, out, "vllm", overwrite=True)  # the other layout's weights must not linger
+    assert not (out / OFFICIAL_WEIGHTS).exists() and foreign_layout(out) == "vllm"
+    mask = os.umask(0)
+    os.umask(mask)
+    assert (out / VLLM_WEIGHTS).stat().st_mode & 0o777 == 0o666 & ~mask  # not the temporary file's owner-only mode
+    assert out.stat().st_mode & 0o777 == 0o777 & ~mask
+
+    import medusa.export
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(medusa.export, "save_file", broken)
+    with pytest.raises(OSError, match="disk full"):
+        export_model(model, tmp_path / "y", "medusa")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x"]  # no half directory, no temporary left behind
+
+
+def test_pickle_only_directory_is_refused_with_conversion_help(tmp_path):
+    (tmp_path / OFFICIAL_PICKLE).write_bytes(b"\x80\x04not really a pickle")  # never opened
+    with pytest.raises(ValueError, match=r"(?s)never unpickles.*safetensors") as err:
+        import_heads(tmp_path)
+    assert "medusa_lm_head.safetensors" in str(err.value) and "weights_only=True" in str(err.value)
+    (tmp_path / "config.json").write_text(json.dumps({"medusa_num_heads": 2, "medusa_num_layers": 1}))
+    with pytest.raises(ValueError, match="never unpickles"):
+        MedusaModel.from_pretrained(tmp_path, base=make_tiny_model("llama"), tokenizer=_TOKENIZER)
+
+
+def test_broken_official_directories_give_named_errors(tmp_path):
+    out = export_model(medusa_model("own"), tmp_path / "ok", "medusa")
+    weights, config = out / OFFICIAL_WEIGHTS, out / "config.json"
+    good_weights, good_config = weights.read_bytes(), config.read_text()
+
+    config.write_text("{not json")
+    with pytest.raises(ValueError, match="config.json is not valid JSON"):
+        import_heads(out)
+    config.write_text(json.dumps({**json.loads(good_config), "medusa_num_heads": K + 1}))
+    with pytest.raises(ValueError, match=r"does not match its config .*missing \['3\.0\.linear\.bias'"):
+        import_heads(out)
+    config.write_text(json.dumps({**json.loads(good_config), "hidden_size": HIDDEN * 2}))
+    with pytest.raises(ValueError, match="hidden_size .* disagrees with the weights"):
+        import_heads(out)
+    config.write_text(good_config)
+
+    weights.write_bytes(good_weights[: len(good_weights) // 2])
+    with pytest.raises(ValueError, match="medusa_lm_head.safetensors is not a readable safetensors file"):
+        import_heads(out)
+    weights.unlink()
+    with pytest.raises(FileNotFoundError, match="medusa_lm_head.safetensors is missing"):
+        import_heads(out)
+    weights.write_bytes(good_weights)
+    state = load_file(str(weights))
+    state["0.0.linear.weight"] = state["0.0.linear.weight"][:, :8].contiguous()
+    save_file(state, str(weights))
+    with pytest.raises(ValueError, match=r"blocks\.0\.0\.linear\.weight has shape \(64, 8\)"):
+        import_heads(out)
+
+
+def test_unrecognised_directory_is_not_taken_for_heads(tmp_path):
+    make_tiny_model("llama").save_pretrained(tmp_path)  # a plain model directory: config.json, no medusa keys
+    assert foreign_layout(tmp_path) is None
+    with pytest.raises(FileNotFoundError, match="medusa_config.json is missing"):
+        MedusaModel.from_pretrained(tmp_path, base=make_tiny_model("llama"), tokenizer=_TOKENIZER)
+    with pytest.raises(FileNotFoundError, match="not a heads directory"):
+        import_heads(tmp_path)
+    vllm = export_model(medusa_model("own"), tmp_path / "v", "vllm")
+    (vllm / VLLM_WEIGHTS).unlink()
+    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors"):
+        import_heads(vllm)
+
+
+def test_vocab_subset_travels_as_vllm_token_map(tmp_path, caplog):
+    model = medusa_model("shared")
+    subset = torch.tensor([5, 1, 90, 33, 7, 60])
+    model.heads.set_vocab_subset(subset)
+    model.refresh_candidate_projection()
+    out = export_model(model, tmp_path / "vllm", "vllm")
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["vocab_size"], cfg["truncated_vocab_size"]) == (VOCAB, len(subset))
+    state = load_file(str(out / VLLM_WEIGHTS))
+    assert torch.equal(state["token_map"], subset) and state["lm_heads.0.weight"].shape == (VOCAB, HIDDEN)
+    loaded = MedusaModel.from_pretrained(out, base=make_tiny_model("llama"), tokenizer=_TOKENIZER)
+    assert loaded.config.vocab_subset_size == len(subset) and torch.equal(loaded.heads.vocab_subset, subset)
+    for k in range(K):  # imported heads own K copies of the shared rows
+        torch.testing.assert_close(loaded.candidate_projection.weight[k], model.candidate_projection.weight, rtol=0, atol=0)
+
+    state["token_map"] = torch.tensor([5, 1, 96, 33, 7, 60])  # 96 is outside the vocabulary
+    save_file(state, str(out / VLLM_WEIGHTS))
+    with pytest.raises(ValueError, match="token_map must hold truncated_vocab_size=6 token ids"):
+        import_heads(out)
+    del state["token_map"]
+    save_file(state, str(out / VLLM_WEIGHTS))
+    with pytest.raises(ValueError, match="needs a token_map"):
+        import_heads(out)
+    with caplog.at_level("WARNING"):
+        export_model(model, tmp_path / "official", "medusa")
+    assert "cannot carry the 6-token candidate subset" in caplog.text
