@@ -1,0 +1,111 @@
+"""Per-step candidate trees: buffers from a parent array, and the dynamic tree proposer (the EAGLE-2 idea on Medusa heads).
+
+A static tree (medusa.tree) fixes which ranks of which heads are tried. A dynamic tree ranks every path by the heads'
+own confidence this step, the product of the heads' probabilities along it, and keeps the best N: a confident step
+grows deep chains, an uncertain one spreads wide near the root.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from medusa.propose import Candidates, build_medusa_proposer
+from medusa.tree import TreeBuffers, TreeSpec, build_buffers, chain
+
+DEFAULT_TOPK = 10  # children tried per node: the widest static Medusa trees use up to top-10 of head 0
+
+
+def buffers_from_parents(parent: torch.Tensor, depth: torch.Tensor) -> TreeBuffers:
+    """Tree buffers for an arbitrary tree given in topological order (the per-step counterpart of tree.build_buffers).
+
+    parent: (N,) long, parent[0] = 0 (the root), parent[i] < i. depth: (N,) long, depth[0] = 0.
+    Leaves are listed in node order, like build_buffers. `candidate_index` is unused for such trees (their tokens are
+    placed directly) and holds zeros; `topk_per_head` is empty.
+    """
+    n = parent.numel()
+    device = parent.device
+    nodes = torch.arange(n, device=device)
+    max_depth = int(depth.max()) if n > 1 else 0
+
+    visible = torch.eye(n, dtype=torch.bool, device=device)  # (N, N)
+    ancestor = nodes
+    for _ in range(max_depth):  # walk every node up one level at a time; the root is its own parent, so it stays
+        ancestor = parent[ancestor]
+        visible[nodes, ancestor] = True
+
+    is_leaf = torch.ones(n, dtype=torch.bool, device=device)
+    is_leaf[parent[1:]] = False
+    leaves = nodes[is_leaf]  # (L,)
+    rows = torch.arange(leaves.numel(), device=device)
+    leaf_paths = torch.full((leaves.numel(), max_depth + 1), n, dtype=torch.long, device=device)  # (L, D + 1)
+    node, column = leaves, depth[leaves]
+    for _ in range(max_depth + 1):  # fill each path from its leaf back to the root
+        live = column >= 0
+        leaf_paths[rows[live], column[live]] = node[live]
+        node, column = parent[node], column - 1
+    return TreeBuffers(n, visible, depth.clone(), parent.clone(), torch.zeros(n, dtype=torch.long, device=device), (),
+                       leaf_paths)
+
+
+class DynamicTreeProposer:
+    """Each step: the best `num_nodes - 1` paths by the product of head probabilities, as a tree rooted at the root token.
+
+    A node at depth d holds one of the top-`topk` tokens of head d-1. Log-probabilities are <= 0, so a path never
+    scores above its prefix and the best set is prefix-closed; one stable order (score, then level, then parent and
+    rank) is used for every cut so that ties cannot break that closure.
+    """
+
+    def __init__(self, medusa, num_nodes: int, depth: int, topk: int = DEFAULT_TOPK):
+        if num_nodes < 1 or depth < 0 or topk < 1:
+            raise ValueError(f"dynamic tree needs num_nodes >= 1, depth >= 0, topk >= 1; got {num_nodes}, {depth}, {topk}")
+        self.medusa = medusa  # a MedusaProposer over a chain of `depth` heads: only its head logits are used
+        self.num_nodes, self.depth, self.topk = num_nodes, depth, topk
+
+    def propose(self, state) -> Candidates:
+        root = state.root_token.view(1)
+        budget = self.num_nodes - 1  # non-root nodes
+        if budget == 0 or self.depth == 0:
+            return Candidates(tokens=root, tree=buffers_from_parents(root.new_zeros(1), root.new_zeros(1)))
+        logits = self.medusa.head_logits(state.last_hidden)[: self.depth]  # (D, V')
+        width = min(self.topk, budget, logits.shape[-1])
+        top_logp, top_index = logits.float().log_softmax(-1).clamp(max=0).topk(width, dim=-1)  # (D, s)
+        top_tokens = self.medusa.projection.token(top_index)  # (D, s) token ids
+
+        # Level d keeps its best `budget` candidates, sorted; children of those are level d+1's candidates.
+        level_scores, level_parents, level_tokens = [], [], []
+        beam = top_logp.new_zeros(1)  # (B,) scores of the previous level's kept nodes (the root: log 1)
+        for d in range(logits.shape[0]):
+            scores = (beam[:, None] + top_logp[d][None, :]).flatten()  # (B * s,) ordered by parent, then rank
+            order = torch.sort(scores, descending=True, stable=True).indices[:budget]
+            level_scores.append(scores[order])
+            level_parents.append(order // width)  # index into the previous level's kept list
+            level_tokens.append(top_tokens[d][order % width])
+            beam = level_scores[-1]
+
+        # Global cut: the best `budget` across levels. Within a level the stable global order equals the level's own
+        # order, so each level contributes a prefix of its sorted list.
+        all_scores = torch.cat(level_scores)
+        level_of = torch.cat([torch.full_like(s, d, dtype=torch.long) for d, s in enumerate(level_scores)])
+        chosen = torch.sort(all_scores, descending=True, stable=True).indices[:budget]
+        counts = torch.bincount(level_of[chosen], minlength=len(level_scores)).tolist()  # host sync: sizes are data
+
+        starts = [1 + sum(counts[:d]) for d in range(len(counts))]  # node index of each level's first node
+        tokens, parents, depths = [root], [root.new_zeros(1)], [root.new_zeros(1)]
+        for d, count in enumerate(counts):
+            if count == 0:
+                break
+            tokens.append(level_tokens[d][:count])
+            parents.append(starts[d - 1] + level_parents[d][:count] if d else root.new_zeros(count))
+            depths.append(root.new_full((count,), d + 1))
+        tree = buffers_from_parents(torch.cat(parents), torch.cat(depths))
+        return Candidates(tokens=torch.cat(tokens), tree=tree)
+
+    def observe(self, state, accepted_tokens: list[int]) -> None:
+        pass
+
+
+def build_dynamic_proposer(model, tree: TreeBuffers, topk: int = DEFAULT_TOPK) -> DynamicTreeProposer:
+    """As many nodes per step as the static tree `tree` has, over all of the model's heads."""
+    depth = model.config.num_heads
+    heads_only = build_medusa_proposer(model, build_buffers(TreeSpec(chain(depth)), depth).to(model.device))
+    return DynamicTreeProposer(heads_only, num_nodes=tree.num_nodes, depth=depth, topk=topk)

@@ -1,0 +1,536 @@
+"""Spec-Bench style speed benchmark: speculative methods against plain `generate`, same model, same machine, same run.
+
+    python scripts/benchmark.py --questions ../shared/bench_data/spec_bench_question.jsonl --limit 10 \
+        --methods baseline,prompt_lookup,medusa,medusa_dynamic,hybrid --out runs/bench \
+        [--heads DIR] [--base PATH] [--tree NAME] [--dtype float32|bfloat16] [--max-new-tokens 128] \
+        [--temperature 0] [--draft PATH] [--threads N] [--seed 0] [--no-profile] [--overwrite]
+
+Methods (interleaved per question, after a warm-up):
+  baseline        transformers greedy (or sampling, --temperature > 0) `generate` of the base model
+  prompt_lookup   transformers `generate(prompt_lookup_num_tokens=10)`
+  assisted        transformers `generate(assistant_model=--draft)`
+  medusa          MedusaModel.generate, static tree (--tree or the heads' own)
+  medusa_dynamic  per-step tree from the heads' probabilities (proposer "dynamic"), as many nodes as the static tree
+  hybrid          static Medusa tree plus a prompt-lookup chain in one verify pass (proposer "hybrid")
+  lookup          this library's prompt lookup (proposer "prompt_lookup")
+  medusa_typical  Medusa static tree with typical acceptance (lossy; meant for --temperature > 0)
+  draft           MedusaModel.from_draft_model(base, --draft): classic speculative decoding in this library's loop
+
+Questions are Spec-Bench jsonl (`{question_id, category, turns[]}`); the eight MT-bench categories are reported as
+one, `mt_bench`, as Spec-Bench does. `--limit N` keeps N questions per reported category (MT-bench questions taken
+round-robin across its categories). Every turn's answer goes back into that method's own conversation (chat
+template) before the next turn.
+
+Speedup = (total new tokens / total time) of a method over the same for `baseline`, per category and overall.
+tau = new tokens per target forward (counted with a forward hook, so also for transformers' methods; plain
+decoding = 1.00). `identical` = every output equals the baseline's (meaningful at temperature 0 only).
+The analysis of Leviathan et al. (DESIGN section 6) is reported next to it: alpha (acceptance rate per guess, the
+maximum-likelihood estimate of DecodeStats.acceptance_rate), gamma (mean guesses per step, i.e. proposal depth),
+c (proposal cost per guess over the target's verify forward), predicted speedup
+(1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1)), and verify_cost (a verify forward over a baseline forward:
+the formula takes it as 1, which a CPU does not give), with the prediction divided by it.
+
+Writes <out>/raw.jsonl (one line per question and method: every turn's tokens, time, forwards, accepted lengths;
+a rerun with the same settings resumes from it), <out>/summary.json, <out>/summary.md and <out>/speedup.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import transformers
+from tqdm import tqdm
+from transformers import GenerationConfig
+
+from medusa import MedusaModel
+from medusa.acceptance import ACCEPTANCE_RULES
+from medusa.config import CONFIG_NAME, atomic_write_text
+from medusa.decode import DecodeStats
+from medusa.evaluation import load_questions as read_questions
+from medusa.loading import load_base
+from medusa.model import DEFAULT_HEADS_DIR
+from medusa.tree import load_tree
+
+MT_BENCH_CATEGORIES = frozenset({"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"})
+METHODS = ("baseline", "prompt_lookup", "assisted", "medusa", "medusa_dynamic", "hybrid", "lookup", "medusa_typical",
+           "draft")
+MODEL_FREE = frozenset({"prompt_lookup"})  # transformers' n-gram proposals: c = 0 (ours are timed by the profiler)
+PROMPT_LOOKUP_TOKENS = 10
+WARMUP_TOKENS = 16
+RESUME_KEYS = ("questions", "base", "heads", "tree", "dtype", "device", "max_new_tokens", "temperature", "draft",
+               "threads", "seed", "profile")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--questions", required=True, help="Spec-Bench format jsonl")
+    parser.add_argument("--limit", type=int, default=None, help="questions per category (default: all)")
+    parser.add_argument("--methods", default="baseline,prompt_lookup,medusa,medusa_dynamic,hybrid",
+                        help=f"comma-separated, from {', '.join(METHODS)}")
+    parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--heads", default=None, help="heads directory (default: the shipped heads)")
+    parser.add_argument("--base", default=None, help="base model: directory, .gguf or Hub id (default: the heads' base)")
+    parser.add_argument("--tree", default=None, help="tree name in configs/trees/ or JSON path (default: the heads')")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default=None, help="e.g. cuda (default: CPU)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampling variants")
+    parser.add_argument("--draft", default=None, help="draft model for 'assisted' and 'draft' (same tokenizer)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-profile", dest="profile", action="store_false",
+                        help="skip per-phase timing (on a GPU it adds synchronisations; the analysis then has no c)")
+    parser.add_argument("--overwrite", action="store_true", help="discard earlier results in --out instead of resuming")
+    args = parser.parse_args(argv)
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = sorted(set(args.methods) - set(METHODS))
+    if unknown:
+        parser.error(f"unknown methods {unknown}: choose from {', '.join(METHODS)}")
+    if args.limit is not None and args.limit < 1:
+        parser.error("--limit must be >= 1")
+    return args
+
+
+# ----------------------------------------------------------------------------------------------------- questions
+def load_questions(path: str, limit: int | None) -> list[dict]:
+    """Spec-Bench jsonl -> questions with a reporting `group` (MT-bench's categories -> 'mt_bench'), `limit` per group."""
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for q in read_questions(path):
+        category = q["category"] or "all"
+        group = "mt_bench" if category in MT_BENCH_CATEGORIES else category
+        groups[group].append({**q, "category": category, "group": group})
+    selected = []
+    for group, questions in groups.items():
+        by_category: dict[str, list[dict]] = defaultdict(list)
+        for q in questions:
+            by_category[q["category"]].append(q)
+        # round-robin across fine categories, so a small limit still samples all of MT-bench's kinds
+        mixed = [q for rank in range(max(map(len, by_category.values())))
+                 for qs in by_category.values() if rank < len(qs) for q in [qs[rank]]]
+        selected += mixed[:limit] if limit else mixed
+    return selected
+
+
+def encode_conversation(tokenizer, messages: list[dict]) -> list[int]:
+    """Chat messages -> prompt ids ending with the assistant's turn opener (or plain text without a chat template)."""
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    text = "".join(f"{m['role'].capitalize()}: {m['content']}\n\n" for m in messages) + "Assistant:"
+    return tokenizer(text)["input_ids"]
+
+
+# ------------------------------------------------------------------------------------------------------- timing
+class ForwardRecorder:
+    """Counts and times a model's forward calls; for each: cache length before it and tokens fed (query length)."""
+
+    def __init__(self, model, sync: bool):
+        self.sync, self.calls, self._start = sync, [], 0.0
+        model.register_forward_pre_hook(self._before, with_kwargs=True)
+        model.register_forward_hook(self._after)
+
+    def _now(self) -> float:
+        if self.sync:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def _before(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            ids = kwargs["inputs_embeds"]
+        cache = kwargs.get("past_key_values")
+        past = cache.get_seq_length() if cache is not None else 0
+        self.calls.append([int(past), int(ids.shape[1]), 0.0])
+        self._start = self._now()
+
+    def _after(self, module, args, output):
+        self.calls[-1][2] = self._now() - self._start
+
+    def take(self) -> list[list]:
+        calls, self.calls = self.calls, []
+        return calls
+
+
+def steps_from_calls(calls: list[list]) -> tuple[list[int], list[int]]:
+    """A chain method's target calls [past, q, s] -> per verify step (tokens committed incl. bonus, guesses).
+
+    Step i's committed tokens = cache growth until call i+1; the last call has no successor and is left out.
+    """
+    committed = [calls[i + 1][0] - calls[i][0] for i in range(1, len(calls) - 1)]
+    guesses = [calls[i][1] - 1 for i in range(1, len(calls) - 1)]
+    return committed, guesses
+
+
+# ------------------------------------------------------------------------------------------------------ methods
+def build_methods(names: list[str], args, model, stop_ids: list[int]) -> tuple[dict, dict, object]:
+    """-> ({name: run(input_ids, max_new_tokens, seed) -> dict}, {name: why it is skipped}, the draft LM or None)."""
+    base, tokenizer = model.base, model.tokenizer
+    sampling = args.temperature > 0
+    pad = base.generation_config.pad_token_id
+    pad = pad if pad is not None else (stop_ids[0] if stop_ids else 0)
+    runs, skipped = {}, {}
+    draft_model = draft_hf = None
+    if args.draft and {"assisted", "draft"} & set(names):
+        if hasattr(MedusaModel, "from_draft_model"):
+            draft_model = MedusaModel.from_draft_model(base, args.draft, dtype=args.dtype, tokenizer=tokenizer)
+            draft_hf = draft_model.draft
+        else:
+            draft_hf, _ = load_base(args.draft, dtype=args.dtype, device=base.device)
+
+    def hf(assistant_model=None, **options):
+        """transformers' generate; `options` go into its GenerationConfig (e.g. prompt_lookup_num_tokens)."""
+        def run(input_ids, max_new_tokens, seed):
+            # A fresh config, so nothing from the model's generation_config.json (e.g. top_k=50) sneaks in.
+            config = GenerationConfig(
+                max_new_tokens=max_new_tokens, do_sample=sampling, temperature=args.temperature if sampling else None,
+                top_k=0 if sampling else None, top_p=1.0 if sampling else None, num_beams=1,
+                eos_token_id=stop_ids or None, pad_token_id=pad, **options)
+            torch.manual_seed(seed)
+            out = base.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config,
+                                assistant_model=assistant_model)
+            return {"output_ids": out[0, input_ids.shape[1]:].tolist()}
+        return run
+
+    def ours(target, **kwargs):
+        def run(input_ids, max_new_tokens, seed):
+            generator = torch.Generator(base.device).manual_seed(seed) if sampling else None
+            out = target.generate(input_ids, max_new_tokens, do_sample=sampling, temperature=args.temperature or 1.0,
+                                  eos_token_id=stop_ids or None, generator=generator, profile=args.profile, **kwargs)
+            stats = out.stats
+            return {"output_ids": out.sequences[0, input_ids.shape[1]:].tolist(),
+                    "accepted_lengths": list(stats.accepted_lengths),
+                    "proposed_lengths": list(stats.proposed_lengths),
+                    "propose_s": stats.timings.get("propose") if args.profile else None}
+        return run
+
+    tree = args.tree
+    for name in names:
+        if name == "baseline":
+            runs[name] = hf()
+        elif name == "prompt_lookup":
+            runs[name] = hf(prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS)
+        elif name == "assisted":
+            if draft_hf is None:
+                skipped[name] = "needs --draft PATH (a smaller model with the target's tokenizer)"
+            else:
+                runs[name] = hf(assistant_model=draft_hf)
+        elif name == "draft":
+            if not args.draft:
+                skipped[name] = "needs --draft PATH (a smaller model with the target's tokenizer)"
+            elif draft_model is None:
+                skipped[name] = "MedusaModel.from_draft_model does not exist in this version of medusa yet"
+            else:
+                runs[name] = ours(draft_model)
+        elif name == "medusa_typical":
+            if "typical" not in ACCEPTANCE_RULES:
+                skipped[name] = "acceptance rule 'typical' is not in medusa.acceptance.ACCEPTANCE_RULES yet"
+            else:
+                runs[name] = ours(model, proposer="medusa", tree=tree, acceptance="typical")
+        else:
+            if sampling and "rejection" not in ACCEPTANCE_RULES:
+                skipped[name] = "sampling needs acceptance rule 'rejection', not in medusa.acceptance yet"
+                continue
+            proposer = {"medusa": "medusa", "medusa_dynamic": "dynamic", "hybrid": "hybrid", "lookup": "prompt_lookup"}[name]
+            runs[name] = ours(model, proposer=proposer, tree=tree)
+    return runs, skipped, draft_hf
+
+
+def run_turn(run, recorders: dict, input_ids: torch.Tensor, max_new_tokens: int, seed: int, sync: bool) -> dict:
+    """One timed generation -> its raw record (tokens, seconds, target forwards, per-step acceptance, phase times)."""
+    for recorder in recorders.values():
+        recorder.take()
+    if sync:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    result = run(input_ids, max_new_tokens, seed)
+    if sync:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    calls = recorders["target"].take()
+    record = {"new_tokens": len(result["output_ids"]), "time_s": seconds, "forwards": len(calls),
+              "verify_s": sum(c[2] for c in calls[1:]), **result}
+    if "accepted_lengths" not in record:  # transformers' methods: read the steps off the cache lengths
+        record["accepted_lengths"], record["proposed_lengths"] = steps_from_calls(calls)
+        record["propose_s"] = sum(c[2] for c in recorders["draft"].take()) if "draft" in recorders else None
+    return record
+
+
+# ------------------------------------------------------------------------------------------------------ summary
+def predicted_speedup(alpha: float, gamma: float, c: float) -> float:
+    """Leviathan et al.: expected tokens per step (1 - alpha^(gamma+1)) / (1 - alpha), over the cost gamma c + 1."""
+    tokens = gamma + 1 if alpha >= 1.0 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+    return tokens / (gamma * c + 1)
+
+
+def aggregate(turns: list[dict], method: str, has_profile: bool) -> dict:
+    """Pool raw turn records of one method (one category, or all) into totals and the analysis' inputs."""
+    new_tokens = sum(t["new_tokens"] for t in turns)
+    seconds = sum(t["time_s"] for t in turns)
+    forwards = sum(t["forwards"] for t in turns)
+    steps = sum(max(t["forwards"] - 1, 0) for t in turns)
+    accepted = [n for t in turns for n in t["accepted_lengths"]]
+    proposed = [n for t in turns for n in t["proposed_lengths"]]
+    out = {"new_tokens": new_tokens, "time_s": seconds, "tokens_per_s": new_tokens / seconds if seconds else 0.0,
+           "tau": new_tokens / forwards if forwards else 0.0, "forwards": forwards,
+           "verify_ms_per_step": 1000 * sum(t["verify_s"] for t in turns) / steps if steps else None}
+    if method == "baseline":
+        out.update(alpha=None, gamma=0.0, c=None)
+        return out
+    gamma = sum(proposed) / len(proposed) if proposed else 0.0
+    reached = sum(min(n, d) for n, d in zip(accepted, proposed))
+    alpha = DecodeStats(accepted_lengths=accepted, proposed_lengths=proposed).acceptance_rate if reached else None
+    propose_s = [t.get("propose_s") for t in turns]
+    verify_s = sum(t["verify_s"] for t in turns)
+    if method in MODEL_FREE:
+        c = 0.0
+    elif has_profile and all(p is not None for p in propose_s) and gamma > 0 and verify_s > 0:
+        c = sum(propose_s) / (gamma * verify_s)  # per guess, so gamma * c = proposal time / verify time per step
+    else:
+        c = None
+    out.update(alpha=alpha, gamma=gamma, c=c)
+    return out
+
+
+def summarize(records: dict, questions: list[dict], methods: list[str], settings: dict) -> dict:
+    """records: (question_id, method) -> raw record. Speedups against 'baseline' when it was run."""
+    groups = sorted({q["group"] for q in questions})
+    baseline_ids = {(r["question_id"], i): turn["output_ids"] for (qid, m), r in records.items() if m == "baseline"
+                    for i, turn in enumerate(r["turns"])}
+    sampling = settings["temperature"] > 0
+
+    def block(selected: list[dict]) -> dict:
+        ids = {q["question_id"] for q in selected}
+        result = {}
+        for method in methods:
+            mine = [r for (qid, m), r in records.items() if m == method and qid in ids]
+            if not mine:
+                continue
+            turns = [t for r in mine for t in r["turns"]]
+            stats = aggregate(turns, method, settings["profile"])
+            if baseline_ids and not sampling:
+                stats["identical"] = all(baseline_ids.get((r["question_id"], i)) == t["output_ids"]
+                                         for r in mine for i, t in enumerate(r["turns"]))
+            else:
+                stats["identical"] = None
+            result[method] = stats
+        base = result.get("baseline")
+        for method, stats in result.items():
+            stats["speedup"] = stats["tokens_per_s"] / base["tokens_per_s"] if base and base["tokens_per_s"] else None
+            if base and base["verify_ms_per_step"] and stats["verify_ms_per_step"]:
+                stats["verify_cost"] = stats["verify_ms_per_step"] / base["verify_ms_per_step"]
+            else:
+                stats["verify_cost"] = None
+            if method == "baseline":
+                stats["predicted_speedup"] = stats["predicted_speedup_with_verify_cost"] = 1.0
+            elif stats["alpha"] is not None and stats["c"] is not None:
+                stats["predicted_speedup"] = predicted_speedup(stats["alpha"], stats["gamma"], stats["c"])
+                stats["predicted_speedup_with_verify_cost"] = (
+                    stats["predicted_speedup"] / stats["verify_cost"] if stats["verify_cost"] else None)
+            else:
+                stats["predicted_speedup"] = stats["predicted_speedup_with_verify_cost"] = None
+        return result
+
+    return {
+        "overall": block(questions),
+        "per_category": {g: block([q for q in questions if q["group"] == g]) for g in groups},
+        "settings": settings,
+    }
+
+
+def _fmt(x, digits=2) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "NO"
+    return f"{x:.{digits}f}"
+
+
+def write_markdown(summary: dict, path: Path) -> None:
+    s = summary["settings"]
+    methods = list(summary["overall"])
+    lines = [f"# Speed benchmark: {Path(s['questions']).name}", "",
+             f"base `{s['base']}`, heads `{s['heads']}`, tree `{s['tree']}`, {s['dtype']} on {s['device']}, "
+             f"{s['threads']} threads, max {s['max_new_tokens']} new tokens, temperature {s['temperature']}, "
+             f"{s['num_questions']} questions. Speedup = tokens/s over baseline tokens/s (total tokens / total time).",
+             ""]
+    if s.get("skipped"):
+        lines += ["Skipped: " + "; ".join(f"`{m}`: {why}" for m, why in s["skipped"].items()), ""]
+    lines += ["## Overall", "", "| method | speedup | tokens/s | tau | identical | alpha | gamma | c | predicted | "
+              "verify cost | predicted / verify cost |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for m, st in summary["overall"].items():
+        lines.append(f"| {m} | {_fmt(st['speedup'])} | {_fmt(st['tokens_per_s'])} | {_fmt(st['tau'])} | "
+                     f"{_fmt(st['identical'])} | {_fmt(st['alpha'])} | {_fmt(st['gamma'])} | {_fmt(st['c'], 3)} | "
+                     f"{_fmt(st['predicted_speedup'])} | {_fmt(st['verify_cost'])} | "
+                     f"{_fmt(st['predicted_speedup_with_verify_cost'])} |")
+    for title, key in (("Speedup per category", "speedup"), ("tau (tokens per target forward) per category", "tau")):
+        lines += ["", f"## {title}", "", "| category | " + " | ".join(methods) + " |",
+                  "|---|" + "---|" * len(methods)]
+        for group, block in summary["per_category"].items():
+            lines.append(f"| {group} | " + " | ".join(_fmt(block.get(m, {}).get(key)) for m in methods) + " |")
+    lines += ["", "## Analysis per category (Leviathan et al.; DESIGN section 6)", "",
+              "alpha: accepted guesses / guesses reached; gamma: mean guesses per step; c: proposal time per guess / "
+              "verify forward time; predicted = (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1)); verify cost: a "
+              "verify forward / a baseline forward (the formula assumes 1).", "",
+              "| category | method | alpha | gamma | c | tau | predicted | predicted / verify cost | measured |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for group, block in summary["per_category"].items():
+        for m, st in block.items():
+            if m == "baseline":
+                continue
+            lines.append(f"| {group} | {m} | {_fmt(st['alpha'])} | {_fmt(st['gamma'])} | {_fmt(st['c'], 3)} | "
+                         f"{_fmt(st['tau'])} | {_fmt(st['predicted_speedup'])} | "
+                         f"{_fmt(st['predicted_speedup_with_verify_cost'])} | {_fmt(st['speedup'])} |")
+    atomic_write_text(path, "\n".join(lines) + "\n")
+
+
+def plot_speedups(summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = list(summary["per_category"]) + ["overall"]
+    blocks = [summary["per_category"][g] for g in groups[:-1]] + [summary["overall"]]
+    methods = [m for m in summary["overall"] if m != "baseline"]
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(groups) * max(len(methods), 1) / 2), 4))
+    width = 0.8 / max(len(methods), 1)
+    for i, m in enumerate(methods):
+        values = [(b.get(m) or {}).get("speedup") or 0.0 for b in blocks]
+        ax.bar([g + (i - (len(methods) - 1) / 2) * width for g in range(len(groups))], values, width, label=m)
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(len(groups)), groups, rotation=20)
+    ax.set_ylabel("speedup over baseline")
+    s = summary["settings"]
+    ax.set_title(f"{Path(str(s['base'])).name}, {s['dtype']}, T={s['temperature']}", fontsize=9)
+    if methods:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------------------------------------- main
+def heads_label(heads: str | None) -> str:
+    """What --heads resolved to, for the record: a results table of untrained heads must say so."""
+    if heads:
+        return str(heads)
+    if (DEFAULT_HEADS_DIR / CONFIG_NAME).is_file():
+        return str(DEFAULT_HEADS_DIR)
+    return "untrained (no shipped heads found)"
+
+
+def load_raw(path: Path) -> dict:
+    records = {}
+    if path.is_file():
+        for line_no, line in enumerate(path.read_text().splitlines(), 1):
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                print(f"warning: {path}:{line_no} is not valid JSON (an interrupted write?); that result is rerun",
+                      file=sys.stderr)
+                continue
+            records[(r["question_id"], r["method"])] = r
+    return records
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    questions = load_questions(args.questions, args.limit)
+    if not questions:
+        raise ValueError(f"{args.questions} holds no questions")
+
+    model = MedusaModel.from_pretrained(args.heads, base=args.base, dtype=args.dtype, device=args.device)
+    tokenizer = model.tokenizer
+    if tokenizer is None:
+        raise ValueError("the benchmark needs the base model's tokenizer (chat template): load a base that has one")
+    eos = model.base.generation_config.eos_token_id
+    eos = tokenizer.eos_token_id if eos is None else eos
+    stop_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    sync = args.profile and model.device.type == "cuda"
+
+    settings = {
+        "questions": str(args.questions), "limit": args.limit, "methods": args.methods,
+        "base": str(args.base or model.config.base_model_name_or_path), "heads": heads_label(args.heads),
+        "tree": args.tree or "heads' default", "tree_paths": load_tree(args.tree) if args.tree else model.tree,
+        "dtype": args.dtype, "device": str(model.device),
+        "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "draft": args.draft,
+        "threads": torch.get_num_threads(), "seed": args.seed, "profile": args.profile,
+        "num_questions": len(questions), "torch": torch.__version__, "transformers": transformers.__version__,
+        "machine": platform.machine(), "processor": platform.processor(),
+    }
+    settings_path, raw_path = out / "settings.json", out / "raw.jsonl"
+    if args.overwrite:
+        raw_path.unlink(missing_ok=True)
+    elif settings_path.is_file() and raw_path.is_file():
+        old = json.loads(settings_path.read_text())
+        changed = {k: (old.get(k), settings[k]) for k in RESUME_KEYS if old.get(k) != settings[k]}
+        if changed:
+            raise ValueError(f"{out} holds results made with other settings {changed}: resume with the same settings, "
+                             "or pass --overwrite, or choose another --out")
+    atomic_write_text(settings_path, json.dumps(settings, indent=2))
+    records = load_raw(raw_path)
+
+    runs, skipped, draft_lm = build_methods(args.methods, args, model, stop_ids)
+    for name, why in skipped.items():
+        print(f"skipping method {name!r}: {why}", file=sys.stderr)
+    settings["skipped"] = skipped
+    methods = [m for m in args.methods if m in runs]
+    recorders = {"target": ForwardRecorder(model.base, sync)}
+    if draft_lm is not None:  # times transformers' assistant forwards (our draft proposer is timed by the profiler)
+        recorders["draft"] = ForwardRecorder(draft_lm, sync)
+
+    def prompt_ids(messages):
+        return torch.tensor([encode_conversation(tokenizer, messages)], device=model.device)
+
+    todo = [q for q in questions if any((q["question_id"], m) not in records for m in methods)]
+    if todo:  # warm-up: every method once, untimed
+        warm = prompt_ids([{"role": "user", "content": todo[0]["turns"][0]}])
+        for name in methods:
+            runs[name](warm, min(WARMUP_TOKENS, args.max_new_tokens), args.seed)
+
+    with raw_path.open("a") as raw:
+        for q_index, q in enumerate(tqdm(todo, desc="questions", unit="q")):
+            missing = [m for m in methods if (q["question_id"], m) not in records]
+            shift = q_index % len(missing)
+            order = missing[shift:] + missing[:shift]  # rotate who goes first: no method always runs on a warm cache
+            conversations = {m: [] for m in order}
+            turns = {m: [] for m in order}
+            for turn_index, text in enumerate(q["turns"]):
+                for m in order:
+                    conversations[m].append({"role": "user", "content": text})
+                    ids = prompt_ids(conversations[m])
+                    record = run_turn(runs[m], recorders, ids, args.max_new_tokens,
+                                      args.seed + 1000 * q["question_id"] + turn_index, sync)
+                    record["prompt_tokens"] = ids.shape[1]
+                    turns[m].append(record)
+                    answer = tokenizer.decode(record["output_ids"], skip_special_tokens=True).strip()
+                    conversations[m].append({"role": "assistant", "content": answer})
+            for m in order:
+                r = {"question_id": q["question_id"], "category": q["category"], "group": q["group"], "method": m,
+                     "turns": turns[m]}
+                raw.write(json.dumps(r) + "\n")
+                raw.flush()
+                records[(q["question_id"], m)] = r
+
+    summary = summarize(records, questions, methods, settings)
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
+    write_markdown(summary, out / "summary.md")
+    plot_speedups(summary, out / "speedup.png")
+    print((out / "summary.md").read_text())
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""scripts/benchmark.py: question selection, step accounting, the speedup formula, and a run on a tiny model."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, decoders, models
+from transformers import PreTrainedTokenizerFast
+
+from medusa import MedusaModel
+from tests.conftest import VOCAB, make_heads, make_tiny_model
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(f"scripts_{name}", SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+benchmark = load_script("benchmark")
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """Character-level: <pad> + the 95 printable ASCII characters = the tiny models' 96 ids; with a chat template."""
+    chars = [chr(i) for i in range(32, 127)]
+    vocab = {"<pad>": 0, **{c: i + 1 for i, c in enumerate(chars)}}
+    assert len(vocab) == VOCAB
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<pad>"))
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<pad>")
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} | {% endfor %}"
+                               "{% if add_generation_prompt %}assistant:{% endif %}")
+    return tokenizer
+
+
+def save_tiny_checkpoint(directory: Path, family: str = "llama") -> tuple[Path, Path]:
+    """A tiny base (with tokenizer) and random heads saved as directories: (base_dir, heads_dir)."""
+    base_dir, heads_dir = directory / "base", directory / "heads"
+    base = make_tiny_model(family)
+    base.save_pretrained(base_dir)
+    tiny_tokenizer().save_pretrained(base_dir)
+    MedusaModel(base, make_heads(random=True)).save_pretrained(heads_dir)
+    return base_dir, heads_dir
+
+
+QUESTIONS = [
+    {"question_id": 81, "category": "writing", "turns": ["Write a poem about the sea.", "Now make it shorter."]},
+    {"question_id": 82, "category": "roleplay", "turns": ["Pretend to be a cat.", "Now a dog."]},
+    {"question_id": 91, "category": "writing", "turns": ["Write a haiku."]},
+    {"question_id": 161, "category": "translation", "turns": ["Translate: the cat sat on the mat, the cat sat."]},
+]
+
+
+def test_load_questions_groups_mt_bench_and_limits_per_group(tmp_path):
+    path = tmp_path / "q.jsonl"
+    path.write_text("\n".join(json.dumps(q) for q in QUESTIONS) + "\n")
+    selected = benchmark.load_questions(str(path), limit=2)
+    assert [(q["question_id"], q["group"]) for q in selected] == [(81, "mt_bench"), (82, "mt_bench"),
+                                                                   (161, "translation")]
+    assert len(benchmark.load_questions(str(path), limit=None)) == 4
+    path.write_text(json.dumps({"question_id": 1, "category": "x"}) + "\n")
+    with pytest.raises(ValueError, match="turns"):
+        benchmark.load_questions(str(path), limit=None)
+
+
+def test_steps_from_calls():
+    # prefill of a 10-token prompt, then steps feeding 1 + 3 guesses: 4 tokens committed, then 2, then 1 (the last
+    # call's result is unknown: left out)
+    calls = [[0, 10, 0.1], [10, 4, 0.1], [14, 4, 0.1], [16, 4, 0.1], [17, 4, 0.1]]
+    committed, guesses = benchmark.steps_from_calls(calls)
+    assert committed == [4, 2, 1] and guesses == [3, 3, 3]
+
+
+def test_predicted_speedup():
+    assert benchmark.predicted_speedup(0.0, 4, 0.0) == pytest.approx(1.0)
+    assert benchmark.predicted_speedup(1.0, 3, 0.1) == pytest.approx(4 / 1.3)
+    assert benchmark.predicted_speedup(0.5, 2, 0.0) == pytest.approx(1.75)  # (1 - 0.125) / 0.5
+    assert benchmark.predicted_speedup(0.5, 2, 0.25) == pytest.approx(1.75 / 1.5)
+
+
+def test_benchmark_smoke(tmp_path):
+    base_dir, heads_dir = save_tiny_checkpoint(tmp_path)
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("\n".join(json.dumps(q) for q in (QUESTIONS[0], QUESTIONS[3])) + "\n")
+    methods = "baseline,prompt_lookup,medusa,medusa_dynamic,hybrid,lookup,assisted"
+    argv = ["--questions", str(questions), "--methods", methods, "--out", str(tmp_path / "run"), "--base",
+            str(base_dir), "--heads", str(heads_dir), "--max-new-tokens", "12", "--threads", "1"]
+    summary = benchmark.main(argv)
+
+    ran = methods.split(",")[:-1]  # 'assisted' is skipped without --draft
+    assert list(summary["overall"]) == ran
+    assert "--draft" in summary["settings"]["skipped"]["assisted"]
+    assert set(summary["per_category"]) == {"mt_bench", "translation"}
+    base = summary["overall"]["baseline"]
+    assert base["speedup"] == pytest.approx(1.0) and base["tau"] == pytest.approx(1.0)
+    for method, stats in summary["overall"].items():
+        assert stats["identical"] is True, method  # greedy, fp32: every method is lossless
+        assert stats["tokens_per_s"] > 0 and stats["tau"] >= 1.0
+        assert stats["new_tokens"] == 3 * 12  # three turns (two for the MT-bench question), no EOS in tiny models
+    assert summary["overall"]["prompt_lookup"]["c"] == 0.0
+    assert summary["overall"]["medusa"]["gamma"] > 0 and summary["overall"]["medusa"]["c"] > 0
+
+    out = tmp_path / "run"
+    for name in ("summary.json", "summary.md", "speedup.png", "raw.jsonl", "settings.json"):
+        assert (out / name).is_file(), name
+    raw = [json.loads(line) for line in (out / "raw.jsonl").read_text().splitlines()]
+    assert len(raw) == 2 * len(ran)
+    mt = next(r for r in raw if r["question_id"] == 81 and r["method"] == "medusa")
+    assert len(mt["turns"]) == 2  # the second prompt holds the first exchange and the new question:
+    assert mt["turns"][1]["prompt_tokens"] > mt["turns"][0]["prompt_tokens"] + len(QUESTIONS[0]["turns"][1])
+    assert "| baseline |" in (out / "summary.md").read_text()
+
+    again = benchmark.main(argv)  # resumes: nothing is rerun
+    assert len((out / "raw.jsonl").read_text().splitlines()) == 2 * len(ran)
+    assert again["overall"]["medusa"]["new_tokens"] == summary["overall"]["medusa"]["new_tokens"]
+    with pytest.raises(ValueError, match="other settings"):
+        benchmark.main(argv[:-4] + ["--max-new-tokens", "8", "--threads", "1"])

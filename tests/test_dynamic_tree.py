@@ -1,0 +1,163 @@
+"""Per-step trees: buffers from a parent array, the dynamic proposer's choice of paths, greedy identity."""
+
+import itertools
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from medusa import MedusaModel
+from medusa.dynamic_tree import DynamicTreeProposer, buffers_from_parents
+from medusa.propose import get_proposer
+from medusa.tree import TreeSpec, build_buffers, chain
+from tests.conftest import FAMILIES, make_heads, make_tiny_model
+
+# root 0; 1 and 2 under the root; 3 under 1; 4 under 3
+HAND_PARENT = [0, 0, 0, 1, 3]
+HAND_DEPTH = [0, 1, 1, 2, 3]
+HAND_VISIBLE = [[1, 0, 0, 0, 0],
+                [1, 1, 0, 0, 0],
+                [1, 0, 1, 0, 0],
+                [1, 1, 0, 1, 0],
+                [1, 1, 0, 1, 1]]
+HAND_LEAF_PATHS = [[0, 2, 5, 5], [0, 1, 3, 4]]  # leaves in node order, padded with N = 5
+
+
+def test_buffers_from_parents_hand_drawn_tree():
+    tree = buffers_from_parents(torch.tensor(HAND_PARENT), torch.tensor(HAND_DEPTH))
+    assert tree.num_nodes == 5
+    assert tree.visible.long().tolist() == HAND_VISIBLE
+    assert tree.leaf_paths.tolist() == HAND_LEAF_PATHS
+    assert tree.max_depth == 3
+    assert tree.parent.tolist() == HAND_PARENT and tree.depth.tolist() == HAND_DEPTH
+
+
+def test_buffers_from_parents_root_only():
+    tree = buffers_from_parents(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+    assert tree.num_nodes == 1 and tree.leaf_paths.tolist() == [[0]] and tree.visible.tolist() == [[True]]
+
+
+@pytest.mark.parametrize("paths", [chain(3), [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]],
+                                   [[0], [1], [0, 0], [0, 1], [1, 0], [1, 1], [0, 0, 0], [1, 0, 0]]])
+def test_buffers_from_parents_match_the_static_builder(paths):
+    static = build_buffers(TreeSpec(paths))
+    dynamic = buffers_from_parents(static.parent, static.depth)
+    assert dynamic.num_nodes == static.num_nodes
+    for name in ("visible", "depth", "parent", "leaf_paths"):
+        assert torch.equal(getattr(dynamic, name), getattr(static, name)), name
+
+
+class FixedHeads:
+    """Stands in for a MedusaProposer: fixed head logits (D, V), candidate index = token id."""
+
+    def __init__(self, logits):
+        self.logits = logits
+        self.projection = SimpleNamespace(token=lambda index: index)
+
+    def head_logits(self, hidden):
+        return self.logits
+
+
+def _state(root=0):
+    return SimpleNamespace(root_token=torch.tensor(root), last_hidden=torch.zeros(4))
+
+
+def _token_paths(candidates) -> list[tuple[int, ...]]:
+    """Each non-root node's tokens from the root's child down to it."""
+    tokens, parent = candidates.tokens.tolist(), candidates.tree.parent.tolist()
+    paths = []
+    for i in range(1, len(tokens)):
+        path, node = [], i
+        while node:
+            path.append(tokens[node])
+            node = parent[node]
+        paths.append(tuple(reversed(path)))
+    return paths
+
+
+def _check_tree(candidates, root):
+    tree = candidates.tree
+    parent, depth, tokens = tree.parent.tolist(), tree.depth.tolist(), candidates.tokens.tolist()
+    assert tokens[0] == root and parent[0] == 0 and depth[0] == 0
+    for i in range(1, tree.num_nodes):
+        assert parent[i] < i and depth[i] == depth[parent[i]] + 1
+    siblings = {}
+    for i in range(1, tree.num_nodes):
+        siblings.setdefault(parent[i], []).append(tokens[i])
+    assert all(len(s) == len(set(s)) for s in siblings.values()), "siblings must be distinct guesses"
+
+
+@pytest.mark.parametrize("topk", [7, 3])
+def test_dynamic_tree_keeps_the_most_probable_paths(topk):
+    torch.manual_seed(0)
+    depth, vocab, num_nodes = 3, 7, 13
+    logits = torch.randn(depth, vocab) * 2
+    proposer = DynamicTreeProposer(FixedHeads(logits), num_nodes=num_nodes, depth=depth, topk=topk)
+    candidates = proposer.propose(_state(root=5))
+    _check_tree(candidates, root=5)
+    assert candidates.tree.num_nodes == num_nodes
+
+    logp = logits.log_softmax(-1)
+    allowed = [logp[d].topk(topk).indices.tolist() for d in range(depth)]
+    scored = {p: sum(logp[d, t].item() for d, t in enumerate(p))
+              for n in range(1, depth + 1) for p in itertools.product(*allowed[:n])}
+    best = sorted(scored, key=scored.get, reverse=True)[: num_nodes - 1]
+    assert set(_token_paths(candidates)) == set(best)
+    # siblings come most probable first (acceptance rules walk them in node order)
+    tokens, parent, depths = (candidates.tokens.tolist(), candidates.tree.parent.tolist(),
+                              candidates.tree.depth.tolist())
+    for p in set(parent[1:]):
+        probs = [logp[depths[i] - 1, tokens[i]].item() for i in range(1, len(tokens)) if parent[i] == p]
+        assert probs == sorted(probs, reverse=True)
+
+
+def test_dynamic_tree_confident_heads_grow_a_deep_chain():
+    logits = torch.full((4, 10), -10.0)
+    for d in range(4):
+        logits[d, d + 1] = 10.0  # head d is sure of token d + 1
+    candidates = DynamicTreeProposer(FixedHeads(logits), num_nodes=5, depth=4).propose(_state())
+    assert candidates.tokens.tolist() == [0, 1, 2, 3, 4]
+    assert candidates.tree.max_depth == 4
+
+
+def test_dynamic_tree_ties_keep_every_parent():
+    """All paths of one depth score the same: cuts through ties must still keep each node's parent."""
+    candidates = DynamicTreeProposer(FixedHeads(torch.zeros(3, 5)), num_nodes=10, depth=3, topk=4).propose(_state())
+    _check_tree(candidates, root=0)
+    assert candidates.tree.num_nodes == 10
+
+
+def test_dynamic_tree_degenerate_sizes():
+    heads = FixedHeads(torch.randn(2, 6))
+    only_root = DynamicTreeProposer(heads, num_nodes=1, depth=2).propose(_state(3))
+    assert only_root.tokens.tolist() == [3] and only_root.tree.num_nodes == 1
+    with pytest.raises(ValueError, match="num_nodes >= 1"):
+        DynamicTreeProposer(heads, num_nodes=0, depth=2)
+
+
+def test_dynamic_proposer_takes_the_static_tree_size():
+    model = MedusaModel(make_tiny_model("llama"), make_heads(random=True), tree=[[0], [1], [0, 0]])
+    tree = build_buffers(TreeSpec(model.tree), model.config.num_heads)
+    proposer = get_proposer("dynamic")(model, tree)
+    assert proposer.num_nodes == 4 and proposer.depth == model.config.num_heads
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("random_heads", [False, True], ids=["untrained", "random"])
+def test_dynamic_greedy_identity(family, random_heads):
+    base = make_tiny_model(family)
+    model = MedusaModel(base, make_heads(random=random_heads))
+    for seed, tree in zip(range(3), [None, chain(2), [[0], [1], [2], [3], [0, 0], [0, 1], [1, 0], [0, 0, 0]]]):
+        torch.manual_seed(seed)
+        prompt = torch.randint(1, 90, (1, 5 + 4 * seed))
+        out = model.generate(prompt, max_new_tokens=40, proposer="dynamic", tree=tree)
+        reference = base.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=40, do_sample=False)
+        assert torch.equal(out.sequences, reference), (family, seed)
+        assert 1 + sum(out.stats.accepted_lengths) >= 40  # prefill's token + every step's; the last may overshoot
+
+
+def test_dynamic_sampling_runs():
+    model = MedusaModel(make_tiny_model("llama"), make_heads(random=True))
+    out = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=20, proposer="dynamic", do_sample=True,
+                         temperature=0.8, generator=torch.Generator().manual_seed(0))
+    assert out.sequences.shape == (1, 23)
