@@ -31,12 +31,25 @@ class DecodeStats:
     steps: int = 0  # target forwards, prefill included
     new_tokens: int = 0
     accepted_lengths: list[int] = field(default_factory=list)  # tokens committed by each verify step (bonus included)
+    proposed_lengths: list[int] = field(default_factory=list)  # depth of each verify step's candidates (gamma for a draft chain)
     timings: dict[str, float] = field(default_factory=dict)  # seconds per phase, when profiling
 
     @property
     def mean_accepted_tokens(self) -> float:
         """tau: new tokens per target forward (plain decoding: 1.0)."""
         return self.new_tokens / max(self.steps, 1)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """alpha: accepted guesses / guesses the rule reached (the accepted ones, plus the first rejected one if any).
+
+        For a draft chain this is the per-token acceptance rate of Leviathan et al. (its maximum-likelihood estimate),
+        the alpha in E[tokens per step] = (1 - alpha^(gamma + 1)) / (1 - alpha). Accepted / proposed would understate
+        it: guesses after the first rejection are never tested. For a tree it is the rate along the accepted path.
+        """
+        accepted = sum(n - 1 for n in self.accepted_lengths)
+        reached = sum(min(n, depth) for n, depth in zip(self.accepted_lengths, self.proposed_lengths))
+        return accepted / reached if reached else 0.0
 
     @property
     def accepted_length_histogram(self) -> dict[int, int]:
@@ -132,6 +145,7 @@ def decode(
             proposer.observe(state, accepted.tokens)
         stats.steps += 1
         stats.accepted_lengths.append(len(accepted.tokens))
+        stats.proposed_lengths.append(candidates.tree.max_depth)
         done = emit(accepted.tokens)
     if streamer is not None:
         streamer.end()

@@ -119,6 +119,18 @@ class MedusaModel(nn.Module):
         load_heads_weights(heads, path / WEIGHTS_NAME)
         return cls(model, heads, tokenizer, tree=_tree_arg(tree))
 
+    @classmethod
+    def from_draft_model(cls, target: BaseSource = None, draft: BaseSource = None, *, num_speculative_tokens: int = 5,
+                         dtype=None, device=None, tokenizer=None, draft_tokenizer=None):
+        """Classic speculative decoding (Leviathan et al.): `draft`, a smaller causal LM with the target's tokenizer,
+        proposes `num_speculative_tokens` tokens per step. target/draft: Hub id, directory, .gguf or loaded model
+        (target None: the embedded SmolLM2). Returns a `medusa.draft.DraftModel` with this class's `generate`.
+        """
+        from medusa.draft import DraftModel  # medusa.draft imports this module
+
+        return DraftModel.load(target, draft, num_speculative_tokens=num_speculative_tokens, dtype=dtype,
+                               device=device, tokenizer=tokenizer, draft_tokenizer=draft_tokenizer)
+
     def save_pretrained(self, directory: str | os.PathLike) -> None:
         """Write `medusa_config.json` + `medusa_heads.safetensors` atomically (temporary folder, then rename)."""
         directory = Path(directory)
@@ -173,25 +185,35 @@ class MedusaModel(nn.Module):
         )
 
     def _prepare_input(self, input_ids) -> torch.Tensor:
-        if hasattr(input_ids, "keys") and "input_ids" in input_ids:  # BatchEncoding / dict
-            input_ids = input_ids["input_ids"]
-        input_ids = torch.as_tensor(input_ids, dtype=torch.long)
-        if input_ids.dim() == 1:
-            input_ids = input_ids[None]
-        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-            raise ValueError(f"generate takes one sequence (shape (1, T)); got shape {tuple(input_ids.shape)}")
-        if input_ids.shape[1] == 0:
-            raise ValueError("the prompt is empty: pass at least one token (e.g. from apply_chat_template)")
-        return input_ids.to(self.device)
+        return prepare_input_ids(input_ids, self.device)
 
     def _stop_ids(self, eos_token_id) -> set[int]:
-        if eos_token_id is None:
-            eos_token_id = self.base.generation_config.eos_token_id
-            if eos_token_id is None and self.tokenizer is not None:
-                eos_token_id = self.tokenizer.eos_token_id
-        if eos_token_id is None:
-            return set()
-        return {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+        return stop_token_ids(self.base, self.tokenizer, eos_token_id)
+
+
+def prepare_input_ids(input_ids, device) -> torch.Tensor:
+    """A (1, T) tensor, a list of ids or a BatchEncoding -> (1, T) long tensor on `device` (shared by every generate)."""
+    if hasattr(input_ids, "keys") and "input_ids" in input_ids:  # BatchEncoding / dict
+        input_ids = input_ids["input_ids"]
+    input_ids = torch.as_tensor(input_ids, dtype=torch.long)
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"generate takes one sequence (shape (1, T)); got shape {tuple(input_ids.shape)}")
+    if input_ids.shape[1] == 0:
+        raise ValueError("the prompt is empty: pass at least one token (e.g. from apply_chat_template)")
+    return input_ids.to(device)
+
+
+def stop_token_ids(base, tokenizer, eos_token_id) -> set[int]:
+    """Stop ids: `eos_token_id` if given, else the base's generation config, else the tokenizer's eos."""
+    if eos_token_id is None:
+        eos_token_id = base.generation_config.eos_token_id
+        if eos_token_id is None and tokenizer is not None:
+            eos_token_id = tokenizer.eos_token_id
+    if eos_token_id is None:
+        return set()
+    return {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
 
 
 def _candidate_dtype(base) -> torch.dtype:

@@ -25,6 +25,10 @@ class SamplingConfig:
                 raise ValueError(f"top_k must be a positive integer or None, got {self.top_k!r}")
             if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
                 raise ValueError(f"top_p must lie in (0, 1], got {self.top_p!r}")
+        if not 0.0 <= self.posterior_threshold <= 1.0:
+            raise ValueError(f"posterior_threshold (typical acceptance's epsilon) must lie in [0, 1], got {self.posterior_threshold!r}")
+        if not self.posterior_alpha >= 0.0:
+            raise ValueError(f"posterior_alpha (typical acceptance's alpha) must be >= 0, got {self.posterior_alpha!r}")
 
 
 def shape_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:

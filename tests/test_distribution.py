@@ -1,0 +1,283 @@
+"""Proof by test: exact sampling methods produce the target's distribution; planted wrong rules are caught.
+
+Tiny random models with a 12-token vocabulary, so the target's exact probability of every 3-token continuation
+(1,728 sequences) can be enumerated, with the shaping computed by transformers' own logits warpers (independent of
+medusa.sampling). Each exact method draws 20,000 continuations end to end through `generate`; a chi-square
+goodness-of-fit test must not reject at significance 0.001 (99.9 % confidence), and any sequence the target cannot
+produce fails outright. The same test applied to planted wrong rules must reject (p < 1e-6). Seeds are fixed, so
+every outcome is deterministic; the p-values are printed (`pytest -s`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import (AutoModelForCausalLM, LlamaConfig, LogitsProcessorList, PreTrainedTokenizerFast,
+                          Qwen2Config, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
+from medusa import MedusaModel
+from medusa.acceptance import ACCEPTANCE_RULES, Acceptance, rejection, speculative
+from medusa.sampling import SamplingConfig, select_token, target_probs
+from tests.conftest import make_heads
+
+V = 12  # vocabulary: V**3 = 1,728 continuations of 3 tokens
+NEW = 3
+PROMPT = torch.tensor([[1, 2]])
+SIGNIFICANCE = 1e-3  # an exact sampler is rejected with this probability (for a given seed: never, or always)
+DETECTED = 1e-6  # a planted wrong rule must be rejected at least this clearly
+EXACT_SAMPLES = 20_000
+CONTROL_SAMPLES = 1_000  # planted bugs are gross: 1,000 samples already reject them by many orders of magnitude
+MEDUSA_TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0]]  # three siblings at depth 1: sibling rejection is exercised
+MEDUSA_SETTINGS = dict(temperature=0.7, top_p=0.9)
+DRAFT_SETTINGS = dict(temperature=1.3, top_k=8, top_p=0.95)
+
+
+# ---------------------------------------------------------------- statistics
+def chi2_sf(x: float, dof: int) -> float:
+    """P(X >= x) for X ~ chi-square(dof): the regularised upper incomplete gamma Q(dof / 2, x / 2)."""
+    a, x = dof / 2, x / 2
+    if x <= 0:
+        return 1.0
+    log_prefactor = -x + a * math.log(x) - math.lgamma(a)
+    if x < a + 1:  # series for the lower part P(a, x)
+        term = total = 1 / a
+        k = a
+        while abs(term) > abs(total) * 1e-16:
+            k += 1
+            term *= x / k
+            total += term
+        return max(0.0, 1.0 - total * math.exp(log_prefactor))
+    tiny = 1e-300  # continued fraction for Q(a, x) (modified Lentz)
+    b = x + 1 - a
+    c, d = 1 / tiny, 1 / b
+    h = d
+    for i in range(1, 100_000):
+        an = -i * (i - a)
+        b += 2
+        d = an * d + b
+        d = tiny if abs(d) < tiny else d
+        c = b + an / c
+        c = tiny if abs(c) < tiny else c
+        d = 1 / d
+        h *= d * c
+        if abs(d * c - 1) < 1e-16:
+            break
+    return math.exp(log_prefactor) * h
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> dict:
+    """Goodness of fit of observed counts (K,) to exact probabilities (K,).
+
+    Cells expected fewer than `min_expected` times are pooled into one bin (merged into the smallest bin if the pool
+    is still too small), so the chi-square approximation holds. Observations in zero-probability cells make p = 0.
+    """
+    counts, probs = counts.double(), probs.double() / probs.sum()
+    n = counts.sum()
+    expected = probs * n
+    impossible = int(counts[probs == 0].sum())
+    big, small = expected >= min_expected, (expected < min_expected) & (probs > 0)
+    obs, exp = counts[big], expected[big]
+    if small.any():
+        pooled_obs, pooled_exp = counts[small].sum(), expected[small].sum()
+        if pooled_exp >= min_expected:
+            obs, exp = torch.cat([obs, pooled_obs.view(1)]), torch.cat([exp, pooled_exp.view(1)])
+        else:
+            i = exp.argmin()
+            obs[i], exp[i] = obs[i] + pooled_obs, exp[i] + pooled_exp
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    dof = obs.numel() - 1
+    return dict(stat=stat, dof=dof, p_value=0.0 if impossible else chi2_sf(stat, dof), impossible=impossible,
+                tv=float((counts / n - probs).abs().sum() / 2), samples=int(n))
+
+
+def test_chi2_sf_matches_known_quantiles():
+    assert chi2_sf(3.841458820694124, 1) == pytest.approx(0.05, rel=1e-9)
+    assert chi2_sf(18.307038053275146, 10) == pytest.approx(0.05, rel=1e-9)
+    assert chi2_sf(124.34211340400407, 100) == pytest.approx(0.05, rel=1e-9)
+    assert chi2_sf(2.0, 2) == pytest.approx(math.exp(-1), rel=1e-12)
+    assert chi2_sf(10.827566170662733, 1) == pytest.approx(1e-3, rel=1e-8)
+    assert chi2_sf(1000.0, 10) < 1e-150
+
+
+def test_chi_square_accepts_exact_draws_and_rejects_a_biased_sampler():
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
+    exact = torch.bincount(torch.multinomial(probs, 20_000, True, generator=gen), minlength=5)
+    assert chi_square(exact, probs)["p_value"] > SIGNIFICANCE
+    biased = torch.bincount(torch.multinomial(torch.tensor([0.48, 0.32, 0.15, 0.05, 0.0]), 20_000, True,
+                                              generator=gen), minlength=5)
+    assert chi_square(biased, probs)["p_value"] < SIGNIFICANCE
+    assert chi_square(torch.tensor([100, 60, 30, 10, 1]), probs)["p_value"] == 0.0  # an impossible outcome
+
+
+# ---------------------------------------------------------------- tiny small-vocabulary models
+def tiny_lm(config_class, seed: int, init: float = 0.5):
+    """1 layer, hidden 16, 12 tokens; a large init range makes the distributions peaked (top-p matters)."""
+    torch.manual_seed(seed)
+    config = config_class(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                          eos_token_id=None, bos_token_id=None, pad_token_id=None, initializer_range=init)
+    config._attn_implementation = "sdpa"
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def tiny_tokenizer(size: int = V, prefix: str = "t") -> PreTrainedTokenizerFast:
+    """A word-level tokenizer with `size` tokens named prefix0..: builds offline, no files."""
+    tok = Tokenizer(models.WordLevel({f"{prefix}{i}": i for i in range(size)}, unk_token=f"{prefix}0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def hf_warpers(temperature=1.0, top_k=None, top_p=None) -> LogitsProcessorList:
+    """transformers' own sampling warpers, in generate's order: the independent reference for shaping."""
+    warpers = LogitsProcessorList()
+    if temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(temperature))
+    if top_k is not None:
+        warpers.append(TopKLogitsWarper(top_k))
+    if top_p is not None and top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p))
+    return warpers
+
+
+@torch.inference_mode()
+def exact_continuations(target, prompt: torch.Tensor, **settings) -> torch.Tensor:
+    """(V**3,) the target's probability of every 3-token continuation, index x1 * V**2 + x2 * V + x3."""
+    t = prompt.shape[1]
+    grid = torch.cartesian_prod(torch.arange(V), torch.arange(V))  # (V*V, 2): every (x1, x2)
+    logits = target(torch.cat([prompt.expand(V * V, t), grid], dim=1)).logits.float()  # (V*V, t+2, V)
+    warpers = hf_warpers(**settings)
+    dummy = torch.zeros((V * V, 1), dtype=torch.long)
+    p1 = warpers(dummy[:1], logits[:1, t - 1]).softmax(-1)[0]  # (V,)
+    p2 = warpers(dummy, logits[:, t]).softmax(-1).view(V, V, V)[:, 0]  # (V, V): x1 -> x2
+    p3 = warpers(dummy, logits[:, t + 1]).softmax(-1).view(V, V, V)  # (V, V, V): x1, x2 -> x3
+    return (p1[:, None, None] * p2[:, :, None] * p3).flatten()
+
+
+def sample_counts(model, n: int, seed: int, **kwargs) -> torch.Tensor:
+    """(V**3,) how often `model.generate(do_sample=True)` emitted each continuation in n runs."""
+    generator = torch.Generator().manual_seed(seed)
+    index = torch.empty(n, dtype=torch.long)
+    for i in range(n):
+        x1, x2, x3 = model.generate(PROMPT, NEW, do_sample=True, generator=generator, **kwargs).sequences[0, -NEW:].tolist()
+        index[i] = x1 * V * V + x2 * V + x3
+    return torch.bincount(index, minlength=V ** 3)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_lm(LlamaConfig, seed=0)
+
+
+@pytest.fixture(scope="module")
+def medusa(target):
+    return MedusaModel(target, make_heads(num_heads=2, random=True, hidden=16, vocab=V), tree=MEDUSA_TREE)
+
+
+@pytest.fixture(scope="module")
+def draft_model(target):
+    tok = tiny_tokenizer()
+    return MedusaModel.from_draft_model(target=target, draft=tiny_lm(Qwen2Config, seed=1), num_speculative_tokens=2,
+                                        tokenizer=tok, draft_tokenizer=tok)
+
+
+def report(name: str, result: dict) -> None:
+    print(f"\n{name}: n={result['samples']} chi2={result['stat']:.1f} dof={result['dof']} "
+          f"p={result['p_value']:.3g} TV={result['tv']:.4f} impossible={result['impossible']}")
+
+
+# ---------------------------------------------------------------- shaping equals transformers'
+@pytest.mark.parametrize("settings", [dict(temperature=0.7), dict(top_k=3), dict(top_p=0.8), dict(top_k=1),
+                                      dict(temperature=1.3, top_k=8, top_p=0.95), dict(temperature=0.5, top_p=0.3)])
+def test_target_probs_match_transformers_warpers(settings):
+    logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(0)) * 3
+    logits[0, :5] = 2.0  # ties at the top-k boundary are kept, as transformers keeps them
+    want = hf_warpers(**settings)(torch.zeros((64, 1), dtype=torch.long), logits.clone()).softmax(-1)
+    got = target_probs(logits, SamplingConfig(do_sample=True, **settings))
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(temperature=0.0), "temperature must be > 0"), (dict(temperature=-1.0), "temperature must be > 0"),
+    (dict(top_p=0.0), r"top_p must lie in \(0, 1\]"), (dict(top_p=1.5), r"top_p must lie in \(0, 1\]"),
+    (dict(top_k=0), "top_k must be a positive integer"), (dict(top_k=-3), "top_k must be a positive integer"),
+    (dict(posterior_threshold=1.5), "posterior_threshold"), (dict(posterior_alpha=-0.1), "posterior_alpha"),
+])
+def test_invalid_sampling_settings_are_named(medusa, settings, message):
+    with pytest.raises(ValueError, match=message):
+        medusa.generate(PROMPT, 3, do_sample=True, **settings)
+
+
+def test_unknown_acceptance_rule_is_named(medusa):
+    with pytest.raises(ValueError, match="unknown acceptance rule 'nope'.*rejection"):
+        medusa.generate(PROMPT, 3, do_sample=True, acceptance="nope")
+
+
+def test_seeded_generator_reproduces_a_sample(medusa, draft_model):
+    for model in (medusa, draft_model):
+        runs = [model.generate(PROMPT, 20, do_sample=True, generator=torch.Generator().manual_seed(7), **MEDUSA_SETTINGS)
+                for _ in range(2)]
+        assert torch.equal(runs[0].sequences, runs[1].sequences)
+
+
+# ---------------------------------------------------------------- planted wrong rules (negative controls)
+def always_accept(candidates, verified, sampling, generator=None) -> Acceptance:
+    """WRONG: accept the first root-to-leaf path whatever the target says, bonus from p at its leaf."""
+    path = candidates.tree.leaf_paths[0]
+    path = path[path < candidates.tree.num_nodes]
+    bonus = select_token(verified.logits[path[-1]], sampling, generator)
+    return Acceptance(nodes=path, tokens=candidates.tokens[path[1:]].tolist() + [int(bonus)])
+
+
+def bonus_from_p(rule):
+    """WRONG: after a rejection, draw the bonus from the full p instead of the residual (norm(max(0, p - q)))."""
+
+    def wrong(candidates, verified, sampling, generator=None) -> Acceptance:
+        accepted = rule(candidates, verified, sampling, generator)
+        last = int(accepted.nodes[-1])
+        children = candidates.tree.parent[1:] == last
+        if bool(children.any()):  # the walk stopped at a node with children: they were all rejected
+            bonus = int(select_token(verified.logits[last], sampling, generator))
+            return Acceptance(nodes=accepted.nodes, tokens=accepted.tokens[:-1] + [bonus])
+        return accepted
+
+    return wrong
+
+
+# ---------------------------------------------------------------- the proof
+@pytest.mark.slow
+def test_medusa_tree_rejection_sampling_is_exact(target, medusa):
+    exact = exact_continuations(target, PROMPT, **MEDUSA_SETTINGS)
+    counts = sample_counts(medusa, EXACT_SAMPLES, seed=1, **MEDUSA_SETTINGS)  # default rule for do_sample: rejection
+    result = chi_square(counts, exact)
+    report("medusa tree, rejection (exact)", result)
+    assert result["impossible"] == 0
+    assert result["p_value"] > SIGNIFICANCE, result
+
+
+@pytest.mark.slow
+def test_draft_model_speculative_sampling_is_exact(target, draft_model):
+    exact = exact_continuations(target, PROMPT, **DRAFT_SETTINGS)
+    counts = sample_counts(draft_model, EXACT_SAMPLES, seed=2, **DRAFT_SETTINGS)  # default rule: speculative
+    result = chi_square(counts, exact)
+    report("draft model, speculative (exact)", result)
+    assert result["impossible"] == 0
+    assert result["p_value"] > SIGNIFICANCE, result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method, planted", [
+    ("medusa", "always_accept"), ("medusa", "bonus_from_p"), ("draft", "always_accept"), ("draft", "bonus_from_p"),
+])
+def test_planted_wrong_rules_are_detected(monkeypatch, target, medusa, draft_model, method, planted):
+    model, settings = (medusa, MEDUSA_SETTINGS) if method == "medusa" else (draft_model, DRAFT_SETTINGS)
+    exact_rule = rejection if method == "medusa" else speculative
+    wrong = always_accept if planted == "always_accept" else bonus_from_p(exact_rule)
+    monkeypatch.setitem(ACCEPTANCE_RULES, "planted", wrong)
+    counts = sample_counts(model, CONTROL_SAMPLES, seed=3, acceptance="planted", **settings)
+    result = chi_square(counts, exact_continuations(target, PROMPT, **settings))
+    report(f"{method}, planted {planted} (must be detected)", result)
+    assert result["p_value"] < DETECTED, result
