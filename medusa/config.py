@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+
+from medusa.fileio import atomic_write_text
 
 FORMAT_VERSION = 1
 CONFIG_NAME = "medusa_config.json"
@@ -66,16 +67,3 @@ class MedusaConfig:
         if unknown:
             raise ValueError(f"{path}: unknown keys {unknown}; known keys: {sorted(known)}")
         return cls(**raw)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write via a temporary file in the same folder and rename, so a crash never leaves half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

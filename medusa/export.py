@@ -21,15 +21,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from medusa.config import CONFIG_NAME, WEIGHTS_NAME, MedusaConfig, atomic_write_text
+from medusa.config import CONFIG_NAME, WEIGHTS_NAME, MedusaConfig
+from medusa.fileio import atomic_write_text, write_directory
 from medusa.heads import MedusaHeads
 
 logger = logging.getLogger(__name__)
@@ -221,38 +220,9 @@ def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
 
 
 def _write_directory(out_dir: Path, write, overwrite: bool) -> Path:
-    """Run `write(tmp)` in a temporary sibling folder, then move it into place: never a half-written directory."""
+    """Write an export atomically; another layout's leftovers would mislead foreign_layout, so they go."""
     _check_out_dir(out_dir, overwrite)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
-    try:
-        write(tmp)
-        _publish_modes(tmp)
-        if out_dir.is_dir():
-            written = {p.name for p in tmp.iterdir()}
-            # another layout's leftovers would mislead foreign_layout
-            for stale in (OFFICIAL_WEIGHTS, OFFICIAL_PICKLE, VLLM_WEIGHTS):
-                if stale not in written:
-                    (out_dir / stale).unlink(missing_ok=True)
-            # config last: it announces the layout
-            for item in sorted(tmp.iterdir(), key=lambda p: p.name == FOREIGN_CONFIG):
-                os.replace(item, out_dir / item.name)
-            tmp.rmdir()
-        else:
-            os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
-
-
-def _publish_modes(folder: Path) -> None:
-    """mkdtemp/mkstemp create owner-only (0700/0600) entries; exports are meant to be served, so use the umask."""
-    mask = os.umask(0)
-    os.umask(mask)
-    folder.chmod(0o777 & ~mask)
-    for item in folder.iterdir():
-        item.chmod(0o666 & ~mask)
+    return write_directory(out_dir, write, stale=(OFFICIAL_WEIGHTS, OFFICIAL_PICKLE, VLLM_WEIGHTS), last=FOREIGN_CONFIG)
 
 
 # ---------------------------------------------------------------------------------------------- import

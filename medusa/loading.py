@@ -12,12 +12,11 @@ import hashlib
 import importlib.util
 import logging
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Union
 
 import torch
+from medusa.fileio import write_directory
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
@@ -90,14 +89,11 @@ def convert_gguf(gguf_path: str | os.PathLike) -> Path:
     model.is_quantized = False
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
-    try:
+    def write(tmp: Path) -> None:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    write_directory(out, write)
     return out
 
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -16,8 +14,9 @@ from torch import nn
 from medusa.acceptance import get_rule
 from medusa.config import CONFIG_NAME, WEIGHTS_NAME, MedusaConfig
 from medusa.decode import GenerateOutput, decode
+from medusa.fileio import write_directory
 from medusa.heads import MedusaHeads
-from medusa.loading import DEFAULT_BASE, BaseSource, load_base, resolve_dtype
+from medusa.loading import DEFAULT_BASE, BaseSource, load_base
 from medusa.propose import CandidateProjection, get_proposer
 from medusa.sampling import SamplingConfig
 from medusa.tree import TreeSpec, build_buffers, chain, load_tree
@@ -133,20 +132,7 @@ class MedusaModel(nn.Module):
 
     def save_pretrained(self, directory: str | os.PathLike) -> None:
         """Write `medusa_config.json` + `medusa_heads.safetensors` atomically (temporary folder, then rename)."""
-        directory = Path(directory)
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.tmp-"))
-        try:
-            save_heads(self.heads, tmp, tree=self.tree)
-            if directory.exists():
-                for item in tmp.iterdir():
-                    os.replace(item, directory / item.name)
-                tmp.rmdir()
-            else:
-                os.replace(tmp, directory)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        write_directory(Path(directory), lambda tmp: save_heads(self.heads, tmp, tree=self.tree), last=CONFIG_NAME)
 
     # ---------------------------------------------------------------- generation
     def generate(
