@@ -28,7 +28,7 @@ from medusa.evaluation import RankAccuracy, head_rank_accuracy, load_questions, 
 from medusa.heads import head_target_offset  # noqa: E402
 from medusa.loading import DTYPES  # noqa: E402
 from train.config import DataConfig  # noqa: E402
-from train.generate_data import answer_batch, tokenize_prompts  # noqa: E402
+from train.generate_data import answer_batch, stop_and_pad_ids, tokenize_prompts  # noqa: E402
 
 
 def answer_questions(model: MedusaModel, questions: list[dict], max_new_tokens: int, batch_size: int):
@@ -36,8 +36,7 @@ def answer_questions(model: MedusaModel, questions: list[dict], max_new_tokens: 
     tokenizer = model.tokenizer
     window = model.base.config.get_text_config().max_position_embeddings
     items = tokenize_prompts(tokenizer, [(i, q["turns"][0]) for i, q in enumerate(questions)], window - max_new_tokens)
-    eos_ids = [tokenizer.eos_token_id]  # as generate_data does
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos_ids, pad_id = stop_and_pad_ids(model.base, tokenizer)
     cfg = DataConfig(max_new_tokens=max_new_tokens, batch_size=batch_size)
     items.sort(key=lambda x: len(x["prompt_ids"]))  # less padding per batch
     sequences, starts, answered = [], [], []

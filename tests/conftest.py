@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GemmaConfig, LlamaConfig, Qwen2Config
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models
+from transformers import AutoModelForCausalLM, GemmaConfig, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
 
 from medusa import MedusaConfig, MedusaHeads, MedusaModel
 
@@ -36,6 +39,29 @@ def make_heads(num_heads: int = 4, random: bool = False, projection: str = "shar
         for p in heads.parameters():
             torch.nn.init.normal_(p, std=0.3)
     return heads
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """Character-level: <pad> + the 95 printable ASCII characters = the tiny models' 96 ids; with a chat template."""
+    chars = [chr(i) for i in range(32, 127)]
+    vocab = {"<pad>": 0, **{c: i + 1 for i, c in enumerate(chars)}}
+    assert len(vocab) == VOCAB
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<pad>"))
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<pad>")
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} | {% endfor %}"
+                               "{% if add_generation_prompt %}assistant:{% endif %}")
+    return tokenizer
+
+
+def save_tiny_checkpoint(directory: Path, family: str = "llama") -> tuple[Path, Path]:
+    """A tiny base (with tokenizer) and random heads saved as directories: (base_dir, heads_dir)."""
+    base_dir, heads_dir = directory / "base", directory / "heads"
+    base = make_tiny_model(family)
+    base.save_pretrained(base_dir)
+    tiny_tokenizer().save_pretrained(base_dir)
+    MedusaModel(base, make_heads(random=True)).save_pretrained(heads_dir)
+    return base_dir, heads_dir
 
 
 @pytest.fixture(params=FAMILIES)

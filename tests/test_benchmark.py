@@ -5,11 +5,8 @@ import json
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, decoders, models
-from transformers import PreTrainedTokenizerFast
 
-from medusa import MedusaModel
-from tests.conftest import VOCAB, make_heads, make_tiny_model
+from tests.conftest import save_tiny_checkpoint
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
@@ -22,29 +19,6 @@ def load_script(name: str):
 
 
 benchmark = load_script("benchmark")
-
-
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
-    """Character-level: <pad> + the 95 printable ASCII characters = the tiny models' 96 ids; with a chat template."""
-    chars = [chr(i) for i in range(32, 127)]
-    vocab = {"<pad>": 0, **{c: i + 1 for i, c in enumerate(chars)}}
-    assert len(vocab) == VOCAB
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<pad>"))
-    backend.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<pad>")
-    tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} | {% endfor %}"
-                               "{% if add_generation_prompt %}assistant:{% endif %}")
-    return tokenizer
-
-
-def save_tiny_checkpoint(directory: Path, family: str = "llama") -> tuple[Path, Path]:
-    """A tiny base (with tokenizer) and random heads saved as directories: (base_dir, heads_dir)."""
-    base_dir, heads_dir = directory / "base", directory / "heads"
-    base = make_tiny_model(family)
-    base.save_pretrained(base_dir)
-    tiny_tokenizer().save_pretrained(base_dir)
-    MedusaModel(base, make_heads(random=True)).save_pretrained(heads_dir)
-    return base_dir, heads_dir
 
 
 QUESTIONS = [

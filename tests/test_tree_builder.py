@@ -8,7 +8,8 @@ import pytest
 from medusa import MedusaModel, TreeSpec, load_tree
 from medusa.tree_builder import best_size, check_accuracy, expected_tau, grow_tree, measure_step_latency, path_value
 from tests.conftest import make_heads, make_tiny_model
-from tests.test_benchmark import load_script, save_tiny_checkpoint
+from tests.conftest import save_tiny_checkpoint
+from tests.test_benchmark import load_script
 
 # falls with rank (as real heads' accuracies do); values chosen so that no two paths tie
 ACC = [[0.61, 0.17, 0.071], [0.43, 0.13, 0.052], [0.33, 0.097], [0.23]]

@@ -44,6 +44,115 @@ class DataConfig:
             raise ValueError(f"data.greedy_fraction must lie in [0, 1], got {self.greedy_fraction}")
 
 
+@dataclass
+class HeadsConfig:
+    num_heads: int = 4
+    num_layers: int = 1  # residual blocks per head
+    projection: str = "shared"  # shared: reuse the frozen base lm_head (train blocks only); own: one [V, H] per head
+    init_from: str | None = None  # a heads directory to start from (e.g. Medusa-1 heads before Medusa-2)
+
+    def __post_init__(self):
+        from medusa.config import PROJECTIONS
+
+        _check_int(self, "heads", "num_heads", minimum=1)
+        _check_int(self, "heads", "num_layers", minimum=0)
+        if self.projection not in PROJECTIONS:
+            raise ValueError(f"heads.projection must be one of {PROJECTIONS}, got {self.projection!r}")
+        if self.num_layers == 0 and self.projection == "shared":
+            raise ValueError("heads.num_layers 0 with projection 'shared' leaves nothing to train: "
+                             "use num_layers >= 1 or projection 'own'")
+
+
+MIXED_PRECISION = ("auto", "bf16", "no")
+REPORT_TO = ("none", "wandb")
+BATCH_UNITS = ("sequences", "tokens")
+
+
+@dataclass
+class TrainingConfig:
+    output_dir: str = "runs/heads"  # the final heads directory (medusa_config.json + medusa_heads.safetensors)
+    checkpoint_dir: str | None = None  # default: runs/checkpoints/<name of output_dir>
+    cache_dir: str = "runs/hidden_cache"  # precomputed base hidden states, one file per (data, base) pair
+    lr: float = 1e-3  # heads (official Medusa-1: 1e-3)
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    max_steps: int | None = None  # wins over epochs when set
+    epochs: int = 1
+    batch_size: int = 8  # per process and micro-step, in batch_unit
+    batch_unit: str = "sequences"  # sequences | tokens: pack conversations up to batch_size positions (with
+    # precompute_hidden, the positions the heads read: response + num_heads + 1; otherwise whole conversations)
+    grad_accum: int = 1
+    max_length: int = 1024  # conversations are truncated to this many tokens
+    max_grad_norm: float | None = 1.0
+    eval_every: int = 100  # optimizer steps between evaluations (0: only at the start and the end)
+    eval_conversations: int = 64  # held out by a hash of their tokens: the same ones whatever the seed
+    head_decay: float = 0.8  # head k's cross-entropy weighs heads_coefficient * head_decay**k
+    heads_coefficient: float = 1.0
+    seed: int = 0
+    report_to: str = "none"  # none | wandb (offline unless WANDB_MODE says otherwise)
+    wandb_project: str = "medusa"
+    run_name: str | None = None
+    log_every: int = 10
+    save_every: int = 500  # optimizer steps between checkpoints (0: none before the end)
+    keep_checkpoints: int = 2
+    precompute_hidden: bool = True  # frozen base: run it once over the data, reuse its hidden states every epoch
+    precompute_batch_tokens: int = 8192  # padded tokens per base forward while precomputing
+    mixed_precision: str = "auto"  # auto (bf16 where the hardware has it) | bf16 | no
+    chunk_tokens: int = 2048  # rows per vocabulary-projection chunk: bounds the [rows, V] logits in memory
+    # Medusa-2: LoRA on the base, trained with the heads; the base keeps its distribution through a KL term.
+    medusa2: bool = False
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.05
+    lora_target_modules: str | list[str] = "all-linear"  # peft's shorthand for every linear layer but lm_head
+    lora_lr: float = 1e-4  # the adapters move slower than the heads
+    kl_weight: float = 1.0
+
+    def __post_init__(self):
+        for name in ("lr", "weight_decay", "head_decay", "heads_coefficient", "lora_dropout", "lora_lr", "kl_weight"):
+            _check_float(self, name, minimum=0.0)
+        if self.max_grad_norm is not None:
+            _check_float(self, "max_grad_norm", minimum=0.0)
+        for name in ("batch_size", "grad_accum", "max_length", "log_every", "keep_checkpoints",
+                     "precompute_batch_tokens", "chunk_tokens", "lora_r", "lora_alpha", "epochs"):
+            _check_int(self, "training", name, minimum=1)
+        for name in ("warmup_steps", "eval_every", "eval_conversations", "save_every", "seed"):
+            _check_int(self, "training", name, minimum=0)
+        if self.max_steps is not None:
+            _check_int(self, "training", "max_steps", minimum=1)
+        if self.lr == 0:
+            raise ValueError("training.lr is 0: the heads would not move")
+        if self.batch_unit not in BATCH_UNITS:
+            raise ValueError(f"training.batch_unit must be one of {BATCH_UNITS}, got {self.batch_unit!r}")
+        if self.mixed_precision not in MIXED_PRECISION:
+            raise ValueError(f"training.mixed_precision must be one of {MIXED_PRECISION}, got {self.mixed_precision!r}")
+        if self.report_to not in REPORT_TO:
+            raise ValueError(f"training.report_to must be one of {REPORT_TO}, got {self.report_to!r}")
+        if self.medusa2 and self.precompute_hidden:
+            raise ValueError("training.precompute_hidden needs a frozen base, but medusa2 adapts it with LoRA: "
+                             "set training.precompute_hidden false for Medusa-2")
+        if not self.output_dir:
+            raise ValueError("training.output_dir is empty: name the directory the heads are written to")
+
+
+def _check_int(cfg, section: str, name: str, minimum: int) -> None:
+    value = getattr(cfg, name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{section}.{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _check_float(cfg, name: str, minimum: float) -> None:
+    """Accept ints and numeric strings (YAML reads `1e-3` without a dot as a string) and store a float."""
+    value = getattr(cfg, name)
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"training.{name} must be a number, got {value!r}") from None
+    if isinstance(value, bool) or number < minimum:
+        raise ValueError(f"training.{name} must be a number >= {minimum}, got {value!r}")
+    setattr(cfg, name, number)
+
+
 def _coerce(value: str, annotation) -> object:
     """Parse a CLI override string with YAML, so numbers, bools, lists and dicts all work."""
     return yaml.safe_load(value)

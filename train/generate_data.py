@@ -23,6 +23,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from medusa.data import build_prompt_mix  # noqa: E402
 from medusa.loading import load_base  # noqa: E402
+from medusa.model import stop_token_ids  # noqa: E402
 from train.config import DataConfig, ModelConfig, parse_args  # noqa: E402
 
 # Fields that decide which prompt lands in which shard: a resumed run must agree on them.
@@ -41,6 +42,11 @@ def load_shards(out_dir: str | Path):
     if not shards:
         raise FileNotFoundError(f"no data shards in {out_dir}: run train/generate_data.py first")
     return concatenate_datasets([load_from_disk(str(s)) for s in shards])
+
+
+def is_greedy_shard(shard: int, greedy_fraction: float) -> bool:
+    """Spread greedy shards evenly (fraction 0.5: every other shard), so any prefix of the data has the mix."""
+    return int((shard + 1) * greedy_fraction) > int(shard * greedy_fraction)
 
 
 def check_resume(out_dir: Path, cfg: DataConfig) -> None:
@@ -72,6 +78,13 @@ def tokenize_prompts(tokenizer, mix, max_prompt_tokens: int) -> list[dict]:
     return items
 
 
+def stop_and_pad_ids(model, tokenizer) -> tuple[list[int], int]:
+    """The stop ids answers end at (may be empty: answers then run to max_new_tokens) and a pad id for batching."""
+    eos_ids = sorted(stop_token_ids(model, tokenizer, None))
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_ids or [0])[0]
+    return eos_ids, pad_id
+
+
 @torch.inference_mode()
 def answer_batch(model, prompt_ids: list[list[int]], pad_id: int, eos_ids: list[int], cfg: DataConfig, greedy: bool):
     """Left-padded batched generation; returns each response up to and including its first stop token."""
@@ -84,7 +97,7 @@ def answer_batch(model, prompt_ids: list[list[int]], pad_id: int, eos_ids: list[
     sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": cfg.temperature, "top_p": cfg.top_p}
     out = model.generate(
         input_ids=input_ids.to(model.device), attention_mask=attention.to(model.device),
-        max_new_tokens=cfg.max_new_tokens, pad_token_id=pad_id, eos_token_id=eos_ids, top_k=None, **sampling,
+        max_new_tokens=cfg.max_new_tokens, pad_token_id=pad_id, eos_token_id=eos_ids or None, top_k=None, **sampling,
     )[:, width:].tolist()
     responses = []
     for row in out:
@@ -100,8 +113,7 @@ def main(argv=None) -> None:
     out_dir = Path(cfg.out_dir)
     check_resume(out_dir, cfg)
     model, tokenizer = load_base(cfgs["model"].base, dtype=cfg.dtype)
-    eos_ids = [tokenizer.eos_token_id]
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    eos_ids, pad_id = stop_and_pad_ids(model, tokenizer)
 
     items = tokenize_prompts(tokenizer, build_prompt_mix(cfg.sources, cfg.seed), cfg.max_prompt_tokens)
     n_shards = (len(items) + cfg.shard_size - 1) // cfg.shard_size
@@ -116,7 +128,7 @@ def main(argv=None) -> None:
         if name in done:
             bar.update(len(chunk))
             continue
-        greedy = (shard % 100) < cfg.greedy_fraction * 100  # deterministic split between greedy and sampled shards
+        greedy = is_greedy_shard(shard, cfg.greedy_fraction)
         torch.manual_seed(cfg.seed * 100_003 + shard)  # a resumed shard samples what it would have
         order = sorted(range(len(chunk)), key=lambda i: len(chunk[i]["prompt_ids"]))  # less padding per batch
         records = []

@@ -1,0 +1,85 @@
+"""Self-distillation data: evaluation prompts dropped, shards written atomically, a killed run resumes exactly."""
+
+import json
+import shutil
+
+import pytest
+
+from train.generate_data import is_greedy_shard, load_shards, main, shard_dirs
+from tests.conftest import make_tiny_model, tiny_tokenizer
+
+PROMPTS = [f"Tell me fact number {i} about owls." for i in range(7)] + ["Prove the Pythagorean theorem."]
+
+
+@pytest.fixture
+def setup(tmp_path, monkeypatch):
+    base = tmp_path / "base"
+    make_tiny_model("llama").save_pretrained(base)
+    tiny_tokenizer().save_pretrained(base)
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    (bench / "mt_bench_question.jsonl").write_text(json.dumps({"question_id": 99, "category": "math",
+                                                               "turns": ["Prove the Pythagorean theorem."]}) + "\n")
+    monkeypatch.setenv("MEDUSA_BENCH_DATA", str(bench))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    out = tmp_path / "data"
+    args = ["--model.base", str(base), "--model.dtype", "float32", "--data.sources", json.dumps({str(prompts): -1}),
+            "--data.out_dir", str(out), "--data.shard_size", "3", "--data.batch_size", "2",
+            "--data.max_new_tokens", "6", "--data.dtype", "float32", "--data.greedy_fraction", "1.0"]
+    return args, out
+
+
+def _rows(out):
+    return sorted((tuple(r["input_ids"]), r["response_start"]) for r in load_shards(out))
+
+
+def test_generates_filters_evaluation_prompts_and_resumes_after_a_kill(setup):
+    args, out = setup
+    main(args)
+    shards = shard_dirs(out)
+    assert [s.name for s in shards] == ["shard-00000", "shard-00001", "shard-00002"]  # 7 prompts kept, 3 per shard
+    full = _rows(out)
+    assert len(full) == 7 and all(len(ids) > start for ids, start in full)
+    text = tiny_tokenizer().decode([t for ids, _ in full for t in ids])
+    assert "Pythagorean" not in text  # the MT-bench prompt never reached the training data
+
+    # a kill mid-shard: the last shard is gone and a half-written temporary folder remains
+    kept = shards[0].stat().st_mtime_ns
+    shutil.rmtree(shards[-1])
+    (out / ".tmp-shard-00002").mkdir()
+    main(args)
+    assert _rows(out) == full  # greedy answers: the resumed run rebuilds exactly what was lost
+    assert shard_dirs(out)[0].stat().st_mtime_ns == kept  # finished shards are not redone
+    assert not (out / ".tmp-shard-00002").exists()
+
+
+def test_resume_with_other_settings_is_refused(setup):
+    args, out = setup
+    main(args)
+    with pytest.raises(ValueError, match="use another data.out_dir"):
+        main(args + ["--data.shard_size", "4"])
+
+
+def test_prompts_need_a_chat_template(setup, tmp_path):
+    args, _ = setup
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(tmp_path / "base")
+    (tmp_path / "base" / "chat_template.jinja").unlink(missing_ok=True)
+    with pytest.raises(ValueError, match="no chat template"):
+        main(args)
+
+
+def test_empty_prompt_source_and_unknown_keys_are_named(setup, tmp_path):
+    args, _ = setup
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(ValueError, match="no prompts"):
+        main(args + ["--data.sources", json.dumps({str(tmp_path / "empty.jsonl"): -1})])
+    with pytest.raises(ValueError, match="unknown key"):
+        main(args + ["--data.sorces", "{}"])
+
+
+def test_greedy_shards_are_spread_evenly():
+    assert [is_greedy_shard(i, 0.5) for i in range(4)] == [False, True, False, True]
+    assert sum(is_greedy_shard(i, 0.25) for i in range(100)) == 25

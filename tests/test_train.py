@@ -1,0 +1,458 @@
+"""train/train.py on a tiny random Llama: learning, resumption, Medusa-2, multi-process launch, named errors."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import HIDDEN, VOCAB, make_tiny_model
+from safetensors.torch import load_file
+
+from medusa import MedusaModel
+from medusa.config import WEIGHTS_NAME, MedusaConfig
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from train import train as train_mod  # noqa: E402
+from train.config import load_sections  # noqa: E402
+
+CYCLE = [11, 23, 37, 42, 58, 64, 79]  # the learnable pattern: every response walks this cycle
+
+
+def reset_accelerate() -> None:
+    """Each in-process run builds its own Accelerator; accelerate keeps process-wide singletons between them."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    reset_accelerate()
+    yield
+    reset_accelerate()
+
+
+def run(raw: dict, **kwargs):
+    reset_accelerate()
+    return train_mod.train(build(raw), **kwargs)
+
+
+def save_tiny_base(directory: Path) -> Path:
+    """A tiny random Llama plus a word-level tokenizer (t0..t95), loadable by medusa.loading.load_base."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    model = make_tiny_model("llama")
+    model.save_pretrained(directory)
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t1")),
+                                        pad_token="t0", unk_token="t1")
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def write_shards(directory: Path, n: int = 48, response_len: int = 40, seed: int = 0, shards: int = 2) -> Path:
+    """Self-distillation-shaped shards: a random prompt, then a response that repeats CYCLE from a random phase."""
+    from datasets import Dataset
+
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        prompt = [rng.randrange(2, VOCAB) for _ in range(rng.randrange(3, 9))]
+        phase = rng.randrange(len(CYCLE))
+        response = [CYCLE[(phase + i) % len(CYCLE)] for i in range(response_len)]
+        rows.append({"input_ids": prompt + response, "response_start": len(prompt), "source": "synthetic", "greedy": True})
+    per = (n + shards - 1) // shards
+    for s in range(shards):
+        Dataset.from_list(rows[s * per:(s + 1) * per]).save_to_disk(str(directory / f"shard-{s:05d}"))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def tiny_base(tmp_path_factory) -> Path:
+    return save_tiny_base(tmp_path_factory.mktemp("tiny-base"))
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory) -> Path:
+    return write_shards(tmp_path_factory.mktemp("tiny-data"))
+
+
+def sections(tmp: Path, base: Path, data: Path, heads: dict | None = None, **training) -> dict:
+    raw = {
+        "model": {"base": str(base), "dtype": "float32"},
+        "data": {"out_dir": str(data)},
+        "heads": {"num_heads": 3, "num_layers": 1, "projection": "shared", **(heads or {})},
+        "training": {"output_dir": str(tmp / "heads"), "checkpoint_dir": str(tmp / "ckpt"),
+                     "cache_dir": str(tmp / "cache"), "lr": 1e-2, "batch_size": 4, "max_steps": 8, "eval_every": 0,
+                     "eval_conversations": 8, "log_every": 2, "save_every": 0, "mixed_precision": "no",
+                     "chunk_tokens": 64, **training},
+    }
+    return raw
+
+
+def build(raw: dict) -> dict:
+    path = Path(raw["training"]["output_dir"]).parent / "config.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return load_sections(str(path), [], train_mod.SECTIONS)
+
+
+def top1(metrics: dict, head: int) -> float:
+    return metrics[f"eval/head{head}/top1"]
+
+
+# --------------------------------------------------------------------------- learning
+def test_heads_learn_a_repeating_pattern(tmp_path, tiny_base, tiny_data):
+    result = run(sections(tmp_path, tiny_base, tiny_data, max_steps=40, eval_every=20))
+    first, last = result.eval_history[0], result.eval_history[-1]
+    assert [h["step"] for h in result.eval_history] == [0, 20, 40]
+    for k in range(3):
+        assert last[f"eval/head{k}/ce"] < first[f"eval/head{k}/ce"] - 1.0, (k, first, last)
+        assert top1(last, k) > 0.9 and top1(last, k) > top1(first, k) + 0.5, (k, first, last)
+        assert last[f"eval/head{k}/top5"] >= top1(last, k)
+    # The output directory is a complete heads directory with provenance.
+    loaded = MedusaModel.from_pretrained(result.output_dir)
+    assert loaded.config.num_heads == 3 and loaded.config.base_model_name_or_path == str(tiny_base)
+    extra = loaded.config.extra
+    assert extra["training"]["steps"] == 40 and extra["training"]["method"] == "medusa-1"
+    assert extra["training"]["train_conversations"] == 40 and extra["training"]["eval_conversations"] == 8
+    assert extra["eval"]["head0"]["top1"] == pytest.approx(top1(last, 0), abs=1e-4)
+    assert not (result.output_dir / "adapter_config.json").exists()
+    # The trained heads predict the cycle on a fresh sequence.
+    ids = torch.tensor([[5, 9] + CYCLE * 2])
+    with torch.no_grad():
+        hidden = loaded.base(ids, output_hidden_states=True).hidden_states[-1]
+        guesses = loaded.heads(hidden, loaded.base.get_output_embeddings()).argmax(-1)  # (K, 1, T)
+    t = 2 + 3  # reads CYCLE[3]; head k predicts CYCLE[3 + k + 2]
+    assert [int(guesses[k, 0, t]) for k in range(3)] == [CYCLE[(3 + k + 2) % len(CYCLE)] for k in range(3)]
+
+
+def test_bf16_tokens_batches_and_own_projection_learn(tmp_path, tiny_base, tiny_data):
+    raw = sections(tmp_path, tiny_base, tiny_data, heads={"projection": "own"}, max_steps=30, batch_unit="tokens",
+                   batch_size=160, mixed_precision="bf16", lr=5e-3)
+    result = run(raw)
+    first, last = result.eval_history[0], result.eval_history[-1]
+    for k in range(3):
+        assert top1(last, k) > top1(first, k) + 0.3, (k, first, last)
+    state = load_file(str(result.output_dir / WEIGHTS_NAME))
+    assert state["projections.0.weight"].shape == (VOCAB, HIDDEN)
+
+
+def test_precomputed_and_live_hidden_states_train_alike(tmp_path, tiny_base, tiny_data):
+    """The cached spans hold exactly what the heads read: same losses as running the base every step."""
+    results = {}
+    for precompute in (True, False):
+        raw = sections(tmp_path / str(precompute), tiny_base, tiny_data, max_steps=4, precompute_hidden=precompute)
+        (tmp_path / str(precompute)).mkdir()
+        results[precompute] = run(raw).eval_history
+    for a, b in zip(results[True], results[False]):
+        for key in a:
+            assert a[key] == pytest.approx(b[key], abs=2e-2), key  # the cache stores bf16 hidden states
+
+
+def test_hidden_cache_is_reused_and_keyed_by_data(tmp_path, tiny_base, tiny_data, capsys):
+    raw = sections(tmp_path, tiny_base, tiny_data, max_steps=2)
+    run(raw)
+    caches = list((tmp_path / "cache").glob("hidden-*.safetensors"))
+    assert len(caches) == 1
+    mtime = caches[0].stat().st_mtime_ns
+
+    raw["training"]["output_dir"] = str(tmp_path / "heads2")
+    raw["training"]["checkpoint_dir"] = str(tmp_path / "ckpt2")
+    capsys.readouterr()
+    run(raw)
+    assert "reusing precomputed hidden states" in capsys.readouterr().out
+    assert caches[0].stat().st_mtime_ns == mtime
+    # Other data: another key, another file (a stale cache is never read for new data).
+    other = write_shards(tmp_path / "other-data", n=30, seed=5, shards=1)
+    raw["data"]["out_dir"] = str(other)
+    raw["training"]["output_dir"] = str(tmp_path / "heads3")
+    raw["training"]["checkpoint_dir"] = str(tmp_path / "ckpt3")
+    run(raw)
+    assert len(list((tmp_path / "cache").glob("hidden-*.safetensors"))) == 2
+
+
+# --------------------------------------------------------------------------- resumption
+RESUME_MODES = {
+    "precomputed": dict(precompute_hidden=True),
+    "live-base": dict(precompute_hidden=False),
+    # LoRA dropout draws random numbers every step: resumption must restore the RNG too.
+    "medusa2": dict(precompute_hidden=False, medusa2=True, lora_r=4, lora_alpha=8, lora_dropout=0.2, lora_lr=1e-2),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(RESUME_MODES))
+def test_resume_equals_uninterrupted(tmp_path, tiny_base, tiny_data, mode):
+    common = dict(max_steps=12, warmup_steps=3, save_every=6, grad_accum=2, weight_decay=0.01, **RESUME_MODES[mode])
+    whole_dir, split_dir = tmp_path / "whole", tmp_path / "split"
+    whole_dir.mkdir(), split_dir.mkdir()
+    whole = run(sections(whole_dir, tiny_base, tiny_data, **common))
+    stopped = run(sections(split_dir, tiny_base, tiny_data, **common), stop_after_steps=6)
+    assert stopped.output_dir is None and stopped.steps == 6
+    assert (split_dir / "ckpt" / "step-00000006" / "trainer_state.json").is_file()
+    resumed = run(sections(split_dir, tiny_base, tiny_data, **common), resume=True)
+
+    a, b = load_file(str(whole.output_dir / WEIGHTS_NAME)), load_file(str(resumed.output_dir / WEIGHTS_NAME))
+    assert set(a) == set(b)
+    assert any(a[k].abs().max() > 0 for k in a)  # the heads moved away from their zero initialisation
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0, msg=name)
+    if mode == "medusa2":
+        a, b = (load_file(str(r.output_dir / "adapter_model.safetensors")) for r in (whole, resumed))
+        assert set(a) == set(b) and a
+        for name in a:
+            torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0, msg=name)
+    assert whole.eval_history[-1] == pytest.approx(resumed.eval_history[-1], abs=1e-6)
+    assert MedusaConfig.load(resumed.output_dir).extra["training"]["tokens_seen"] == \
+        MedusaConfig.load(whole.output_dir).extra["training"]["tokens_seen"]
+
+
+def test_grad_accumulation_equals_one_large_batch(tmp_path, tiny_base, tiny_data):
+    """Losses are normalised by the positions of the whole optimizer step, so the split does not matter (prompts of
+    3..8 tokens give the heads unequal position counts per conversation: a mean of means would differ)."""
+    outputs = []
+    for name, batch, accum in (("large", 4, 1), ("split", 1, 4)):
+        (tmp_path / name).mkdir()
+        outputs.append(run(sections(tmp_path / name, tiny_base, tiny_data, max_steps=6, batch_size=batch,
+                                    grad_accum=accum)).output_dir)
+    a, b = (load_file(str(out / WEIGHTS_NAME)) for out in outputs)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0, msg=name)
+
+
+def test_resume_refuses_a_changed_run_and_fresh_run_refuses_old_checkpoints(tmp_path, tiny_base, tiny_data):
+
+    raw = sections(tmp_path, tiny_base, tiny_data, max_steps=6, save_every=2)
+    run(raw, stop_after_steps=2)
+    with pytest.raises(FileExistsError, match="--resume"):
+        run(raw)
+    raw["training"]["lr"] = 0.5
+    with pytest.raises(ValueError, match=r"training\.lr: 0\.01 -> 0\.5"):
+        run(raw, resume=True)
+    raw["training"]["checkpoint_dir"] = str(tmp_path / "none-here")
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        run(raw, resume=True)
+
+
+def test_wandb_logs_offline_without_an_account(tmp_path, tiny_base, tiny_data, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    try:
+        run(sections(tmp_path, tiny_base, tiny_data, max_steps=2, report_to="wandb", run_name="tiny"))
+        assert os.environ["WANDB_MODE"] == "offline"
+    finally:
+        os.environ.pop("WANDB_MODE", None)
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+
+
+# --------------------------------------------------------------------------- Medusa-2
+def test_medusa2_trains_adapter_and_heads_and_loads_merged(tmp_path, tiny_base, tiny_data):
+    raw = sections(tmp_path, tiny_base, tiny_data, max_steps=10, medusa2=True, precompute_hidden=False, lora_r=4,
+                   lora_alpha=8, lora_lr=1e-2, lora_dropout=0.0, kl_weight=1.0)
+    result = run(raw)
+    out = result.output_dir
+    assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
+    assert not (out / "README.md").exists()  # peft's placeholder model card is dropped
+    assert "eval/kl" in result.eval_history[-1] and result.eval_history[0]["eval/kl"] == pytest.approx(0, abs=1e-6)
+    assert result.eval_history[-1]["eval/kl"] > 0  # the adapter moved the base (and the KL term measures it)
+    assert top1(result.eval_history[-1], 0) > top1(result.eval_history[0], 0)
+    config = MedusaConfig.load(out)
+    assert config.extra["training"]["method"] == "medusa-2"
+
+    # from_pretrained merges the adapter: its base equals the peft model's adapted base.
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    loaded = MedusaModel.from_pretrained(out)
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_base), str(out)).eval()
+    plain = AutoModelForCausalLM.from_pretrained(tiny_base).eval()
+    ids = torch.tensor([[3, 4, 5] + CYCLE])
+    with torch.no_grad():
+        merged, adapted, original = loaded.base(ids).logits, peft_model(ids).logits, plain(ids).logits
+    torch.testing.assert_close(merged, adapted, atol=1e-4, rtol=1e-4)
+    assert (merged - original).abs().max() > 1e-4  # the adapter really changed the base
+
+
+def test_medusa1_output_replaces_a_stale_adapter(tmp_path, tiny_base, tiny_data):
+    raw = sections(tmp_path, tiny_base, tiny_data, max_steps=2)
+    out = Path(raw["training"]["output_dir"])
+    out.mkdir()
+    (out / "adapter_config.json").write_text("{}")
+    run(raw)
+    assert not (out / "adapter_config.json").exists()
+    MedusaModel.from_pretrained(out)
+
+
+# --------------------------------------------------------------------------- errors
+def test_error_empty_dataset(tmp_path, tiny_base):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match="no data shards.*generate_data"):
+        run(sections(tmp_path, tiny_base, empty))
+    from datasets import Dataset
+
+    Dataset.from_dict({"input_ids": [], "response_start": [], "source": [], "greedy": []}) \
+        .save_to_disk(str(empty / "shard-00000"))  # a shard with no rows
+    with pytest.raises(ValueError, match="is empty .*run train/generate_data.py"):
+        run(sections(tmp_path, tiny_base, empty))
+    Dataset.from_list([{"input_ids": [1, 2, 3], "response_start": 3, "source": "x", "greedy": True}]) \
+        .save_to_disk(str(empty / "shard-00001"))  # a prompt whose response is empty
+    with pytest.raises(ValueError, match="none has a response token"):
+        run(sections(tmp_path, tiny_base, empty))
+
+
+def test_error_too_few_conversations_for_eval(tmp_path, tiny_base, tiny_data):
+    with pytest.raises(ValueError, match="eval_conversations=48 leaves none"):
+        run(sections(tmp_path, tiny_base, tiny_data, eval_conversations=48))
+
+
+def test_error_unknown_config_key(tmp_path, tiny_base, tiny_data):
+    raw = sections(tmp_path, tiny_base, tiny_data)
+    raw["training"]["learning_rate"] = 1e-3
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['learning_rate'\] in section 'training'"):
+        build(raw)
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['num_head'\] in section 'heads'"):
+        train_mod.main(["--config", str(REPO / "configs" / "smollm2-135m.yaml"), "--heads.num_head", "3"])
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"heads": {"projection": "tied"}}, "heads.projection must be one of"),
+    ({"heads": {"num_layers": 0}}, "nothing to train"),
+    ({"training": {"batch_unit": "rows"}}, "training.batch_unit"),
+    ({"training": {"medusa2": True}}, "precompute_hidden false for Medusa-2"),
+    ({"training": {"lr": "fast"}}, "training.lr must be a number"),
+    ({"training": {"report_to": "tensorboard"}}, "training.report_to"),
+])
+def test_error_invalid_values(tmp_path, tiny_base, tiny_data, bad, message):
+    raw = sections(tmp_path, tiny_base, tiny_data)
+    for section, values in bad.items():
+        raw[section].update(values)
+    with pytest.raises(ValueError, match=message):
+        build(raw)
+
+
+def test_yaml_reads_exponent_learning_rates(tmp_path, tiny_base, tiny_data):
+    raw = sections(tmp_path, tiny_base, tiny_data)
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(raw).replace("lr: 0.01", "lr: 1e-3"))  # YAML 1.1 reads 1e-3 as a string
+    assert load_sections(str(path), [], train_mod.SECTIONS)["training"].lr == 1e-3
+
+
+def test_error_heads_that_do_not_match_the_base(tmp_path, tiny_base, tiny_data):
+    from conftest import make_heads
+    from medusa.model import save_heads
+
+    other = tmp_path / "other-heads"
+    other.mkdir()
+    save_heads(make_heads(num_heads=3, hidden=32), other)  # made for a base with hidden size 32
+    with pytest.raises(ValueError, match="hidden_size 32 but the base .* has 64"):
+        run(sections(tmp_path, tiny_base, tiny_data, heads={"init_from": str(other)}))
+
+    save_heads(make_heads(num_heads=2), other)
+    with pytest.raises(ValueError, match="num_heads=2 but the heads section asks for 3"):
+        run(sections(tmp_path, tiny_base, tiny_data, heads={"init_from": str(other)}))
+
+
+def test_error_data_from_another_tokenizer(tmp_path, tiny_base):
+    from datasets import Dataset
+
+    data = tmp_path / "big-vocab"
+    Dataset.from_list([{"input_ids": [1, 2, 500, 7], "response_start": 2, "source": "x", "greedy": True}] * 12) \
+        .save_to_disk(str(data / "shard-00000"))
+    with pytest.raises(ValueError, match="token id 500 but the base vocabulary has 96"):
+        run(sections(tmp_path, tiny_base, data))
+
+
+def test_init_from_continues_from_saved_heads(tmp_path, tiny_base, tiny_data):
+    (tmp_path / "a").mkdir()
+    first = run(sections(tmp_path / "a", tiny_base, tiny_data, max_steps=20))
+    (tmp_path / "b").mkdir()
+    second = run(sections(tmp_path / "b", tiny_base, tiny_data, max_steps=1, lr=1e-6,
+                          heads={"init_from": str(first.output_dir)}))
+    before, after = first.eval_history[-1], second.eval_history[0]  # at steps 20 and 0: the same heads
+    assert {k: v for k, v in after.items() if k != "step"} == pytest.approx(
+        {k: v for k, v in before.items() if k != "step"}, abs=1e-5)
+
+
+# --------------------------------------------------------------------------- processes
+LAUNCHED = {"ACCELERATE_USE_CPU": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+
+
+@pytest.mark.parametrize("env, parent, expected", [
+    (LAUNCHED, ["python", "accelerate", "launch", "--num_processes", "2", "--cpu", "train/train.py"], 2),
+    (LAUNCHED, ["accelerate", "launch", "--cpu", "--num-processes=3", "t.py", "--config", "c.yaml"], 3),
+    (LAUNCHED, ["accelerate", "launch", "--cpu", "--num_processes", "1", "t.py"], None),
+    (LAUNCHED, ["accelerate", "launch", "--cpu", "--num_processes", "4", "--num_machines", "2", "t.py"], None),
+    (LAUNCHED, ["accelerate", "launch", "--cpu", "t.py", "--num_processes", "4"], None),  # the script's, not ours
+    ({**LAUNCHED, "WORLD_SIZE": "2"}, ["accelerate", "launch", "--num_processes", "2", "--cpu", "t.py"], None),
+    ({"MASTER_ADDR": "127.0.0.1"}, ["accelerate", "launch", "--num_processes", "2", "t.py"], None),
+    (LAUNCHED, ["bash", "run.sh"], None),
+])
+def test_detects_accelerate_cpu_launch_that_started_one_process(env, parent, expected):
+    assert train_mod.requested_cpu_processes(env, parent) == expected
+
+
+@pytest.mark.parametrize("kind", ["FSDP", "DEEPSPEED"])
+def test_sharded_launches_are_refused_with_the_reason(kind):
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    with pytest.raises(NotImplementedError, match="Use DDP"):
+        train_mod.check_distributed_type(SimpleNamespace(distributed_type=DistributedType[kind]))
+    train_mod.check_distributed_type(SimpleNamespace(distributed_type=DistributedType.MULTI_CPU))
+@pytest.mark.slow
+def test_accelerate_launch_two_processes(tmp_path, tiny_base, tiny_data):
+    """`accelerate launch --num_processes 2 --cpu` (DDP over gloo) trains and writes complete heads once."""
+    raw = sections(tmp_path, tiny_base, tiny_data, max_steps=6, save_every=3, eval_every=3, batch_size=2)
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    accelerate = Path(sys.executable).parent / "accelerate"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    with socket.socket() as sock:  # a free port: a stale run elsewhere must not capture the rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    start = time.time()
+    proc = subprocess.Popen([str(accelerate), "launch", "--num_processes", "2", "--cpu", "--main_process_port", str(port),
+                             "--mixed_precision", "no", "--dynamo_backend", "no", str(REPO / "train" / "train.py"),
+                             "--config", str(config)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher, torchrun and both workers share this new session
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"accelerate launch hung:\n{stdout[-3000:]}\n{stderr[-3000:]}")
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert "relaunching through torch.distributed.run with 2 processes" in stdout  # accelerate alone starts one
+    assert "2 process(es)" in stdout
+    out = Path(raw["training"]["output_dir"])
+    loaded = MedusaModel.from_pretrained(out)
+    assert loaded.config.extra["training"]["processes"] == 2 and loaded.config.extra["training"]["steps"] == 6
+    state = load_file(str(out / WEIGHTS_NAME))
+    assert set(state) == {f"blocks.{k}.0.linear.{p}" for k in range(3) for p in ("weight", "bias")}
+    assert any(t.abs().max() > 0 for t in state.values())
+    assert (tmp_path / "ckpt" / "step-00000003" / "rng-1.safetensors").is_file()  # each process's random state
+    assert not list(out.parent.glob(".*tmp*")) and not list((tmp_path / "cache").glob(".*part*"))
+    assert time.time() - start < 60
+    # Gradients are averaged across processes: 2 processes x 2 conversations == 1 process x 4 conversations.
+    (tmp_path / "single").mkdir()
+    single = run(sections(tmp_path / "single", tiny_base, tiny_data, max_steps=6, batch_size=4))
+    reference = load_file(str(single.output_dir / WEIGHTS_NAME))
+    for name in state:
+        torch.testing.assert_close(state[name], reference[name], atol=1e-6, rtol=0, msg=name)
