@@ -161,3 +161,14 @@ def collate(rows: list[dict], pad_id: int, max_length: int) -> Batch:
         attention[i, : len(seq)] = 1
         loss_mask[i, min(row["response_start"], len(seq)) : len(seq)] = 1
     return Batch(input_ids, attention, loss_mask)
+
+
+def frequent_tokens(responses: Iterable[list[int]], count: int, vocab_size: int) -> torch.Tensor:
+    """(count,) ids of the most frequent tokens in `responses`, ties to the lower id; unseen ids fill the rest."""
+    if not 0 < count <= vocab_size:
+        raise ValueError(f"vocab subset size must lie in [1, {vocab_size}], got {count}")
+    freq = torch.zeros(vocab_size, dtype=torch.long)
+    for tokens in responses:
+        freq += torch.bincount(torch.as_tensor(tokens, dtype=torch.long), minlength=vocab_size)
+    order = sorted(range(vocab_size), key=lambda t: (-int(freq[t]), t))  # stable: reproducible across runs
+    return torch.tensor(order[:count])

@@ -456,3 +456,18 @@ def test_accelerate_launch_two_processes(tmp_path, tiny_base, tiny_data):
     reference = load_file(str(single.output_dir / WEIGHTS_NAME))
     for name in state:
         torch.testing.assert_close(state[name], reference[name], atol=1e-6, rtol=0, msg=name)
+
+
+def test_frequent_tokens_orders_by_count_then_id():
+    from medusa.data import frequent_tokens
+
+    assert frequent_tokens([[5, 5, 3, 9], [3, 5]], 4, 10).tolist() == [5, 3, 9, 0]
+    with pytest.raises(ValueError, match="vocab subset size"):
+        frequent_tokens([[1]], 11, 10)
+
+
+def test_vocab_subset_is_taken_from_training_responses(tmp_path, tiny_base, tiny_data):
+    result = run(sections(tmp_path, tiny_base, tiny_data, heads={"vocab_subset_size": 8}, max_steps=2, eval_every=0))
+    loaded = MedusaModel.from_pretrained(result.output_dir)
+    subset = set(loaded.heads.vocab_subset.tolist())
+    assert loaded.config.vocab_subset_size == 8 and set(CYCLE) <= subset  # the cycle's tokens are the frequent ones

@@ -50,6 +50,9 @@ class HeadsConfig:
     num_layers: int = 1  # residual blocks per head
     projection: str = "shared"  # shared: reuse the frozen base lm_head (train blocks only); own: one [V, H] per head
     init_from: str | None = None  # a heads directory to start from (e.g. Medusa-1 heads before Medusa-2)
+    # Propose only from the N most frequent response tokens of the training data (cheaper head projection at
+    # decode time; exactness is untouched). None: the whole vocabulary.
+    vocab_subset_size: int | None = None
 
     def __post_init__(self):
         from medusa.config import PROJECTIONS
@@ -58,6 +61,8 @@ class HeadsConfig:
         _check_int(self, "heads", "num_layers", minimum=0)
         if self.projection not in PROJECTIONS:
             raise ValueError(f"heads.projection must be one of {PROJECTIONS}, got {self.projection!r}")
+        if self.vocab_subset_size is not None:
+            _check_int(self, "heads", "vocab_subset_size", minimum=1)
         if self.num_layers == 0 and self.projection == "shared":
             raise ValueError("heads.num_layers 0 with projection 'shared' leaves nothing to train: "
                              "use num_layers >= 1 or projection 'own'")

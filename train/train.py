@@ -31,8 +31,9 @@ from torch import nn
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from medusa.config import WEIGHTS_NAME, MedusaConfig  # noqa: E402
-from medusa.data import collate  # noqa: E402
+from medusa.config import CONFIG_NAME, WEIGHTS_NAME, MedusaConfig  # noqa: E402
+from medusa.data import collate, frequent_tokens  # noqa: E402
+from medusa.fileio import write_directory  # noqa: E402
 from medusa.heads import MedusaHeads, head_target_offset  # noqa: E402
 from medusa.loading import DEFAULT_BASE, load_base  # noqa: E402
 from medusa.losses import (BASE_TARGET_OFFSET, TOPK, base_kl_loss, head_weights, medusa_heads_loss,  # noqa: E402
@@ -581,28 +582,16 @@ def format_eval(metrics: dict, num_heads: int) -> str:
 
 
 def save_output(trainer: HeadTrainer, output_dir: Path, extra: dict) -> None:
-    """Heads (+ the LoRA adapter for Medusa-2) into `output_dir`, via a temporary folder renamed into place."""
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output_dir.parent / f".{output_dir.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    """Heads (+ the LoRA adapter for Medusa-2) into `output_dir`, via a temporary folder moved into place."""
+
+    def write(tmp: Path) -> None:
         save_heads(trainer.heads, tmp, extra=extra)
         if trainer.cfg.medusa2:
             trainer.base.save_pretrained(str(tmp))  # adapter_config.json + adapter_model.safetensors
             (tmp / "README.md").unlink(missing_ok=True)  # peft's model card template: placeholders only
-        if output_dir.exists():
-            if not trainer.cfg.medusa2:  # a stale adapter would be merged into the base at load time
-                for name in ADAPTER_FILES:
-                    (output_dir / name).unlink(missing_ok=True)
-            for item in tmp.iterdir():
-                os.replace(item, output_dir / item.name)
-            tmp.rmdir()
-        else:
-            os.replace(tmp, output_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    # without Medusa-2, a stale adapter left in output_dir would be merged into the base at load time
+    write_directory(output_dir, write, stale=() if trainer.cfg.medusa2 else ADAPTER_FILES, last=CONFIG_NAME)
 
 
 # ====================================================================== the run
@@ -840,7 +829,11 @@ def train(cfgs: dict, *, resume: bool = False, stop_after_steps: int | None = No
     if main:
         extra = provenance(cfg, data_cfg, data_key, train_idx, eval_idx, train_tokens, run_state, total_steps, wall,
                            world, mixed, final, num_heads)
-        save_output(accelerator.unwrap_model(trainer), output_dir, extra)
+        unwrapped = accelerator.unwrap_model(trainer)
+        if heads_cfg.vocab_subset_size:
+            unwrapped.heads.set_vocab_subset(frequent_tokens(
+                (convs[i].ids[convs[i].response_start:] for i in train_idx), heads_cfg.vocab_subset_size, vocab_size))
+        save_output(unwrapped, output_dir, extra)
         log(f"heads written to {output_dir} (load with MedusaModel.from_pretrained({str(output_dir)!r}))")
     accelerator.wait_for_everyone()
     del trainer, optimizer
