@@ -11,7 +11,7 @@ import torch
 from transformers import DynamicCache
 
 from medusa import kv_cache
-from medusa.acceptance import AcceptanceRule
+from medusa.acceptance import AcceptanceRule, get_rule
 from medusa.propose import Proposer
 from medusa.sampling import SamplingConfig, select_token
 from medusa.verify import verify
@@ -88,6 +88,94 @@ def prefill(model, input_ids: torch.Tensor, sampling: SamplingConfig, generator=
                 logits_to_keep=1)
     root = select_token(out.logits[0, -1], sampling, generator)
     return DecodeState(cache, input_ids.shape[1], root, out.hidden_states[-1][0, -1], input_ids[0].tolist() + [int(root)])
+
+
+def prepare_input_ids(input_ids, device) -> torch.Tensor:
+    """A (1, T) tensor, a list of ids or a BatchEncoding -> (1, T) long tensor on `device` (shared by every generate)."""
+    if hasattr(input_ids, "keys") and "input_ids" in input_ids:  # BatchEncoding / dict
+        input_ids = input_ids["input_ids"]
+    input_ids = torch.as_tensor(input_ids, dtype=torch.long)
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"generate takes one sequence (shape (1, T)); got shape {tuple(input_ids.shape)}")
+    if input_ids.shape[1] == 0:
+        raise ValueError("the prompt is empty: pass at least one token (e.g. from apply_chat_template)")
+    return input_ids.to(device)
+
+
+def stop_token_ids(base, tokenizer, eos_token_id) -> set[int]:
+    """Stop ids: `eos_token_id` if given, else the base's generation config, else the tokenizer's eos."""
+    if eos_token_id is None:
+        eos_token_id = base.generation_config.eos_token_id
+        if eos_token_id is None and tokenizer is not None:
+            eos_token_id = tokenizer.eos_token_id
+    if eos_token_id is None:
+        return set()
+    return {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+
+
+def check_lengths(base, prompt_length: int, max_new_tokens: int) -> None:
+    if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    window = getattr(base.config.get_text_config(), "max_position_embeddings", None)
+    if window is not None and prompt_length + max_new_tokens > window:
+        raise ValueError(
+            f"prompt ({prompt_length} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context window "
+            f"of {window} tokens: shorten the prompt or lower max_new_tokens"
+        )
+
+
+class SpeculativeGenerator:
+    """`generate` for every model that pairs a target (`self.base`) with a proposer: Medusa heads, a draft model.
+
+    Subclasses provide `base`, `tokenizer`, `device` and `_make_proposer`; `default_sampling_rule` is the exact rule
+    used when `do_sample=True` and no `acceptance` is named.
+    """
+
+    default_sampling_rule = "rejection"
+
+    def _make_proposer(self, proposer: str | None, tree, sampling: SamplingConfig, generator) -> Proposer:
+        raise NotImplementedError
+
+    def _check_lengths(self, prompt_length: int, max_new_tokens: int) -> None:
+        check_lengths(self.base, prompt_length, max_new_tokens)
+
+    def generate(
+        self,
+        input_ids,
+        max_new_tokens: int = 128,
+        *,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        acceptance: str | None = None,
+        proposer: str | None = None,
+        posterior_threshold: float = 0.09,
+        posterior_alpha: float = 0.3,
+        tree: list[list[int]] | str | None = None,
+        eos_token_id: int | list[int] | None = None,
+        streamer=None,
+        generator: torch.Generator | None = None,
+        profile: bool = False,
+    ) -> GenerateOutput:
+        """Speculative generation for one sequence. Greedy output equals the base model's greedy `generate`;
+        `do_sample=True` samples exactly from its distribution (unless `acceptance="typical"`, which is lossy).
+
+        input_ids: (1, T) tensor, a list of ids, or the BatchEncoding `apply_chat_template(..., return_tensors="pt")`
+        gives. Sampling settings follow transformers (temperature, top_k, top_p; `generator` seeds the draws).
+        """
+        input_ids = prepare_input_ids(input_ids, self.device)
+        self._check_lengths(input_ids.shape[1], max_new_tokens)
+        sampling = SamplingConfig(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+                                  posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha)
+        rule = get_rule(acceptance or (self.default_sampling_rule if do_sample else "greedy"))
+        return decode(
+            self.base, self._make_proposer(proposer, tree, sampling, generator), rule, input_ids,
+            max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_token_ids(self.base, self.tokenizer, eos_token_id),
+            streamer=streamer, generator=generator, profile=profile,
+        )
 
 
 def _stop_index(tokens: list[int], stop_ids: set[int]) -> int | None:

@@ -9,10 +9,8 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from medusa.acceptance import get_rule
-from medusa.decode import GenerateOutput, decode
+from medusa.decode import SpeculativeGenerator
 from medusa.loading import BaseSource, load_base
-from medusa.model import check_lengths, prepare_input_ids, stop_token_ids
 from medusa.propose import Candidates
 from medusa.sampling import SamplingConfig, target_probs
 from medusa.tree import TreeSpec, build_buffers, chain
@@ -98,12 +96,14 @@ def check_same_vocabulary(tokenizer, draft_tokenizer, target, draft) -> None:
         )
 
 
-class DraftModel(nn.Module):
+class DraftModel(SpeculativeGenerator, nn.Module):
     """A target and a draft model behind `MedusaModel`'s `generate` signature (build with `MedusaModel.from_draft_model`).
 
     `generate(do_sample=True)` samples exactly from the target's distribution (acceptance "speculative");
     greedy output is token-for-token the target's greedy output.
     """
+
+    default_sampling_rule = "speculative"  # Leviathan et al.: exact with the draft's q
 
     def __init__(self, target, draft, tokenizer=None, num_speculative_tokens: int = 5):
         super().__init__()
@@ -137,50 +137,20 @@ class DraftModel(nn.Module):
     def device(self) -> torch.device:
         return self.target.device
 
-    def generate(
-        self,
-        input_ids,
-        max_new_tokens: int = 128,
-        *,
-        do_sample: bool = False,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        acceptance: str | None = None,
-        proposer: str = "draft",
-        posterior_threshold: float = 0.09,
-        posterior_alpha: float = 0.3,
-        tree: list[list[int]] | str | None = None,
-        eos_token_id: int | list[int] | None = None,
-        streamer=None,
-        generator: torch.Generator | None = None,
-        profile: bool = False,
-    ) -> GenerateOutput:
-        """Speculative generation for one sequence, as `MedusaModel.generate` (same arguments and output).
-
-        input_ids: (1, T). Defaults: acceptance "speculative" when sampling (exact), "greedy" otherwise.
-        `stats.acceptance_rate` is the measured per-token acceptance rate alpha.
-        """
-        if proposer != "draft":
-            raise ValueError(f"a DraftModel proposes with its draft model, got proposer={proposer!r}: leave it at 'draft'")
-        if tree is not None:
-            raise ValueError("a draft model proposes a chain; tree= applies to Medusa heads: set num_speculative_tokens "
-                             "in MedusaModel.from_draft_model instead")
-        input_ids = prepare_input_ids(input_ids, self.device)
-        check_lengths(self.target, input_ids.shape[1], max_new_tokens)
-        seen = input_ids.shape[1] + max_new_tokens + self.num_speculative_tokens  # the draft runs gamma tokens ahead
+    def _check_lengths(self, prompt_length: int, max_new_tokens: int) -> None:
+        super()._check_lengths(prompt_length, max_new_tokens)
+        seen = prompt_length + max_new_tokens + self.num_speculative_tokens  # the draft runs gamma tokens ahead
         window = getattr(self.draft.config.get_text_config(), "max_position_embeddings", None)
         if window is not None and seen > window:
             raise ValueError(
                 f"the draft model would see up to prompt + max_new_tokens + num_speculative_tokens = {seen} tokens, "
                 f"beyond its context window of {window}: shorten the prompt or lower max_new_tokens"
             )
-        sampling = SamplingConfig(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-                                  posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha)
-        rule = get_rule(acceptance or ("speculative" if do_sample else "greedy"))
-        draft_proposer = DraftProposer(self.draft, self.num_speculative_tokens, sampling, self.vocab_size, generator)
-        return decode(
-            self.target, draft_proposer, rule, input_ids, max_new_tokens=max_new_tokens, sampling=sampling,
-            stop_ids=stop_token_ids(self.target, self.tokenizer, eos_token_id), streamer=streamer,
-            generator=generator, profile=profile,
-        )
+
+    def _make_proposer(self, proposer: str | None, tree, sampling: SamplingConfig, generator) -> DraftProposer:
+        if proposer not in (None, "draft"):
+            raise ValueError(f"a DraftModel proposes with its draft model, got proposer={proposer!r}: leave it unset")
+        if tree is not None:
+            raise ValueError("a draft model proposes a chain; tree= applies to Medusa heads: set num_speculative_tokens "
+                             "in MedusaModel.from_draft_model instead")
+        return DraftProposer(self.draft, self.num_speculative_tokens, sampling, self.vocab_size, generator)

@@ -11,9 +11,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from medusa.acceptance import get_rule
 from medusa.config import CONFIG_NAME, WEIGHTS_NAME, MedusaConfig
-from medusa.decode import GenerateOutput, decode
+from medusa.decode import SpeculativeGenerator
 from medusa.fileio import write_directory
 from medusa.heads import MedusaHeads
 from medusa.loading import DEFAULT_BASE, BaseSource, load_base
@@ -32,7 +31,7 @@ def _default_tree(num_heads: int) -> list[list[int]]:
     return TreeSpec([p for p in paths if len(p) <= num_heads], num_heads=num_heads).to_list()
 
 
-class MedusaModel(nn.Module):
+class MedusaModel(SpeculativeGenerator, nn.Module):
     """`base` is any causal LM; `heads` read its last hidden state. The base is held, never subclassed."""
 
     def __init__(self, base, heads: MedusaHeads, tokenizer=None, tree: list[list[int]] | None = None,
@@ -135,71 +134,10 @@ class MedusaModel(nn.Module):
         write_directory(Path(directory), lambda tmp: save_heads(self.heads, tmp, tree=self.tree), last=CONFIG_NAME)
 
     # ---------------------------------------------------------------- generation
-    def generate(
-        self,
-        input_ids,
-        max_new_tokens: int = 128,
-        *,
-        do_sample: bool = False,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        acceptance: str | None = None,
-        proposer: str = "medusa",
-        posterior_threshold: float = 0.09,
-        posterior_alpha: float = 0.3,
-        tree: list[list[int]] | str | None = None,
-        eos_token_id: int | list[int] | None = None,
-        streamer=None,
-        generator: torch.Generator | None = None,
-        profile: bool = False,
-    ) -> GenerateOutput:
-        """Speculative generation for one sequence. Greedy output equals the base model's greedy `generate`.
-
-        input_ids: (1, T) tensor, a list of ids, or the BatchEncoding `apply_chat_template(..., return_tensors="pt")` gives.
-        """
-        input_ids = self._prepare_input(input_ids)
-        check_lengths(self.base, input_ids.shape[1], max_new_tokens)
-        sampling = SamplingConfig(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-                                  posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha)
-        rule = get_rule(acceptance or ("rejection" if do_sample else "greedy"))
+    def _make_proposer(self, proposer: str | None, tree, sampling: SamplingConfig, generator):
+        """Medusa heads over a static tree by default; `proposer` names another from the registry (dynamic, hybrid, ...)."""
         buffers = build_buffers(TreeSpec(_tree_arg(tree) or self.tree, self.config.num_heads), self.config.num_heads)
-        build_proposer = get_proposer(proposer)
-        return decode(
-            self.base, build_proposer(self, buffers.to(self.device)), rule, input_ids, max_new_tokens=max_new_tokens, sampling=sampling,
-            stop_ids=self._stop_ids(eos_token_id), streamer=streamer, generator=generator, profile=profile,
-        )
-
-    def _prepare_input(self, input_ids) -> torch.Tensor:
-        return prepare_input_ids(input_ids, self.device)
-
-    def _stop_ids(self, eos_token_id) -> set[int]:
-        return stop_token_ids(self.base, self.tokenizer, eos_token_id)
-
-
-def prepare_input_ids(input_ids, device) -> torch.Tensor:
-    """A (1, T) tensor, a list of ids or a BatchEncoding -> (1, T) long tensor on `device` (shared by every generate)."""
-    if hasattr(input_ids, "keys") and "input_ids" in input_ids:  # BatchEncoding / dict
-        input_ids = input_ids["input_ids"]
-    input_ids = torch.as_tensor(input_ids, dtype=torch.long)
-    if input_ids.dim() == 1:
-        input_ids = input_ids[None]
-    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise ValueError(f"generate takes one sequence (shape (1, T)); got shape {tuple(input_ids.shape)}")
-    if input_ids.shape[1] == 0:
-        raise ValueError("the prompt is empty: pass at least one token (e.g. from apply_chat_template)")
-    return input_ids.to(device)
-
-
-def stop_token_ids(base, tokenizer, eos_token_id) -> set[int]:
-    """Stop ids: `eos_token_id` if given, else the base's generation config, else the tokenizer's eos."""
-    if eos_token_id is None:
-        eos_token_id = base.generation_config.eos_token_id
-        if eos_token_id is None and tokenizer is not None:
-            eos_token_id = tokenizer.eos_token_id
-    if eos_token_id is None:
-        return set()
-    return {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+        return get_proposer(proposer or "medusa")(self, buffers.to(self.device))
 
 
 def _candidate_dtype(base) -> torch.dtype:
@@ -207,17 +145,6 @@ def _candidate_dtype(base) -> torch.dtype:
     if base.dtype == torch.float32 and base.device.type == "cpu":
         return torch.bfloat16
     return base.dtype
-
-
-def check_lengths(base, prompt_length: int, max_new_tokens: int) -> None:
-    if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    window = getattr(base.config.get_text_config(), "max_position_embeddings", None)
-    if window is not None and prompt_length + max_new_tokens > window:
-        raise ValueError(
-            f"prompt ({prompt_length} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's context window "
-            f"of {window} tokens: shorten the prompt or lower max_new_tokens"
-        )
 
 
 def _tree_arg(tree) -> list[list[int]] | None:

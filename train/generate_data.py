@@ -23,7 +23,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from medusa.data import build_prompt_mix  # noqa: E402
 from medusa.loading import load_base  # noqa: E402
-from medusa.model import stop_token_ids  # noqa: E402
+from medusa.decode import stop_token_ids  # noqa: E402
 from train.config import DataConfig, ModelConfig, parse_args  # noqa: E402
 
 # Fields that decide which prompt lands in which shard: a resumed run must agree on them.
