@@ -50,11 +50,10 @@ from tqdm import tqdm
 from transformers import GenerationConfig
 
 from medusa import MedusaModel
-from medusa.acceptance import ACCEPTANCE_RULES
-from medusa.config import CONFIG_NAME, atomic_write_text
+from medusa.config import CONFIG_NAME
+from medusa.fileio import atomic_write_text
 from medusa.decode import DecodeStats
 from medusa.evaluation import load_questions as read_questions
-from medusa.loading import load_base
 from medusa.model import DEFAULT_HEADS_DIR
 from medusa.tree import load_tree
 
@@ -179,11 +178,8 @@ def build_methods(names: list[str], args, model, stop_ids: list[int]) -> tuple[d
     runs, skipped = {}, {}
     draft_model = draft_hf = None
     if args.draft and {"assisted", "draft"} & set(names):
-        if hasattr(MedusaModel, "from_draft_model"):
-            draft_model = MedusaModel.from_draft_model(base, args.draft, dtype=args.dtype, tokenizer=tokenizer)
-            draft_hf = draft_model.draft
-        else:
-            draft_hf, _ = load_base(args.draft, dtype=args.dtype, device=base.device)
+        draft_model = MedusaModel.from_draft_model(base, args.draft, dtype=args.dtype, tokenizer=tokenizer)
+        draft_hf = draft_model.draft
 
     def hf(assistant_model=None, **options):
         """transformers' generate; `options` go into its GenerationConfig (e.g. prompt_lookup_num_tokens)."""
@@ -223,21 +219,13 @@ def build_methods(names: list[str], args, model, stop_ids: list[int]) -> tuple[d
             else:
                 runs[name] = hf(assistant_model=draft_hf)
         elif name == "draft":
-            if not args.draft:
+            if draft_model is None:
                 skipped[name] = "needs --draft PATH (a smaller model with the target's tokenizer)"
-            elif draft_model is None:
-                skipped[name] = "MedusaModel.from_draft_model does not exist in this version of medusa yet"
             else:
                 runs[name] = ours(draft_model)
         elif name == "medusa_typical":
-            if "typical" not in ACCEPTANCE_RULES:
-                skipped[name] = "acceptance rule 'typical' is not in medusa.acceptance.ACCEPTANCE_RULES yet"
-            else:
-                runs[name] = ours(model, proposer="medusa", tree=tree, acceptance="typical")
+            runs[name] = ours(model, proposer="medusa", tree=tree, acceptance="typical")
         else:
-            if sampling and "rejection" not in ACCEPTANCE_RULES:
-                skipped[name] = "sampling needs acceptance rule 'rejection', not in medusa.acceptance yet"
-                continue
             proposer = {"medusa": "medusa", "medusa_dynamic": "dynamic", "hybrid": "hybrid", "lookup": "prompt_lookup"}[name]
             runs[name] = ours(model, proposer=proposer, tree=tree)
     return runs, skipped, draft_hf

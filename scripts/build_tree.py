@@ -20,7 +20,7 @@ import torch
 import transformers
 
 from medusa import MedusaModel, TreeSpec
-from medusa.config import atomic_write_text
+from medusa.fileio import atomic_write_text
 from medusa.tree_builder import DEFAULT_SIZES, best_size, expected_tau, grow_tree, measure_step_latency
 
 

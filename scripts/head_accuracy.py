@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from medusa import MedusaModel  # noqa: E402
-from medusa.config import atomic_write_text  # noqa: E402
+from medusa.fileio import atomic_write_text  # noqa: E402
 from medusa.data import bench_data_dir  # noqa: E402
 from medusa.evaluation import RankAccuracy, head_rank_accuracy, load_questions, spread  # noqa: E402
 from medusa.heads import head_target_offset  # noqa: E402
