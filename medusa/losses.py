@@ -63,6 +63,17 @@ def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
     return logits
 
 
+def _accumulate(grad, xc, w, rows: slice, grad_x, grad_w, grad_b) -> None:
+    """Add one chunk's d loss / d logits (C, V) to the gradients of x (its rows), W and b (None: not needed)."""
+    if grad_b is not None:
+        grad_b += grad.float().sum(0)
+    grad = grad.to(w.dtype)
+    if grad_x is not None:
+        grad_x[rows] = (grad @ w).to(grad_x.dtype)
+    if grad_w is not None:
+        grad_w += (grad.T @ xc).float()
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """sum_i CE(x_i W^T + b, y_i) without materialising all N x V logits; gradients are formed chunk by chunk."""
 
@@ -90,12 +101,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if need_x or need_w or need_b:
                     grad = log_probs.exp_()  # softmax, in place: d CE / d logits = softmax - onehot
                     grad[torch.arange(len(yc), device=x.device), yc] -= 1
-                    if need_b:
-                        grad_b += grad.float().sum(0)
-                    if need_x:
-                        grad_x[start:start + chunk_size] = (grad @ w).to(x.dtype)
-                    if need_w:
-                        grad_w += (grad.T @ xc).float()
+                    _accumulate(grad, xc, w, slice(start, start + chunk_size), grad_x, grad_w, grad_b)
         ctx.save_for_backward(grad_x, grad_w, grad_b)
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.mark_non_differentiable(correct)
@@ -147,13 +153,7 @@ class _LinearKL(torch.autograd.Function):
                 loss += (p * (log_p - log_q)).sum()
                 if need_x or need_w or need_b:
                     grad = log_q.exp_().sub_(p)  # d KL / d logits = q - p
-                    if need_b:
-                        grad_b += grad.sum(0)
-                    grad = grad.to(dtype)
-                    if need_x:
-                        grad_x[start:start + chunk_size] = (grad @ w).to(x.dtype)
-                    if need_w:
-                        grad_w += (grad.T @ xc).float()
+                    _accumulate(grad, xc, w, slice(start, start + chunk_size), grad_x, grad_w, grad_b)
         ctx.save_for_backward(grad_x, grad_w, grad_b)
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return loss
