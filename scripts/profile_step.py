@@ -1,0 +1,66 @@
+"""Where a decoding step's time goes: medusa vs plain `generate`, per phase, for one or more trees.
+
+    python scripts/profile_step.py [--heads untrained|DIR] [--trees '[[0]]' smollm2-135m-cpu] [--max-new-tokens 64]
+
+Runs plain greedy `generate` and medusa interleaved on a few prompts (after a warm-up), checks the outputs are
+identical, and prints the median speedup, tau and the mean milliseconds per step of prefill (amortised), propose
+(heads), verify (target forward), accept and commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from medusa import MedusaModel, load_tree  # noqa: E402
+
+PROMPTS = ["Write a short story about a robot learning to paint.", "Explain how a hash table works.",
+           "What are the health benefits of green tea?"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--heads", default=None, help="'untrained' (fresh heads), a heads directory, or the shipped default")
+    parser.add_argument("--trees", nargs="+", default=[None], help="tree names, JSON files or JSON path lists")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--dtype", default="float32")
+    args = parser.parse_args()
+
+    model = MedusaModel.from_base(dtype=args.dtype) if args.heads == "untrained" else \
+        MedusaModel.from_pretrained(args.heads, dtype=args.dtype)
+    chat = lambda text: model.tokenizer.apply_chat_template(  # noqa: E731
+        [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt")
+    model.generate(chat("Hi"), max_new_tokens=8)
+    model.base.generate(**chat("Hi"), max_new_tokens=8, do_sample=False)
+    for tree in args.trees:
+        paths = model.tree if tree is None else json.loads(tree) if tree.startswith("[") else load_tree(tree)
+        ratios, taus, per_step = [], [], {}
+        for text in PROMPTS:
+            ids = chat(text)
+            start = time.perf_counter()
+            plain = model.base.generate(**ids, max_new_tokens=args.max_new_tokens, do_sample=False)
+            plain_s = time.perf_counter() - start
+            start = time.perf_counter()
+            out = model.generate(ids, max_new_tokens=args.max_new_tokens, tree=paths, profile=True)
+            fast_s = time.perf_counter() - start
+            if not torch.equal(plain, out.sequences):
+                raise AssertionError(f"medusa output differs from plain generate on {text!r}")
+            plain_tokens = plain.shape[1] - ids["input_ids"].shape[1]
+            ratios.append((out.stats.new_tokens / fast_s) / (plain_tokens / plain_s))
+            taus.append(out.stats.mean_accepted_tokens)
+            for phase, seconds in out.stats.timings.items():
+                per_step.setdefault(phase, []).append(seconds / out.stats.steps * 1000)
+        phases = ", ".join(f"{k} {statistics.mean(v):.1f}" for k, v in per_step.items())
+        print(f"{len(paths) + 1:>3}-node tree: median speedup {statistics.median(ratios):.2f}x, tau {statistics.mean(taus):.2f}; "
+              f"ms per step: {phases}; plain generate {plain_s / plain_tokens * 1000:.1f} ms/token")
+
+
+if __name__ == "__main__":
+    main()
