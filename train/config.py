@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -158,11 +157,6 @@ def _check_float(cfg, name: str, minimum: float) -> None:
     setattr(cfg, name, number)
 
 
-def _coerce(value: str, annotation) -> object:
-    """Parse a CLI override string with YAML, so numbers, bools, lists and dicts all work."""
-    return yaml.safe_load(value)
-
-
 def load_sections(config_path: str | None, overrides: list[str], sections: dict[str, type]) -> dict[str, object]:
     """Build one dataclass per section from YAML plus `--section.key value` overrides; reject unknown keys."""
     raw: dict = {}
@@ -183,7 +177,7 @@ def load_sections(config_path: str | None, overrides: list[str], sections: dict[
             value = next(it)
         except StopIteration:
             raise ValueError(f"override {flag} has no value") from None
-        raw.setdefault(section, {})[key] = _coerce(value, None)
+        raw.setdefault(section, {})[key] = yaml.safe_load(value)  # numbers, bools, lists, dicts
     built = {}
     for name, cls in sections.items():
         values = raw.get(name) or {}
