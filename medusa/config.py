@@ -28,6 +28,9 @@ class MedusaConfig:
     # Candidates come only from these most frequent tokens (ids stored with the weights): the heads' vocabulary
     # projection is then that much cheaper, and exactness is untouched because the target verifies every guess.
     vocab_subset_size: int | None = None
+    # Heads also read the embedding of the target's own next token (the tree root), see MedusaHeads. Not part of
+    # the official Medusa layout: such heads export to vLLM / TGI only if they do not use it.
+    condition_on_next_token: bool = False
     format_version: int = FORMAT_VERSION
     extra: dict = field(default_factory=dict)  # free-form provenance (training run, data), never read by code
 
@@ -37,6 +40,8 @@ class MedusaConfig:
                 raise ValueError(f"MedusaConfig.{name} must be a positive integer, got {getattr(self, name)!r}")
         if not isinstance(self.num_layers, int) or self.num_layers < 0:
             raise ValueError(f"MedusaConfig.num_layers must be >= 0, got {self.num_layers!r}")
+        if not isinstance(self.condition_on_next_token, bool):
+            raise ValueError(f"MedusaConfig.condition_on_next_token must be true or false, got {self.condition_on_next_token!r}")
         if self.projection not in PROJECTIONS:
             raise ValueError(f"MedusaConfig.projection must be one of {PROJECTIONS}, got {self.projection!r}")
         if self.vocab_subset_size is not None and not 0 < self.vocab_subset_size <= self.vocab_size:

@@ -5,6 +5,8 @@ tokens, the target verifies them in one forward, `acceptance.speculative` keeps 
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 from transformers import DynamicCache
@@ -76,6 +78,45 @@ class DraftProposer:
         self.seen += keep
 
 
+EARLY_EXIT_PREFIX = "early-exit:"
+
+
+def early_exit_draft(target, num_layers: int):
+    """The target's first `num_layers` decoder layers, then its own final norm and lm_head, as a causal LM.
+
+    A draft with no weights of its own (self-speculative decoding, as in Draft & Verify and LayerSkip): every module
+    is the target's, so it costs no memory and shares the tokenizer by construction. Untrained for early exit, its
+    guesses are rough; it is the draft one always has.
+    """
+    decoder = target.get_decoder()
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"{type(target).__name__} keeps no `layers` list in its decoder: early exit needs one")
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers < len(layers):
+        raise ValueError(f"an early-exit draft needs 1 <= num_layers < {len(layers)} (the target's layers), "
+                         f"got {num_layers!r}")
+    config = copy.deepcopy(target.config)
+    text_config = config.get_text_config()
+    text_config.num_hidden_layers = num_layers
+    if getattr(text_config, "layer_types", None):
+        text_config.layer_types = text_config.layer_types[:num_layers]
+
+    def shallow(module: nn.Module, **children) -> nn.Module:
+        """A new module object over the same parameters, with some children swapped (the original is untouched)."""
+        clone = copy.copy(module)
+        clone._modules = dict(module._modules)
+        for name, child in children.items():
+            clone._modules[name] = child
+        return clone
+
+    draft_decoder = shallow(decoder, layers=nn.ModuleList(list(layers)[:num_layers]))
+    draft_decoder.config = text_config
+    name = next(n for n, m in target.named_children() if m is decoder)
+    draft = shallow(target, **{name: draft_decoder})
+    draft.config = config
+    return draft
+
+
 def check_same_vocabulary(tokenizer, draft_tokenizer, target, draft) -> None:
     """Refuse a draft that does not share the target's tokenizer: its token ids would mean other strings."""
     if tokenizer is not draft_tokenizer:
@@ -121,8 +162,15 @@ class DraftModel(SpeculativeGenerator, nn.Module):
         """Load both models (Hub id, directory, .gguf or model object, see `medusa.loading.load_base`) and check them."""
         if draft is None:
             raise ValueError("no draft model given: pass draft=<Hub id, directory, .gguf file or model> sharing the "
-                             "target's tokenizer (e.g. a smaller model of the same family)")
+                             f"target's tokenizer (e.g. a smaller model of the same family), or '{EARLY_EXIT_PREFIX}N' "
+                             "for the target's own first N layers")
         target_model, tokenizer = load_base(target, dtype=dtype, device=device, tokenizer=tokenizer)
+        if isinstance(draft, str) and draft.startswith(EARLY_EXIT_PREFIX):
+            count = draft[len(EARLY_EXIT_PREFIX):]
+            if not count.isdigit():
+                raise ValueError(f"draft={draft!r}: write '{EARLY_EXIT_PREFIX}N' with N the number of layers, e.g. "
+                                 f"'{EARLY_EXIT_PREFIX}8'")
+            return cls(target_model, early_exit_draft(target_model, int(count)), tokenizer, num_speculative_tokens)
         draft_model, draft_tokenizer = load_base(draft, dtype=dtype, device=device or target_model.device,
                                                  tokenizer=draft_tokenizer)
         check_same_vocabulary(tokenizer, draft_tokenizer, target_model, draft_model)

@@ -66,7 +66,7 @@ class DynamicTreeProposer:
         budget = self.num_nodes - 1  # non-root nodes
         if budget == 0 or self.depth == 0:
             return Candidates(tokens=root, tree=buffers_from_parents(root.new_zeros(1), root.new_zeros(1)))
-        logits = self.medusa.head_logits(state.last_hidden)[: self.depth]  # (D, V')
+        logits = self.medusa.head_logits(state.last_hidden, state.root_token, self.depth)  # (D, V')
         width = min(self.topk, budget, logits.shape[-1])
         top_logp, top_index = logits.float().log_softmax(-1).clamp(max=0).topk(width, dim=-1)  # (D, s)
         top_tokens = self.medusa.projection.token(top_index)  # (D, s) token ids

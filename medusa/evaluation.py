@@ -48,6 +48,7 @@ def head_rank_hits(model, input_ids, response_start: int, ranks: int = 10, chunk
     """
     ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1)
     heads, total, lm_head = model.heads, ids.shape[0], model.base.get_output_embeddings()
+    embed = model.base.get_input_embeddings() if heads.config.condition_on_next_token else None
     num_heads = heads.config.num_heads
     projection = getattr(model, "candidate_projection", None) or CandidateProjection.build(
         heads, lm_head, lm_head.weight.dtype)
@@ -67,7 +68,8 @@ def head_rank_hits(model, input_ids, response_start: int, ranks: int = 10, chunk
     offsets = torch.tensor([head_target_offset(k) for k in range(num_heads)])  # (K,)
     for start in range(first, last + 1, chunk):
         src = torch.arange(start, min(start + chunk, last + 1))  # (n,) positions whose hidden state the heads read
-        logits = candidate_logits(projection, heads.head_hidden(hidden[src.to(device)]))  # (K, n, V')
+        next_embedding = None if embed is None else embed(ids[src + 1].to(device))  # each position's root token
+        logits = candidate_logits(projection, heads.head_hidden(hidden[src.to(device)], next_embedding))  # (K, n, V')
         top = projection.token(logits.topk(ranks, dim=-1).indices).cpu()  # (K, n, R) token ids
         dst = src[None, :] + offsets[:, None]  # (K, n) positions of the tokens each head predicts
         valid = dst < total  # (K, n) far heads run out of targets before near ones

@@ -131,8 +131,14 @@ def export_heads(heads: MedusaHeads, out_dir: str | os.PathLike, format: str, *,
     """
     if format not in FORMATS:
         raise ValueError(f"unknown export format {format!r}: use one of {FORMATS}")
-    _check_out_dir(Path(out_dir), overwrite)
     config = heads.config
+    if config.condition_on_next_token:
+        raise ValueError(
+            "these heads read the next token's embedding (condition_on_next_token), which the official Medusa, TGI, "
+            "TensorRT-LLM and vLLM Medusa layouts cannot express: serve them with medusa, or export heads trained "
+            "with heads.condition_on_next_token: false"
+        )
+    _check_out_dir(Path(out_dir), overwrite)
     if format == "medusa" and config.vocab_subset_size:
         logger.warning("the official layout cannot carry the %d-token candidate subset: engines will rank the full "
                        "vocabulary (vLLM's layout keeps it as token_map)", config.vocab_subset_size)

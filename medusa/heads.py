@@ -31,7 +31,13 @@ class ResBlock(nn.Module):
 
 
 class MedusaHeads(nn.Module):
-    """K heads of L residual blocks each, and either K own projections or the base model's shared lm_head."""
+    """K heads of L residual blocks each, and either K own projections or the base model's shared lm_head.
+
+    With `config.condition_on_next_token` each head also reads the base's input embedding of the token that follows
+    the hidden state's position (at decode time the tree root: the target's own next token, known before the heads
+    run), through a zero-initialised linear map added to the hidden state. Fresh conditioned heads therefore equal
+    plain ones, and training learns how much the next token tells about the ones after it (the Hydra / EAGLE input).
+    """
 
     def __init__(self, config: MedusaConfig, base_lm_head: nn.Linear | None = None):
         super().__init__()
@@ -41,6 +47,14 @@ class MedusaHeads(nn.Module):
             nn.Sequential(*[ResBlock(config.hidden_size) for _ in range(config.num_layers)])
             for _ in range(config.num_heads)
         )
+        if config.condition_on_next_token:
+            self.next_token_maps = nn.ModuleList(
+                nn.Linear(config.hidden_size, config.hidden_size, bias=False) for _ in range(config.num_heads)
+            )
+            for linear in self.next_token_maps:
+                nn.init.zeros_(linear.weight)
+        else:
+            self.next_token_maps = None
         if config.projection == "own":
             self.projections = nn.ModuleList(
                 nn.Linear(config.hidden_size, config.vocab_size, bias=False) for _ in range(config.num_heads)
@@ -68,9 +82,22 @@ class MedusaHeads(nn.Module):
         weight = lm_head.weight if self.projections is None else torch.stack([p.weight for p in self.projections])
         return weight if subset is None else weight[..., subset, :]
 
-    def head_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden (..., H) -> (K, ..., H): each head's transformed hidden state before projection."""
-        return torch.stack([block(hidden) for block in self.blocks])
+    def run_head(self, head: int, hidden: torch.Tensor, next_embedding: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden (..., H) -> (..., H): head `head`'s transformed hidden state before projection.
+
+        next_embedding (..., H): the base's input embedding of the token after each position; required when the
+        heads are conditioned on it (`config.condition_on_next_token`), ignored otherwise.
+        """
+        if self.next_token_maps is not None:
+            if next_embedding is None:
+                raise ValueError("these heads read the next token (condition_on_next_token): pass next_embedding, the "
+                                 "base's input embedding of the token after each position")
+            hidden = hidden + self.next_token_maps[head](next_embedding.to(hidden.dtype))
+        return self.blocks[head](hidden)
+
+    def head_hidden(self, hidden: torch.Tensor, next_embedding: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden (..., H) -> (K, ..., H): every head's `run_head`."""
+        return torch.stack([self.run_head(k, hidden, next_embedding) for k in range(len(self.blocks))])
 
     def project(self, head_hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         """(K, ..., H) -> (K, ..., V). With a shared lm_head all heads go through one matmul."""
@@ -78,6 +105,6 @@ class MedusaHeads(nn.Module):
             return lm_head(head_hidden)
         return torch.stack([proj(h) for proj, h in zip(self.projections, head_hidden)])
 
-    def forward(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, lm_head: nn.Module, next_embedding: torch.Tensor | None = None) -> torch.Tensor:
         """hidden (..., H) -> logits (K, ..., V)."""
-        return self.project(self.head_hidden(hidden), lm_head)
+        return self.project(self.head_hidden(hidden, next_embedding), lm_head)

@@ -198,12 +198,17 @@ def scored_positions(length: int, response_start: int, offset: int) -> int:
 def medusa_heads_loss(heads: MedusaHeads, hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                       lm_head: nn.Module, *, decay: float = 0.8, coefficient: float = 1.0, chunk_size: int = 2048,
                       compute_dtype: torch.dtype | None = None, topk: int = TOPK,
-                      normalizer: torch.Tensor | None = None) -> HeadLoss:
+                      normalizer: torch.Tensor | None = None, embed_tokens: nn.Module | None = None,
+                      candidates_only: bool = False) -> HeadLoss:
     """Per-head shifted cross-entropy on the base's last hidden states.
 
-    hidden (B, T, H) post-norm last hidden states; input_ids, loss_mask (B, T). Head k reads hidden[:, t] and is
-    scored on input_ids[:, t + head_target_offset(k)] wherever that token is a response token. Only the positions
-    that count are pushed through the head and its projection (the shared `lm_head` or the head's own).
+    hidden (B, T, H) post-norm last hidden states; input_ids, loss_mask (B, T). Head k reads hidden[:, t] (and, for
+    heads conditioned on the next token, `embed_tokens(input_ids[:, t + 1])`) and is scored on
+    input_ids[:, t + head_target_offset(k)] wherever that token is a response token. Only the positions that count
+    are pushed through the head and its projection (the shared `lm_head` or the head's own).
+    candidates_only: with a vocabulary subset on the heads, the softmax runs over the candidate tokens only (what
+    proposing ranks; several times cheaper); a target outside the subset cannot be proposed, so it adds no loss
+    and counts as a miss.
     topk=0 skips the accuracy counts (they cost one more pass over the logits).
     normalizer (K,): divide head k's summed cross-entropy by normalizer[k] instead of its local position count, so
     that micro-batches and processes sharing one optimizer step add up to the mean over the whole step's positions.
@@ -212,20 +217,41 @@ def medusa_heads_loss(heads: MedusaHeads, hidden: torch.Tensor, input_ids: torch
     weights = head_weights(num_heads, decay, coefficient)
     total = hidden.new_zeros((), dtype=torch.float32)
     ce, correct, count = [], [], []
-    shared_weight = lm_head.weight
+    subset = getattr(heads, "vocab_subset", None) if candidates_only else None
+    if subset is not None:  # token id -> candidate index, -1 outside the subset
+        to_candidate = torch.full((heads.config.vocab_size,), -1, dtype=torch.long, device=input_ids.device)
+        to_candidate[subset.to(input_ids.device)] = torch.arange(subset.numel(), device=input_ids.device)
+    shared_weight = lm_head.weight if subset is None else lm_head.weight[subset]
     if heads.projections is None and compute_dtype is not None and not shared_weight.requires_grad:
         shared_weight = shared_weight.detach().to(compute_dtype)  # cast the frozen [V, H] matrix once, not per head
+    shared_bias = getattr(lm_head, "bias", None)
+    if shared_bias is not None and subset is not None:
+        shared_bias = shared_bias[subset]
+    next_embedding = None
+    if heads.config.condition_on_next_token:
+        if embed_tokens is None:
+            raise ValueError("heads conditioned on the next token need embed_tokens (the base's input embeddings)")
+        next_ids, _ = shifted_targets(input_ids, torch.ones_like(loss_mask), 1)  # (B, T): the token after t
+        next_embedding = embed_tokens(next_ids)
     for k in range(num_heads):
         targets, valid = head_targets(input_ids, loss_mask, k)
-        x = heads.blocks[k](hidden[valid])  # (N_k, H); an empty selection still links the head into the graph
+        x = heads.run_head(k, hidden[valid], None if next_embedding is None else next_embedding[valid])  # (N_k, H)
+        # (an empty selection still links the head into the graph)
         if heads.projections is None:
-            weight, bias = shared_weight, getattr(lm_head, "bias", None)
+            weight, bias = shared_weight, shared_bias
         else:
             weight, bias = heads.projections[k].weight, heads.projections[k].bias
-        loss_sum, hits = linear_cross_entropy(x, weight, targets[valid], bias, chunk_size=chunk_size,
-                                              compute_dtype=compute_dtype, topk=topk)
+            if subset is not None:
+                weight, bias = weight[subset], None if bias is None else bias[subset]
+        targets = targets[valid]
         n = valid.sum()
-        mean = loss_sum / n.clamp(min=1)
+        if subset is not None:
+            targets = to_candidate[targets]
+            proposable = targets >= 0
+            x, targets = x[proposable], targets[proposable]
+        loss_sum, hits = linear_cross_entropy(x, weight, targets, bias, chunk_size=chunk_size,
+                                              compute_dtype=compute_dtype, topk=topk)
+        mean = loss_sum / (n if subset is None else proposable.sum()).clamp(min=1)
         total = total + weights[k] * (mean if normalizer is None else loss_sum / normalizer[k].clamp(min=1e-9))
         ce.append(mean.detach())
         correct.append(hits if topk else torch.zeros(0, dtype=torch.long, device=hidden.device))

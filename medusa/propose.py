@@ -55,22 +55,27 @@ class CandidateProjection:
 class MedusaProposer:
     """Top-s tokens of each head, read from the last committed hidden state, placed by a static tree."""
 
-    def __init__(self, heads, projection: CandidateProjection, tree: TreeBuffers):
+    def __init__(self, heads, projection: CandidateProjection, tree: TreeBuffers, embed_tokens=None):
         if len(tree.topk_per_head) > heads.config.num_heads:
             raise ValueError(f"tree needs {len(tree.topk_per_head)} heads, the model has {heads.config.num_heads}")
-        self.heads, self.projection, self.tree = heads, projection, tree
+        if heads.config.condition_on_next_token and embed_tokens is None:
+            raise ValueError("these heads read the next token's embedding: pass embed_tokens (the base's input embeddings)")
+        self.heads, self.projection, self.tree, self.embed_tokens = heads, projection, tree, embed_tokens
         self.used_heads = max((k + 1 for k, s in enumerate(tree.topk_per_head) if s), default=0)
 
-    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden (H,) -> (K_used, V'): the heads the tree uses, over the candidate vocabulary (map with `.projection.token`)."""
-        return self.projection.logits(self.heads.head_hidden(hidden)[: self.used_heads])
+    def head_logits(self, hidden: torch.Tensor, next_token: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        """hidden (H,), next_token () its following token (the root) -> (K_used, V') over the candidate vocabulary
+        (map with `.projection.token`): the first `num_heads` heads (default: those the tree uses)."""
+        embedding = self.embed_tokens(next_token) if self.heads.config.condition_on_next_token else None
+        count = self.used_heads if num_heads is None else num_heads
+        return self.projection.logits(torch.stack([self.heads.run_head(k, hidden, embedding) for k in range(count)]))
 
     @torch.inference_mode()
     def propose(self, state) -> Candidates:
         tree = self.tree
         parts = [state.root_token.view(1)]
         if self.used_heads:
-            logits = self.head_logits(state.last_hidden)
+            logits = self.head_logits(state.last_hidden, state.root_token)
             width = max(tree.topk_per_head)
             top = self.projection.token(torch.topk(logits, width, dim=-1).indices)  # (K_used, width) token ids
             parts += [top[k, :s] for k, s in enumerate(tree.topk_per_head[: self.used_heads]) if s]
@@ -82,7 +87,8 @@ class MedusaProposer:
 
 
 def build_medusa_proposer(model, tree: TreeBuffers) -> MedusaProposer:
-    return MedusaProposer(model.heads, model.candidate_projection, tree)
+    embed = model.base.get_input_embeddings() if model.heads.config.condition_on_next_token else None
+    return MedusaProposer(model.heads, model.candidate_projection, tree, embed)
 
 
 def _lazy(target: str):

@@ -54,8 +54,8 @@ class FixedHeads:
         self.logits = logits
         self.projection = SimpleNamespace(token=lambda index: index)
 
-    def head_logits(self, hidden):
-        return self.logits
+    def head_logits(self, hidden, next_token, num_heads=None):
+        return self.logits[:num_heads]
 
 
 def _state(root=0):

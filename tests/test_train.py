@@ -337,6 +337,7 @@ def test_error_unknown_config_key(tmp_path, tiny_base, tiny_data):
     ({"training": {"medusa2": True}}, "precompute_hidden false for Medusa-2"),
     ({"training": {"lr": "fast"}}, "training.lr must be a number"),
     ({"training": {"report_to": "tensorboard"}}, "training.report_to"),
+    ({"heads": {"condition_on_next_token": "yes"}}, "heads.condition_on_next_token must be true or false"),
 ])
 def test_error_invalid_values(tmp_path, tiny_base, tiny_data, bad, message):
     raw = sections(tmp_path, tiny_base, tiny_data)
@@ -471,3 +472,26 @@ def test_vocab_subset_is_taken_from_training_responses(tmp_path, tiny_base, tiny
     loaded = MedusaModel.from_pretrained(result.output_dir)
     subset = set(loaded.heads.vocab_subset.tolist())
     assert loaded.config.vocab_subset_size == 8 and set(CYCLE) <= subset  # the cycle's tokens are the frequent ones
+
+
+def test_next_token_heads_learn_over_the_candidate_vocabulary(tmp_path, tiny_base, tiny_data):
+    """heads.condition_on_next_token with a vocabulary subset (the loss then runs over the candidates only)."""
+    raw = sections(tmp_path, tiny_base, tiny_data, heads={"condition_on_next_token": True, "vocab_subset_size": 12},
+                   max_steps=30, eval_every=30)
+    result = run(raw)
+    first, last = result.eval_history[0], result.eval_history[-1]
+    for k in range(3):
+        assert top1(last, k) > 0.9 and top1(last, k) > top1(first, k) + 0.5, (k, first, last)
+    loaded = MedusaModel.from_pretrained(result.output_dir)
+    assert loaded.config.condition_on_next_token and loaded.config.vocab_subset_size == 12
+    assert loaded.heads.next_token_maps[0].weight.abs().max() > 0  # the maps were trained, and saved
+    ids = torch.tensor([[5, 9] + CYCLE * 2])  # the heads read position t and the token at t + 1
+    with torch.no_grad():
+        hidden = loaded.base(ids, output_hidden_states=True).hidden_states[-1]
+        next_embedding = loaded.base.get_input_embeddings()(ids[:, 1:])
+        guesses = loaded.heads(hidden[:, :-1], loaded.base.get_output_embeddings(), next_embedding).argmax(-1)
+    t = 2 + 3  # reads CYCLE[3]; head k predicts CYCLE[3 + k + 2]
+    assert [int(guesses[k, 0, t]) for k in range(3)] == [CYCLE[(3 + k + 2) % len(CYCLE)] for k in range(3)]
+    prompt = torch.tensor([[5, 9] + CYCLE])
+    expected = loaded.base.generate(prompt, max_new_tokens=20, do_sample=False, min_new_tokens=20)
+    assert torch.equal(loaded.generate(prompt, max_new_tokens=20, tree=[[0], [0, 0], [0, 0, 0]]).sequences, expected)

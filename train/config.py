@@ -52,10 +52,19 @@ class HeadsConfig:
     # Propose only from the N most frequent response tokens of the training data (cheaper head projection at
     # decode time; exactness is untouched). None: the whole vocabulary.
     vocab_subset_size: int | None = None
+    # With a subset, the loss's softmax runs over the candidate tokens only: what proposing ranks, several times
+    # cheaper than the whole vocabulary.
+    loss_over_candidates: bool = True
+    # Heads also read the embedding of the target's next token (the tree root): more accurate guesses, but a
+    # layout only medusa serves (see MedusaHeads).
+    condition_on_next_token: bool = False
 
     def __post_init__(self):
         from medusa.config import PROJECTIONS
 
+        for name in ("loss_over_candidates", "condition_on_next_token"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"heads.{name} must be true or false, got {getattr(self, name)!r}")
         _check_int(self, "heads", "num_heads", minimum=1)
         _check_int(self, "heads", "num_layers", minimum=0)
         if self.projection not in PROJECTIONS:

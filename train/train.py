@@ -328,10 +328,13 @@ class HeadTrainer(nn.Module):
     `accelerator.prepare` call wraps everything that has gradients in DDP."""
 
     def __init__(self, heads: MedusaHeads, lm_head: nn.Module, cfg: TrainingConfig, base: nn.Module | None = None,
-                 compute_dtype: torch.dtype | None = None):
+                 compute_dtype: torch.dtype | None = None, embed_tokens: nn.Module | None = None,
+                 loss_over_candidates: bool = False):
         super().__init__()
         self.heads, self.lm_head, self.base, self.cfg = heads, lm_head, base, cfg
-        self.compute_dtype = compute_dtype
+        self.compute_dtype, self.loss_over_candidates = compute_dtype, loss_over_candidates
+        # Only heads that read the next token need the embeddings (for tied models they are the lm_head's weight).
+        self.embed_tokens = embed_tokens if heads.config.condition_on_next_token else None
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -360,7 +363,8 @@ class HeadTrainer(nn.Module):
         out = medusa_heads_loss(self.heads, hidden, input_ids, loss_mask, self.lm_head, decay=self.cfg.head_decay,
                                 coefficient=self.cfg.heads_coefficient, chunk_size=self.cfg.chunk_tokens,
                                 compute_dtype=compute_dtype, topk=topk,
-                                normalizer=None if normalizer is None else normalizer[:-1])
+                                normalizer=None if normalizer is None else normalizer[:-1],
+                                embed_tokens=self.embed_tokens, candidates_only=self.loss_over_candidates)
         result = {"loss": out.loss, "ce": out.ce, "correct": out.correct, "count": out.count}
         if ref_hidden is not None:
             kl, n = base_kl_loss(hidden, ref_hidden, input_ids, loss_mask, self.lm_head, chunk_size=self.cfg.chunk_tokens,
@@ -375,7 +379,7 @@ def build_heads(heads_cfg: HeadsConfig, hidden_size: int, vocab_size: int, lm_he
     """Fresh heads (identity blocks; own projections copied from lm_head), or the weights of `heads.init_from`."""
     config = MedusaConfig(hidden_size=hidden_size, vocab_size=vocab_size, num_heads=heads_cfg.num_heads,
                           num_layers=heads_cfg.num_layers, projection=heads_cfg.projection,
-                          base_model_name_or_path=base_ref)
+                          condition_on_next_token=heads_cfg.condition_on_next_token, base_model_name_or_path=base_ref)
     if heads_cfg.init_from is None:
         return MedusaHeads(config, base_lm_head=lm_head)
     source = Path(heads_cfg.init_from)
@@ -384,7 +388,7 @@ def build_heads(heads_cfg: HeadsConfig, hidden_size: int, vocab_size: int, lm_he
         if getattr(found, name) != want:
             raise ValueError(f"heads.init_from {source} was trained for {name} {getattr(found, name)} but the base "
                              f"({base_ref}) has {want}: start from heads made for this base, or drop heads.init_from")
-    for name in ("num_heads", "num_layers", "projection"):
+    for name in ("num_heads", "num_layers", "projection", "condition_on_next_token"):
         if getattr(found, name) != getattr(heads_cfg, name):
             raise ValueError(f"heads.init_from {source} has {name}={getattr(found, name)!r} but the heads section asks "
                              f"for {getattr(heads_cfg, name)!r}: make them agree")
@@ -596,7 +600,7 @@ def save_output(trainer: HeadTrainer, output_dir: Path, extra: dict) -> None:
 
 # ====================================================================== the run
 def build_trainer(accelerator, cfg: TrainingConfig, heads: MedusaHeads, base: nn.Module, convs: list[Conversation],
-                  mixed: str, data_key: str, log):
+                  mixed: str, data_key: str, log, loss_over_candidates: bool = False):
     """-> (HeadTrainer, fetch(rows) -> forward kwargs on the device, per-conversation lengths for batching).
 
     With precompute_hidden the base runs once here and the batches carry its cached hidden states; otherwise the
@@ -604,6 +608,8 @@ def build_trainer(accelerator, cfg: TrainingConfig, heads: MedusaHeads, base: nn
     """
     compute_dtype = torch.bfloat16 if mixed == "bf16" else None
     lm_head = base.get_output_embeddings()
+    options = {"compute_dtype": compute_dtype, "embed_tokens": base.get_input_embeddings(),
+               "loss_over_candidates": loss_over_candidates}
     if cfg.precompute_hidden:
         lookback = head_target_offset(heads.config.num_heads - 1)
         key_info = {"format": CACHE_FORMAT, "data": data_key, "base": base_fingerprint(base), "dtype": str(base.dtype),
@@ -616,7 +622,7 @@ def build_trainer(accelerator, cfg: TrainingConfig, heads: MedusaHeads, base: nn
             return {k: v.to(accelerator.device) for k, v in cache.batch(rows).items()}
 
         lengths = (cache.offsets[1:] - cache.offsets[:-1]).tolist()
-        return HeadTrainer(heads, lm_head, cfg, compute_dtype=compute_dtype), fetch, lengths
+        return HeadTrainer(heads, lm_head, cfg, **options), fetch, lengths
     if cfg.medusa2:
         from peft import LoraConfig, get_peft_model
 
@@ -630,7 +636,7 @@ def build_trainer(accelerator, cfg: TrainingConfig, heads: MedusaHeads, base: nn
         return {"input_ids": batch.input_ids.to(accelerator.device), "loss_mask": batch.loss_mask.to(accelerator.device),
                 "attention_mask": batch.attention_mask.to(accelerator.device)}
 
-    return HeadTrainer(heads, lm_head, cfg, base=base, compute_dtype=compute_dtype), fetch, [len(c.ids) for c in convs]
+    return HeadTrainer(heads, lm_head, cfg, base=base, **options), fetch, [len(c.ids) for c in convs]
 
 
 def provenance(cfg: TrainingConfig, data_cfg: DataConfig, data_key: str, train_idx, eval_idx, train_tokens: int,
@@ -720,11 +726,15 @@ def train(cfgs: dict, *, resume: bool = False, stop_after_steps: int | None = No
     train_idx, eval_idx = split_eval(convs, cfg.eval_conversations)
     data_key = data_fingerprint(convs)
     heads = build_heads(heads_cfg, hidden_size, vocab_size, lm_head, base_ref).to(accelerator.device)
+    if heads_cfg.vocab_subset_size:  # the candidate vocabulary: what proposing ranks, and maybe the loss's softmax
+        heads.set_vocab_subset(frequent_tokens(
+            (convs[i].ids[convs[i].response_start:] for i in train_idx), heads_cfg.vocab_subset_size, vocab_size))
     train_tokens = sum(convs[i].response_tokens for i in train_idx)
     log(f"{len(convs)} conversations in {data_cfg.out_dir}: {len(train_idx)} train ({train_tokens} response tokens), "
         f"{len(eval_idx)} held out; {world} process(es), mixed precision {mixed}")
 
-    trainer, fetch, lengths = build_trainer(accelerator, cfg, heads, base, convs, mixed, data_key, log)
+    trainer, fetch, lengths = build_trainer(accelerator, cfg, heads, base, convs, mixed, data_key, log,
+                                            loss_over_candidates=bool(heads_cfg.vocab_subset_size) and heads_cfg.loss_over_candidates)
     del base  # the trainer holds what it needs (with precomputed hidden states: only lm_head)
     trainer.train()
     plan = StepPlan(train_idx, lengths, cfg, world)
@@ -829,11 +839,7 @@ def train(cfgs: dict, *, resume: bool = False, stop_after_steps: int | None = No
     if main:
         extra = provenance(cfg, data_cfg, data_key, train_idx, eval_idx, train_tokens, run_state, total_steps, wall,
                            world, mixed, final, num_heads)
-        unwrapped = accelerator.unwrap_model(trainer)
-        if heads_cfg.vocab_subset_size:
-            unwrapped.heads.set_vocab_subset(frequent_tokens(
-                (convs[i].ids[convs[i].response_start:] for i in train_idx), heads_cfg.vocab_subset_size, vocab_size))
-        save_output(unwrapped, output_dir, extra)
+        save_output(accelerator.unwrap_model(trainer), output_dir, extra)
         log(f"heads written to {output_dir} (load with MedusaModel.from_pretrained({str(output_dir)!r}))")
     accelerator.wait_for_everyone()
     del trainer, optimizer
