@@ -101,20 +101,22 @@ def early_exit_draft(target, num_layers: int):
     if getattr(text_config, "layer_types", None):
         text_config.layer_types = text_config.layer_types[:num_layers]
 
-    def shallow(module: nn.Module, **children) -> nn.Module:
-        """A new module object over the same parameters, with some children swapped (the original is untouched)."""
-        clone = copy.copy(module)
-        clone._modules = dict(module._modules)
-        for name, child in children.items():
-            clone._modules[name] = child
-        return clone
-
-    draft_decoder = shallow(decoder, layers=nn.ModuleList(list(layers)[:num_layers]))
-    draft_decoder.config = text_config
-    name = next(n for n, m in target.named_children() if m is decoder)
-    draft = shallow(target, **{name: draft_decoder})
-    draft.config = config
-    return draft
+    with torch.device("meta"):  # the skeleton allocates nothing: every part is the target's below
+        draft = type(target)(config)
+    draft_decoder = draft.get_decoder()
+    for name, child in decoder.named_children():
+        setattr(draft_decoder, name, nn.ModuleList(list(layers)[:num_layers]) if name == "layers" else child)
+    for name, child in target.named_children():
+        if child is not decoder:
+            setattr(draft, name, child)
+    for owner, source in ((draft_decoder, decoder), (draft, target)):  # tensors held directly, not by a child
+        for name, tensor in [*source.named_parameters(recurse=False), *source.named_buffers(recurse=False)]:
+            setattr(owner, name, tensor)
+    left = [n for n, t in [*draft.named_parameters(), *draft.named_buffers()] if t.is_meta]
+    if left:
+        raise ValueError(f"early exit could not share {left[:3]} with the target {type(target).__name__}")
+    draft.generation_config = copy.deepcopy(target.generation_config)
+    return draft.eval()
 
 
 def check_same_vocabulary(tokenizer, draft_tokenizer, target, draft) -> None:

@@ -64,7 +64,7 @@ MODEL_FREE = frozenset({"prompt_lookup"})  # transformers' n-gram proposals: c =
 PROMPT_LOOKUP_TOKENS = 10
 WARMUP_TOKENS = 16
 RESUME_KEYS = ("questions", "base", "heads", "tree", "dtype", "device", "max_new_tokens", "temperature", "draft",
-               "threads", "seed", "profile")
+               "gamma", "threads", "seed", "profile")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -82,7 +82,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--device", default=None, help="e.g. cuda (default: CPU)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampling variants")
-    parser.add_argument("--draft", default=None, help="draft model for 'assisted' and 'draft' (same tokenizer)")
+    parser.add_argument("--draft", default=None, help="draft model for 'assisted' and 'draft' (same tokenizer), "
+                        "or early-exit:N for the target's own first N layers")
+    parser.add_argument("--gamma", type=int, default=5, help="tokens the draft model proposes per step")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-profile", dest="profile", action="store_false",
@@ -178,7 +180,8 @@ def build_methods(names: list[str], args, model, stop_ids: list[int]) -> tuple[d
     runs, skipped = {}, {}
     draft_model = draft_hf = None
     if args.draft and {"assisted", "draft"} & set(names):
-        draft_model = MedusaModel.from_draft_model(base, args.draft, dtype=args.dtype, tokenizer=tokenizer)
+        draft_model = MedusaModel.from_draft_model(base, args.draft, dtype=args.dtype, tokenizer=tokenizer,
+                                                   num_speculative_tokens=args.gamma)
         draft_hf = draft_model.draft
 
     def hf(assistant_model=None, **options):
@@ -217,7 +220,8 @@ def build_methods(names: list[str], args, model, stop_ids: list[int]) -> tuple[d
             if draft_hf is None:
                 skipped[name] = "needs --draft PATH (a smaller model with the target's tokenizer)"
             else:
-                runs[name] = hf(assistant_model=draft_hf)
+                runs[name] = hf(assistant_model=draft_hf, num_assistant_tokens=args.gamma,
+                                num_assistant_tokens_schedule="constant")
         elif name == "draft":
             if draft_model is None:
                 skipped[name] = "needs --draft PATH (a smaller model with the target's tokenizer)"
@@ -454,7 +458,7 @@ def main(argv=None) -> dict:
         "tree": args.tree or "heads' default", "tree_paths": load_tree(args.tree) if args.tree else model.tree,
         "dtype": args.dtype, "device": str(model.device),
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "draft": args.draft,
-        "threads": torch.get_num_threads(), "seed": args.seed, "profile": args.profile,
+        "gamma": args.gamma, "threads": torch.get_num_threads(), "seed": args.seed, "profile": args.profile,
         "num_questions": len(questions), "torch": torch.__version__, "transformers": transformers.__version__,
         "machine": platform.machine(), "processor": platform.processor(),
     }

@@ -93,3 +93,23 @@ def test_benchmark_smoke(tmp_path):
     assert again["overall"]["medusa"]["new_tokens"] == summary["overall"]["medusa"]["new_tokens"]
     with pytest.raises(ValueError, match="other settings"):
         benchmark.main(argv[:-4] + ["--max-new-tokens", "8", "--threads", "1"])
+
+
+def test_benchmark_draft_rows_greedy_and_sampled(tmp_path):
+    """The draft-model rows (ours and transformers' assisted generation) with an early-exit draft, at T=0 and T=0.7."""
+    base_dir, heads_dir = save_tiny_checkpoint(tmp_path)
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps(QUESTIONS[3]) + "\n")
+    common = ["--questions", str(questions), "--base", str(base_dir), "--heads", str(heads_dir), "--max-new-tokens",
+              "10", "--threads", "1", "--draft", "early-exit:1", "--gamma", "2"]
+    greedy = benchmark.main(common + ["--methods", "baseline,assisted,draft", "--out", str(tmp_path / "greedy")])
+    for method in ("assisted", "draft"):
+        assert greedy["overall"][method]["identical"] is True, method
+    draft = greedy["overall"]["draft"]
+    assert draft["gamma"] == pytest.approx(2.0) and 0.0 <= draft["alpha"] <= 1.0 and draft["c"] > 0
+    assert greedy["settings"]["gamma"] == 2
+    sampled = benchmark.main(common + ["--methods", "baseline,medusa,medusa_typical,draft", "--temperature", "0.7",
+                                       "--out", str(tmp_path / "sampled")])
+    assert set(sampled["overall"]) == {"baseline", "medusa", "medusa_typical", "draft"}
+    assert sampled["settings"]["temperature"] == 0.7
+    assert all(stats["tau"] >= 1.0 and 1 <= stats["new_tokens"] <= 10 for stats in sampled["overall"].values())

@@ -190,3 +190,32 @@ def test_the_draft_context_window_is_checked():
     assert model.generate(torch.tensor([[1, 2]]), max_new_tokens=30).sequences.shape == (1, 32)
     with pytest.raises(ValueError, match="draft model would see up to .* = 41 tokens, beyond its context window of 40"):
         model.generate(torch.tensor([[1, 2]]), max_new_tokens=34)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma"])
+def test_early_exit_draft_shares_the_target_and_keeps_greedy_identity(family):
+    from medusa.draft import early_exit_draft
+
+    target = make_tiny_model(family)
+    layers = len(target.get_decoder().layers)
+    draft = early_exit_draft(target, 1)
+    # The target is untouched; the draft owns no weights (every parameter is the target's tensor).
+    assert len(target.get_decoder().layers) == layers and target.config.get_text_config().num_hidden_layers == layers
+    target_params = {p.data_ptr() for p in target.parameters()}
+    assert {p.data_ptr() for p in draft.parameters()} <= target_params
+    # Its logits are the target's first layer followed by the target's final norm and lm_head.
+    ids = torch.tensor([[3, 14, 15, 9, 26]])
+    with torch.no_grad():
+        hidden = target(ids, output_hidden_states=True).hidden_states[1]  # after the first decoder layer
+        expected = target.get_output_embeddings()(target.get_decoder().norm(hidden))
+        torch.testing.assert_close(draft(ids).logits, expected, atol=1e-5, rtol=1e-5)
+    model = MedusaModel.from_draft_model(target=target, draft="early-exit:1", num_speculative_tokens=3, tokenizer=TOKENIZER)
+    prompt = torch.tensor([[5, 17, 33, 2]])
+    out = model.generate(prompt, max_new_tokens=20)
+    assert torch.equal(out.sequences, greedy_reference(target, prompt, 20, min_new_tokens=20))
+
+
+@pytest.mark.parametrize("spec, message", [("early-exit:2", "1 <= num_layers < 2"), ("early-exit:x", "number of layers")])
+def test_bad_early_exit_drafts_are_named(spec, message):
+    with pytest.raises(ValueError, match=message):
+        MedusaModel.from_draft_model(target=make_tiny_model("llama"), draft=spec, tokenizer=TOKENIZER)
