@@ -495,3 +495,15 @@ def test_next_token_heads_learn_over_the_candidate_vocabulary(tmp_path, tiny_bas
     prompt = torch.tensor([[5, 9] + CYCLE])
     expected = loaded.base.generate(prompt, max_new_tokens=20, do_sample=False, min_new_tokens=20)
     assert torch.equal(loaded.generate(prompt, max_new_tokens=20, tree=[[0], [0, 0], [0, 0, 0]]).sequences, expected)
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m.yaml", "smollm2-135m-medusa2.yaml"])
+def test_shipped_configs_parse_and_agree_with_the_shipped_heads(name):
+    """The configs that reproduce / continue the shipped heads must describe the heads that are shipped."""
+    cfg = load_sections(str(REPO / "configs" / name), [], train_mod.SECTIONS)
+    shipped = MedusaConfig.load(REPO / "medusa" / "default_heads" / "smollm2-135m-instruct")
+    heads = cfg["heads"]
+    for field in ("num_heads", "num_layers", "projection", "condition_on_next_token"):
+        assert getattr(heads, field) == getattr(shipped, field), field
+    if heads.vocab_subset_size is not None:
+        assert heads.vocab_subset_size == shipped.vocab_subset_size
