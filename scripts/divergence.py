@@ -1,0 +1,119 @@
+"""Why did a half-precision benchmark run's outputs differ from its baseline? Near-ties, or a bug?
+
+    python scripts/divergence.py runs/bench            # a scripts/benchmark.py output folder (greedy, bf16/fp16)
+
+In half precision, verifying several tokens in one forward is not bit-identical to feeding them one at a time, so
+two tokens whose logits are nearly equal can swap. For every output that differs from the baseline's, this finds
+the first differing token, rebuilds the context both runs shared up to it, and scores it once in float32 (the
+arbiter) and once in the run's dtype. The divergence is a near-tie when the float32 gap between the two tokens is
+within twice the half-precision error measured on those same logits; anything else is reported as a suspect.
+Writes <run>/divergence.json and prints a table per method.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmark import encode_conversation, load_questions  # noqa: E402
+
+from medusa.fileio import atomic_write_text  # noqa: E402
+from medusa.loading import load_base  # noqa: E402
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first position where a and b differ (a length difference counts), None if equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def divergences(records: list[dict], questions: dict) -> list[dict]:
+    """Each (question, method) whose output differs from the baseline's -> its first differing turn and position."""
+    baseline = {r["question_id"]: r for r in records if r["method"] == "baseline"}
+    found = []
+    for r in records:
+        base = baseline.get(r["question_id"])
+        if r["method"] == "baseline" or base is None:
+            continue
+        for turn, (mine, ref) in enumerate(zip(r["turns"], base["turns"])):
+            position = first_difference(mine["output_ids"], ref["output_ids"])
+            if position is None:
+                continue
+            if position >= min(len(mine["output_ids"]), len(ref["output_ids"])):
+                break  # one output is a prefix of the other (a stop token kept by one): nothing to score
+            found.append({"question_id": r["question_id"], "method": r["method"], "turn": turn, "position": position,
+                          "baseline_token": ref["output_ids"][position], "method_token": mine["output_ids"][position],
+                          "earlier_turns": [t["output_ids"] for t in base["turns"][:turn]],
+                          "prefix": ref["output_ids"][:position], "turns": questions[r["question_id"]]["turns"]})
+            break  # later turns build on a different conversation
+    return found
+
+
+def context_ids(tokenizer, case: dict) -> list[int]:
+    """The prompt of the diverging turn (earlier answers as the baseline gave them) plus the shared output prefix."""
+    messages = []
+    for text, answer in zip(case["turns"], case["earlier_turns"]):
+        messages += [{"role": "user", "content": text},
+                     {"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True).strip()}]
+    messages.append({"role": "user", "content": case["turns"][case["turn"]]})
+    return encode_conversation(tokenizer, messages) + case["prefix"]
+
+
+@torch.inference_mode()
+def last_logits(model, ids: list[int]) -> torch.Tensor:
+    return model(input_ids=torch.tensor([ids], device=model.device), logits_to_keep=1).logits[0, -1].float()
+
+
+def score(case: dict, exact, half, tokenizer) -> dict:
+    ids = context_ids(tokenizer, case)
+    reference, rounded = last_logits(exact, ids), last_logits(half, ids)
+    b, m = case["baseline_token"], case["method_token"]
+    gap = float(reference[b] - reference[m])  # > 0: float32 prefers the baseline's token
+    error = float(max(abs(rounded[b] - reference[b]), abs(rounded[m] - reference[m])))
+    return {"question_id": case["question_id"], "method": case["method"], "turn": case["turn"],
+            "position": case["position"], "baseline_token": tokenizer.decode([b]), "method_token": tokenizer.decode([m]),
+            "float32_gap": gap, "half_error": error, "float32_prefers": "baseline" if gap > 0 else "method",
+            "near_tie": abs(gap) <= 2 * error}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run", help="scripts/benchmark.py output folder (settings.json + raw.jsonl)")
+    args = parser.parse_args(argv)
+    run = Path(args.run)
+    if not (run / "settings.json").is_file() or not (run / "raw.jsonl").is_file():
+        raise SystemExit(f"{run} is not a benchmark output folder (settings.json and raw.jsonl missing)")
+    settings = json.loads((run / "settings.json").read_text())
+    if settings["temperature"] > 0:
+        raise SystemExit(f"{run} sampled (temperature {settings['temperature']}): outputs are not meant to match")
+    records = [json.loads(line) for line in (run / "raw.jsonl").read_text().splitlines() if line.strip()]
+    questions = {q["question_id"]: q for q in load_questions(settings["questions"], None)}
+    base = None if settings["base"].startswith("embedded:") else settings["base"]
+    exact, tokenizer = load_base(base, dtype=torch.float32)
+    half, _ = load_base(base, dtype=getattr(torch, settings["dtype"]), tokenizer=tokenizer)
+    cases = [score(case, exact, half, tokenizer) for case in divergences(records, questions)]
+    outputs = {m: sum(r["method"] == m for r in records) for m in settings["methods"] if m != "baseline"}
+    summary = {m: {"outputs": n, "differ": sum(c["method"] == m for c in cases),
+                   "near_ties": sum(c["method"] == m and c["near_tie"] for c in cases)} for m, n in outputs.items()}
+    result = {"run": str(run), "dtype": settings["dtype"], "summary": summary, "cases": cases}
+    atomic_write_text(run / "divergence.json", json.dumps(result, indent=2))
+    print(f"| method | outputs | differ from baseline | near-ties | suspects |\n|---|---|---|---|---|")
+    for m, s in summary.items():
+        print(f"| {m} | {s['outputs']} | {s['differ']} | {s['near_ties']} | {s['differ'] - s['near_ties']} |")
+    for c in cases:
+        if not c["near_tie"]:
+            print(f"suspect: q{c['question_id']} {c['method']} turn {c['turn']} token {c['position']}: "
+                  f"{c['baseline_token']!r} vs {c['method_token']!r}, float32 gap {c['float32_gap']:.3f}, "
+                  f"{settings['dtype']} error {c['half_error']:.3f}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
