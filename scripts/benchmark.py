@@ -3,7 +3,7 @@
     python scripts/benchmark.py --questions ../shared/bench_data/spec_bench_question.jsonl --limit 10 \
         --methods baseline,prompt_lookup,medusa,medusa_dynamic,hybrid --out runs/bench \
         [--heads DIR] [--base PATH] [--tree NAME] [--dtype float32|bfloat16] [--max-new-tokens 128] \
-        [--temperature 0] [--draft PATH] [--threads N] [--seed 0] [--no-profile] [--overwrite]
+        [--temperature 0] [--draft PATH|early-exit:N] [--gamma 5] [--threads N] [--seed 0] [--no-profile] [--overwrite]
 
 Methods (interleaved per question, after a warm-up):
   baseline        transformers greedy (or sampling, --temperature > 0) `generate` of the base model
@@ -15,6 +15,7 @@ Methods (interleaved per question, after a warm-up):
   lookup          this library's prompt lookup (proposer "prompt_lookup")
   medusa_typical  Medusa static tree with typical acceptance (lossy; meant for --temperature > 0)
   draft           MedusaModel.from_draft_model(base, --draft): classic speculative decoding in this library's loop
+                  (--draft early-exit:N drafts with the target's own first N layers; --gamma tokens per step)
 
 Questions are Spec-Bench jsonl (`{question_id, category, turns[]}`); the eight MT-bench categories are reported as
 one, `mt_bench`, as Spec-Bench does. `--limit N` keeps N questions per reported category (MT-bench questions taken
