@@ -105,7 +105,7 @@ def early_exit_draft(target, num_layers: int):
         draft = type(target)(config)
     draft_decoder = draft.get_decoder()
     for name, child in decoder.named_children():
-        setattr(draft_decoder, name, nn.ModuleList(list(layers)[:num_layers]) if name == "layers" else child)
+        setattr(draft_decoder, name, layers[:num_layers] if name == "layers" else child)  # a new ModuleList
     for name, child in target.named_children():
         if child is not decoder:
             setattr(draft, name, child)

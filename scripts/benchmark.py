@@ -130,6 +130,11 @@ def encode_conversation(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer(text)["input_ids"]
 
 
+def answer_message(tokenizer, output_ids: list[int]) -> dict:
+    """A turn's generated ids -> the assistant message that goes back into the conversation before the next turn."""
+    return {"role": "assistant", "content": tokenizer.decode(output_ids, skip_special_tokens=True).strip()}
+
+
 # ------------------------------------------------------------------------------------------------------- timing
 class ForwardRecorder:
     """Counts and times a model's forward calls; for each: cache length before it and tokens fed (query length)."""
@@ -508,8 +513,7 @@ def main(argv=None) -> dict:
                                       args.seed + 1000 * q["question_id"] + turn_index, sync)
                     record["prompt_tokens"] = ids.shape[1]
                     turns[m].append(record)
-                    answer = tokenizer.decode(record["output_ids"], skip_special_tokens=True).strip()
-                    conversations[m].append({"role": "assistant", "content": answer})
+                    conversations[m].append(answer_message(tokenizer, record["output_ids"]))
             for m in order:
                 r = {"question_id": q["question_id"], "category": q["category"], "group": q["group"], "method": m,
                      "turns": turns[m]}

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark import encode_conversation, load_questions  # noqa: E402
+from benchmark import answer_message, encode_conversation, load_questions  # noqa: E402
 
 from medusa.fileio import atomic_write_text  # noqa: E402
 from medusa.loading import load_base  # noqa: E402
@@ -65,8 +65,7 @@ def context_ids(tokenizer, case: dict) -> list[int]:
     """The prompt of the diverging turn (earlier answers as the baseline gave them) plus the shared output prefix."""
     messages = []
     for text, answer in zip(case["turns"], case["earlier_turns"]):
-        messages += [{"role": "user", "content": text},
-                     {"role": "assistant", "content": tokenizer.decode(answer, skip_special_tokens=True).strip()}]
+        messages += [{"role": "user", "content": text}, answer_message(tokenizer, answer)]
     messages.append({"role": "user", "content": case["turns"][case["turn"]]})
     return encode_conversation(tokenizer, messages) + case["prefix"]
 
@@ -100,9 +99,8 @@ def main(argv=None) -> dict:
         raise SystemExit(f"{run} sampled (temperature {settings['temperature']}): outputs are not meant to match")
     records = [json.loads(line) for line in (run / "raw.jsonl").read_text().splitlines() if line.strip()]
     questions = {q["question_id"]: q for q in load_questions(settings["questions"], None)}
-    base = None if settings["base"].startswith("embedded:") else settings["base"]
-    exact, tokenizer = load_base(base, dtype=torch.float32)
-    half, _ = load_base(base, dtype=getattr(torch, settings["dtype"]), tokenizer=tokenizer)
+    exact, tokenizer = load_base(settings["base"], dtype=torch.float32)  # load_base reads "embedded:..." too
+    half, _ = load_base(settings["base"], dtype=getattr(torch, settings["dtype"]), tokenizer=tokenizer)
     cases = [score(case, exact, half, tokenizer) for case in divergences(records, questions)]
     outputs = {m: sum(r["method"] == m for r in records) for m in settings["methods"] if m != "baseline"}
     summary = {}
