@@ -31,6 +31,10 @@ class MedusaConfig:
     # Heads also read the embedding of the target's own next token (the tree root), see MedusaHeads. Not part of
     # the official Medusa layout: such heads export to vLLM / TGI only if they do not use it.
     condition_on_next_token: bool = False
+    # Head k (k >= 1) also reads the embeddings of the k tokens its path holds after the root: at decode time a
+    # node's children come from its own path (Hydra's sequential heads), in training the target's tokens. Needs
+    # condition_on_next_token. Medusa-only layout, like it.
+    condition_on_path: bool = False
     format_version: int = FORMAT_VERSION
     extra: dict = field(default_factory=dict)  # free-form provenance (training run, data), never read by code
 
@@ -40,8 +44,12 @@ class MedusaConfig:
                 raise ValueError(f"MedusaConfig.{name} must be a positive integer, got {getattr(self, name)!r}")
         if not isinstance(self.num_layers, int) or self.num_layers < 0:
             raise ValueError(f"MedusaConfig.num_layers must be >= 0, got {self.num_layers!r}")
-        if not isinstance(self.condition_on_next_token, bool):
-            raise ValueError(f"MedusaConfig.condition_on_next_token must be true or false, got {self.condition_on_next_token!r}")
+        for name in ("condition_on_next_token", "condition_on_path"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"MedusaConfig.{name} must be true or false, got {getattr(self, name)!r}")
+        if self.condition_on_path and not self.condition_on_next_token:
+            raise ValueError("MedusaConfig.condition_on_path needs condition_on_next_token: a path starts at the root "
+                             "token (set both)")
         if self.projection not in PROJECTIONS:
             raise ValueError(f"MedusaConfig.projection must be one of {PROJECTIONS}, got {self.projection!r}")
         if self.vocab_subset_size is not None and not 0 < self.vocab_subset_size <= self.vocab_size:

@@ -121,10 +121,27 @@ def drop_evaluation_overlap(prompts: Iterable[str], evaluation: set[str]) -> lis
     return kept
 
 
-def build_prompt_mix(sources: dict[str, int], seed: int = 0) -> list[tuple[str, str]]:
+def _take(prompts: list[str], source: str, count: int | str) -> list[str]:
+    """`count` prompts from the start of a source's shuffled list; -1 takes all, "start:stop" a slice of it."""
+    if isinstance(count, str):
+        match = re.fullmatch(r"\s*(\d*)\s*:\s*(\d*)\s*", count)
+        if not match:
+            raise ValueError(f"data.sources[{source!r}] = {count!r}: use a count (-1 for all) or a 'start:stop' slice")
+        start, stop = (int(x) if x else None for x in match.groups())
+        return prompts[start:stop]
+    if count < -1:
+        raise ValueError(f"data.sources[{source!r}] = {count}: use a count >= 0, -1 for all, or a 'start:stop' slice")
+    return prompts if count == -1 else prompts[:count]
+
+
+def build_prompt_mix(sources: dict[str, int | str], seed: int = 0) -> list[tuple[str, str]]:
     """`{source: count}` -> a shuffled, evaluation-filtered, deterministic list of `(source, prompt)`.
 
-    A count of -1 takes every prompt of that source. Deterministic so that resumed runs see the same order.
+    A count of -1 takes every prompt of that source; a "start:stop" string takes that slice of the source's
+    shuffled prompts. Each source's shuffle depends only on the seed and the sources listed before it, not on
+    the counts, so a config with the same sources in the same order and slices past the old counts (e.g.
+    `bench:alpaca: "1600:4000"`) yields prompts the first one did not use: more data without overlap.
+    Deterministic so that resumed runs see the same order.
     """
     if not sources:
         raise ValueError("data.sources is empty: name at least one prompt source, e.g. {'bench:alpaca': 1000}")
@@ -134,8 +151,7 @@ def build_prompt_mix(sources: dict[str, int], seed: int = 0) -> list[tuple[str, 
     for source, count in sources.items():
         prompts = drop_evaluation_overlap(dict.fromkeys(load_prompts(source)), evaluation)
         rng.shuffle(prompts)
-        take = prompts if count < 0 else prompts[:count]
-        mix.extend((source, p) for p in take)
+        mix.extend((source, p) for p in _take(prompts, source, count))
     rng.shuffle(mix)
     return mix
 

@@ -66,21 +66,28 @@ class DynamicTreeProposer:
         budget = self.num_nodes - 1  # non-root nodes
         if budget == 0 or self.depth == 0:
             return Candidates(tokens=root, tree=buffers_from_parents(root.new_zeros(1), root.new_zeros(1)))
-        logits = self.medusa.head_logits(state.last_hidden, state.root_token, self.depth)  # (D, V')
-        width = min(self.topk, budget, logits.shape[-1])
-        top_logp, top_index = logits.float().log_softmax(-1).clamp(max=0).topk(width, dim=-1)  # (D, s)
-        top_tokens = self.medusa.projection.token(top_index)  # (D, s) token ids
+        by_path = self.medusa.heads.config.condition_on_path
+        if not by_path:  # every head reads only the root: all levels' guesses at once
+            logits = self.medusa.head_logits(state.last_hidden, state.root_token, self.depth)  # (D, V')
+        width = min(self.topk, budget, self.medusa.projection.weight.shape[-2])
 
         # Level d keeps its best `budget` candidates, sorted; children of those are level d+1's candidates.
         level_scores, level_parents, level_tokens = [], [], []
-        beam = top_logp.new_zeros(1)  # (B,) scores of the previous level's kept nodes (the root: log 1)
-        for d in range(logits.shape[0]):
-            scores = (beam[:, None] + top_logp[d][None, :]).flatten()  # (B * s,) ordered by parent, then rank
+        beam = root.new_zeros(1, dtype=torch.float32)  # (B,) scores of the previous level's kept nodes (the root: log 1)
+        paths = root.new_zeros(1, 0)  # (B, d) tokens of the kept nodes' paths after the root
+        for d in range(self.depth):
+            # (B, V') when each kept node's children depend on its path, else (1, V') shared by all
+            level_logits = self.medusa.path_logits(state.last_hidden, state.root_token, d, paths) if by_path \
+                else logits[d:d + 1]
+            top_logp, top_index = level_logits.float().log_softmax(-1).clamp(max=0).topk(width, dim=-1)
+            top_tokens = self.medusa.projection.token(top_index).expand(beam.shape[0], width)  # (B, s)
+            scores = (beam[:, None] + top_logp).flatten()  # (B * s,) ordered by parent, then rank
             order = torch.sort(scores, descending=True, stable=True).indices[:budget]
             level_scores.append(scores[order])
             level_parents.append(order // width)  # index into the previous level's kept list
-            level_tokens.append(top_tokens[d][order % width])
+            level_tokens.append(top_tokens.flatten()[order])
             beam = level_scores[-1]
+            paths = torch.cat([paths[level_parents[-1]], level_tokens[-1][:, None]], dim=1)
 
         # Global cut: the best `budget` across levels. Within a level the stable global order equals the level's own
         # order, so each level contributes a prefix of its sorted list.

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from medusa.heads import head_target_offset
+from medusa.heads import head_target_offset, tokens_read
 from medusa.propose import CandidateProjection
 
 
@@ -66,10 +66,14 @@ def head_rank_hits(model, input_ids, response_start: int, ranks: int = 10, chunk
     device = model.base.device
     hidden = model.base(input_ids=ids[None].to(device), output_hidden_states=True).hidden_states[-1][0]  # (T, H)
     offsets = torch.tensor([head_target_offset(k) for k in range(num_heads)])  # (K,)
+    reads = torch.arange(1, tokens_read(heads.config, num_heads - 1) + 1)  # offsets of the tokens heads read
     for start in range(first, last + 1, chunk):
         src = torch.arange(start, min(start + chunk, last + 1))  # (n,) positions whose hidden state the heads read
-        next_embedding = None if embed is None else embed(ids[src + 1].to(device))  # each position's root token
-        logits = candidate_logits(projection, heads.head_hidden(hidden[src.to(device)], next_embedding))  # (K, n, V')
+        # the tokens each position's heads read: its root, then (path heads) the target's tokens after it
+        following = None if embed is None else ids[(src[:, None] + reads).clamp(max=total - 1)].to(device)  # (n, R)
+        head_hidden = torch.stack([heads.run_head_on_tokens(k, hidden[src.to(device)], following, embed)
+                                   for k in range(num_heads)])
+        logits = candidate_logits(projection, head_hidden)  # (K, n, V')
         top = projection.token(logits.topk(ranks, dim=-1).indices).cpu()  # (K, n, R) token ids
         dst = src[None, :] + offsets[:, None]  # (K, n) positions of the tokens each head predicts
         valid = dst < total  # (K, n) far heads run out of targets before near ones

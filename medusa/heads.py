@@ -16,6 +16,26 @@ def head_target_offset(head: int) -> int:
     return head + 2
 
 
+def following_tokens(input_ids: torch.Tensor, count: int) -> torch.Tensor:
+    """input_ids (..., T) -> (..., T, count): the tokens at t+1 .. t+count for each position t (0 past the end).
+
+    What a head reading position t is conditioned on: the root (t+1), then for path heads the tokens after it.
+    """
+    length = input_ids.shape[-1]
+    out = input_ids.new_zeros((*input_ids.shape, count))
+    for j in range(count):
+        if j + 1 < length:
+            out[..., : length - j - 1, j] = input_ids[..., j + 1:]
+    return out
+
+
+def tokens_read(config: MedusaConfig, head: int) -> int:
+    """How many tokens after its position head `head` reads: 0 (plain), 1 (the root), or head + 1 (its path)."""
+    if config.condition_on_path:
+        return head + 1
+    return 1 if config.condition_on_next_token else 0
+
+
 class ResBlock(nn.Module):
     """x + SiLU(W x + b), with W and b zero-initialised so a fresh block is exactly the identity."""
 
@@ -37,6 +57,8 @@ class MedusaHeads(nn.Module):
     the hidden state's position (at decode time the tree root: the target's own next token, known before the heads
     run), through a zero-initialised linear map added to the hidden state. Fresh conditioned heads therefore equal
     plain ones, and training learns how much the next token tells about the ones after it (the Hydra / EAGLE input).
+    With `config.condition_on_path` head k also reads the embeddings of the k tokens between the root and the token
+    it guesses (its path in the tree), each through its own zero-initialised map: Hydra's sequential heads.
     """
 
     def __init__(self, config: MedusaConfig, base_lm_head: nn.Linear | None = None):
@@ -55,6 +77,16 @@ class MedusaHeads(nn.Module):
                 nn.init.zeros_(linear.weight)
         else:
             self.next_token_maps = None
+        if config.condition_on_path:  # path_token_maps[k][j]: head k's map of the path token j + 1 after the root
+            self.path_token_maps = nn.ModuleList(
+                nn.ModuleList(nn.Linear(config.hidden_size, config.hidden_size, bias=False) for _ in range(k))
+                for k in range(config.num_heads)
+            )
+            for maps in self.path_token_maps:
+                for linear in maps:
+                    nn.init.zeros_(linear.weight)
+        else:
+            self.path_token_maps = None
         if config.projection == "own":
             self.projections = nn.ModuleList(
                 nn.Linear(config.hidden_size, config.vocab_size, bias=False) for _ in range(config.num_heads)
@@ -82,22 +114,45 @@ class MedusaHeads(nn.Module):
         weight = lm_head.weight if self.projections is None else torch.stack([p.weight for p in self.projections])
         return weight if subset is None else weight[..., subset, :]
 
-    def run_head(self, head: int, hidden: torch.Tensor, next_embedding: torch.Tensor | None = None) -> torch.Tensor:
+    def run_head(self, head: int, hidden: torch.Tensor, next_embedding: torch.Tensor | None = None,
+                 path_embeddings: torch.Tensor | None = None) -> torch.Tensor:
         """hidden (..., H) -> (..., H): head `head`'s transformed hidden state before projection.
 
         next_embedding (..., H): the base's input embedding of the token after each position; required when the
         heads are conditioned on it (`config.condition_on_next_token`), ignored otherwise.
+        path_embeddings (..., head, H) or more tokens: embeddings of the tokens after that one (the path from the
+        root); head k reads the first k. Required for k >= 1 when `config.condition_on_path`, ignored otherwise.
         """
         if self.next_token_maps is not None:
             if next_embedding is None:
                 raise ValueError("these heads read the next token (condition_on_next_token): pass next_embedding, the "
                                  "base's input embedding of the token after each position")
             hidden = hidden + self.next_token_maps[head](next_embedding.to(hidden.dtype))
+        if self.path_token_maps is not None and head > 0:
+            if path_embeddings is None or path_embeddings.shape[-2] < head:
+                raise ValueError(f"head {head} reads the {head} path token(s) after the root (condition_on_path): pass "
+                                 "path_embeddings (..., >= head, H), the embeddings of the tokens after the next one")
+            for j, linear in enumerate(self.path_token_maps[head]):
+                hidden = hidden + linear(path_embeddings[..., j, :].to(hidden.dtype))
         return self.blocks[head](hidden)
 
-    def head_hidden(self, hidden: torch.Tensor, next_embedding: torch.Tensor | None = None) -> torch.Tensor:
+    def run_head_on_tokens(self, head: int, hidden: torch.Tensor, following: torch.Tensor | None,
+                           embed_tokens: nn.Module | None) -> torch.Tensor:
+        """`run_head` given token ids: following (..., >= tokens_read, long) ids after each position (see
+        `following_tokens`; None for plain heads), embedded with `embed_tokens` (the base's input embeddings)."""
+        count = tokens_read(self.config, head)
+        if not count:
+            return self.run_head(head, hidden)
+        if embed_tokens is None:
+            raise ValueError("these heads read the tokens after each position: pass embed_tokens (the base's input "
+                             "embeddings)")
+        embedded = embed_tokens(following[..., :count])  # (..., count, H)
+        return self.run_head(head, hidden, embedded[..., 0, :], embedded[..., 1:, :])
+
+    def head_hidden(self, hidden: torch.Tensor, next_embedding: torch.Tensor | None = None,
+                    path_embeddings: torch.Tensor | None = None) -> torch.Tensor:
         """hidden (..., H) -> (K, ..., H): every head's `run_head`."""
-        return torch.stack([self.run_head(k, hidden, next_embedding) for k in range(len(self.blocks))])
+        return torch.stack([self.run_head(k, hidden, next_embedding, path_embeddings) for k in range(len(self.blocks))])
 
     def project(self, head_hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         """(K, ..., H) -> (K, ..., V). With a shared lm_head all heads go through one matmul."""
@@ -105,6 +160,7 @@ class MedusaHeads(nn.Module):
             return lm_head(head_hidden)
         return torch.stack([proj(h) for proj, h in zip(self.projections, head_hidden)])
 
-    def forward(self, hidden: torch.Tensor, lm_head: nn.Module, next_embedding: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, lm_head: nn.Module, next_embedding: torch.Tensor | None = None,
+                path_embeddings: torch.Tensor | None = None) -> torch.Tensor:
         """hidden (..., H) -> logits (K, ..., V)."""
-        return self.project(self.head_hidden(hidden, next_embedding), lm_head)
+        return self.project(self.head_hidden(hidden, next_embedding, path_embeddings), lm_head)

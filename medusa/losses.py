@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from medusa.heads import MedusaHeads, head_target_offset
+from medusa.heads import MedusaHeads, following_tokens, head_target_offset, tokens_read
 
 BASE_TARGET_OFFSET = 1  # the base lm_head at position t predicts token t+1
 TOPK = 5  # accuracies reported: top-1 .. top-5
@@ -227,15 +227,16 @@ def medusa_heads_loss(heads: MedusaHeads, hidden: torch.Tensor, input_ids: torch
     shared_bias = getattr(lm_head, "bias", None)
     if shared_bias is not None and subset is not None:
         shared_bias = shared_bias[subset]
-    next_embedding = None
+    following = None  # (B, T, n) the tokens after each position that conditioned heads read
     if heads.config.condition_on_next_token:
         if embed_tokens is None:
             raise ValueError("heads conditioned on the next token need embed_tokens (the base's input embeddings)")
-        next_ids, _ = shifted_targets(input_ids, torch.ones_like(loss_mask), 1)  # (B, T): the token after t
-        next_embedding = embed_tokens(next_ids)
+        following = following_tokens(input_ids, tokens_read(heads.config, num_heads - 1))
     for k in range(num_heads):
         targets, valid = head_targets(input_ids, loss_mask, k)
-        x = heads.run_head(k, hidden[valid], None if next_embedding is None else next_embedding[valid])  # (N_k, H)
+        # teacher forcing: a path head reads the target's own tokens, as on the path a step accepts
+        x = heads.run_head_on_tokens(k, hidden[valid], None if following is None else following[valid],
+                                     embed_tokens)  # (N_k, H)
         # (an empty selection still links the head into the graph)
         if heads.projections is None:
             weight, bias = shared_weight, shared_bias

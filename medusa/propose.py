@@ -48,12 +48,53 @@ class CandidateProjection:
             return head_hidden @ self.weight.T
         return torch.einsum("kh,kvh->kv", head_hidden, self.weight[: head_hidden.shape[0]])
 
+    def head_logits(self, head: int, head_hidden: torch.Tensor) -> torch.Tensor:
+        """(P, H) rows of one head -> (P, V') logits over the candidate vocabulary."""
+        weight = self.weight if self.weight.dim() == 2 else self.weight[head]
+        return head_hidden.to(weight.dtype) @ weight.T
+
     def token(self, index: torch.Tensor) -> torch.Tensor:
         return index if self.token_ids is None else self.token_ids[index]
 
 
+@dataclass(frozen=True)
+class TreeLevel:
+    """The nodes of one depth of a static tree, for heads whose guesses depend on the path (condition_on_path)."""
+
+    nodes: torch.Tensor  # (n,) node indices at this depth
+    ranks: torch.Tensor  # (n,) which rank of its parent's guesses each node holds
+    parent_rows: torch.Tensor  # (n,) row of the node's parent in `parent_paths`
+    parent_paths: torch.Tensor  # (P, depth - 1) node indices of each distinct parent's path after the root
+    width: int  # ranks needed: max(ranks) + 1
+
+
+def tree_levels(tree: TreeBuffers) -> list[TreeLevel]:
+    """Per depth: the nodes, their ranks and their parents' paths (static trees: `candidate_index` gives ranks)."""
+    parent, depth, index = (t.tolist() for t in (tree.parent.cpu(), tree.depth.cpu(), tree.candidate_index.cpu()))
+    head_start = [1 + sum(tree.topk_per_head[:k]) for k in range(len(tree.topk_per_head))]
+    levels = []
+    for d in range(1, max(depth, default=0) + 1):
+        nodes = [i for i in range(tree.num_nodes) if depth[i] == d]
+        parents = list(dict.fromkeys(parent[i] for i in nodes))  # distinct, in node order
+        paths = []
+        for p in parents:
+            path = []
+            while p != 0:
+                path.append(p)
+                p = parent[p]
+            paths.append(path[::-1])
+        ranks = [index[i] - head_start[d - 1] for i in nodes]
+        as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=tree.parent.device)  # noqa: E731
+        levels.append(TreeLevel(as_tensor(nodes), as_tensor(ranks), as_tensor([parents.index(parent[i]) for i in nodes]),
+                                as_tensor(paths).reshape(len(parents), d - 1), max(ranks) + 1))
+    return levels
+
+
 class MedusaProposer:
-    """Top-s tokens of each head, read from the last committed hidden state, placed by a static tree."""
+    """Top-s tokens of each head, read from the last committed hidden state, placed by a static tree.
+
+    Path heads (`condition_on_path`) guess each node's children from that node's own path, one depth at a time.
+    """
 
     def __init__(self, heads, projection: CandidateProjection, tree: TreeBuffers, embed_tokens=None):
         if len(tree.topk_per_head) > heads.config.num_heads:
@@ -62,6 +103,16 @@ class MedusaProposer:
             raise ValueError("these heads read the next token's embedding: pass embed_tokens (the base's input embeddings)")
         self.heads, self.projection, self.tree, self.embed_tokens = heads, projection, tree, embed_tokens
         self.used_heads = max((k + 1 for k, s in enumerate(tree.topk_per_head) if s), default=0)
+        self.levels = tree_levels(tree) if heads.config.condition_on_path else None
+
+    def path_logits(self, hidden: torch.Tensor, root: torch.Tensor, head: int, paths: torch.Tensor) -> torch.Tensor:
+        """Head `head`'s logits after each of P paths: hidden (H,), root (), paths (P, head) token ids after the
+        root -> (P, V'). Heads that do not read the path return one row (1, V'), the same for every path."""
+        if not self.heads.config.condition_on_path:
+            return self.head_logits(hidden, root, head + 1)[head:head + 1]
+        following = torch.cat([root.view(1, 1).expand(paths.shape[0], 1), paths], dim=1)  # (P, head + 1)
+        rows = self.heads.run_head_on_tokens(head, hidden.expand(paths.shape[0], -1), following, self.embed_tokens)
+        return self.projection.head_logits(head, rows)
 
     def head_logits(self, hidden: torch.Tensor, next_token: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
         """hidden (H,), next_token () its following token (the root) -> (K_used, V') over the candidate vocabulary
@@ -72,6 +123,8 @@ class MedusaProposer:
 
     @torch.inference_mode()
     def propose(self, state) -> Candidates:
+        if self.levels is not None:
+            return self._propose_by_path(state)
         tree = self.tree
         parts = [state.root_token.view(1)]
         if self.used_heads:
@@ -81,6 +134,14 @@ class MedusaProposer:
             parts += [top[k, :s] for k, s in enumerate(tree.topk_per_head[: self.used_heads]) if s]
         flat = torch.cat(parts)
         return Candidates(tokens=flat[tree.candidate_index], tree=tree)
+
+    def _propose_by_path(self, state) -> Candidates:
+        tokens = state.root_token.view(1).repeat(self.tree.num_nodes)  # (N,) filled depth by depth
+        for head, level in enumerate(self.levels):
+            logits = self.path_logits(state.last_hidden, state.root_token, head, tokens[level.parent_paths])  # (P, V')
+            top = self.projection.token(torch.topk(logits, level.width, dim=-1).indices)  # (P, width)
+            tokens[level.nodes] = top[level.parent_rows, level.ranks]
+        return Candidates(tokens=tokens, tree=self.tree)
 
     def observe(self, state, accepted_tokens: list[int]) -> None:
         pass

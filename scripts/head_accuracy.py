@@ -6,7 +6,8 @@
 The target answers the first turn of each question through its chat template, greedily, exactly as
 train/generate_data.py answers training prompts; then acc[k][r] is the share of response positions where rank r
 (0-based) of head k, ranked as the proposer ranks candidates, is the token the target emitted (see
-medusa/evaluation.py). scripts/build_tree.py reads the JSON:
+medusa/evaluation.py). Path heads (`condition_on_path`) read the target's own tokens as their path, so for them
+acc[k][r] is the accuracy given that the path before is right: what a step that reached depth k accepts. scripts/build_tree.py reads the JSON:
 {"acc": [[...]], "top1", "top5", "positions", "questions", "counts", "settings"}.
 """
 

@@ -31,12 +31,13 @@ def make_tiny_model(family: str, seed: int = 0, dtype=torch.float32):
 
 def make_heads(num_heads: int = 4, random: bool = False, projection: str = "shared", seed: int = 1,
                num_layers: int = 1, hidden: int = HIDDEN, vocab: int = VOCAB,
-               condition_on_next_token: bool = False) -> MedusaHeads:
+               condition_on_next_token: bool = False, condition_on_path: bool = False) -> MedusaHeads:
     """Untrained heads (identity blocks), or random ones whose guesses are often wrong (exercise rejection paths)."""
     torch.manual_seed(seed)
     heads = MedusaHeads(MedusaConfig(hidden_size=hidden, vocab_size=vocab, num_heads=num_heads,
                                      num_layers=num_layers, projection=projection,
-                                     condition_on_next_token=condition_on_next_token))
+                                     condition_on_next_token=condition_on_next_token or condition_on_path,
+                                     condition_on_path=condition_on_path))
     if random:
         for p in heads.parameters():
             torch.nn.init.normal_(p, std=0.3)

@@ -5,6 +5,7 @@ import shutil
 
 import pytest
 
+from medusa.data import build_prompt_mix
 from train.generate_data import is_greedy_shard, load_shards, main, shard_dirs
 from tests.conftest import make_tiny_model, tiny_tokenizer
 
@@ -83,3 +84,44 @@ def test_empty_prompt_source_and_unknown_keys_are_named(setup, tmp_path):
 def test_greedy_shards_are_spread_evenly():
     assert [is_greedy_shard(i, 0.5) for i in range(4)] == [False, True, False, True]
     assert sum(is_greedy_shard(i, 0.25) for i in range(100)) == 25
+
+
+def test_max_shards_stops_early_and_resumes_to_the_same_rows(setup):
+    args, out = setup
+    main(args + ["--data.max_shards", "2"])
+    assert [s.name for s in shard_dirs(out)] == ["shard-00000", "shard-00001"]
+    first_two = _rows(out)
+    main(args)  # the same mix without the cap: continues at shard 2, the first two are kept as they were
+    assert len(shard_dirs(out)) == 3 and set(first_two) < set(_rows(out))
+    with pytest.raises(ValueError, match="max_shards"):
+        main(args + ["--data.max_shards", "0"])
+
+
+def test_slices_extend_a_mix_without_overlap(setup, tmp_path):
+    prompts = str(tmp_path / "prompts.jsonl")
+    first = build_prompt_mix({prompts: 3}, seed=0)
+    rest = build_prompt_mix({prompts: "3:"}, seed=0)
+    everything = build_prompt_mix({prompts: -1}, seed=0)
+    assert len(first) == 3 and len(rest) == 4  # 8 prompts, the MT-bench one dropped
+    assert not {p for _, p in first} & {p for _, p in rest}
+    assert {p for _, p in first} | {p for _, p in rest} == {p for _, p in everything}
+    assert len(build_prompt_mix({prompts: "1:3"}, seed=0)) == 2 and build_prompt_mix({prompts: 0}, seed=0) == []
+    for bad in ("three", "1:2:3", -2):
+        with pytest.raises(ValueError, match="start:stop"):
+            build_prompt_mix({prompts: bad}, seed=0)
+
+
+@pytest.mark.slow  # filters all 52k T0 prompts against the evaluation sets twice (~1 min)
+def test_the_shipped_data_parts_do_not_overlap():
+    """configs/smollm2-135m-chat-data.yaml extends the first part with prompts the first part never used."""
+    from pathlib import Path
+
+    from train.config import DataConfig, load_sections
+
+    repo = Path(__file__).resolve().parent.parent
+    parts = [load_sections(str(repo / "configs" / name), [], {"data": DataConfig})["data"]
+             for name in ("smollm2-135m.yaml", "smollm2-135m-chat-data.yaml")]
+    first = build_prompt_mix(parts[0].sources, parts[0].seed)
+    second = build_prompt_mix(parts[1].sources, parts[1].seed)
+    assert len(second) == 3600 and not {p for _, p in first} & {p for _, p in second}
+    assert str(repo / parts[1].out_dir) == str(repo / parts[0].extra_dirs[0])  # training reads the second part

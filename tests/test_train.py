@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from medusa import MedusaModel
 from medusa.config import WEIGHTS_NAME, MedusaConfig
+from medusa.heads import following_tokens
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -183,6 +184,19 @@ def test_hidden_cache_is_reused_and_keyed_by_data(tmp_path, tiny_base, tiny_data
     assert len(list((tmp_path / "cache").glob("hidden-*.safetensors"))) == 2
 
 
+def test_extra_data_dirs_are_read_after_out_dir(tmp_path, tiny_base, tiny_data):
+    more = write_shards(tmp_path / "more-data", n=16, seed=7, shards=1)
+    raw = sections(tmp_path, tiny_base, tiny_data, max_steps=2)
+    raw["data"]["extra_dirs"] = [str(more)]
+    extra = MedusaModel.from_pretrained(run(raw).output_dir).config.extra["training"]
+    assert extra["train_conversations"] + extra["eval_conversations"] == 48 + 16
+    assert extra["data_dirs"] == [str(tiny_data), str(more)]
+    raw["data"]["extra_dirs"] = [str(tmp_path / "missing")]
+    raw["training"]["output_dir"] = str(tmp_path / "heads2")
+    with pytest.raises(FileNotFoundError, match="no data shards in .*missing"):
+        run(raw)
+
+
 # --------------------------------------------------------------------------- resumption
 RESUME_MODES = {
     "precomputed": dict(precompute_hidden=True),
@@ -338,6 +352,7 @@ def test_error_unknown_config_key(tmp_path, tiny_base, tiny_data):
     ({"training": {"lr": "fast"}}, "training.lr must be a number"),
     ({"training": {"report_to": "tensorboard"}}, "training.report_to"),
     ({"heads": {"condition_on_next_token": "yes"}}, "heads.condition_on_next_token must be true or false"),
+    ({"heads": {"condition_on_path": True}}, "condition_on_path needs heads.condition_on_next_token"),
 ])
 def test_error_invalid_values(tmp_path, tiny_base, tiny_data, bad, message):
     raw = sections(tmp_path, tiny_base, tiny_data)
@@ -474,22 +489,27 @@ def test_vocab_subset_is_taken_from_training_responses(tmp_path, tiny_base, tiny
     assert loaded.config.vocab_subset_size == 8 and set(CYCLE) <= subset  # the cycle's tokens are the frequent ones
 
 
-def test_next_token_heads_learn_over_the_candidate_vocabulary(tmp_path, tiny_base, tiny_data):
-    """heads.condition_on_next_token with a vocabulary subset (the loss then runs over the candidates only)."""
-    raw = sections(tmp_path, tiny_base, tiny_data, heads={"condition_on_next_token": True, "vocab_subset_size": 12},
-                   max_steps=30, eval_every=30)
+@pytest.mark.parametrize("path", [False, True], ids=["root", "path"])
+def test_next_token_heads_learn_over_the_candidate_vocabulary(tmp_path, tiny_base, tiny_data, path):
+    """heads.condition_on_next_token (and _on_path) with a vocabulary subset (the loss then runs over the candidates)."""
+    raw = sections(tmp_path, tiny_base, tiny_data, heads={"condition_on_next_token": True, "vocab_subset_size": 12,
+                                                          "condition_on_path": path}, max_steps=30, eval_every=30)
     result = run(raw)
     first, last = result.eval_history[0], result.eval_history[-1]
     for k in range(3):
         assert top1(last, k) > 0.9 and top1(last, k) > top1(first, k) + 0.5, (k, first, last)
     loaded = MedusaModel.from_pretrained(result.output_dir)
     assert loaded.config.condition_on_next_token and loaded.config.vocab_subset_size == 12
+    assert loaded.config.condition_on_path == path
     assert loaded.heads.next_token_maps[0].weight.abs().max() > 0  # the maps were trained, and saved
-    ids = torch.tensor([[5, 9] + CYCLE * 2])  # the heads read position t and the token at t + 1
+    if path:
+        assert loaded.heads.path_token_maps[2][1].weight.abs().max() > 0
+    ids = torch.tensor([[5, 9] + CYCLE * 2])  # the heads read position t and the tokens after it
     with torch.no_grad():
         hidden = loaded.base(ids, output_hidden_states=True).hidden_states[-1]
-        next_embedding = loaded.base.get_input_embeddings()(ids[:, 1:])
-        guesses = loaded.heads(hidden[:, :-1], loaded.base.get_output_embeddings(), next_embedding).argmax(-1)
+        embedded = loaded.base.get_input_embeddings()(following_tokens(ids, 3))  # (1, T, 3, H)
+        guesses = loaded.heads(hidden[:, :-3], loaded.base.get_output_embeddings(), embedded[:, :-3, 0],
+                               embedded[:, :-3, 1:]).argmax(-1)
     t = 2 + 3  # reads CYCLE[3]; head k predicts CYCLE[3 + k + 2]
     assert [int(guesses[k, 0, t]) for k in range(3)] == [CYCLE[(3 + k + 2) % len(CYCLE)] for k in range(3)]
     prompt = torch.tensor([[5, 9] + CYCLE])
@@ -503,7 +523,7 @@ def test_shipped_configs_parse_and_agree_with_the_shipped_heads(name):
     cfg = load_sections(str(REPO / "configs" / name), [], train_mod.SECTIONS)
     shipped = MedusaConfig.load(REPO / "medusa" / "default_heads" / "smollm2-135m-instruct")
     heads = cfg["heads"]
-    for field in ("num_heads", "num_layers", "projection", "condition_on_next_token"):
+    for field in ("num_heads", "num_layers", "projection", "condition_on_next_token", "condition_on_path"):
         assert getattr(heads, field) == getattr(shipped, field), field
     if heads.vocab_subset_size is not None:
         assert heads.vocab_subset_size == shipped.vocab_subset_size

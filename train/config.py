@@ -22,8 +22,11 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    sources: dict[str, int] = field(default_factory=lambda: {"bench:alpaca": 200})  # source -> prompts (-1: all)
+    # source -> prompts: a count (-1: all) or a "start:stop" slice of the source's shuffled prompts
+    sources: dict[str, int | str] = field(default_factory=lambda: {"bench:alpaca": 200})
     out_dir: str = "data/selfdistill"
+    extra_dirs: list[str] = field(default_factory=list)  # more data directories training reads after out_dir
+    max_shards: int | None = None  # generate only the first N shards of the mix (None: all of it)
     max_prompt_tokens: int = 768  # longer prompts are dropped
     max_new_tokens: int = 256
     batch_size: int = 16
@@ -39,6 +42,8 @@ class DataConfig:
             raise ValueError("data.sources is empty: name at least one prompt source")
         if self.batch_size <= 0 or self.shard_size <= 0 or self.max_new_tokens <= 0:
             raise ValueError("data.batch_size, data.shard_size and data.max_new_tokens must be positive")
+        if self.max_shards is not None and self.max_shards <= 0:
+            raise ValueError(f"data.max_shards must be positive or null (all shards), got {self.max_shards}")
         if not 0.0 <= self.greedy_fraction <= 1.0:
             raise ValueError(f"data.greedy_fraction must lie in [0, 1], got {self.greedy_fraction}")
 
@@ -58,13 +63,18 @@ class HeadsConfig:
     # Heads also read the embedding of the target's next token (the tree root): more accurate guesses, but a
     # layout only medusa serves (see MedusaHeads).
     condition_on_next_token: bool = False
+    # Head k also reads the k tokens of its path after the root (Hydra's sequential heads); needs the above.
+    condition_on_path: bool = False
 
     def __post_init__(self):
         from medusa.config import PROJECTIONS
 
-        for name in ("loss_over_candidates", "condition_on_next_token"):
+        for name in ("loss_over_candidates", "condition_on_next_token", "condition_on_path"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"heads.{name} must be true or false, got {getattr(self, name)!r}")
+        if self.condition_on_path and not self.condition_on_next_token:
+            raise ValueError("heads.condition_on_path needs heads.condition_on_next_token: true (a path starts at the "
+                             "root token)")
         _check_int(self, "heads", "num_heads", minimum=1)
         _check_int(self, "heads", "num_layers", minimum=0)
         if self.projection not in PROJECTIONS:

@@ -117,6 +117,9 @@ def main(argv=None) -> None:
 
     items = tokenize_prompts(tokenizer, build_prompt_mix(cfg.sources, cfg.seed), cfg.max_prompt_tokens)
     n_shards = (len(items) + cfg.shard_size - 1) // cfg.shard_size
+    if cfg.max_shards is not None:
+        n_shards = min(n_shards, cfg.max_shards)
+        items = items[:n_shards * cfg.shard_size]
     done = {p.name for p in shard_dirs(out_dir)}
     from datasets import Dataset
 

@@ -379,7 +379,8 @@ def build_heads(heads_cfg: HeadsConfig, hidden_size: int, vocab_size: int, lm_he
     """Fresh heads (identity blocks; own projections copied from lm_head), or the weights of `heads.init_from`."""
     config = MedusaConfig(hidden_size=hidden_size, vocab_size=vocab_size, num_heads=heads_cfg.num_heads,
                           num_layers=heads_cfg.num_layers, projection=heads_cfg.projection,
-                          condition_on_next_token=heads_cfg.condition_on_next_token, base_model_name_or_path=base_ref)
+                          condition_on_next_token=heads_cfg.condition_on_next_token,
+                          condition_on_path=heads_cfg.condition_on_path, base_model_name_or_path=base_ref)
     if heads_cfg.init_from is None:
         return MedusaHeads(config, base_lm_head=lm_head)
     source = Path(heads_cfg.init_from)
@@ -388,7 +389,7 @@ def build_heads(heads_cfg: HeadsConfig, hidden_size: int, vocab_size: int, lm_he
         if getattr(found, name) != want:
             raise ValueError(f"heads.init_from {source} was trained for {name} {getattr(found, name)} but the base "
                              f"({base_ref}) has {want}: start from heads made for this base, or drop heads.init_from")
-    for name in ("num_heads", "num_layers", "projection", "condition_on_next_token"):
+    for name in ("num_heads", "num_layers", "projection", "condition_on_next_token", "condition_on_path"):
         if getattr(found, name) != getattr(heads_cfg, name):
             raise ValueError(f"heads.init_from {source} has {name}={getattr(found, name)!r} but the heads section asks "
                              f"for {getattr(heads_cfg, name)!r}: make them agree")
@@ -644,7 +645,7 @@ def provenance(cfg: TrainingConfig, data_cfg: DataConfig, data_key: str, train_i
                num_heads: int) -> dict:
     """What `config.extra` records about the run: data, steps, time, and held-out accuracy per head."""
     training = {
-        "method": "medusa-2" if cfg.medusa2 else "medusa-1", "data_dir": str(data_cfg.out_dir), "data_key": data_key,
+        "method": "medusa-2" if cfg.medusa2 else "medusa-1", "data_dirs": [str(d) for d in (data_cfg.out_dir, *data_cfg.extra_dirs)], "data_key": data_key,
         "train_conversations": len(train_idx), "eval_conversations": len(eval_idx),
         "train_response_tokens": train_tokens, "tokens_seen": run_state["tokens_seen"], "steps": total_steps,
         "epochs": round(run_state["tokens_seen"] / max(train_tokens, 1), 3), "wall_time_s": round(wall, 1),
@@ -722,7 +723,8 @@ def train(cfgs: dict, *, resume: bool = False, stop_after_steps: int | None = No
     base_ref = model_cfg.base or DEFAULT_BASE
     lm_head = base.get_output_embeddings()
     hidden_size, vocab_size = base.config.get_text_config().hidden_size, lm_head.weight.shape[0]
-    convs = load_conversations(data_cfg.out_dir, cfg.max_length, vocab_size)
+    data_dirs = [data_cfg.out_dir, *data_cfg.extra_dirs]
+    convs = [c for d in data_dirs for c in load_conversations(d, cfg.max_length, vocab_size)]
     train_idx, eval_idx = split_eval(convs, cfg.eval_conversations)
     data_key = data_fingerprint(convs)
     heads = build_heads(heads_cfg, hidden_size, vocab_size, lm_head, base_ref).to(accelerator.device)
@@ -730,7 +732,7 @@ def train(cfgs: dict, *, resume: bool = False, stop_after_steps: int | None = No
         heads.set_vocab_subset(frequent_tokens(
             (convs[i].ids[convs[i].response_start:] for i in train_idx), heads_cfg.vocab_subset_size, vocab_size))
     train_tokens = sum(convs[i].response_tokens for i in train_idx)
-    log(f"{len(convs)} conversations in {data_cfg.out_dir}: {len(train_idx)} train ({train_tokens} response tokens), "
+    log(f"{len(convs)} conversations in {', '.join(map(str, data_dirs))}: {len(train_idx)} train ({train_tokens} response tokens), "
         f"{len(eval_idx)} held out; {world} process(es), mixed precision {mixed}")
 
     trainer, fetch, lengths = build_trainer(accelerator, cfg, heads, base, convs, mixed, data_key, log,
