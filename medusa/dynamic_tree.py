@@ -66,10 +66,9 @@ class DynamicTreeProposer:
         budget = self.num_nodes - 1  # non-root nodes
         if budget == 0 or self.depth == 0:
             return Candidates(tokens=root, tree=buffers_from_parents(root.new_zeros(1), root.new_zeros(1)))
-        by_path = self.medusa.heads.config.condition_on_path
+        by_path = self.medusa.by_path
         if not by_path:  # every head reads only the root: all levels' guesses at once
             logits = self.medusa.head_logits(state.last_hidden, state.root_token, self.depth)  # (D, V')
-        width = min(self.topk, budget, self.medusa.projection.weight.shape[-2])
 
         # Level d keeps its best `budget` candidates, sorted; children of those are level d+1's candidates.
         level_scores, level_parents, level_tokens = [], [], []
@@ -79,6 +78,7 @@ class DynamicTreeProposer:
             # (B, V') when each kept node's children depend on its path, else (1, V') shared by all
             level_logits = self.medusa.path_logits(state.last_hidden, state.root_token, d, paths) if by_path \
                 else logits[d:d + 1]
+            width = min(self.topk, budget, level_logits.shape[-1])  # the same at every level
             top_logp, top_index = level_logits.float().log_softmax(-1).clamp(max=0).topk(width, dim=-1)
             top_tokens = self.medusa.projection.token(top_index).expand(beam.shape[0], width)  # (B, s)
             scores = (beam[:, None] + top_logp).flatten()  # (B * s,) ordered by parent, then rank

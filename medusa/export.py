@@ -134,9 +134,10 @@ def export_heads(heads: MedusaHeads, out_dir: str | os.PathLike, format: str, *,
     config = heads.config
     if config.condition_on_next_token:
         raise ValueError(
-            "these heads read the next token's embedding (condition_on_next_token), which the official Medusa, TGI, "
-            "TensorRT-LLM and vLLM Medusa layouts cannot express: serve them with medusa, or export heads trained "
-            "with heads.condition_on_next_token: false"
+            "these heads read the next token's embedding (condition_on_next_token"
+            + (" and, for head k, the k path tokens after it: condition_on_path" if config.condition_on_path else "")
+            + "), which the official Medusa, TGI, TensorRT-LLM and vLLM Medusa layouts cannot express: serve them with "
+            "medusa, or export heads trained with heads.condition_on_next_token: false and condition_on_path: false"
         )
     _check_out_dir(Path(out_dir), overwrite)
     if format == "medusa" and config.vocab_subset_size:

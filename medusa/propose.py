@@ -103,12 +103,13 @@ class MedusaProposer:
             raise ValueError("these heads read the next token's embedding: pass embed_tokens (the base's input embeddings)")
         self.heads, self.projection, self.tree, self.embed_tokens = heads, projection, tree, embed_tokens
         self.used_heads = max((k + 1 for k, s in enumerate(tree.topk_per_head) if s), default=0)
-        self.levels = tree_levels(tree) if heads.config.condition_on_path else None
+        self.by_path = heads.config.condition_on_path  # children depend on their parent's path
+        self.levels = tree_levels(tree) if self.by_path else None
 
     def path_logits(self, hidden: torch.Tensor, root: torch.Tensor, head: int, paths: torch.Tensor) -> torch.Tensor:
         """Head `head`'s logits after each of P paths: hidden (H,), root (), paths (P, head) token ids after the
         root -> (P, V'). Heads that do not read the path return one row (1, V'), the same for every path."""
-        if not self.heads.config.condition_on_path:
+        if not self.by_path:
             return self.head_logits(hidden, root, head + 1)[head:head + 1]
         following = torch.cat([root.view(1, 1).expand(paths.shape[0], 1), paths], dim=1)  # (P, head + 1)
         rows = self.heads.run_head_on_tokens(head, hidden.expand(paths.shape[0], -1), following, self.embed_tokens)

@@ -50,6 +50,8 @@ def test_buffers_from_parents_match_the_static_builder(paths):
 class FixedHeads:
     """Stands in for a MedusaProposer: fixed head logits (D, V), candidate index = token id."""
 
+    by_path = False  # every head reads only the root
+
     def __init__(self, logits):
         self.logits = logits
         self.projection = SimpleNamespace(token=lambda index: index)
