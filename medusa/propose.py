@@ -104,13 +104,11 @@ class MedusaProposer:
         self.heads, self.projection, self.tree, self.embed_tokens = heads, projection, tree, embed_tokens
         self.used_heads = max((k + 1 for k, s in enumerate(tree.topk_per_head) if s), default=0)
         self.by_path = heads.config.condition_on_path  # children depend on their parent's path
-        self.levels = tree_levels(tree) if self.by_path else None
+        self.levels = tree_levels(tree) if self.by_path else []
 
     def path_logits(self, hidden: torch.Tensor, root: torch.Tensor, head: int, paths: torch.Tensor) -> torch.Tensor:
         """Head `head`'s logits after each of P paths: hidden (H,), root (), paths (P, head) token ids after the
-        root -> (P, V'). Heads that do not read the path return one row (1, V'), the same for every path."""
-        if not self.by_path:
-            return self.head_logits(hidden, root, head + 1)[head:head + 1]
+        root -> (P, V'). Heads that read no path give P equal rows."""
         following = torch.cat([root.view(1, 1).expand(paths.shape[0], 1), paths], dim=1)  # (P, head + 1)
         rows = self.heads.run_head_on_tokens(head, hidden.expand(paths.shape[0], -1), following, self.embed_tokens)
         return self.projection.head_logits(head, rows)
@@ -124,7 +122,7 @@ class MedusaProposer:
 
     @torch.inference_mode()
     def propose(self, state) -> Candidates:
-        if self.levels is not None:
+        if self.by_path:
             return self._propose_by_path(state)
         tree = self.tree
         parts = [state.root_token.view(1)]

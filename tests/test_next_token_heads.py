@@ -27,10 +27,12 @@ def test_fresh_conditioned_heads_equal_plain_heads_and_need_the_embedding():
     assert moved[0].abs().max() == 0 and moved[1].abs().max() > 0.1
 
 
+@pytest.mark.parametrize("path", [False, True], ids=["root", "path"])
 @pytest.mark.parametrize("projection", ["shared", "own"])
-def test_conditioned_loss_equals_the_naive_computation(projection):
+def test_conditioned_loss_equals_the_naive_computation(projection, path):
     torch.manual_seed(0)
-    heads = make_heads(num_heads=3, random=True, projection=projection, condition_on_next_token=True)
+    heads = make_heads(num_heads=3, random=True, projection=projection, condition_on_next_token=True,
+                       condition_on_path=path)
     embed = torch.nn.Embedding(VOCAB, HIDDEN)
     lm_head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
     hidden, ids = torch.randn(2, 10, HIDDEN), torch.randint(0, VOCAB, (2, 10))
@@ -40,11 +42,12 @@ def test_conditioned_loss_equals_the_naive_computation(projection):
     for k in range(3):
         off = head_target_offset(k)
         rows = [(b, t) for b in range(2) for t in range(10 - off) if mask[b, t + off]]
-        logits = [heads.project(heads.run_head(k, hidden[b, t], embed(ids[b, t + 1]))[None], lm_head)[0]
-                  if projection == "shared" else heads.projections[k](heads.run_head(k, hidden[b, t], embed(ids[b, t + 1])))
-                  for b, t in rows]
-        ce = torch.stack([F.cross_entropy(lg, ids[b, t + off]) for lg, (b, t) in zip(logits, rows)]).mean()
-        torch.testing.assert_close(out.ce[k], ce.detach(), atol=1e-5, rtol=1e-5)
+        ce = []
+        for b, t in rows:  # head k reads the root ids[t+1] and, for path heads, the path ids[t+2 .. t+k+1]
+            x = heads.run_head(k, hidden[b, t], embed(ids[b, t + 1]), embed(ids[b, t + 2:t + k + 2]))
+            logits = lm_head(x) if projection == "shared" else heads.projections[k](x)
+            ce.append(F.cross_entropy(logits, ids[b, t + off]))
+        torch.testing.assert_close(out.ce[k], torch.stack(ce).mean().detach(), atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="embed_tokens"):
         medusa_heads_loss(heads, hidden, ids, mask, lm_head)
 
