@@ -110,15 +110,27 @@ def evaluation_prompts(directory: Path | None = None) -> set[str]:
 
 
 def drop_evaluation_overlap(prompts: Iterable[str], evaluation: set[str]) -> list[str]:
-    """Drop prompts equal to, or containing, an evaluation turn (e.g. 'Prove the Pythagorean theorem.')."""
-    long_turns = [t for t in evaluation if len(t) >= 20]
-    kept = []
-    for prompt in prompts:
-        norm = normalise(prompt)
-        if norm in evaluation or any(t in norm for t in long_turns if len(t) <= len(norm)):
-            continue
-        kept.append(prompt)
-    return kept
+    """Drop prompts equal to, or containing, an evaluation turn (e.g. 'Prove the Pythagorean theorem.').
+
+    A turn inside a prompt has its interior words (all but the first and last, which may be parts of longer
+    words) as whole words of the prompt, so only prompts holding a turn's rarest interior word are searched
+    for it: an exact filter without a Python loop over every (prompt, turn) pair.
+    """
+    prompts = list(prompts)
+    norms = [normalise(p) for p in prompts]
+    dropped = {i for i, norm in enumerate(norms) if norm in evaluation}
+    turns = [t for t in evaluation if len(t) >= 20]
+    interior = {t: t.split(" ")[1:-1] for t in turns}
+    anchor_words = {w for words in interior.values() for w in words}
+    holders: dict[str, list[int]] = {}
+    for i, norm in enumerate(norms):
+        for word in anchor_words.intersection(norm.split(" ")):
+            holders.setdefault(word, []).append(i)
+    everyone = range(len(norms))
+    for turn in turns:
+        candidates = min((holders.get(w, []) for w in interior[turn]), key=len, default=everyone)
+        dropped.update(i for i in candidates if turn in norms[i])
+    return [p for i, p in enumerate(prompts) if i not in dropped]
 
 
 def _take(prompts: list[str], source: str, count: int | str) -> list[str]:

@@ -161,14 +161,18 @@ def _base_reference(source: BaseSource, model) -> str | None:
     return getattr(model.config, "name_or_path", None) or None
 
 
-def save_heads(heads: MedusaHeads, directory: Path, tree=None, extra: dict | None = None) -> None:
-    """Write config + safetensors into an existing directory. Shared-projection heads save only their blocks."""
+def save_heads(heads: MedusaHeads, directory: Path, tree=None, extra: dict | None = None,
+               dtype: torch.dtype | None = None) -> None:
+    """Write config + safetensors into an existing directory. Shared-projection heads save only their blocks.
+
+    `dtype` (e.g. bfloat16) stores the weights in that precision; loading casts them to the base's dtype.
+    """
     config = heads.config
     if tree is not None:
         config.tree = [list(p) for p in tree]
     if extra:
         config.extra = {**config.extra, **extra}
-    state = {k: v.detach().contiguous().cpu() for k, v in heads.state_dict().items()}
+    state = {k: v.detach().to(device="cpu", dtype=dtype or v.dtype).contiguous() for k, v in heads.state_dict().items()}
     save_file(state, str(directory / WEIGHTS_NAME), metadata={"format": "pt", "medusa_format_version": str(config.format_version)})
     config.save(directory)
 

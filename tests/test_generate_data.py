@@ -5,8 +5,11 @@ import shutil
 
 import pytest
 
-from medusa.data import build_prompt_mix
-from train.generate_data import is_greedy_shard, load_shards, main, shard_dirs
+import random
+
+from medusa.data import build_prompt_mix, drop_evaluation_overlap, normalise
+from train.config import DataConfig
+from train.generate_data import is_greedy_shard, load_shards, main, shard_dirs, shard_groups
 from tests.conftest import make_tiny_model, tiny_tokenizer
 
 PROMPTS = [f"Tell me fact number {i} about owls." for i in range(7)] + ["Prove the Pythagorean theorem."]
@@ -109,6 +112,44 @@ def test_slices_extend_a_mix_without_overlap(setup, tmp_path):
     for bad in ("three", "1:2:3", -2):
         with pytest.raises(ValueError, match="start:stop"):
             build_prompt_mix({prompts: bad}, seed=0)
+
+
+def test_greedy_shards_are_answered_together_and_give_the_same_rows(setup, tmp_path):
+    args, out = setup
+    main(args)  # batch 2: one shard at a time
+    together = tmp_path / "together"
+    main(args + ["--data.out_dir", str(together), "--data.batch_size", "6"])  # two 3-prompt shards per batch
+    assert [s.name for s in shard_dirs(together)] == [s.name for s in shard_dirs(out)]
+    assert _rows(together) == _rows(out)
+
+
+def test_shard_groups_join_consecutive_greedy_shards_only():
+    cfg = DataConfig(batch_size=8, shard_size=4, greedy_fraction=0.5)  # every other shard is greedy
+    assert shard_groups([0, 1, 2, 3, 4, 6], cfg) == [[0], [1], [2], [3], [4], [6]]
+    cfg = DataConfig(batch_size=8, shard_size=4, greedy_fraction=1.0)
+    assert shard_groups([0, 1, 2, 4, 5], cfg) == [[0, 1], [2], [4, 5]]  # a done shard (3) breaks a run
+    assert shard_groups([0, 1, 2], DataConfig(batch_size=2, shard_size=4, greedy_fraction=1.0)) == [[0], [1], [2]]
+
+
+def test_evaluation_overlap_filter_equals_the_naive_definition():
+    """Dropped = equal to a turn, or containing a turn of >= 20 characters anywhere (mid-word starts included)."""
+    rng = random.Random(0)
+    words = ["owl", "the", "prove", "theorem", "of", "a", "pythagorean", "x", "tell", "me"]
+    turns = {normalise(" ".join(rng.choice(words) for _ in range(rng.randint(1, 8)))) for _ in range(40)}
+    turns |= {"prove the pythagorean theorem.", "owls"}
+    prompts = []
+    for _ in range(400):
+        parts = [rng.choice(words) for _ in range(rng.randint(0, 12))]
+        if rng.random() < 0.5:  # plant a turn, sometimes glued to the word before it or in other case
+            turn = rng.choice(sorted(turns))
+            parts.insert(rng.randint(0, len(parts)), turn.upper() if rng.random() < 0.3 else turn)
+        prompts.append(("" if rng.random() < 0.5 else "  ").join(parts) if rng.random() < 0.2 else " ".join(parts))
+    long_turns = [t for t in turns if len(t) >= 20]
+    naive = [p for p in prompts
+             if normalise(p) not in turns and not any(t in normalise(p) for t in long_turns)]
+    kept = drop_evaluation_overlap(prompts, turns)
+    assert kept == naive
+    assert 0 < len(kept) < len(prompts)  # the case mixes both outcomes
 
 
 @pytest.mark.slow  # filters all 52k T0 prompts against the evaluation sets twice (~1 min)

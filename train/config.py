@@ -11,13 +11,30 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 import yaml
+
+from medusa.loading import resolve_dtype
 
 
 @dataclass
 class ModelConfig:
     base: str | None = None  # None: the embedded SmolLM2-135M-Instruct; else a Hub id, directory or .gguf
     dtype: str = "float32"
+    device: str = "auto"  # where generate_data runs the base: auto (cuda when there is one, else cpu), cpu, cuda:N
+
+    def __post_init__(self):
+        resolve_dtype(self.dtype)  # names the valid choices
+        if self.device != "auto":
+            try:
+                torch.device(self.device)
+            except RuntimeError:
+                raise ValueError(f"model.device must be auto, cpu, cuda or cuda:N, got {self.device!r}") from None
+
+    def resolved_device(self) -> str:
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
 
 
 @dataclass
@@ -130,6 +147,7 @@ class TrainingConfig:
     lora_target_modules: str | list[str] = "all-linear"  # peft's shorthand for every linear layer but lm_head
     lora_lr: float = 1e-4  # the adapters move slower than the heads
     kl_weight: float = 1.0
+    save_dtype: str | None = None  # store the final heads in this dtype (e.g. bfloat16: half the file); None keeps fp32
 
     def __post_init__(self):
         for name in ("lr", "weight_decay", "head_decay", "heads_coefficient", "lora_dropout", "lora_lr", "kl_weight"):
@@ -154,6 +172,8 @@ class TrainingConfig:
         if self.medusa2 and self.precompute_hidden:
             raise ValueError("training.precompute_hidden needs a frozen base, but medusa2 adapts it with LoRA: "
                              "set training.precompute_hidden false for Medusa-2")
+        if self.save_dtype is not None:
+            resolve_dtype(self.save_dtype)
         if not self.output_dir:
             raise ValueError("training.output_dir is empty: name the directory the heads are written to")
 

@@ -35,7 +35,7 @@ from medusa.config import CONFIG_NAME, WEIGHTS_NAME, MedusaConfig  # noqa: E402
 from medusa.data import collate, frequent_tokens  # noqa: E402
 from medusa.fileio import write_directory  # noqa: E402
 from medusa.heads import MedusaHeads, head_target_offset  # noqa: E402
-from medusa.loading import DEFAULT_BASE, load_base  # noqa: E402
+from medusa.loading import DEFAULT_BASE, load_base, resolve_dtype  # noqa: E402
 from medusa.losses import (BASE_TARGET_OFFSET, TOPK, base_kl_loss, head_weights, medusa_heads_loss,  # noqa: E402
                            scored_positions)
 from medusa.model import load_heads_weights, save_heads  # noqa: E402
@@ -590,7 +590,8 @@ def save_output(trainer: HeadTrainer, output_dir: Path, extra: dict) -> None:
     """Heads (+ the LoRA adapter for Medusa-2) into `output_dir`, via a temporary folder moved into place."""
 
     def write(tmp: Path) -> None:
-        save_heads(trainer.heads, tmp, extra=extra)
+        save_dtype = resolve_dtype(trainer.cfg.save_dtype) if trainer.cfg.save_dtype else None
+        save_heads(trainer.heads, tmp, extra=extra, dtype=save_dtype)
         if trainer.cfg.medusa2:
             trainer.base.save_pretrained(str(tmp))  # adapter_config.json + adapter_model.safetensors
             (tmp / "README.md").unlink(missing_ok=True)  # peft's model card template: placeholders only
