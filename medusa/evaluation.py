@@ -6,6 +6,11 @@ t + head_target_offset(k). Only positions the decoder really consults are scored
 token (the heads' first use, right after prefill) to the last position whose target is still in the sequence.
 Ranks come from the model's candidate projection, as the proposer ranks them (its dtype, its vocabulary subset:
 a token outside the subset is never a hit).
+
+acc_given_prefix[k][r] is the same share over the positions where heads 0..k-1 all had the emitted token at rank 0.
+A tree step reaches depth k only through such positions, and they are easier than average (the errors of
+neighbouring heads are correlated), so a product of the marginals acc undervalues deep paths; the tree builder
+multiplies these conditional shares instead. Row 0 equals acc[0].
 """
 
 from __future__ import annotations
@@ -24,18 +29,31 @@ from medusa.propose import CandidateProjection
 class RankAccuracy:
     hits: torch.Tensor  # (K, R) long: scored positions where rank r of head k was the emitted token
     counts: torch.Tensor  # (K,) long: positions scored for head k (fewer for far heads: their targets run out)
+    prefix_hits: torch.Tensor  # (K, R) long: hits among the positions where heads 0..k-1 were right at rank 0
+    prefix_counts: torch.Tensor  # (K,) long: those positions
 
     @property
     def acc(self) -> torch.Tensor:
         """(K, R) float: hits / counts (0 where a head scored no position)."""
         return self.hits.double() / self.counts.clamp(min=1)[:, None]
 
+    @property
+    def acc_given_prefix(self) -> torch.Tensor:
+        """(K, R) float: prefix_hits / prefix_counts, the chance given that heads 0..k-1 were right (rank 0)."""
+        return self.prefix_hits.double() / self.prefix_counts.clamp(min=1)[:, None]
+
+    @property
+    def chain(self) -> torch.Tensor:
+        """(K,) share of positions where heads 0..k all were right at rank 0: how often a top-1 chain reaches k+1."""
+        return self.acc_given_prefix[:, 0].cumprod(0)
+
     def top(self, n: int) -> torch.Tensor:
         """(K,) cumulative top-n accuracy: the emitted token is among head k's n best."""
         return self.acc[:, :n].sum(1)
 
     def __add__(self, other: "RankAccuracy") -> "RankAccuracy":
-        return RankAccuracy(self.hits + other.hits, self.counts + other.counts)
+        return RankAccuracy(self.hits + other.hits, self.counts + other.counts,
+                            self.prefix_hits + other.prefix_hits, self.prefix_counts + other.prefix_counts)
 
 
 @torch.inference_mode()
@@ -57,12 +75,12 @@ def head_rank_hits(model, input_ids, response_start: int, ranks: int = 10, chunk
         raise ValueError(f"ranks must lie in [1, {candidates}] (the candidate vocabulary size), got {ranks}")
     if not 0 <= response_start <= total:
         raise ValueError(f"response_start {response_start} lies outside the sequence of {total} tokens")
-    hits = torch.zeros(num_heads, ranks, dtype=torch.long)
-    counts = torch.zeros(num_heads, dtype=torch.long)
+    hits, prefix_hits = torch.zeros(num_heads, ranks, dtype=torch.long), torch.zeros(num_heads, ranks, dtype=torch.long)
+    counts, prefix_counts = torch.zeros(num_heads, dtype=torch.long), torch.zeros(num_heads, dtype=torch.long)
     first = max(response_start - 1, 0)  # the heads' first read: the last prompt position, after prefill
     last = total - 1 - head_target_offset(0)  # the nearest head's last source position with a target
     if last < first:
-        return RankAccuracy(hits, counts)
+        return RankAccuracy(hits, counts, prefix_hits, prefix_counts)
     device = model.base.device
     hidden = model.base(input_ids=ids[None].to(device), output_hidden_states=True).hidden_states[-1][0]  # (T, H)
     offsets = torch.tensor([head_target_offset(k) for k in range(num_heads)])  # (K,)
@@ -78,9 +96,14 @@ def head_rank_hits(model, input_ids, response_start: int, ranks: int = 10, chunk
         dst = src[None, :] + offsets[:, None]  # (K, n) positions of the tokens each head predicts
         valid = dst < total  # (K, n) far heads run out of targets before near ones
         target = ids[dst.clamp(max=total - 1)]  # (K, n)
-        hits += ((top == target[..., None]) & valid[..., None]).sum(1)
+        right = (top == target[..., None]) & valid[..., None]  # (K, n, R)
+        hits += right.sum(1)
         counts += valid.sum(1)
-    return RankAccuracy(hits, counts)
+        # heads 0..k-1 right at rank 0 (an exclusive running product; row 0: every position)
+        prefix = torch.cat([torch.ones_like(valid[:1]), right[:-1, :, 0].int().cumprod(0).bool()])  # (K, n)
+        prefix_hits += (right & prefix[..., None]).sum(1)
+        prefix_counts += (valid & prefix).sum(1)
+    return RankAccuracy(hits, counts, prefix_hits, prefix_counts)
 
 
 def candidate_logits(projection: CandidateProjection, head_hidden: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ from medusa.config import CONFIG_NAME, WEIGHTS_NAME, MedusaConfig
 from medusa.decode import SpeculativeGenerator
 from medusa.fileio import write_directory
 from medusa.heads import MedusaHeads
-from medusa.loading import DEFAULT_BASE, BaseSource, load_base
+from medusa.loading import DEFAULT_BASE, BaseSource, load_base, resolve_dtype
 from medusa.propose import CandidateProjection, get_proposer
 from medusa.sampling import SamplingConfig
 from medusa.tree import TreeSpec, build_buffers, chain, load_tree
@@ -129,9 +129,14 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         return DraftModel.load(target, draft, num_speculative_tokens=num_speculative_tokens, dtype=dtype,
                                device=device, tokenizer=tokenizer, draft_tokenizer=draft_tokenizer)
 
-    def save_pretrained(self, directory: str | os.PathLike) -> None:
-        """Write `medusa_config.json` + `medusa_heads.safetensors` atomically (temporary folder, then rename)."""
-        write_directory(Path(directory), lambda tmp: save_heads(self.heads, tmp, tree=self.tree), last=CONFIG_NAME)
+    def save_pretrained(self, directory: str | os.PathLike, dtype: str | torch.dtype | None = None) -> None:
+        """Write `medusa_config.json` + `medusa_heads.safetensors` atomically (temporary folder, then rename).
+
+        `dtype` (e.g. "bfloat16") stores the weights in that precision: half the file of fp32 heads.
+        """
+        dtype = resolve_dtype(dtype) if dtype is not None else None
+        write_directory(Path(directory), lambda tmp: save_heads(self.heads, tmp, tree=self.tree, dtype=dtype),
+                        last=CONFIG_NAME)
 
     # ---------------------------------------------------------------- generation
     def _make_proposer(self, proposer: str | None, tree, sampling: SamplingConfig, generator):
@@ -172,7 +177,8 @@ def save_heads(heads: MedusaHeads, directory: Path, tree=None, extra: dict | Non
         config.tree = [list(p) for p in tree]
     if extra:
         config.extra = {**config.extra, **extra}
-    state = {k: v.detach().to(device="cpu", dtype=dtype or v.dtype).contiguous() for k, v in heads.state_dict().items()}
+    state = {k: v.detach().to(device="cpu", dtype=dtype if dtype and v.is_floating_point() else v.dtype).contiguous()
+             for k, v in heads.state_dict().items()}  # integer buffers (the candidate token ids) keep their dtype
     save_file(state, str(directory / WEIGHTS_NAME), metadata={"format": "pt", "medusa_format_version": str(config.format_version)})
     config.save(directory)
 

@@ -77,7 +77,7 @@ class TreeBuffers:
         """(N, N) additive float mask: 0 where visible, dtype-min elsewhere (a boolean mask is wrong under eager)."""
         key = (dtype, str(device))
         if key not in self._bias_cache:
-            bias = torch.zeros(self.visible.shape, dtype=dtype)
+            bias = torch.zeros(self.visible.shape, dtype=dtype, device=self.visible.device)
             bias.masked_fill_(~self.visible, torch.finfo(dtype).min)
             self._bias_cache[key] = bias.to(device)
         return self._bias_cache[key]

@@ -3,7 +3,9 @@
     python scripts/build_tree.py --accuracy acc.json --out configs/trees/smollm2-135m-cpu.json \
         [--max-nodes 64] [--dtype float32] [--heads DIR] [--base PATH] [--kv-length 512] [--repeats 10] [--threads N]
 
-`acc.json` comes from scripts/head_accuracy.py: {"acc": [[p(rank r of head k is right) for r] for k], ...}.
+`acc.json` comes from scripts/head_accuracy.py: {"acc_given_prefix": [[p(rank r of head k is right | heads before
+it right) for r] for k], "acc": [[marginal p] ...], ...}. A path's value multiplies the conditional shares (the
+marginal "acc" of older files, which undervalues deep paths, when there are none).
 The tree is grown greedily by path value; for each candidate size the script times one decoding step (heads +
 verify forward + acceptance) at a realistic KV length and keeps the size with the most expected tokens per second.
 """
@@ -44,7 +46,7 @@ def load_accuracy(path: str) -> list[list[float]]:
     data = json.loads(Path(path).read_text())
     if not isinstance(data, dict) or "acc" not in data:
         raise ValueError(f"{path} has no 'acc' key: expected the JSON written by scripts/head_accuracy.py")
-    return data["acc"]
+    return data.get("acc_given_prefix", data["acc"])
 
 
 def main(argv=None) -> dict:

@@ -7,8 +7,10 @@ The target answers the first turn of each question through its chat template, gr
 train/generate_data.py answers training prompts; then acc[k][r] is the share of response positions where rank r
 (0-based) of head k, ranked as the proposer ranks candidates, is the token the target emitted (see
 medusa/evaluation.py). Path heads (`condition_on_path`) read the target's own tokens as their path, so for them
-acc[k][r] is the accuracy given that the path before is right: what a step that reached depth k accepts. scripts/build_tree.py reads the JSON:
-{"acc": [[...]], "top1", "top5", "positions", "questions", "counts", "settings"}.
+acc[k][r] is the accuracy given that the path's tokens are right. acc_given_prefix[k][r] counts only the positions
+where heads 0..k-1 were also right at rank 0, the positions a step that reached depth k really sees (they are
+easier than average). scripts/build_tree.py reads the JSON: {"acc": [[...]], "acc_given_prefix": [[...]], "chain",
+"top1", "top5", "positions", "questions", "counts", "settings"}.
 """
 
 from __future__ import annotations
@@ -56,10 +58,14 @@ def print_table(result: RankAccuracy, shown: int = 5) -> None:
     acc = result.acc
     shown = min(shown, acc.shape[1])
     ranks = " ".join(f"{'r' + str(r):>6}" for r in range(shown))
-    print(f"{'head':>4} {'offset':>6} {'scored':>7} {'top1':>6} {'top5':>6}  {ranks}")
+    given, chain = result.acc_given_prefix, result.chain
+    print(f"{'head':>4} {'offset':>6} {'scored':>7} {'top1':>6} {'top5':>6}  {ranks}  {'top1|prefix':>11} {'chain':>6}")
     for k in range(acc.shape[0]):
         print(f"{k:>4} {'+' + str(head_target_offset(k)):>6} {int(result.counts[k]):>7} {float(acc[k, 0]):6.3f} "
-              f"{float(result.top(5)[k]):6.3f}  " + " ".join(f"{float(a):6.3f}" for a in acc[k, :shown]))
+              f"{float(result.top(5)[k]):6.3f}  " + " ".join(f"{float(a):6.3f}" for a in acc[k, :shown])
+              + f"  {float(given[k, 0]):11.3f} {float(chain[k]):6.3f}")
+    print("top1|prefix: top-1 accuracy where heads 0..k-1 were right (what a step that reached head k sees); "
+          "chain: share of positions where heads 0..k all were right")
 
 
 def main(argv=None) -> None:
@@ -90,6 +96,8 @@ def main(argv=None) -> None:
     positions = sum(len(s) - start for s, start in zip(sequences, starts))
     report = {
         "acc": result.acc.tolist(),
+        "acc_given_prefix": result.acc_given_prefix.tolist(),  # what scripts/build_tree.py multiplies
+        "chain": result.chain.tolist(),
         "top1": result.top(1).tolist(),
         "top5": result.top(5).tolist(),
         "positions": positions,  # response tokens generated

@@ -74,6 +74,28 @@ def test_prompt_positions_and_a_wrong_offset_are_not_rewarded():
     assert head_rank_hits(SimpleNamespace(base=OneHotBase(), heads=shifted), ids, 6).hits[:, 0].sum() == 0
 
 
+def test_accuracy_given_prefix_counts_only_positions_where_the_heads_before_were_right():
+    """Counting heads on a sequence that jumps every 5 tokens: head k at t is right unless a jump lies in
+    (t, t + offset(k)], so right heads cluster, and the conditional share exceeds the marginal one."""
+    model = SimpleNamespace(base=OneHotBase(), heads=counting_heads(3))
+    total, start = 40, 6
+    ids, jumps = counting_sequence(start, total), set(range(10, total, 5))
+    for j in sorted(jumps):
+        ids[j:] = (ids[j:] + 7) % V  # from j on the run continues, shifted: the token at j is not ids[j-1] + 1
+    got = head_rank_hits(model, ids, response_start=start, ranks=2)
+    right = {(k, t): not jumps & set(range(t + 1, t + head_target_offset(k) + 1))
+             for k in range(3) for t in range(start - 1, total - head_target_offset(k))}
+    for k in range(3):
+        scored = [t for t in range(start - 1, total - head_target_offset(k))]
+        reached = [t for t in scored if all(right[j, t] for j in range(k))]
+        assert int(got.prefix_counts[k]) == len(reached)
+        assert int(got.prefix_hits[k, 0]) == sum(right[k, t] for t in reached)
+        assert int(got.hits[k, 0]) == sum(right[k, t] for t in scored)
+    assert torch.equal(got.acc_given_prefix[0], got.acc[0])
+    assert got.acc_given_prefix[2, 0] > got.acc[2, 0]  # right heads cluster: not vacuous
+    assert got.chain[0] == got.acc[0, 0] and 0 < got.chain[2] < got.chain[1] < got.chain[0]
+
+
 def reference_hits(model, ids: torch.Tensor, response_start: int, ranks: int):
     """One position and one head at a time, counting the candidates the head prefers to the emitted token."""
     num_heads, projection = model.heads.config.num_heads, model.candidate_projection

@@ -152,17 +152,19 @@ def test_evaluation_overlap_filter_equals_the_naive_definition():
     assert 0 < len(kept) < len(prompts)  # the case mixes both outcomes
 
 
-@pytest.mark.slow  # filters all 52k T0 prompts against the evaluation sets twice (~1 min)
+@pytest.mark.slow  # filters all 52k T0 prompts against the evaluation sets three times (~15 s)
 def test_the_shipped_data_parts_do_not_overlap():
-    """configs/smollm2-135m-chat-data.yaml extends the first part with prompts the first part never used."""
+    """The greedy parts never share a prompt; the sampled part re-asks Alpaca only (new, sampled answers)."""
     from pathlib import Path
 
     from train.config import DataConfig, load_sections
 
     repo = Path(__file__).resolve().parent.parent
-    parts = [load_sections(str(repo / "configs" / name), [], {"data": DataConfig})["data"]
-             for name in ("smollm2-135m.yaml", "smollm2-135m-chat-data.yaml")]
-    first = build_prompt_mix(parts[0].sources, parts[0].seed)
-    second = build_prompt_mix(parts[1].sources, parts[1].seed)
-    assert len(second) == 3600 and not {p for _, p in first} & {p for _, p in second}
-    assert str(repo / parts[1].out_dir) == str(repo / parts[0].extra_dirs[0])  # training reads the second part
+    names = ("smollm2-135m.yaml", "smollm2-135m-chat-data.yaml", "smollm2-135m-sampled-data.yaml")
+    parts = [load_sections(str(repo / "configs" / name), [], {"data": DataConfig})["data"] for name in names]
+    first, second, sampled = ({(src, p) for src, p in build_prompt_mix(c.sources, c.seed)} for c in parts)
+    assert len(second) == 3600 and not first & second
+    assert {src for src, _ in sampled} == {"bench:t0", "bench:alpaca", "bench:gsm8k"}
+    assert not {x for x in sampled if x[0] != "bench:alpaca"} & (first | second)  # new T0 and GSM8K prompts
+    assert {str(repo / d) for d in parts[0].extra_dirs} == {str(repo / c.out_dir) for c in parts[1:]}  # all read
+    assert parts[2].greedy_fraction == 0.0

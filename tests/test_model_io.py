@@ -135,3 +135,26 @@ def test_vocab_subset_restricts_candidates_keeps_identity_and_round_trips(tmp_pa
     assert loaded.config.vocab_subset_size == 32 and torch.equal(loaded.heads.vocab_subset, subset)
     with pytest.raises(ValueError, match="vocab subset ids"):
         heads.set_vocab_subset(torch.tensor([0, 500]))
+
+
+def test_heads_stored_in_bf16_keep_their_token_ids(tmp_path):
+    """Storing bf16 halves the file; the integer candidate ids must not be rounded with the weights."""
+    base = make_tiny_model("llama")
+    heads = make_heads(random=True)
+    subset = torch.arange(1, 96, 3)  # bf16 holds integers above 256 only approximately (a real vocab: 49k)
+    heads.set_vocab_subset(subset)
+    model = MedusaModel(base, heads, tree=[[0], [1], [0, 0]])
+    model.save_pretrained(tmp_path / "h", dtype="bfloat16")
+    from safetensors.torch import load_file
+
+    stored = load_file(str(tmp_path / "h" / WEIGHTS_NAME))
+    assert stored["vocab_subset"].dtype == torch.int64 and torch.equal(stored["vocab_subset"], subset)
+    assert all(v.dtype == torch.bfloat16 for k, v in stored.items() if k != "vocab_subset")
+    loaded = MedusaModel.from_pretrained(tmp_path / "h", base=base)
+    for name, value in loaded.heads.state_dict().items():  # weights cast back to the base's dtype, ids exact
+        original = heads.state_dict()[name]
+        expected = original.to(torch.bfloat16).float() if original.is_floating_point() else original
+        assert value.dtype == original.dtype and torch.equal(value, expected), name
+    prompt = torch.tensor([[7, 8, 9]])
+    assert torch.equal(loaded.generate(prompt, max_new_tokens=20).sequences,
+                       base.generate(prompt, max_new_tokens=20, do_sample=False))

@@ -527,3 +527,5 @@ def test_shipped_configs_parse_and_agree_with_the_shipped_heads(name):
         assert getattr(heads, field) == getattr(shipped, field), field
     if heads.vocab_subset_size is not None:
         assert heads.vocab_subset_size == shipped.vocab_subset_size
+    if name == "smollm2-135m.yaml":  # the heads were trained on exactly the data directories this config reads
+        assert shipped.extra["training"]["data_dirs"] == [cfg["data"].out_dir, *cfg["data"].extra_dirs]
