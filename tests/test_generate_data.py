@@ -131,6 +131,50 @@ def test_shard_groups_join_consecutive_greedy_shards_only():
     assert shard_groups([0, 1, 2], DataConfig(batch_size=2, shard_size=4, greedy_fraction=1.0)) == [[0], [1], [2]]
 
 
+def test_second_turns_continue_the_first_answer_and_resume(setup):
+    args, out = setup
+    follow_ups = ["Say more.", "Why so?"]
+    args = args + ["--data.second_turn_fraction", "0.5", "--data.follow_ups", json.dumps(follow_ups)]
+    main(args)
+    rows = load_shards(out)
+    assert len(rows) == 7 + 3  # prompts 1, 3 and 5 (an even spread of half) also get a second turn
+    first = [(r["input_ids"], r["response_start"]) for r in rows]
+    firsts = [ids for ids, start in first if tiny_tokenizer().decode(ids[:start]).count("user:") == 1]
+    seconds = [(ids, start) for ids, start in first if tiny_tokenizer().decode(ids[:start]).count("user:") == 2]
+    assert len(firsts) == 7 and len(seconds) == 3
+    for ids, start in seconds:
+        turn = next(f for f in firsts if ids[:len(f)] == f)  # the whole first exchange, answer tokens unchanged
+        between = tiny_tokenizer().decode(ids[len(turn):start])
+        assert between in {f" | user: {f} | assistant:" for f in follow_ups}  # the template's next user turn
+        assert len(ids) > start  # and the target answered it
+    full = _rows(out)
+    shutil.rmtree(shard_dirs(out)[1])
+    main(args)
+    assert _rows(out) == full  # resumes to the same rows, second turns included
+
+
+def test_follow_ups_from_evaluation_sets_and_bad_fractions_are_refused(setup):
+    args, _ = setup
+    with pytest.raises(ValueError, match="evaluation prompts"):
+        main(args + ["--data.second_turn_fraction", "1.0", "--data.follow_ups", '["Prove the Pythagorean theorem."]'])
+    with pytest.raises(ValueError, match="second_turn_fraction"):
+        DataConfig(second_turn_fraction=1.5)
+    with pytest.raises(ValueError, match="follow_ups"):
+        DataConfig(follow_ups=[])
+
+
+def test_older_data_dirs_without_the_second_turn_keys_resume(setup):
+    args, out = setup
+    main(args)
+    meta = out / "data_config.json"
+    settings = json.loads(meta.read_text())
+    del settings["second_turn_fraction"], settings["follow_ups"]  # as written before multi-turn data existed
+    meta.write_text(json.dumps(settings))
+    main(args)  # no "generated with other settings" error
+    with pytest.raises(ValueError, match="second_turn_fraction"):
+        main(args + ["--data.second_turn_fraction", "0.5"])
+
+
 def test_evaluation_overlap_filter_equals_the_naive_definition():
     """Dropped = equal to a turn, or containing a turn of >= 20 characters anywhere (mid-word starts included)."""
     rng = random.Random(0)

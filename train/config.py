@@ -53,8 +53,18 @@ class DataConfig:
     greedy_fraction: float = 0.5  # share of shards answered greedily (what greedy decoding will see)
     dtype: str = "bfloat16"
     seed: int = 0
+    # Multi-turn data: this share of conversations (spread evenly) gets a second user turn, a follow-up from
+    # `follow_ups` (None: DEFAULT_FOLLOW_UPS), and the target answers it too. Such a conversation is stored twice:
+    # as its first turn, and as the whole exchange with the second answer as its response.
+    second_turn_fraction: float = 0.0
+    follow_ups: list[str] | None = None
 
     def __post_init__(self):
+        if not 0.0 <= self.second_turn_fraction <= 1.0:
+            raise ValueError(f"data.second_turn_fraction must lie in [0, 1], got {self.second_turn_fraction}")
+        if self.follow_ups is not None and (not self.follow_ups or not all(isinstance(f, str) and f.strip()
+                                                                            for f in self.follow_ups)):
+            raise ValueError("data.follow_ups must be a non-empty list of non-empty strings (or null for the defaults)")
         if not self.sources:
             raise ValueError("data.sources is empty: name at least one prompt source")
         if self.batch_size <= 0 or self.shard_size <= 0 or self.max_new_tokens <= 0:

@@ -5,6 +5,8 @@
 Output: `<data.out_dir>/shard-00000/ ...`, each a `datasets` dataset on disk with columns
 `input_ids` (prompt + response tokens), `response_start`, `source`, `greedy`. A shard is written to a temporary
 folder and renamed into place, so a killed run loses at most the shard in flight and a restart continues there.
+With `data.second_turn_fraction` > 0 some conversations also get a follow-up user turn that the target answers;
+they are stored as a second row (prompt + answer + follow-up + second answer, `response_start` at the second answer).
 """
 
 from __future__ import annotations
@@ -21,13 +23,26 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from medusa.data import build_prompt_mix  # noqa: E402
+from medusa.data import build_prompt_mix, drop_evaluation_overlap, evaluation_prompts  # noqa: E402
 from medusa.loading import load_base  # noqa: E402
 from medusa.decode import stop_token_ids  # noqa: E402
 from train.config import DataConfig, ModelConfig, parse_args  # noqa: E402
 
 # Fields that decide which prompt lands in which shard: a resumed run must agree on them.
-ORDER_FIELDS = ("sources", "seed", "shard_size", "max_prompt_tokens")
+ORDER_FIELDS = ("sources", "seed", "shard_size", "max_prompt_tokens", "second_turn_fraction", "follow_ups")
+
+# Generic second turns, in the spirit of MT-bench's follow-up questions (none of them is an evaluation turn).
+DEFAULT_FOLLOW_UPS = [
+    "Can you explain that in more detail?",
+    "Summarize your answer in two sentences.",
+    "Give a concrete example.",
+    "Rewrite your answer so that a ten-year-old understands it.",
+    "What are the weaknesses or limits of your answer?",
+    "Now present the same answer as a numbered list.",
+    "Make it shorter and more formal.",
+    "Why? Explain your reasoning step by step.",
+]
+PLACEHOLDER = "MEDUSAPLACEHOLDERANSWER"
 
 
 def shard_dirs(out_dir: Path) -> list[Path]:
@@ -72,7 +87,8 @@ def check_resume(out_dir: Path, cfg: DataConfig) -> None:
     meta = out_dir / "data_config.json"
     current = {k: asdict(cfg)[k] for k in ORDER_FIELDS}
     if meta.is_file():
-        previous = {k: json.loads(meta.read_text()).get(k) for k in ORDER_FIELDS}
+        defaults = asdict(DataConfig())  # keys an older data_config.json lacks had their defaults then
+        previous = {k: json.loads(meta.read_text()).get(k, defaults[k]) for k in ORDER_FIELDS}
         if previous != current:
             raise ValueError(
                 f"{out_dir} was generated with {previous}, this run asks for {current}: "
@@ -90,11 +106,43 @@ def tokenize_prompts(tokenizer, mix, max_prompt_tokens: int) -> list[dict]:
         )
     items = []
     for source, prompt in mix:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-        ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        ids = _ids(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True))
         if len(ids) <= max_prompt_tokens:
-            items.append({"source": source, "prompt_ids": ids})
+            items.append({"source": source, "prompt": prompt, "prompt_ids": ids, "index": len(items)})
     return items
+
+
+def _ids(encoded) -> list[int]:
+    return list(encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded)
+
+
+def next_turn_ids(tokenizer, prompt: str, follow_up: str, response: list[int], stop_ids: list[int]) -> list[int]:
+    """The tokens between the first answer and the second one: the chat template's end of the assistant turn, the
+    follow-up as a user turn, and the generation prompt. Cut from the rendered template around a placeholder
+    answer, so the first answer keeps the exact tokens the target generated."""
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}, {"role": "assistant", "content": PLACEHOLDER},
+         {"role": "user", "content": follow_up}], add_generation_prompt=True, tokenize=False)
+    if PLACEHOLDER not in text:
+        raise ValueError("the chat template does not render assistant turns verbatim: data.second_turn_fraction "
+                         "needs one that does (set it to 0 for single-turn data)")
+    ids = _ids(tokenizer(text[text.index(PLACEHOLDER) + len(PLACEHOLDER):], add_special_tokens=False))
+    if response and response[-1] in stop_ids and ids and ids[0] == response[-1]:
+        ids = ids[1:]  # the answer already ends with the end-of-turn token the template writes
+    return ids
+
+
+def check_follow_ups(follow_ups: list[str]) -> list[str]:
+    """Second turns must not be evaluation prompts either."""
+    leaked = [f for f in follow_ups if f not in drop_evaluation_overlap(follow_ups, evaluation_prompts())]
+    if leaked:
+        raise ValueError(f"data.follow_ups holds evaluation prompts {leaked[:3]}: training on them would inflate "
+                         "the measured accuracy; remove them")
+    return follow_ups
+
+
+def has_second_turn(index: int, fraction: float) -> bool:
+    return is_greedy_shard(index, fraction)  # the same even spread, over conversations
 
 
 def stop_and_pad_ids(model, tokenizer) -> tuple[list[int], int]:
@@ -133,6 +181,7 @@ def main(argv=None) -> None:
     check_resume(out_dir, cfg)
     model, tokenizer = load_base(cfgs["model"].base, dtype=cfg.dtype, device=cfgs["model"].resolved_device())
     eos_ids, pad_id = stop_and_pad_ids(model, tokenizer)
+    follow_ups = check_follow_ups(cfg.follow_ups or DEFAULT_FOLLOW_UPS)
 
     items = tokenize_prompts(tokenizer, build_prompt_mix(cfg.sources, cfg.seed), cfg.max_prompt_tokens)
     n_shards = (len(items) + cfg.shard_size - 1) // cfg.shard_size
@@ -150,7 +199,7 @@ def main(argv=None) -> None:
         torch.manual_seed(cfg.seed * 100_003 + group[0])  # a sampled shard is its own group: a resume resamples it alike
         chunk = [(shard, item) for shard in group for item in items[shard * cfg.shard_size:(shard + 1) * cfg.shard_size]]
         chunk.sort(key=lambda x: len(x[1]["prompt_ids"]))  # less padding per batch
-        records = {shard: [] for shard in group}
+        records, second = {shard: [] for shard in group}, []
         for b in range(0, len(chunk), cfg.batch_size):
             batch = chunk[b:b + cfg.batch_size]
             responses = answer_batch(model, [x["prompt_ids"] for _, x in batch], pad_id, eos_ids, cfg, greedy)
@@ -159,7 +208,23 @@ def main(argv=None) -> None:
                                        "response_start": len(item["prompt_ids"]), "source": item["source"],
                                        "greedy": greedy})
                 tokens += len(response)
+                if has_second_turn(item["index"], cfg.second_turn_fraction):
+                    follow_up = follow_ups[item["index"] % len(follow_ups)]
+                    context = records[shard][-1]["input_ids"] + next_turn_ids(
+                        tokenizer, item["prompt"], follow_up, response, eos_ids)
+                    if len(context) <= cfg.max_prompt_tokens:
+                        second.append((shard, {**item, "prompt_ids": context}))
             bar.update(len(batch))
+            bar.set_postfix(tokens=tokens, tok_per_s=f"{tokens / (time.time() - start):.0f}")
+        second.sort(key=lambda x: len(x[1]["prompt_ids"]))
+        for b in range(0, len(second), cfg.batch_size):  # second turns, after every first answer of the group
+            batch = second[b:b + cfg.batch_size]
+            responses = answer_batch(model, [x["prompt_ids"] for _, x in batch], pad_id, eos_ids, cfg, greedy)
+            for (shard, item), response in zip(batch, responses):
+                records[shard].append({"input_ids": item["prompt_ids"] + response,
+                                       "response_start": len(item["prompt_ids"]), "source": item["source"],
+                                       "greedy": greedy})
+                tokens += len(response)
             bar.set_postfix(tokens=tokens, tok_per_s=f"{tokens / (time.time() - start):.0f}")
         for shard in group:
             tmp = out_dir / f".tmp-{shard_name(shard)}"
