@@ -197,6 +197,36 @@ def test_extra_data_dirs_are_read_after_out_dir(tmp_path, tiny_base, tiny_data):
         run(raw)
 
 
+def test_an_added_data_dir_computes_only_its_own_hidden_states(tmp_path, tiny_base, tiny_data, capsys):
+    raw = sections(tmp_path, tiny_base, tiny_data, max_steps=2)
+    run(raw)
+    (first,) = (tmp_path / "cache").glob("hidden-*.safetensors")
+    stamp = first.stat().st_mtime_ns
+    raw["data"]["extra_dirs"] = [str(write_shards(tmp_path / "more-data", n=16, seed=7, shards=1))]
+    raw["training"]["output_dir"], raw["training"]["checkpoint_dir"] = str(tmp_path / "h2"), str(tmp_path / "c2")
+    capsys.readouterr()
+    run(raw)
+    out = capsys.readouterr().out
+    assert out.count("reusing precomputed hidden states") == 1 and out.count("precomputed hidden states of") == 1
+    assert first.stat().st_mtime_ns == stamp and len(list((tmp_path / "cache").glob("hidden-*.safetensors"))) == 2
+
+
+def test_concatenated_part_caches_equal_one_cache_over_everything():
+    torch.manual_seed(0)
+    convs = [train_mod.Conversation(ids=torch.randint(0, 96, (n,)).tolist(), response_start=r)
+             for n, r in [(9, 3), (5, 1), (12, 8), (7, 2)]]
+    spans = {i: torch.randn(len(c.ids) - train_mod.span_start(c, 3), 4).to(torch.bfloat16) for i, c in enumerate(convs)}
+    whole = train_mod.HiddenCache.assemble(convs, spans, 3)
+    parts = [train_mod.HiddenCache.assemble(convs[:1], {0: spans[0]}, 3),
+             train_mod.HiddenCache.assemble(convs[1:], {i - 1: spans[i] for i in range(1, 4)}, 3)]
+    joined = train_mod.HiddenCache.concat(parts)
+    for name in ("hidden", "ids", "offsets", "response_start"):
+        assert torch.equal(getattr(joined, name), getattr(whole, name)), name
+    rows = [3, 0, 2]
+    for key, value in whole.batch(rows).items():
+        assert torch.equal(joined.batch(rows)[key], value), key
+
+
 # --------------------------------------------------------------------------- resumption
 RESUME_MODES = {
     "precomputed": dict(precompute_hidden=True),

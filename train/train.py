@@ -247,6 +247,16 @@ class HiddenCache:
             return cls(*(f.get_tensor(name) for name in ("hidden", "ids", "offsets", "response_start")))
 
     @classmethod
+    def concat(cls, caches: list["HiddenCache"]) -> "HiddenCache":
+        """Caches of consecutive conversation lists -> one cache over all of them, in order."""
+        if len(caches) == 1:
+            return caches[0]
+        shifts = torch.tensor([0] + [int(c.offsets[-1]) for c in caches[:-1]]).cumsum(0)
+        offsets = torch.cat([caches[0].offsets[:1]] + [c.offsets[1:] + shift for c, shift in zip(caches, shifts)])
+        return cls(torch.cat([c.hidden for c in caches]), torch.cat([c.ids for c in caches]), offsets,
+                   torch.cat([c.response_start for c in caches]))
+
+    @classmethod
     def assemble(cls, convs: list[Conversation], spans: dict[int, torch.Tensor], lookback: int) -> "HiddenCache":
         starts = [span_start(c, lookback) for c in convs]
         lengths = [len(c.ids) - s for c, s in zip(convs, starts)]
@@ -602,11 +612,13 @@ def save_output(trainer: HeadTrainer, output_dir: Path, extra: dict) -> None:
 
 # ====================================================================== the run
 def build_trainer(accelerator, cfg: TrainingConfig, heads: MedusaHeads, base: nn.Module, convs: list[Conversation],
-                  mixed: str, data_key: str, log, loss_over_candidates: bool = False):
+                  mixed: str, parts: list[range], log, loss_over_candidates: bool = False):
     """-> (HeadTrainer, fetch(rows) -> forward kwargs on the device, per-conversation lengths for batching).
 
     With precompute_hidden the base runs once here and the batches carry its cached hidden states; otherwise the
-    trainer holds the base (with LoRA adapters for Medusa-2) and runs it on every batch.
+    trainer holds the base (with LoRA adapters for Medusa-2) and runs it on every batch. `parts` are the index
+    ranges of the conversations of each data directory: each part has its own cache file, so adding a data
+    directory computes only the new part.
     """
     compute_dtype = torch.bfloat16 if mixed == "bf16" else None
     lm_head = base.get_output_embeddings()
@@ -614,11 +626,17 @@ def build_trainer(accelerator, cfg: TrainingConfig, heads: MedusaHeads, base: nn
                "loss_over_candidates": loss_over_candidates}
     if cfg.precompute_hidden:
         lookback = head_target_offset(heads.config.num_heads - 1)
-        key_info = {"format": CACHE_FORMAT, "data": data_key, "base": base_fingerprint(base), "dtype": str(base.dtype),
+        base_key = {"format": CACHE_FORMAT, "base": base_fingerprint(base), "dtype": str(base.dtype),
                     "mixed_precision": mixed, "max_length": cfg.max_length, "lookback": lookback}
-        key = hashlib.blake2b(json.dumps(key_info, sort_keys=True).encode(), digest_size=16).hexdigest()
-        cache = build_hidden_cache(accelerator, base, convs, lookback, Path(cfg.cache_dir) / f"hidden-{key}.safetensors",
-                                   key, cfg.precompute_batch_tokens, log)
+        caches = []
+        for part in parts:
+            part_convs = [convs[i] for i in part]
+            key_info = {**base_key, "data": data_fingerprint(part_convs)}
+            key = hashlib.blake2b(json.dumps(key_info, sort_keys=True).encode(), digest_size=16).hexdigest()
+            caches.append(build_hidden_cache(accelerator, base, part_convs, lookback,
+                                             Path(cfg.cache_dir) / f"hidden-{key}.safetensors", key,
+                                             cfg.precompute_batch_tokens, log))
+        cache = HiddenCache.concat(caches)
 
         def fetch(rows):
             return {k: v.to(accelerator.device) for k, v in cache.batch(rows).items()}
@@ -725,7 +743,11 @@ def train(cfgs: dict, *, resume: bool = False, stop_after_steps: int | None = No
     lm_head = base.get_output_embeddings()
     hidden_size, vocab_size = base.config.get_text_config().hidden_size, lm_head.weight.shape[0]
     data_dirs = [data_cfg.out_dir, *data_cfg.extra_dirs]
-    convs = [c for d in data_dirs for c in load_conversations(d, cfg.max_length, vocab_size)]
+    convs, parts = [], []
+    for data_dir in data_dirs:
+        loaded = load_conversations(data_dir, cfg.max_length, vocab_size)
+        parts.append(range(len(convs), len(convs) + len(loaded)))
+        convs += loaded
     train_idx, eval_idx = split_eval(convs, cfg.eval_conversations)
     data_key = data_fingerprint(convs)
     heads = build_heads(heads_cfg, hidden_size, vocab_size, lm_head, base_ref).to(accelerator.device)
@@ -736,7 +758,7 @@ def train(cfgs: dict, *, resume: bool = False, stop_after_steps: int | None = No
     log(f"{len(convs)} conversations in {', '.join(map(str, data_dirs))}: {len(train_idx)} train ({train_tokens} response tokens), "
         f"{len(eval_idx)} held out; {world} process(es), mixed precision {mixed}")
 
-    trainer, fetch, lengths = build_trainer(accelerator, cfg, heads, base, convs, mixed, data_key, log,
+    trainer, fetch, lengths = build_trainer(accelerator, cfg, heads, base, convs, mixed, parts, log,
                                             loss_over_candidates=bool(heads_cfg.vocab_subset_size) and heads_cfg.loss_over_candidates)
     del base  # the trainer holds what it needs (with precomputed hidden states: only lm_head)
     trainer.train()
