@@ -173,6 +173,24 @@ def answer_batch(model, prompt_ids: list[list[int]], pad_id: int, eos_ids: list[
     return responses
 
 
+def answer_pairs(model, pairs: list[tuple[int, dict]], pad_id: int, eos_ids: list[int], cfg: DataConfig, greedy: bool):
+    """(shard, item) pairs -> (shard, item, response), answered batch_size at a time in order of prompt length
+    (less padding per batch)."""
+    pairs = sorted(pairs, key=lambda x: len(x[1]["prompt_ids"]))
+    for b in range(0, len(pairs), cfg.batch_size):
+        batch = pairs[b:b + cfg.batch_size]
+        responses = answer_batch(model, [item["prompt_ids"] for _, item in batch], pad_id, eos_ids, cfg, greedy)
+        for (shard, item), response in zip(batch, responses):
+            yield shard, item, response
+
+
+def add_record(records: list[dict], item: dict, response: list[int], greedy: bool) -> int:
+    """Append one conversation row (prompt + response); return the number of response tokens."""
+    records.append({"input_ids": item["prompt_ids"] + response, "response_start": len(item["prompt_ids"]),
+                    "source": item["source"], "greedy": greedy})
+    return len(response)
+
+
 def main(argv=None) -> None:
     args, cfgs = parse_args(__doc__, {"model": ModelConfig, "data": DataConfig}, argv)
     cfg: DataConfig = cfgs["data"]
@@ -198,34 +216,21 @@ def main(argv=None) -> None:
         greedy = is_greedy_shard(group[0], cfg.greedy_fraction)
         torch.manual_seed(cfg.seed * 100_003 + group[0])  # a sampled shard is its own group: a resume resamples it alike
         chunk = [(shard, item) for shard in group for item in items[shard * cfg.shard_size:(shard + 1) * cfg.shard_size]]
-        chunk.sort(key=lambda x: len(x[1]["prompt_ids"]))  # less padding per batch
         records, second = {shard: [] for shard in group}, []
-        for b in range(0, len(chunk), cfg.batch_size):
-            batch = chunk[b:b + cfg.batch_size]
-            responses = answer_batch(model, [x["prompt_ids"] for _, x in batch], pad_id, eos_ids, cfg, greedy)
-            for (shard, item), response in zip(batch, responses):
-                records[shard].append({"input_ids": item["prompt_ids"] + response,
-                                       "response_start": len(item["prompt_ids"]), "source": item["source"],
-                                       "greedy": greedy})
-                tokens += len(response)
-                if has_second_turn(item["index"], cfg.second_turn_fraction):
-                    follow_up = follow_ups[item["index"] % len(follow_ups)]
-                    context = records[shard][-1]["input_ids"] + next_turn_ids(
-                        tokenizer, item["prompt"], follow_up, response, eos_ids)
-                    if len(context) <= cfg.max_prompt_tokens:
-                        second.append((shard, {**item, "prompt_ids": context}))
-            bar.update(len(batch))
-            bar.set_postfix(tokens=tokens, tok_per_s=f"{tokens / (time.time() - start):.0f}")
-        second.sort(key=lambda x: len(x[1]["prompt_ids"]))
-        for b in range(0, len(second), cfg.batch_size):  # second turns, after every first answer of the group
-            batch = second[b:b + cfg.batch_size]
-            responses = answer_batch(model, [x["prompt_ids"] for _, x in batch], pad_id, eos_ids, cfg, greedy)
-            for (shard, item), response in zip(batch, responses):
-                records[shard].append({"input_ids": item["prompt_ids"] + response,
-                                       "response_start": len(item["prompt_ids"]), "source": item["source"],
-                                       "greedy": greedy})
-                tokens += len(response)
-            bar.set_postfix(tokens=tokens, tok_per_s=f"{tokens / (time.time() - start):.0f}")
+        for shard, item, response in answer_pairs(model, chunk, pad_id, eos_ids, cfg, greedy):
+            tokens += add_record(records[shard], item, response, greedy)
+            if has_second_turn(item["index"], cfg.second_turn_fraction):
+                follow_up = follow_ups[item["index"] % len(follow_ups)]
+                context = records[shard][-1]["input_ids"] + next_turn_ids(
+                    tokenizer, item["prompt"], follow_up, response, eos_ids)
+                if len(context) <= cfg.max_prompt_tokens:
+                    second.append((shard, {**item, "prompt_ids": context}))
+            bar.update(1)
+            bar.set_postfix(tokens=tokens, tok_per_s=f"{tokens / (time.time() - start):.0f}", refresh=False)
+        # second turns, after every first answer of the group
+        for shard, item, response in answer_pairs(model, second, pad_id, eos_ids, cfg, greedy):
+            tokens += add_record(records[shard], item, response, greedy)
+            bar.set_postfix(tokens=tokens, tok_per_s=f"{tokens / (time.time() - start):.0f}", refresh=False)
         for shard in group:
             tmp = out_dir / f".tmp-{shard_name(shard)}"
             shutil.rmtree(tmp, ignore_errors=True)
