@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from medusa.config import CONFIG_NAME, WEIGHTS_NAME, MedusaConfig
 from medusa.fileio import atomic_write_text, write_directory
-from medusa.heads import MedusaHeads
+from medusa.heads import MedusaHeads, storage_state
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ def export_heads(heads: MedusaHeads, out_dir: str | os.PathLike, format: str, *,
     """Write `heads` in another engine's layout (`format` in FORMATS) into `out_dir`, atomically.
 
     `lm_head_weight` (V, H): the base model's output projection, needed when the heads share it.
-    `dtype`: cast every tensor (e.g. torch.float16 for serving); default: the heads' own dtype.
+    `dtype`: cast the weights (e.g. torch.float16 for serving; token ids stay integers); default: the heads' own dtype.
     """
     if format not in FORMATS:
         raise ValueError(f"unknown export format {format!r}: use one of {FORMATS}")
@@ -157,7 +157,7 @@ def export_heads(heads: MedusaHeads, out_dir: str | os.PathLike, format: str, *,
         state, cfg, weights_name = vllm_state_dict(heads, lm_head_weight), vllm_config(config, base_name), VLLM_WEIGHTS
     params = list(heads.parameters())
     dtype = dtype or (params[0].dtype if params else None)  # keep the heads' dtype unless told
-    state = {k: v.detach().to(device="cpu", dtype=dtype or v.dtype).contiguous() for k, v in state.items()}
+    state = storage_state(state, dtype)
     seen = set()
     for k, v in state.items():  # safetensors refuses tensors that share memory (the K copies of a shared lm_head)
         if v.data_ptr() in seen:

@@ -16,6 +16,13 @@ def head_target_offset(head: int) -> int:
     return head + 2
 
 
+def storage_state(state: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """CPU, contiguous tensors for a safetensors file: floating ones cast to `dtype` when given, integer ones (the
+    candidate token ids) never, since a half-precision float cannot hold every id of a large vocabulary."""
+    return {k: v.detach().to(device="cpu", dtype=dtype if dtype and v.is_floating_point() else v.dtype).contiguous()
+            for k, v in state.items()}
+
+
 def following_tokens(input_ids: torch.Tensor, count: int) -> torch.Tensor:
     """input_ids (..., T) -> (..., T, count): the tokens at t+1 .. t+count for each position t (0 past the end).
 

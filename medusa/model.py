@@ -14,7 +14,7 @@ from torch import nn
 from medusa.config import CONFIG_NAME, WEIGHTS_NAME, MedusaConfig
 from medusa.decode import SpeculativeGenerator
 from medusa.fileio import write_directory
-from medusa.heads import MedusaHeads
+from medusa.heads import MedusaHeads, storage_state
 from medusa.loading import DEFAULT_BASE, BaseSource, load_base, resolve_dtype
 from medusa.propose import CandidateProjection, get_proposer
 from medusa.sampling import SamplingConfig
@@ -177,8 +177,7 @@ def save_heads(heads: MedusaHeads, directory: Path, tree=None, extra: dict | Non
         config.tree = [list(p) for p in tree]
     if extra:
         config.extra = {**config.extra, **extra}
-    state = {k: v.detach().to(device="cpu", dtype=dtype if dtype and v.is_floating_point() else v.dtype).contiguous()
-             for k, v in heads.state_dict().items()}  # integer buffers (the candidate token ids) keep their dtype
+    state = storage_state(heads.state_dict(), dtype)
     save_file(state, str(directory / WEIGHTS_NAME), metadata={"format": "pt", "medusa_format_version": str(config.format_version)})
     config.save(directory)
 

@@ -212,6 +212,9 @@ def test_vocab_subset_travels_as_vllm_token_map(tmp_path, caplog):
     assert loaded.config.vocab_subset_size == len(subset) and torch.equal(loaded.heads.vocab_subset, subset)
     for k in range(K):  # imported heads own K copies of the shared rows
         torch.testing.assert_close(loaded.candidate_projection.weight[k], model.candidate_projection.weight, rtol=0, atol=0)
+    half = load_file(str(export_model(model, tmp_path / "vllm16", "vllm", dtype=torch.float16) / VLLM_WEIGHTS))
+    assert half["lm_heads.0.weight"].dtype == torch.float16  # weights cast for serving, token ids kept exact
+    assert half["token_map"].dtype == torch.int64 and torch.equal(half["token_map"], subset)
 
     state["token_map"] = torch.tensor([5, 1, 96, 33, 7, 60])  # 96 is outside the vocabulary
     save_file(state, str(out / VLLM_WEIGHTS))
