@@ -35,6 +35,10 @@ class MedusaConfig:
     # node's children come from its own path (Hydra's sequential heads), in training the target's tokens. Needs
     # condition_on_next_token. Medusa-only layout, like it.
     condition_on_path: bool = False
+    # > 0: the heads read a context layer's output (causal attention over this many recent positions' hidden states
+    # and next tokens, see medusa.heads.ContextLayer) instead of one position's hidden state. Needs
+    # condition_on_next_token. Medusa-only layout.
+    context_window: int = 0
     format_version: int = FORMAT_VERSION
     extra: dict = field(default_factory=dict)  # free-form provenance (training run, data), never read by code
 
@@ -50,6 +54,11 @@ class MedusaConfig:
         if self.condition_on_path and not self.condition_on_next_token:
             raise ValueError("MedusaConfig.condition_on_path needs condition_on_next_token: a path starts at the root "
                              "token (set both)")
+        if not isinstance(self.context_window, int) or self.context_window < 0:
+            raise ValueError(f"MedusaConfig.context_window must be an integer >= 0, got {self.context_window!r}")
+        if self.context_window and not self.condition_on_next_token:
+            raise ValueError("MedusaConfig.context_window needs condition_on_next_token: the context layer reads each "
+                             "position's next token (set both)")
         if self.projection not in PROJECTIONS:
             raise ValueError(f"MedusaConfig.projection must be one of {PROJECTIONS}, got {self.projection!r}")
         if self.vocab_subset_size is not None and not 0 < self.vocab_subset_size <= self.vocab_size:

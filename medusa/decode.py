@@ -24,6 +24,9 @@ class DecodeState:
     root_token: torch.Tensor  # 0-dim long: the target's next token, not yet in the cache
     last_hidden: torch.Tensor  # (H,): hidden state at the last cached position (the one that chose root_token)
     tokens: list[int]  # prompt + every token emitted so far (root_token included)
+    # (n, H): hidden states of the positions the last prefill / commit added to the cache (last row: last_hidden);
+    # what a heads' context layer reads. None: only last_hidden is known.
+    new_hidden: torch.Tensor | None = None
 
 
 @dataclass
@@ -87,7 +90,8 @@ def prefill(model, input_ids: torch.Tensor, sampling: SamplingConfig, generator=
     out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, output_hidden_states=True,
                 logits_to_keep=1)
     root = select_token(out.logits[0, -1], sampling, generator)
-    return DecodeState(cache, input_ids.shape[1], root, out.hidden_states[-1][0, -1], input_ids[0].tolist() + [int(root)])
+    hidden = out.hidden_states[-1][0]  # (T, H)
+    return DecodeState(cache, input_ids.shape[1], root, hidden[-1], input_ids[0].tolist() + [int(root)], hidden)
 
 
 def prepare_input_ids(input_ids, device) -> torch.Tensor:
@@ -227,7 +231,8 @@ def decode(
         with timer("commit"):
             kv_cache.commit(state.cache, state.length, accepted.nodes)
             state.length += accepted.nodes.numel()
-            state.last_hidden = verified.hidden[accepted.nodes[-1]]
+            state.new_hidden = verified.hidden[accepted.nodes]
+            state.last_hidden = state.new_hidden[-1]
             state.root_token = torch.tensor(accepted.tokens[-1], device=input_ids.device)
             state.tokens.extend(accepted.tokens)
             proposer.observe(state, accepted.tokens)

@@ -67,8 +67,9 @@ class DynamicTreeProposer:
         if budget == 0 or self.depth == 0:
             return Candidates(tokens=root, tree=buffers_from_parents(root.new_zeros(1), root.new_zeros(1)))
         by_path = self.medusa.by_path
+        hidden = self.medusa.read(state)
         if not by_path:  # every head reads only the root: all levels' guesses at once
-            logits = self.medusa.head_logits(state.last_hidden, state.root_token, self.depth)  # (D, V')
+            logits = self.medusa.head_logits(hidden, state.root_token, self.depth)  # (D, V')
 
         # Level d keeps its best `budget` candidates, sorted; children of those are level d+1's candidates.
         level_scores, level_parents, level_tokens = [], [], []
@@ -76,7 +77,7 @@ class DynamicTreeProposer:
         paths = root.new_zeros(1, 0)  # (B, d) tokens of the kept nodes' paths after the root
         for d in range(self.depth):
             # (B, V') when each kept node's children depend on its path, else (1, V') shared by all
-            level_logits = self.medusa.path_logits(state.last_hidden, state.root_token, d, paths) if by_path \
+            level_logits = self.medusa.path_logits(hidden, state.root_token, d, paths) if by_path \
                 else logits[d:d + 1]
             width = min(self.topk, budget, level_logits.shape[-1])  # the same at every level
             top_logp, top_index = level_logits.float().log_softmax(-1).clamp(max=0).topk(width, dim=-1)

@@ -57,6 +57,71 @@ class ResBlock(nn.Module):
         return x + self.act(self.linear(x))
 
 
+class ContextLayer(nn.Module):
+    """Causal self-attention over the last `window` positions, then an MLP, on the base's last hidden states.
+
+    Medusa heads read one position's hidden state; this layer lets them read the recent context too (Hydra++'s prefix
+    attention, EAGLE's input): position j's input is its hidden state plus a map of the embedding of the token after
+    it, so the layer sees the (hidden state, next token) pairs of everything committed so far. Both residual branches
+    end in zero-initialised maps: a fresh layer is the identity, and fresh heads on it equal heads without it.
+    Attention is local (a window) so training on cached spans and decoding see the same thing, and its cache stays
+    small. Positions are rotary-encoded (only distances matter).
+    """
+
+    HEAD_DIM = 64
+
+    def __init__(self, hidden_size: int, window: int):
+        super().__init__()
+        if hidden_size % 2:
+            raise ValueError(f"a context layer needs an even hidden size (rotary positions), got {hidden_size}")
+        self.window = window
+        self.num_attention_heads = max(1, hidden_size // self.HEAD_DIM) if hidden_size % self.HEAD_DIM == 0 else 1
+        self.head_dim = hidden_size // self.num_attention_heads
+        self.next_token_map = nn.Linear(hidden_size, hidden_size, bias=False)
+        self.attention_norm = nn.RMSNorm(hidden_size, eps=1e-6)
+        self.qkv = nn.Linear(hidden_size, 3 * hidden_size, bias=False)
+        self.attention_out = nn.Linear(hidden_size, hidden_size, bias=False)
+        self.mlp_norm = nn.RMSNorm(hidden_size, eps=1e-6)
+        self.mlp_in = nn.Linear(hidden_size, 4 * hidden_size)
+        self.mlp_out = nn.Linear(4 * hidden_size, hidden_size)
+        for linear in (self.next_token_map, self.attention_out, self.mlp_out):
+            nn.init.zeros_(linear.weight)
+        nn.init.zeros_(self.mlp_out.bias)
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def _rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x (B, heads, T, D), positions (T,) -> x with rotary position encoding."""
+        angles = positions.to(torch.float32)[:, None] * self.inv_freq  # (T, D/2)
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        first, second = x[..., 0::2], x[..., 1::2]
+        return torch.stack([first * cos - second * sin, first * sin + second * cos], dim=-1).flatten(-2)
+
+    def forward(self, hidden: torch.Tensor, next_embedding: torch.Tensor, past: tuple | None = None):
+        """hidden, next_embedding (B, T, H): positions that follow the `past` ones -> (features (B, T, H), past).
+
+        past: what the previous call returned, None at the start: (keys, values (B, heads, P, D) of the last
+        P <= window - 1 positions, the number of positions seen so far).
+        """
+        batch, length, size = hidden.shape
+        keys, values, seen = past if past is not None else (None, None, 0)
+        x = hidden + self.next_token_map(next_embedding.to(hidden.dtype))
+        q, k, v = self.qkv(self.attention_norm(x)).view(batch, length, 3, self.num_attention_heads, self.head_dim) \
+            .permute(2, 0, 3, 1, 4)  # each (B, heads, T, D)
+        positions = torch.arange(seen, seen + length, device=hidden.device)
+        q, k = self._rotate(q, positions), self._rotate(k, positions)
+        if keys is not None:
+            k, v = torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)
+        key_positions = torch.arange(seen + length - k.shape[2], seen + length, device=hidden.device)
+        distance = positions[:, None] - key_positions[None, :]  # (T, P + T)
+        visible = (distance >= 0) & (distance < self.window)
+        attended = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+        x = x + self.attention_out(attended.transpose(1, 2).reshape(batch, length, size))
+        x = x + self.mlp_out(nn.functional.silu(self.mlp_in(self.mlp_norm(x))))
+        keep = min(self.window - 1, k.shape[2])  # a later position sees at most window - 1 earlier ones
+        return x, (k[:, :, k.shape[2] - keep:], v[:, :, v.shape[2] - keep:], seen + length)
+
+
 class MedusaHeads(nn.Module):
     """K heads of L residual blocks each, and either K own projections or the base model's shared lm_head.
 
@@ -94,6 +159,7 @@ class MedusaHeads(nn.Module):
                     nn.init.zeros_(linear.weight)
         else:
             self.path_token_maps = None
+        self.context = ContextLayer(config.hidden_size, config.context_window) if config.context_window else None
         if config.projection == "own":
             self.projections = nn.ModuleList(
                 nn.Linear(config.hidden_size, config.vocab_size, bias=False) for _ in range(config.num_heads)
@@ -120,6 +186,17 @@ class MedusaHeads(nn.Module):
         subset = getattr(self, "vocab_subset", None)
         weight = lm_head.weight if self.projections is None else torch.stack([p.weight for p in self.projections])
         return weight if subset is None else weight[..., subset, :]
+
+    def contextualise(self, hidden: torch.Tensor, next_embedding: torch.Tensor | None, past: tuple | None = None):
+        """(B, T, H) hidden states of consecutive positions (and the embeddings of the tokens after them) -> what the
+        heads read there, and the context layer's state for the positions that follow (see ContextLayer). Heads
+        without a context layer read the hidden states themselves."""
+        if self.context is None:
+            return hidden, None
+        if next_embedding is None:
+            raise ValueError("these heads have a context layer: pass next_embedding, the base's input embeddings of "
+                             "the token after each position")
+        return self.context(hidden, next_embedding, past)
 
     def run_head(self, head: int, hidden: torch.Tensor, next_embedding: torch.Tensor | None = None,
                  path_embeddings: torch.Tensor | None = None) -> torch.Tensor:

@@ -199,7 +199,7 @@ def medusa_heads_loss(heads: MedusaHeads, hidden: torch.Tensor, input_ids: torch
                       lm_head: nn.Module, *, decay: float = 0.8, coefficient: float = 1.0, chunk_size: int = 2048,
                       compute_dtype: torch.dtype | None = None, topk: int = TOPK,
                       normalizer: torch.Tensor | None = None, embed_tokens: nn.Module | None = None,
-                      candidates_only: bool = False) -> HeadLoss:
+                      candidates_only: bool = False, distill: bool = False) -> HeadLoss:
     """Per-head shifted cross-entropy on the base's last hidden states.
 
     hidden (B, T, H) post-norm last hidden states; input_ids, loss_mask (B, T). Head k reads hidden[:, t] (and, for
@@ -209,6 +209,10 @@ def medusa_heads_loss(heads: MedusaHeads, hidden: torch.Tensor, input_ids: torch
     candidates_only: with a vocabulary subset on the heads, the softmax runs over the candidate tokens only (what
     proposing ranks; several times cheaper); a target outside the subset cannot be proposed, so it adds no loss
     and counts as a miss.
+    distill: the loss is KL(base || head) instead of cross-entropy: head k at t learns the base's whole distribution
+    over the token it guesses, read off the base's hidden state at t + offset - 1 through the shared projection
+    (soft targets: more signal per position than the one token the data holds, sampled or not). Accuracy still
+    counts the data's tokens.
     topk=0 skips the accuracy counts (they cost one more pass over the logits).
     normalizer (K,): divide head k's summed cross-entropy by normalizer[k] instead of its local position count, so
     that micro-batches and processes sharing one optimizer step add up to the mean over the whole step's positions.
@@ -227,11 +231,17 @@ def medusa_heads_loss(heads: MedusaHeads, hidden: torch.Tensor, input_ids: torch
     shared_bias = getattr(lm_head, "bias", None)
     if shared_bias is not None and subset is not None:
         shared_bias = shared_bias[subset]
+    if distill and heads.projections is not None:
+        raise ValueError("distillation reads the base's distribution through the shared lm_head: use projection "
+                         "'shared', or train own projections without distill")
+    base_hidden = hidden  # the teacher's input, before any context layer
     following = None  # (B, T, n) the tokens after each position that conditioned heads read
     if heads.config.condition_on_next_token:
         if embed_tokens is None:
             raise ValueError("heads conditioned on the next token need embed_tokens (the base's input embeddings)")
         following = following_tokens(input_ids, tokens_read(heads.config, num_heads - 1))
+        # the context layer runs over every position (a head's read depends on the ones before it)
+        hidden, _ = heads.contextualise(hidden, embed_tokens(following[..., 0]))
     for k in range(num_heads):
         targets, valid = head_targets(input_ids, loss_mask, k)
         # teacher forcing: a path head reads the target's own tokens, as on the path a step accepts
@@ -249,10 +259,24 @@ def medusa_heads_loss(heads: MedusaHeads, hidden: torch.Tensor, input_ids: torch
         if subset is not None:
             targets = to_candidate[targets]
             proposable = targets >= 0
-            x, targets = x[proposable], targets[proposable]
-        loss_sum, hits = linear_cross_entropy(x, weight, targets, bias, chunk_size=chunk_size,
-                                              compute_dtype=compute_dtype, topk=topk)
-        mean = loss_sum / (n if subset is None else proposable.sum()).clamp(min=1)
+        if distill:
+            offset = head_target_offset(k)
+            teacher = base_hidden[:, offset - 1:][valid[:, :base_hidden.shape[1] - offset + 1]]  # (N_k, H) at t + offset - 1
+            loss_sum = linear_kl(x, teacher, weight, bias, chunk_size=chunk_size, compute_dtype=compute_dtype)
+            if subset is not None:
+                x, targets = x[proposable], targets[proposable]
+            hits = torch.zeros(max(topk, 1), dtype=torch.long, device=x.device)[:topk]
+            if topk:
+                with torch.no_grad():
+                    _, hits = linear_cross_entropy(x.detach(), weight, targets, bias, chunk_size=chunk_size,
+                                                   compute_dtype=compute_dtype, topk=topk)
+            mean = loss_sum / n.clamp(min=1)
+        else:
+            if subset is not None:
+                x, targets = x[proposable], targets[proposable]
+            loss_sum, hits = linear_cross_entropy(x, weight, targets, bias, chunk_size=chunk_size,
+                                                  compute_dtype=compute_dtype, topk=topk)
+            mean = loss_sum / (n if subset is None else proposable.sum()).clamp(min=1)
         total = total + weights[k] * (mean if normalizer is None else loss_sum / normalizer[k].clamp(min=1e-9))
         ce.append(mean.detach())
         correct.append(hits if topk else torch.zeros(0, dtype=torch.long, device=hidden.device))

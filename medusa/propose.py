@@ -105,6 +105,29 @@ class MedusaProposer:
         self.used_heads = max((k + 1 for k, s in enumerate(tree.topk_per_head) if s), default=0)
         self.by_path = heads.config.condition_on_path  # children depend on their parent's path
         self.levels = tree_levels(tree) if self.by_path else []
+        self._context = None  # the heads' context layer state over the positions read so far (see `read`)
+        self._context_seen, self._context_read = 0, None
+
+    def read(self, state) -> torch.Tensor:
+        """(H,): what the heads read this step: the last hidden state, or for heads with a context layer its output
+        there, after feeding it the positions committed since the previous step (`state.new_hidden`, each with
+        the token after it). Call once per step, before proposing."""
+        if self.heads.context is None:
+            return state.last_hidden
+        if state.new_hidden is None:
+            raise ValueError("these heads have a context layer: the decode state must carry new_hidden, the hidden "
+                             "states of the positions each step commits")
+        if self._context_seen == state.length:  # already read this step
+            return self._context_read
+        rows = state.new_hidden.shape[0]
+        if self._context_seen + rows != state.length:
+            raise RuntimeError(f"the context layer has read {self._context_seen} positions, the cache holds "
+                               f"{state.length} and the last step added {rows}: call read once per step")
+        following = torch.tensor(state.tokens[-rows:], dtype=torch.long, device=state.new_hidden.device)
+        features, self._context = self.heads.contextualise(state.new_hidden[None], self.embed_tokens(following)[None],
+                                                           self._context)
+        self._context_seen, self._context_read = state.length, features[0, -1]
+        return self._context_read
 
     def path_logits(self, hidden: torch.Tensor, root: torch.Tensor, head: int, paths: torch.Tensor) -> torch.Tensor:
         """Head `head`'s logits after each of P paths: hidden (H,), root (), paths (P, head) token ids after the
@@ -127,7 +150,7 @@ class MedusaProposer:
         tree = self.tree
         parts = [state.root_token.view(1)]
         if self.used_heads:
-            logits = self.head_logits(state.last_hidden, state.root_token)
+            logits = self.head_logits(self.read(state), state.root_token)
             width = max(tree.topk_per_head)
             top = self.projection.token(torch.topk(logits, width, dim=-1).indices)  # (K_used, width) token ids
             parts += [top[k, :s] for k, s in enumerate(tree.topk_per_head[: self.used_heads]) if s]
@@ -136,8 +159,9 @@ class MedusaProposer:
 
     def _propose_by_path(self, state) -> Candidates:
         tokens = state.root_token.view(1).repeat(self.tree.num_nodes)  # (N,) filled depth by depth
+        hidden = self.read(state)
         for head, level in enumerate(self.levels):
-            logits = self.path_logits(state.last_hidden, state.root_token, head, tokens[level.parent_paths])  # (P, V')
+            logits = self.path_logits(hidden, state.root_token, head, tokens[level.parent_paths])  # (P, V')
             top = self.projection.token(torch.topk(logits, level.width, dim=-1).indices)  # (P, width)
             tokens[level.nodes] = top[level.parent_rows, level.ranks]
         return Candidates(tokens=tokens, tree=self.tree)

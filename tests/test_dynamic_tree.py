@@ -56,6 +56,9 @@ class FixedHeads:
         self.logits = logits
         self.projection = SimpleNamespace(token=lambda index: index)
 
+    def read(self, state):
+        return state.last_hidden
+
     def head_logits(self, hidden, next_token, num_heads=None):
         return self.logits[:num_heads]
 

@@ -114,6 +114,16 @@ def test_fused_kl_matches_torch_with_a_constant_reference():
     assert linear_kl(ref, ref, w.detach()).item() == pytest.approx(0.0, abs=1e-4)  # identical distributions
 
 
+def assert_same_gradients(heads, loss, expected) -> None:
+    """The fused loss's gradients agree with autograd through the naive computation."""
+    loss.backward()
+    ours = {n: p.grad.clone() for n, p in heads.named_parameters()}
+    heads.zero_grad()
+    expected.backward()
+    for n, p in heads.named_parameters():
+        torch.testing.assert_close(ours[n], p.grad, atol=1e-5, rtol=1e-4, msg=n)
+
+
 @pytest.mark.parametrize("projection", ["shared", "own"])
 def test_medusa_heads_loss_equals_the_naive_computation(projection):
     torch.manual_seed(0)
@@ -138,13 +148,35 @@ def test_medusa_heads_loss_equals_the_naive_computation(projection):
         assert int(out.correct[k, 0]) == top1
     assert out.count.tolist() == counts
     torch.testing.assert_close(out.loss, expected, atol=1e-5, rtol=1e-5)
-    # Gradients agree with autograd through the naive computation.
-    out.loss.backward()
-    ours = {n: p.grad.clone() for n, p in heads.named_parameters()}
-    heads.zero_grad()
-    expected.backward()
-    for n, p in heads.named_parameters():
-        torch.testing.assert_close(ours[n], p.grad, atol=1e-5, rtol=1e-4, msg=n)
+    assert_same_gradients(heads, out.loss, expected)
+
+
+def test_distilled_heads_loss_is_the_kl_to_the_base_at_the_position_before_the_target():
+    """distill: head k at t learns softmax(lm_head(hidden[t + offset - 1])), the base's distribution for its token."""
+    torch.manual_seed(0)
+    heads = make_heads(num_heads=3, random=True)
+    heads.set_vocab_subset(torch.arange(0, VOCAB, 2))  # the teacher's softmax runs over the candidates too
+    lm_head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
+    hidden, ids = torch.randn(2, 12, HIDDEN), torch.randint(0, VOCAB, (2, 12))
+    mask = torch.zeros(2, 12, dtype=torch.long)
+    mask[0, 4:], mask[1, 2:9] = 1, 1
+    out = medusa_heads_loss(heads, hidden, ids, mask, lm_head, chunk_size=5, candidates_only=True, distill=True)
+    logits = heads(hidden, lm_head)[..., heads.vocab_subset]  # (K, B, T, V')
+    teacher = lm_head(hidden)[..., heads.vocab_subset].log_softmax(-1)  # (B, T, V')
+    expected = 0.0
+    for k in range(3):
+        off = head_target_offset(k)
+        rows = [(b, t) for b in range(2) for t in range(12 - off) if mask[b, t + off]]
+        kl = torch.stack([F.kl_div(logits[k, b, t].log_softmax(-1), teacher[b, t + off - 1], log_target=True,
+                                   reduction="sum") for b, t in rows]).mean()
+        torch.testing.assert_close(out.ce[k], kl.detach(), atol=1e-5, rtol=1e-5)
+        expected = expected + 0.8**k * kl
+        hits = sum(int(heads.vocab_subset[logits[k, b, t].argmax()] == ids[b, t + off]) for b, t in rows)
+        assert int(out.correct[k, 0]) == hits  # accuracy still counts the data's tokens
+    torch.testing.assert_close(out.loss, expected, atol=1e-5, rtol=1e-5)
+    assert_same_gradients(heads, out.loss, expected)
+    with pytest.raises(ValueError, match="shared"):
+        medusa_heads_loss(make_heads(num_heads=2, projection="own"), hidden, ids, mask, lm_head, distill=True)
 
 
 def test_normalizer_turns_micro_batches_into_one_batch():

@@ -305,9 +305,10 @@ def test_wandb_logs_offline_without_an_account(tmp_path, tiny_base, tiny_data, m
 
 
 # --------------------------------------------------------------------------- Medusa-2
-def test_medusa2_trains_adapter_and_heads_and_loads_merged(tmp_path, tiny_base, tiny_data):
-    raw = sections(tmp_path, tiny_base, tiny_data, max_steps=10, medusa2=True, precompute_hidden=False, lora_r=4,
-                   lora_alpha=8, lora_lr=1e-2, lora_dropout=0.0, kl_weight=1.0)
+@pytest.mark.parametrize("heads", [{}, {"condition_on_next_token": True, "context_window": 4}], ids=["plain", "context"])
+def test_medusa2_trains_adapter_and_heads_and_loads_merged(tmp_path, tiny_base, tiny_data, heads):
+    raw = sections(tmp_path, tiny_base, tiny_data, heads=heads, max_steps=10, medusa2=True, precompute_hidden=False,
+                   lora_r=4, lora_alpha=8, lora_lr=1e-2, lora_dropout=0.0, kl_weight=1.0)
     result = run(raw)
     out = result.output_dir
     assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
@@ -547,13 +548,54 @@ def test_next_token_heads_learn_over_the_candidate_vocabulary(tmp_path, tiny_bas
     assert torch.equal(loaded.generate(prompt, max_new_tokens=20, tree=[[0], [0, 0], [0, 0, 0]]).sequences, expected)
 
 
+def test_context_heads_learn_and_decode_exactly(tmp_path, tiny_base, tiny_data):
+    """heads.context_window: the context layer trains with the heads (cached spans reach back a whole window), is
+    saved, and decoding feeds it step by step."""
+    heads = {"condition_on_next_token": True, "condition_on_path": True, "vocab_subset_size": 12, "context_window": 4}
+    result = run(sections(tmp_path, tiny_base, tiny_data, heads=heads, max_steps=30, eval_every=30))
+    first, last = result.eval_history[0], result.eval_history[-1]
+    for k in range(3):
+        assert top1(last, k) > 0.9 and top1(last, k) > top1(first, k) + 0.5, (k, first, last)
+    loaded = MedusaModel.from_pretrained(result.output_dir)
+    assert loaded.config.context_window == 4 and loaded.heads.context.attention_out.weight.abs().max() > 0
+    prompt = torch.tensor([[5, 9] + CYCLE])
+    expected = loaded.base.generate(prompt, max_new_tokens=20, do_sample=False, min_new_tokens=20)
+    assert torch.equal(loaded.generate(prompt, max_new_tokens=20, tree=[[0], [0, 0], [0, 0, 0]]).sequences, expected)
+
+
+def test_distilled_heads_learn_the_base_distribution(tmp_path, tiny_base, tiny_data):
+    """training.distill: the heads move towards the base's own distributions (the random tiny base does not follow
+    the data's cycle, so its KL, not the data's tokens, is what must fall)."""
+    from medusa.losses import medusa_heads_loss
+
+    heads = {"condition_on_next_token": True, "context_window": 4}
+    result = run(sections(tmp_path, tiny_base, tiny_data, heads=heads, max_steps=30, eval_every=0, distill=True))
+    trained = MedusaModel.from_pretrained(result.output_dir)
+    fresh = train_mod.build_heads(build(sections(tmp_path, tiny_base, tiny_data, heads=heads))["heads"], HIDDEN, VOCAB,
+                                  trained.base.get_output_embeddings(), None)
+    ids = torch.tensor([[5, 9, 30, 2] + CYCLE * 2])
+    mask = torch.zeros_like(ids)
+    mask[:, 4:] = 1
+    with torch.no_grad():
+        hidden = trained.base(ids, output_hidden_states=True).hidden_states[-1]
+        kl = [medusa_heads_loss(h, hidden, ids, mask, trained.base.get_output_embeddings(), distill=True,
+                                embed_tokens=trained.base.get_input_embeddings()).ce for h in (fresh, trained.heads)]
+    assert (kl[1] < 0.5 * kl[0]).all(), kl
+
+
+def test_distill_needs_the_shared_projection(tmp_path, tiny_base, tiny_data):
+    with pytest.raises(ValueError, match="training.distill"):
+        run(sections(tmp_path, tiny_base, tiny_data, heads={"projection": "own"}, distill=True))
+
+
 @pytest.mark.parametrize("name", ["smollm2-135m.yaml", "smollm2-135m-medusa2.yaml"])
 def test_shipped_configs_parse_and_agree_with_the_shipped_heads(name):
     """The configs that reproduce / continue the shipped heads must describe the heads that are shipped."""
     cfg = load_sections(str(REPO / "configs" / name), [], train_mod.SECTIONS)
     shipped = MedusaConfig.load(REPO / "medusa" / "default_heads" / "smollm2-135m-instruct")
     heads = cfg["heads"]
-    for field in ("num_heads", "num_layers", "projection", "condition_on_next_token", "condition_on_path"):
+    for field in ("num_heads", "num_layers", "projection", "condition_on_next_token", "condition_on_path",
+                  "context_window"):
         assert getattr(heads, field) == getattr(shipped, field), field
     if heads.vocab_subset_size is not None:
         assert heads.vocab_subset_size == shipped.vocab_subset_size

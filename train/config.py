@@ -92,6 +92,9 @@ class HeadsConfig:
     condition_on_next_token: bool = False
     # Head k also reads the k tokens of its path after the root (Hydra's sequential heads); needs the above.
     condition_on_path: bool = False
+    # > 0: a context layer (causal attention over this many recent positions, then an MLP) between the base's hidden
+    # states and the heads; needs condition_on_next_token. 0: the heads read one position's hidden state.
+    context_window: int = 0
 
     def __post_init__(self):
         from medusa.config import PROJECTIONS
@@ -104,6 +107,10 @@ class HeadsConfig:
                              "root token)")
         _check_int(self, "heads", "num_heads", minimum=1)
         _check_int(self, "heads", "num_layers", minimum=0)
+        _check_int(self, "heads", "context_window", minimum=0)
+        if self.context_window and not self.condition_on_next_token:
+            raise ValueError("heads.context_window needs heads.condition_on_next_token: true (the context layer reads "
+                             "each position's next token)")
         if self.projection not in PROJECTIONS:
             raise ValueError(f"heads.projection must be one of {PROJECTIONS}, got {self.projection!r}")
         if self.vocab_subset_size is not None:
@@ -158,6 +165,9 @@ class TrainingConfig:
     lora_lr: float = 1e-4  # the adapters move slower than the heads
     kl_weight: float = 1.0
     save_dtype: str | None = None  # store the final heads in this dtype (e.g. bfloat16: half the file); None keeps fp32
+    # Heads learn the base's whole next-token distribution (KL, soft targets) instead of the data's one token;
+    # held-out evaluation still scores the data's tokens. Needs heads.projection shared.
+    distill: bool = False
 
     def __post_init__(self):
         for name in ("lr", "weight_decay", "head_decay", "heads_coefficient", "lora_dropout", "lora_lr", "kl_weight"):
@@ -179,6 +189,8 @@ class TrainingConfig:
             raise ValueError(f"training.mixed_precision must be one of {MIXED_PRECISION}, got {self.mixed_precision!r}")
         if self.report_to not in REPORT_TO:
             raise ValueError(f"training.report_to must be one of {REPORT_TO}, got {self.report_to!r}")
+        if not isinstance(self.distill, bool):
+            raise ValueError(f"training.distill must be true or false, got {self.distill!r}")
         if self.medusa2 and self.precompute_hidden:
             raise ValueError("training.precompute_hidden needs a frozen base, but medusa2 adapts it with LoRA: "
                              "set training.precompute_hidden false for Medusa-2")

@@ -200,8 +200,15 @@ def loss_positions(convs: list[Conversation], num_heads: int) -> torch.Tensor:
 
 
 # ====================================================================== hidden-state cache
+def cache_lookback(config: MedusaConfig) -> int:
+    """How many positions before the first response token the heads read: a head at t targets up to t + the last
+    head's offset, and a context layer reads the window of positions before t."""
+    return head_target_offset(config.num_heads - 1) + max(config.context_window - 1, 0)
+
+
 def span_start(conv: Conversation, lookback: int) -> int:
-    """First position whose hidden state some head needs: a head at t targets t + offset, offset <= lookback."""
+    """First position whose hidden state the heads need: `lookback` before the first response token (a head at t
+    targets t + offset and, with a context layer, reads the window of positions before t)."""
     return max(0, conv.response_start - lookback)
 
 
@@ -374,7 +381,8 @@ class HeadTrainer(nn.Module):
                                 coefficient=self.cfg.heads_coefficient, chunk_size=self.cfg.chunk_tokens,
                                 compute_dtype=compute_dtype, topk=topk,
                                 normalizer=None if normalizer is None else normalizer[:-1],
-                                embed_tokens=self.embed_tokens, candidates_only=self.loss_over_candidates)
+                                embed_tokens=self.embed_tokens, candidates_only=self.loss_over_candidates,
+                                distill=self.cfg.distill and self.training)  # evaluation scores the data's tokens
         result = {"loss": out.loss, "ce": out.ce, "correct": out.correct, "count": out.count}
         if ref_hidden is not None:
             kl, n = base_kl_loss(hidden, ref_hidden, input_ids, loss_mask, self.lm_head, chunk_size=self.cfg.chunk_tokens,
@@ -390,7 +398,8 @@ def build_heads(heads_cfg: HeadsConfig, hidden_size: int, vocab_size: int, lm_he
     config = MedusaConfig(hidden_size=hidden_size, vocab_size=vocab_size, num_heads=heads_cfg.num_heads,
                           num_layers=heads_cfg.num_layers, projection=heads_cfg.projection,
                           condition_on_next_token=heads_cfg.condition_on_next_token,
-                          condition_on_path=heads_cfg.condition_on_path, base_model_name_or_path=base_ref)
+                          condition_on_path=heads_cfg.condition_on_path, context_window=heads_cfg.context_window,
+                          base_model_name_or_path=base_ref)
     if heads_cfg.init_from is None:
         return MedusaHeads(config, base_lm_head=lm_head)
     source = Path(heads_cfg.init_from)
@@ -399,7 +408,8 @@ def build_heads(heads_cfg: HeadsConfig, hidden_size: int, vocab_size: int, lm_he
         if getattr(found, name) != want:
             raise ValueError(f"heads.init_from {source} was trained for {name} {getattr(found, name)} but the base "
                              f"({base_ref}) has {want}: start from heads made for this base, or drop heads.init_from")
-    for name in ("num_heads", "num_layers", "projection", "condition_on_next_token", "condition_on_path"):
+    for name in ("num_heads", "num_layers", "projection", "condition_on_next_token", "condition_on_path",
+                 "context_window"):
         if getattr(found, name) != getattr(heads_cfg, name):
             raise ValueError(f"heads.init_from {source} has {name}={getattr(found, name)!r} but the heads section asks "
                              f"for {getattr(heads_cfg, name)!r}: make them agree")
@@ -625,7 +635,7 @@ def build_trainer(accelerator, cfg: TrainingConfig, heads: MedusaHeads, base: nn
     options = {"compute_dtype": compute_dtype, "embed_tokens": base.get_input_embeddings(),
                "loss_over_candidates": loss_over_candidates}
     if cfg.precompute_hidden:
-        lookback = head_target_offset(heads.config.num_heads - 1)
+        lookback = cache_lookback(heads.config)
         base_key = {"format": CACHE_FORMAT, "base": base_fingerprint(base), "dtype": str(base.dtype),
                     "mixed_precision": mixed, "max_length": cfg.max_length, "lookback": lookback}
         caches = []
@@ -711,6 +721,9 @@ def train(cfgs: dict, *, resume: bool = False, stop_after_steps: int | None = No
     data_cfg: DataConfig = cfgs["data"]
     heads_cfg: HeadsConfig = cfgs["heads"]
     cfg: TrainingConfig = cfgs["training"]
+    if cfg.distill and heads_cfg.projection != "shared":
+        raise ValueError("training.distill reads the base's distribution through its lm_head, which only shared-"
+                         "projection heads use: set heads.projection shared or training.distill false")
     if cfg.report_to == "wandb":
         os.environ.setdefault("WANDB_MODE", "offline")  # no account needed; `wandb sync` uploads later
     # cpu=True on a host without an accelerator: torchrun-started processes then join one gloo group (without it

@@ -1,0 +1,142 @@
+"""Heads with a context layer (heads.context_window): attention over recent positions before the heads."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import FAMILIES, HIDDEN, VOCAB, make_tiny_model
+
+from medusa import MedusaConfig, MedusaHeads, MedusaModel
+from medusa.evaluation import head_rank_hits
+from medusa.heads import ContextLayer, head_target_offset
+from medusa.losses import medusa_heads_loss
+from medusa.propose import build_medusa_proposer
+from medusa.tree import TreeSpec, build_buffers
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from train.train import Conversation, HiddenCache, cache_lookback, span_start  # noqa: E402
+
+WINDOW = 5
+
+
+def context_heads(window: int = WINDOW, path: bool = True, seed: int = 1) -> MedusaHeads:
+    """Random heads and context layer (every map non-zero, so the layer is far from the identity)."""
+    torch.manual_seed(seed)
+    heads = MedusaHeads(MedusaConfig(hidden_size=HIDDEN, vocab_size=VOCAB, num_heads=3, condition_on_next_token=True,
+                                     condition_on_path=path, context_window=window))
+    for name, p in heads.named_parameters():
+        if "norm" not in name:  # the context layer's smaller, so that its attention does not saturate
+            torch.nn.init.normal_(p, std=0.05 if name.startswith("context.") else 0.3)
+    return heads
+
+
+def test_fresh_context_layer_is_the_identity_and_needs_the_next_token():
+    layer = ContextLayer(HIDDEN, WINDOW)
+    hidden = torch.randn(2, 7, HIDDEN)
+    features, _ = layer(hidden, torch.randn(2, 7, HIDDEN))
+    torch.testing.assert_close(features, hidden)
+    heads = MedusaHeads(MedusaConfig(hidden_size=HIDDEN, vocab_size=VOCAB, condition_on_next_token=True,
+                                     context_window=WINDOW))
+    with pytest.raises(ValueError, match="next_embedding"):
+        heads.contextualise(hidden, None)
+    with pytest.raises(ValueError, match="needs condition_on_next_token"):
+        MedusaConfig(hidden_size=HIDDEN, vocab_size=VOCAB, context_window=4)
+    with pytest.raises(ValueError, match="context_window"):
+        MedusaConfig(hidden_size=HIDDEN, vocab_size=VOCAB, condition_on_next_token=True, context_window=-1)
+
+
+def test_incremental_context_equals_one_pass_and_sees_only_its_window():
+    layer = context_heads().context
+    hidden, following = torch.randn(1, 16, HIDDEN), torch.randn(1, 16, HIDDEN)
+    with torch.no_grad():
+        whole, _ = layer(hidden, following)
+        past, pieces = None, []
+        for start, end in ((0, 6), (6, 7), (7, 11), (11, 16)):  # prefill, then steps of 1..5 committed tokens
+            out, past = layer(hidden[:, start:end], following[:, start:end], past)
+            pieces.append(out)
+        torch.testing.assert_close(torch.cat(pieces, dim=1), whole, rtol=1e-4, atol=1e-4)
+        assert past[0].shape[2] == WINDOW - 1 and past[2] == 16  # only what a later position can see is kept
+        # position 15 sees positions 11..15: what lies before does not change it, and position 11 changes it
+        changed = hidden.clone()
+        changed[:, :11] = torch.randn(1, 11, HIDDEN)
+        torch.testing.assert_close(layer(changed, following)[0][:, 15], whole[:, 15])
+        changed[:, 11] = torch.randn(HIDDEN)
+        assert (layer(changed, following)[0][:, 15] - whole[:, 15]).abs().max() > 1e-3
+
+
+def test_cached_spans_hold_the_whole_window():
+    """Training on cached spans computes the loss of the whole conversations; one position less of lookback does not."""
+    torch.manual_seed(0)
+    base, heads = make_tiny_model("llama"), context_heads()
+    convs = [Conversation(torch.randint(2, VOCAB, (n,)).tolist(), start)
+             for n, start in ((30, 12), (26, 9), (22, 15))]
+    embed, lm_head = base.get_input_embeddings(), base.get_output_embeddings()
+
+    def loss(hidden, ids, mask):
+        return medusa_heads_loss(heads, hidden, ids, mask, lm_head, embed_tokens=embed).ce
+
+    with torch.no_grad():
+        full = [base(torch.tensor([c.ids]), output_hidden_states=True).hidden_states[-1][0] for c in convs]
+        width = max(len(c.ids) for c in convs)
+        ids = torch.zeros(len(convs), width, dtype=torch.long)
+        mask, hidden = torch.zeros_like(ids), torch.zeros(len(convs), width, HIDDEN)
+        for j, (c, h) in enumerate(zip(convs, full)):
+            ids[j, :len(c.ids)], mask[j, c.response_start:len(c.ids)] = torch.tensor(c.ids), 1
+            hidden[j, :len(c.ids)] = h.to(torch.bfloat16).float()  # what the cache stores
+        expected = loss(hidden, ids, mask)
+        lookback = cache_lookback(heads.config)
+        assert lookback == head_target_offset(2) + WINDOW - 1
+        for back, same in ((lookback, True), (lookback - 1, False)):
+            spans = {r: h[span_start(c, back):].to(torch.bfloat16) for r, (c, h) in enumerate(zip(convs, full))}
+            batch = HiddenCache.assemble(convs, spans, back).batch(list(range(len(convs))))
+            got = loss(batch["hidden"].float(), batch["input_ids"], batch["loss_mask"])
+            assert torch.allclose(got, expected, atol=1e-5) == same, (back, got, expected)
+
+
+def test_proposer_reads_what_evaluation_scores():
+    """The decode-time read (context layer fed step by step) equals the whole-sequence features head_rank_hits uses."""
+    torch.manual_seed(0)
+    model = MedusaModel(make_tiny_model("qwen2"), context_heads(path=False), tree=[[0], [0, 0], [0, 0, 0]])
+    proposer = build_medusa_proposer(model, build_buffers(TreeSpec(model.tree), 3))
+    ids = torch.randint(2, VOCAB, (20,))
+    embed = model.base.get_input_embeddings()
+    with torch.no_grad():
+        hidden = model.base(ids[None], output_hidden_states=True).hidden_states[-1][0]
+        following = torch.cat([ids[1:], ids.new_zeros(1)])
+        whole = model.heads.contextualise(hidden[None], embed(following)[None])[0][0]
+        start = 0
+        for end in (8, 9, 12, 14, 19):  # prefill 8 positions, then steps that commit 1, 3, 2, 5
+            state = SimpleNamespace(new_hidden=hidden[start:end], length=end, tokens=ids[:end + 1].tolist(),
+                                    last_hidden=hidden[end - 1])
+            torch.testing.assert_close(proposer.read(state), whole[end - 1])
+            torch.testing.assert_close(proposer.read(state), whole[end - 1])  # a second read of one step: no change
+            start = end
+        with pytest.raises(RuntimeError, match="once per step"):
+            proposer.read(SimpleNamespace(new_hidden=hidden[:2], length=40, tokens=ids.tolist(), last_hidden=hidden[1]))
+    # head_rank_hits scores the heads on those features: head 0 at position t reads whole[t] and ids[t + 1]
+    got = head_rank_hits(model, ids, response_start=6, ranks=1)
+    with torch.no_grad():
+        rows = torch.arange(5, 20 - head_target_offset(0))
+        logits = model.candidate_projection.head_logits(0, model.heads.run_head(0, whole[rows], embed(ids[rows + 1])))
+        hits = (model.candidate_projection.token(logits.argmax(-1)) == ids[rows + head_target_offset(0)]).sum()
+    assert int(got.hits[0, 0]) == int(hits) and int(got.counts[0]) == len(rows)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_context_heads_keep_greedy_identity_and_round_trip(tmp_path, family):
+    model = MedusaModel(make_tiny_model(family), context_heads(), tree=[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+    prompt = torch.tensor([[5, 17, 33, 2, 8, 41, 9, 60]])
+    expected = model.base.generate(prompt, max_new_tokens=30, do_sample=False, min_new_tokens=30)
+    for proposer in ("medusa", "dynamic", "hybrid"):
+        out = model.generate(prompt, max_new_tokens=30, proposer=proposer)
+        assert torch.equal(out.sequences, expected), (family, proposer)
+    model.save_pretrained(tmp_path / "heads", dtype=torch.bfloat16)
+    loaded = MedusaModel.from_pretrained(tmp_path / "heads", base=model.base)
+    assert loaded.config.context_window == WINDOW
+    for name, value in model.heads.state_dict().items():
+        torch.testing.assert_close(loaded.heads.state_dict()[name], value.to(torch.bfloat16).float(), rtol=0, atol=0)
+    assert torch.equal(loaded.generate(prompt, max_new_tokens=30).sequences, expected)
