@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from medusa.heads import head_target_offset, tokens_read
+from medusa.heads import following_tokens, head_target_offset, tokens_read
 from medusa.propose import CandidateProjection
 
 
@@ -84,8 +84,7 @@ def head_rank_hits(model, input_ids, response_start: int, ranks: int = 10, chunk
     device = model.base.device
     hidden = model.base(input_ids=ids[None].to(device), output_hidden_states=True).hidden_states[-1][0]  # (T, H)
     if heads.context is not None:  # what the heads read: the context layer over every position, each with its next token
-        following = torch.cat([ids[1:], ids.new_zeros(1)]).to(device)
-        hidden = heads.contextualise(hidden[None], embed(following)[None])[0][0]
+        hidden = heads.contextualise(hidden[None], embed(following_tokens(ids, 1)[:, 0].to(device))[None])[0][0]
     offsets = torch.tensor([head_target_offset(k) for k in range(num_heads)])  # (K,)
     reads = torch.arange(1, tokens_read(heads.config, num_heads - 1) + 1)  # offsets of the tokens heads read
     for start in range(first, last + 1, chunk):

@@ -75,7 +75,7 @@ class ContextLayer(nn.Module):
         if hidden_size % 2:
             raise ValueError(f"a context layer needs an even hidden size (rotary positions), got {hidden_size}")
         self.window = window
-        self.num_attention_heads = max(1, hidden_size // self.HEAD_DIM) if hidden_size % self.HEAD_DIM == 0 else 1
+        self.num_attention_heads = hidden_size // self.HEAD_DIM if hidden_size % self.HEAD_DIM == 0 else 1
         self.head_dim = hidden_size // self.num_attention_heads
         self.next_token_map = nn.Linear(hidden_size, hidden_size, bias=False)
         self.attention_norm = nn.RMSNorm(hidden_size, eps=1e-6)

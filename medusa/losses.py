@@ -254,29 +254,26 @@ def medusa_heads_loss(heads: MedusaHeads, hidden: torch.Tensor, input_ids: torch
             weight, bias = heads.projections[k].weight, heads.projections[k].bias
             if subset is not None:
                 weight, bias = weight[subset], None if bias is None else bias[subset]
+        if distill:  # the base's distribution at every scored position, targets outside the subset included
+            offset = head_target_offset(k)
+            teacher = base_hidden[:, offset - 1:][valid[:, :base_hidden.shape[1] - offset + 1]]  # (N_k, H) at t + offset - 1
+            loss_sum = linear_kl(x, teacher, weight, bias, chunk_size=chunk_size, compute_dtype=compute_dtype)
         targets = targets[valid]
         n = valid.sum()
         if subset is not None:
             targets = to_candidate[targets]
             proposable = targets >= 0
-        if distill:
-            offset = head_target_offset(k)
-            teacher = base_hidden[:, offset - 1:][valid[:, :base_hidden.shape[1] - offset + 1]]  # (N_k, H) at t + offset - 1
-            loss_sum = linear_kl(x, teacher, weight, bias, chunk_size=chunk_size, compute_dtype=compute_dtype)
-            if subset is not None:
-                x, targets = x[proposable], targets[proposable]
-            hits = torch.zeros(max(topk, 1), dtype=torch.long, device=x.device)[:topk]
-            if topk:
-                with torch.no_grad():
-                    _, hits = linear_cross_entropy(x.detach(), weight, targets, bias, chunk_size=chunk_size,
-                                                   compute_dtype=compute_dtype, topk=topk)
-            mean = loss_sum / n.clamp(min=1)
-        else:
-            if subset is not None:
-                x, targets = x[proposable], targets[proposable]
+            x, targets = x[proposable], targets[proposable]
+        if not distill:
             loss_sum, hits = linear_cross_entropy(x, weight, targets, bias, chunk_size=chunk_size,
                                                   compute_dtype=compute_dtype, topk=topk)
             mean = loss_sum / (n if subset is None else proposable.sum()).clamp(min=1)
+        else:
+            mean = loss_sum / n.clamp(min=1)
+            if topk:  # accuracy still counts the data's tokens
+                with torch.no_grad():
+                    _, hits = linear_cross_entropy(x.detach(), weight, targets, bias, chunk_size=chunk_size,
+                                                   compute_dtype=compute_dtype, topk=topk)
         total = total + weights[k] * (mean if normalizer is None else loss_sum / normalizer[k].clamp(min=1e-9))
         ce.append(mean.detach())
         correct.append(hits if topk else torch.zeros(0, dtype=torch.long, device=hidden.device))

@@ -105,8 +105,8 @@ class MedusaProposer:
         self.used_heads = max((k + 1 for k, s in enumerate(tree.topk_per_head) if s), default=0)
         self.by_path = heads.config.condition_on_path  # children depend on their parent's path
         self.levels = tree_levels(tree) if self.by_path else []
-        self._context = None  # the heads' context layer state over the positions read so far (see `read`)
-        self._context_seen, self._context_read = 0, None
+        self._context = None  # the context layer's state after the positions read so far (see `read`)
+        self._context_read = None  # its output at the last of them
 
     def read(self, state) -> torch.Tensor:
         """(H,): what the heads read this step: the last hidden state, or for heads with a context layer its output
@@ -117,16 +117,17 @@ class MedusaProposer:
         if state.new_hidden is None:
             raise ValueError("these heads have a context layer: the decode state must carry new_hidden, the hidden "
                              "states of the positions each step commits")
-        if self._context_seen == state.length:  # already read this step
+        seen = 0 if self._context is None else self._context[2]  # positions the layer has read
+        if seen == state.length:  # already read this step
             return self._context_read
         rows = state.new_hidden.shape[0]
-        if self._context_seen + rows != state.length:
-            raise RuntimeError(f"the context layer has read {self._context_seen} positions, the cache holds "
-                               f"{state.length} and the last step added {rows}: call read once per step")
+        if seen + rows != state.length:
+            raise RuntimeError(f"the context layer has read {seen} positions, the cache holds {state.length} and the "
+                               f"last step added {rows}: call read once per step")
         following = torch.tensor(state.tokens[-rows:], dtype=torch.long, device=state.new_hidden.device)
         features, self._context = self.heads.contextualise(state.new_hidden[None], self.embed_tokens(following)[None],
                                                            self._context)
-        self._context_seen, self._context_read = state.length, features[0, -1]
+        self._context_read = features[0, -1]
         return self._context_read
 
     def path_logits(self, hidden: torch.Tensor, root: torch.Tensor, head: int, paths: torch.Tensor) -> torch.Tensor:
