@@ -153,6 +153,22 @@ def test_second_turns_continue_the_first_answer_and_resume(setup):
     assert _rows(out) == full  # resumes to the same rows, second turns included
 
 
+def test_prompt_only_data_holds_the_answered_prompts_without_responses(setup, tmp_path):
+    """data.answer false: the rows are exactly the prompts the answered data starts with, nothing generated."""
+    args, out = setup
+    main(args)
+    answered = _rows(out)
+    prompts_only = tmp_path / "prompts-only"
+    main(args + ["--data.out_dir", str(prompts_only), "--data.answer", "false"])
+    rows = _rows(prompts_only)
+    assert all(start == len(ids) for ids, start in rows)
+    assert sorted(ids for ids, _ in rows) == sorted(ids[:start] for ids, start in answered)
+    with pytest.raises(ValueError, match="use another data.out_dir"):  # answered and prompt-only never mix in a dir
+        main(args + ["--data.out_dir", str(prompts_only)])
+    with pytest.raises(ValueError, match="second_turn_fraction needs answers"):
+        DataConfig(answer=False, second_turn_fraction=0.5)
+
+
 def test_follow_ups_from_evaluation_sets_and_bad_fractions_are_refused(setup):
     args, _ = setup
     with pytest.raises(ValueError, match="evaluation prompts"):
@@ -196,9 +212,10 @@ def test_evaluation_overlap_filter_equals_the_naive_definition():
     assert 0 < len(kept) < len(prompts)  # the case mixes both outcomes
 
 
-@pytest.mark.slow  # filters all 52k T0 prompts against the evaluation sets three times (~15 s)
+@pytest.mark.slow  # filters all 52k T0 prompts against the evaluation sets four times (~20 s)
 def test_the_shipped_data_parts_do_not_overlap():
-    """The greedy parts never share a prompt; the sampled part re-asks Alpaca only (new, sampled answers)."""
+    """The greedy parts never share a prompt; the sampled part re-asks Alpaca only (new, sampled answers); the
+    prompt-only part shares none with any of them."""
     from pathlib import Path
 
     from train.config import DataConfig, load_sections
@@ -212,3 +229,6 @@ def test_the_shipped_data_parts_do_not_overlap():
     assert not {x for x in sampled if x[0] != "bench:alpaca"} & (first | second)  # new T0 and GSM8K prompts
     assert {str(repo / d) for d in parts[0].extra_dirs} == {str(repo / c.out_dir) for c in parts[1:]}  # all read
     assert parts[2].greedy_fraction == 0.0
+    # the prompt-only T0 part (the next recipe) holds no prompt an answered part holds
+    prompts = load_sections(str(repo / "configs" / "smollm2-135m-prompts-data.yaml"), [], {"data": DataConfig})["data"]
+    assert not prompts.answer and not set(build_prompt_mix(prompts.sources, prompts.seed)) & (first | second | sampled)

@@ -583,14 +583,72 @@ def test_distilled_heads_learn_the_base_distribution(tmp_path, tiny_base, tiny_d
     assert (kl[1] < 0.5 * kl[0]).all(), kl
 
 
+def write_prompt_only_shards(directory: Path, n: int = 24, seed: int = 3) -> Path:
+    """What generate_data writes with data.answer false: prompts alone, response_start at their end."""
+    from datasets import Dataset
+
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        ids = [rng.randrange(2, VOCAB) for _ in range(rng.randrange(12, 30))]
+        rows.append({"input_ids": ids, "response_start": len(ids), "source": "synthetic", "greedy": True})
+    Dataset.from_list(rows).save_to_disk(str(directory / "shard-00000"))
+    return directory
+
+
+def test_prompt_tokens_train_on_whole_conversations_and_prompt_only_data(tmp_path, tiny_base, tiny_data):
+    """training.prompt_tokens: every position of the training conversations (prompt-only rows included) is scored
+    against the base's distribution, the cache holds whole conversations (cached = live), held-out conversations are
+    answered ones, and the heads move towards the base on prompt text that plain training never scores."""
+    from medusa.losses import medusa_heads_loss
+
+    prompts = write_prompt_only_shards(tmp_path / "prompts")
+    heads = {"condition_on_next_token": True, "context_window": 4}
+    with pytest.raises(ValueError, match="prompts without responses"):  # plain training cannot use prompt-only data
+        raw = sections(tmp_path, tiny_base, tiny_data, heads=heads, distill=True)
+        raw["data"]["extra_dirs"] = [str(prompts)]
+        run(raw)
+    with pytest.raises(ValueError, match="prompt_tokens needs training.distill"):
+        build(sections(tmp_path, tiny_base, tiny_data, heads=heads, prompt_tokens=True))
+    results = {}
+    for precompute in (True, False):
+        raw = sections(tmp_path / str(precompute), tiny_base, tiny_data, heads=heads, distill=True, prompt_tokens=True,
+                       max_steps=12, eval_every=6, precompute_hidden=precompute)
+        raw["data"]["extra_dirs"] = [str(prompts)]
+        (tmp_path / str(precompute)).mkdir()
+        results[precompute] = run(raw)
+    for a, b in zip(results[True].eval_history, results[False].eval_history):
+        for key in a:
+            assert a[key] == pytest.approx(b[key], abs=2e-2), key  # the cache stores bf16 hidden states
+    convs = train_mod.load_conversations(tiny_data, 1024, VOCAB) + train_mod.load_conversations(
+        prompts, 1024, VOCAB, prompt_only=True)
+    train_idx, eval_idx = train_mod.split_eval(convs, 8)
+    assert len(eval_idx) == 8 and all(convs[i].response_tokens for i in eval_idx) and len(train_idx) == 40 + 24
+    extra = MedusaModel.from_pretrained(results[True].output_dir).config.extra["training"]
+    assert extra["train_scored_tokens"] == sum(len(convs[i].ids) for i in train_idx)
+    assert extra["train_response_tokens"] == sum(convs[i].response_tokens for i in train_idx)
+
+    # the same steps without prompt positions: the heads stay further from the base on prompt text
+    raw = sections(tmp_path / "plain", tiny_base, tiny_data, heads=heads, distill=True, max_steps=12)
+    (tmp_path / "plain").mkdir()
+    plain = MedusaModel.from_pretrained(run(raw).output_dir)
+    trained = MedusaModel.from_pretrained(results[True].output_dir)
+    ids = torch.tensor([convs[-1].ids])  # a prompt-only row
+    with torch.no_grad():
+        hidden = trained.base(ids, output_hidden_states=True).hidden_states[-1]
+        kl = [medusa_heads_loss(m.heads, hidden, ids, torch.ones_like(ids), m.base.get_output_embeddings(),
+                                distill=True, embed_tokens=m.base.get_input_embeddings()).ce for m in (plain, trained)]
+    assert (kl[1] < kl[0]).all(), kl
+
+
 def test_distill_needs_the_shared_projection(tmp_path, tiny_base, tiny_data):
     with pytest.raises(ValueError, match="training.distill"):
         run(sections(tmp_path, tiny_base, tiny_data, heads={"projection": "own"}, distill=True))
 
 
-@pytest.mark.parametrize("name", ["smollm2-135m.yaml", "smollm2-135m-medusa2.yaml"])
+@pytest.mark.parametrize("name", ["smollm2-135m.yaml", "smollm2-135m-medusa2.yaml", "smollm2-135m-prompt-tokens.yaml"])
 def test_shipped_configs_parse_and_agree_with_the_shipped_heads(name):
-    """The configs that reproduce / continue the shipped heads must describe the heads that are shipped."""
+    """The configs that reproduce / continue / are to replace the shipped heads describe the heads that are shipped."""
     cfg = load_sections(str(REPO / "configs" / name), [], train_mod.SECTIONS)
     shipped = MedusaConfig.load(REPO / "medusa" / "default_heads" / "smollm2-135m-instruct")
     heads = cfg["heads"]

@@ -58,8 +58,16 @@ class DataConfig:
     # as its first turn, and as the whole exchange with the second answer as its response.
     second_turn_fraction: float = 0.0
     follow_ups: list[str] | None = None
+    # false: write the prompts alone, through the chat template, without generating (tokenising only, no model
+    # run): prefill-priced data that only training.prompt_tokens trains on, against the base's own distribution.
+    answer: bool = True
 
     def __post_init__(self):
+        if not isinstance(self.answer, bool):
+            raise ValueError(f"data.answer must be true or false, got {self.answer!r}")
+        if not self.answer and self.second_turn_fraction:
+            raise ValueError("data.second_turn_fraction needs answers to follow up on: set data.answer true, or "
+                             "second_turn_fraction 0 for prompt-only data")
         if not 0.0 <= self.second_turn_fraction <= 1.0:
             raise ValueError(f"data.second_turn_fraction must lie in [0, 1], got {self.second_turn_fraction}")
         if self.follow_ups is not None and (not self.follow_ups or not all(isinstance(f, str) and f.strip()
@@ -168,6 +176,10 @@ class TrainingConfig:
     # Heads learn the base's whole next-token distribution (KL, soft targets) instead of the data's one token;
     # held-out evaluation still scores the data's tokens. Needs heads.projection shared.
     distill: bool = False
+    # Also train on every prompt position of the training conversations, against the base's own distribution there
+    # (the prompt's tokens are not the base's, so this needs distill): prefill-priced data, no generation. The
+    # hidden-state cache then holds whole conversations. Held-out evaluation still scores responses only.
+    prompt_tokens: bool = False
 
     def __post_init__(self):
         for name in ("lr", "weight_decay", "head_decay", "heads_coefficient", "lora_dropout", "lora_lr", "kl_weight"):
@@ -189,8 +201,12 @@ class TrainingConfig:
             raise ValueError(f"training.mixed_precision must be one of {MIXED_PRECISION}, got {self.mixed_precision!r}")
         if self.report_to not in REPORT_TO:
             raise ValueError(f"training.report_to must be one of {REPORT_TO}, got {self.report_to!r}")
-        if not isinstance(self.distill, bool):
-            raise ValueError(f"training.distill must be true or false, got {self.distill!r}")
+        for name in ("distill", "prompt_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"training.{name} must be true or false, got {getattr(self, name)!r}")
+        if self.prompt_tokens and not self.distill:
+            raise ValueError("training.prompt_tokens needs training.distill: true (a prompt's tokens are not the base's "
+                             "own, so the heads learn the base's distribution there, not the prompt's next token)")
         if self.medusa2 and self.precompute_hidden:
             raise ValueError("training.precompute_hidden needs a frozen base, but medusa2 adapts it with LoRA: "
                              "set training.precompute_hidden false for Medusa-2")

@@ -7,6 +7,8 @@ Output: `<data.out_dir>/shard-00000/ ...`, each a `datasets` dataset on disk wit
 folder and renamed into place, so a killed run loses at most the shard in flight and a restart continues there.
 With `data.second_turn_fraction` > 0 some conversations also get a follow-up user turn that the target answers;
 they are stored as a second row (prompt + answer + follow-up + second answer, `response_start` at the second answer).
+With `data.answer: false` nothing is generated: each row is a prompt alone (`response_start` = its length), data
+that training reads only with `training.prompt_tokens` (the heads then learn the base's distribution over it).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from medusa.decode import stop_token_ids  # noqa: E402
 from train.config import DataConfig, ModelConfig, parse_args  # noqa: E402
 
 # Fields that decide which prompt lands in which shard: a resumed run must agree on them.
-ORDER_FIELDS = ("sources", "seed", "shard_size", "max_prompt_tokens", "second_turn_fraction", "follow_ups")
+ORDER_FIELDS = ("sources", "seed", "shard_size", "max_prompt_tokens", "second_turn_fraction", "follow_ups", "answer")
 
 # Generic second turns, in the spirit of MT-bench's follow-up questions (none of them is an evaluation turn).
 DEFAULT_FOLLOW_UPS = [
@@ -209,7 +211,7 @@ def main(argv=None) -> None:
     done = {p.name for p in shard_dirs(out_dir)}
     from datasets import Dataset
 
-    bar = tqdm(total=len(items), unit="prompt", desc="self-distill")
+    bar = tqdm(total=len(items), unit="prompt", desc="self-distill" if cfg.answer else "prompts")
     bar.update(sum(min(cfg.shard_size, len(items) - s * cfg.shard_size) for s in range(n_shards) if shard_name(s) in done))
     tokens, start = 0, time.time()
     for group in shard_groups([s for s in range(n_shards) if shard_name(s) not in done], cfg):
@@ -217,7 +219,9 @@ def main(argv=None) -> None:
         torch.manual_seed(cfg.seed * 100_003 + group[0])  # a sampled shard is its own group: a resume resamples it alike
         chunk = [(shard, item) for shard in group for item in items[shard * cfg.shard_size:(shard + 1) * cfg.shard_size]]
         records, second = {shard: [] for shard in group}, []
-        for shard, item, response in answer_pairs(model, chunk, pad_id, eos_ids, cfg, greedy):
+        answered = answer_pairs(model, chunk, pad_id, eos_ids, cfg, greedy) if cfg.answer else \
+            ((shard, item, []) for shard, item in chunk)  # prompt-only data: no response
+        for shard, item, response in answered:
             tokens += add_record(records[shard], item, response, greedy)
             if has_second_turn(item["index"], cfg.second_turn_fraction):
                 follow_up = follow_ups[item["index"] % len(follow_ups)]
@@ -237,7 +241,8 @@ def main(argv=None) -> None:
             Dataset.from_list(records[shard]).save_to_disk(str(tmp))
             os.replace(tmp, out_dir / shard_name(shard))
     bar.close()
-    print(f"{n_shards} shards in {out_dir}; {tokens} response tokens generated this run")
+    print(f"{n_shards} shards in {out_dir}; " + (f"{tokens} response tokens generated this run" if cfg.answer else
+                                                 "prompts only (data.answer false)"))
 
 
 if __name__ == "__main__":

@@ -66,8 +66,10 @@ def _shard_has_rows(shard: Path) -> bool:
     return not state.is_file() or bool(json.loads(state.read_text()).get("_data_files", [None]))
 
 
-def load_conversations(data_dir: str | Path, max_length: int, vocab_size: int) -> list[Conversation]:
-    """Every conversation of the shards in `data_dir`, truncated; those with no response token left are dropped."""
+def load_conversations(data_dir: str | Path, max_length: int, vocab_size: int,
+                       prompt_only: bool = False) -> list[Conversation]:
+    """Every conversation of the shards in `data_dir`, truncated; those with no response token left are dropped,
+    unless `prompt_only` (training on prompt positions: data.answer false writes prompts without responses)."""
     from datasets import concatenate_datasets, load_from_disk
 
     from train.generate_data import shard_dirs
@@ -85,8 +87,12 @@ def load_conversations(data_dir: str | Path, max_length: int, vocab_size: int) -
     if missing:
         raise ValueError(f"data in {data_dir} lacks column(s) {missing}: regenerate it with train/generate_data.py")
     columns = data.select_columns(["input_ids", "response_start"]).to_dict()
-    convs = [Conversation(list(ids[:max_length]), int(rs))
-             for ids, rs in zip(columns["input_ids"], columns["response_start"]) if int(rs) < min(len(ids), max_length)]
+    convs = [Conversation(list(ids[:max_length]), min(int(rs), max_length))
+             for ids, rs in zip(columns["input_ids"], columns["response_start"])
+             if int(rs) < min(len(ids), max_length) or (prompt_only and len(ids) > 1)]
+    if not convs and not prompt_only and any(rs >= len(ids) for ids, rs in zip(columns["input_ids"], columns["response_start"])):
+        raise ValueError(f"the dataset in {data_dir} holds prompts without responses (data.answer false): train on it "
+                         "with training.prompt_tokens true (and training.distill true)")
     if not convs:
         raise ValueError(f"the dataset in {data_dir} has {len(data)} conversations and none has a response token within "
                          f"training.max_length={max_length}: raise training.max_length or regenerate the data")
@@ -107,11 +113,13 @@ def split_eval(convs: list[Conversation], n_eval: int) -> tuple[list[int], list[
 
     Depends only on the conversations themselves, not on the seed or the shard order.
     """
-    if n_eval >= len(convs):
-        raise ValueError(f"the data has {len(convs)} conversations and training.eval_conversations={n_eval} leaves none "
-                         "to train on: lower training.eval_conversations or generate more data")
-    ranked = sorted(range(len(convs)), key=lambda i: (_conversation_hash(convs[i]), i))
-    return sorted(ranked[n_eval:]), sorted(ranked[:n_eval])
+    answered = [i for i in range(len(convs)) if convs[i].response_tokens]  # prompt-only rows are never held out
+    if n_eval >= len(answered):
+        raise ValueError(f"the data has {len(answered)} conversations with responses and training.eval_conversations="
+                         f"{n_eval} leaves none to train on: lower training.eval_conversations or generate more data")
+    ranked = sorted(answered, key=lambda i: (_conversation_hash(convs[i]), i))
+    held_out = set(ranked[:n_eval])
+    return [i for i in range(len(convs)) if i not in held_out], sorted(held_out)
 
 
 def data_fingerprint(convs: list[Conversation]) -> str:
@@ -635,7 +643,8 @@ def build_trainer(accelerator, cfg: TrainingConfig, heads: MedusaHeads, base: nn
     options = {"compute_dtype": compute_dtype, "embed_tokens": base.get_input_embeddings(),
                "loss_over_candidates": loss_over_candidates}
     if cfg.precompute_hidden:
-        lookback = cache_lookback(heads.config)
+        # training on prompt positions reads whole conversations
+        lookback = cfg.max_length if cfg.prompt_tokens else cache_lookback(heads.config)
         base_key = {"format": CACHE_FORMAT, "base": base_fingerprint(base), "dtype": str(base.dtype),
                     "mixed_precision": mixed, "max_length": cfg.max_length, "lookback": lookback}
         caches = []
@@ -669,15 +678,16 @@ def build_trainer(accelerator, cfg: TrainingConfig, heads: MedusaHeads, base: nn
     return HeadTrainer(heads, lm_head, cfg, base=base, **options), fetch, [len(c.ids) for c in convs]
 
 
-def provenance(cfg: TrainingConfig, data_cfg: DataConfig, data_key: str, train_idx, eval_idx, train_tokens: int,
-               run_state: dict, total_steps: int, wall: float, world: int, mixed: str, final: dict,
-               num_heads: int) -> dict:
+def provenance(cfg: TrainingConfig, data_cfg: DataConfig, data_key: str, train_idx, eval_idx,
+               train_tokens: tuple[int, int], run_state: dict, total_steps: int, wall: float, world: int, mixed: str,
+               final: dict, num_heads: int) -> dict:
     """What `config.extra` records about the run: data, steps, time, and held-out accuracy per head."""
     training = {
         "method": "medusa-2" if cfg.medusa2 else "medusa-1", "data_dirs": [str(d) for d in (data_cfg.out_dir, *data_cfg.extra_dirs)], "data_key": data_key,
         "train_conversations": len(train_idx), "eval_conversations": len(eval_idx),
-        "train_response_tokens": train_tokens, "tokens_seen": run_state["tokens_seen"], "steps": total_steps,
-        "epochs": round(run_state["tokens_seen"] / max(train_tokens, 1), 3), "wall_time_s": round(wall, 1),
+        "train_response_tokens": train_tokens[0], "train_scored_tokens": train_tokens[1],
+        "tokens_seen": run_state["tokens_seen"], "steps": total_steps,
+        "epochs": round(run_state["tokens_seen"] / max(train_tokens[1], 1), 3), "wall_time_s": round(wall, 1),
         "processes": world, "mixed_precision": mixed, "lr": cfg.lr, "head_decay": cfg.head_decay, "seed": cfg.seed,
     }
     evaluation = {f"head{k}": {name.split("/")[-1]: round(v, 4) for name, v in final.items()
@@ -758,7 +768,7 @@ def train(cfgs: dict, *, resume: bool = False, stop_after_steps: int | None = No
     data_dirs = [data_cfg.out_dir, *data_cfg.extra_dirs]
     convs, parts = [], []
     for data_dir in data_dirs:
-        loaded = load_conversations(data_dir, cfg.max_length, vocab_size)
+        loaded = load_conversations(data_dir, cfg.max_length, vocab_size, prompt_only=cfg.prompt_tokens)
         parts.append(range(len(convs), len(convs) + len(loaded)))
         convs += loaded
     train_idx, eval_idx = split_eval(convs, cfg.eval_conversations)
@@ -767,8 +777,13 @@ def train(cfgs: dict, *, resume: bool = False, stop_after_steps: int | None = No
     if heads_cfg.vocab_subset_size:  # the candidate vocabulary: what proposing ranks, and maybe the loss's softmax
         heads.set_vocab_subset(frequent_tokens(
             (convs[i].ids[convs[i].response_start:] for i in train_idx), heads_cfg.vocab_subset_size, vocab_size))
-    train_tokens = sum(convs[i].response_tokens for i in train_idx)
-    log(f"{len(convs)} conversations in {', '.join(map(str, data_dirs))}: {len(train_idx)} train ({train_tokens} response tokens), "
+    response_tokens = sum(convs[i].response_tokens for i in train_idx)
+    if cfg.prompt_tokens:  # every position of a training conversation is scored (against the base's distribution)
+        for i in train_idx:
+            convs[i] = Conversation(convs[i].ids, 0)
+    train_tokens = (response_tokens, sum(convs[i].response_tokens for i in train_idx))  # (responses, scored)
+    log(f"{len(convs)} conversations in {', '.join(map(str, data_dirs))}: {len(train_idx)} train ({response_tokens} "
+        f"response tokens" + (f", {train_tokens[1]} with the prompts" if cfg.prompt_tokens else "") + "), "
         f"{len(eval_idx)} held out; {world} process(es), mixed precision {mixed}")
 
     trainer, fetch, lengths = build_trainer(accelerator, cfg, heads, base, convs, mixed, parts, log,
