@@ -593,6 +593,7 @@ def write_prompt_only_shards(directory: Path, n: int = 24, seed: int = 3) -> Pat
         ids = [rng.randrange(2, VOCAB) for _ in range(rng.randrange(12, 30))]
         rows.append({"input_ids": ids, "response_start": len(ids), "source": "synthetic", "greedy": True})
     Dataset.from_list(rows).save_to_disk(str(directory / "shard-00000"))
+    (directory / "data_config.json").write_text('{"answer": false}')  # as generate_data records it
     return directory
 
 

@@ -90,7 +90,9 @@ def load_conversations(data_dir: str | Path, max_length: int, vocab_size: int,
     convs = [Conversation(list(ids[:max_length]), min(int(rs), max_length))
              for ids, rs in zip(columns["input_ids"], columns["response_start"])
              if int(rs) < min(len(ids), max_length) or (prompt_only and len(ids) > 1)]
-    if not convs and not prompt_only and any(rs >= len(ids) for ids, rs in zip(columns["input_ids"], columns["response_start"])):
+    settings = Path(data_dir) / "data_config.json"  # written by generate_data: was the data answered?
+    answered = not settings.is_file() or json.loads(settings.read_text()).get("answer", True)
+    if not answered and not prompt_only:
         raise ValueError(f"the dataset in {data_dir} holds prompts without responses (data.answer false): train on it "
                          "with training.prompt_tokens true (and training.distill true)")
     if not convs:
