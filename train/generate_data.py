@@ -30,6 +30,9 @@ from medusa.loading import load_base  # noqa: E402
 from medusa.decode import stop_token_ids  # noqa: E402
 from train.config import DataConfig, ModelConfig, parse_args  # noqa: E402
 
+# The settings a data directory was made with (read back on resume, and by training: data.answer).
+SETTINGS_NAME = "data_config.json"
+
 # Fields that decide which prompt lands in which shard: a resumed run must agree on them.
 ORDER_FIELDS = ("sources", "seed", "shard_size", "max_prompt_tokens", "second_turn_fraction", "follow_ups", "answer")
 
@@ -86,7 +89,7 @@ def shard_groups(pending: list[int], cfg: DataConfig) -> list[list[int]]:
 
 
 def check_resume(out_dir: Path, cfg: DataConfig) -> None:
-    meta = out_dir / "data_config.json"
+    meta = out_dir / SETTINGS_NAME
     current = {k: asdict(cfg)[k] for k in ORDER_FIELDS}
     if meta.is_file():
         defaults = asdict(DataConfig())  # keys an older data_config.json lacks had their defaults then

@@ -72,7 +72,7 @@ def load_conversations(data_dir: str | Path, max_length: int, vocab_size: int,
     unless `prompt_only` (training on prompt positions: data.answer false writes prompts without responses)."""
     from datasets import concatenate_datasets, load_from_disk
 
-    from train.generate_data import shard_dirs
+    from train.generate_data import SETTINGS_NAME, shard_dirs
 
     shards = shard_dirs(Path(data_dir))
     if not shards:
@@ -82,6 +82,11 @@ def load_conversations(data_dir: str | Path, max_length: int, vocab_size: int,
     if not shards:
         raise ValueError(f"the dataset in {data_dir} is empty (its shards hold no conversations): "
                          "run train/generate_data.py, or point data.out_dir at the directory it wrote")
+    settings = Path(data_dir) / SETTINGS_NAME  # what generate_data made it with: was the data answered?
+    answered = not settings.is_file() or json.loads(settings.read_text()).get("answer", True)
+    if not answered and not prompt_only:
+        raise ValueError(f"the dataset in {data_dir} holds prompts without responses (data.answer false): train on it "
+                         "with training.prompt_tokens true (and training.distill true)")
     data = concatenate_datasets([load_from_disk(str(s)) for s in shards])
     missing = sorted({"input_ids", "response_start"} - set(data.column_names))
     if missing:
@@ -90,11 +95,6 @@ def load_conversations(data_dir: str | Path, max_length: int, vocab_size: int,
     convs = [Conversation(list(ids[:max_length]), min(int(rs), max_length))
              for ids, rs in zip(columns["input_ids"], columns["response_start"])
              if int(rs) < min(len(ids), max_length) or (prompt_only and len(ids) > 1)]
-    settings = Path(data_dir) / "data_config.json"  # written by generate_data: was the data answered?
-    answered = not settings.is_file() or json.loads(settings.read_text()).get("answer", True)
-    if not answered and not prompt_only:
-        raise ValueError(f"the dataset in {data_dir} holds prompts without responses (data.answer false): train on it "
-                         "with training.prompt_tokens true (and training.distill true)")
     if not convs:
         raise ValueError(f"the dataset in {data_dir} has {len(data)} conversations and none has a response token within "
                          f"training.max_length={max_length}: raise training.max_length or regenerate the data")
