@@ -39,6 +39,9 @@ class MedusaConfig:
     # and next tokens, see medusa.heads.ContextLayer) instead of one position's hidden state. Needs
     # condition_on_next_token. Medusa-only layout.
     context_window: int = 0
+    # The context layer also reads the residual stream after these base layers (0 = the embeddings), besides the
+    # last hidden state: EAGLE-3's fused low / middle / high-level features. Needs context_window. Medusa-only layout.
+    feature_layers: list[int] = field(default_factory=list)
     format_version: int = FORMAT_VERSION
     extra: dict = field(default_factory=dict)  # free-form provenance (training run, data), never read by code
 
@@ -59,6 +62,14 @@ class MedusaConfig:
         if self.context_window and not self.condition_on_next_token:
             raise ValueError("MedusaConfig.context_window needs condition_on_next_token: the context layer reads each "
                              "position's next token (set both)")
+        if not isinstance(self.feature_layers, list) or any(
+                not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in self.feature_layers) \
+                or len(set(self.feature_layers)) != len(self.feature_layers):
+            raise ValueError(f"MedusaConfig.feature_layers must be a list of distinct layer indices >= 0, got "
+                             f"{self.feature_layers!r}")
+        if self.feature_layers and not self.context_window:
+            raise ValueError("MedusaConfig.feature_layers needs context_window > 0: the context layer is what reads "
+                             "the extra layers' features")
         if self.projection not in PROJECTIONS:
             raise ValueError(f"MedusaConfig.projection must be one of {PROJECTIONS}, got {self.projection!r}")
         if self.vocab_subset_size is not None and not 0 < self.vocab_subset_size <= self.vocab_size:
@@ -71,6 +82,11 @@ class MedusaConfig:
             from medusa.tree import TreeSpec  # validates ranks and depth against num_heads
 
             TreeSpec(self.tree, num_heads=self.num_heads)
+
+    @property
+    def feature_size(self) -> int:
+        """Width of what the heads take from the base per position: the last hidden state and each feature layer's."""
+        return self.hidden_size * (1 + len(self.feature_layers))
 
     def save(self, directory: str | os.PathLike) -> None:
         atomic_write_text(Path(directory) / CONFIG_NAME, json.dumps(asdict(self), indent=2))

@@ -12,6 +12,7 @@ from transformers import DynamicCache
 
 from medusa import kv_cache
 from medusa.acceptance import AcceptanceRule, get_rule
+from medusa.heads import base_features
 from medusa.propose import Proposer
 from medusa.sampling import SamplingConfig, select_token
 from medusa.verify import verify
@@ -84,13 +85,14 @@ class _PhaseTimer:
 
 
 @torch.inference_mode()
-def prefill(model, input_ids: torch.Tensor, sampling: SamplingConfig, generator=None) -> DecodeState:
-    """One ordinary forward over the prompt (1, T): fills the cache and chooses the first new token."""
+def prefill(model, input_ids: torch.Tensor, sampling: SamplingConfig, generator=None, feature_layers=()) -> DecodeState:
+    """One ordinary forward over the prompt (1, T): fills the cache and chooses the first new token. The state's
+    hidden states are what the heads read (with `feature_layers`, see medusa.heads.base_features)."""
     cache = DynamicCache(config=model.config)
     out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, output_hidden_states=True,
                 logits_to_keep=1)
     root = select_token(out.logits[0, -1], sampling, generator)
-    hidden = out.hidden_states[-1][0]  # (T, H)
+    hidden = base_features(out.hidden_states, feature_layers)[0]  # (T, H) or (T, H * (1 + feature layers))
     return DecodeState(cache, input_ids.shape[1], root, hidden[-1], input_ids[0].tolist() + [int(root)], hidden)
 
 
@@ -138,6 +140,7 @@ class SpeculativeGenerator:
     """
 
     default_sampling_rule = "rejection"
+    feature_layers: tuple | list = ()  # base layers the proposer reads besides the last (see medusa.heads.base_features)
 
     def _make_proposer(self, proposer: str | None, tree, sampling: SamplingConfig, generator) -> Proposer:
         raise NotImplementedError
@@ -178,7 +181,7 @@ class SpeculativeGenerator:
         return decode(
             self.base, self._make_proposer(proposer, tree, sampling, generator), rule, input_ids,
             max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_token_ids(self.base, self.tokenizer, eos_token_id),
-            streamer=streamer, generator=generator, profile=profile,
+            streamer=streamer, generator=generator, profile=profile, feature_layers=self.feature_layers,
         )
 
 
@@ -199,14 +202,16 @@ def decode(
     streamer=None,
     generator: torch.Generator | None = None,
     profile: bool = False,
+    feature_layers=(),
 ) -> GenerateOutput:
-    """input_ids (1, T) -> GenerateOutput. Callers validate inputs (see MedusaModel.generate)."""
+    """input_ids (1, T) -> GenerateOutput. Callers validate inputs (see MedusaModel.generate). `feature_layers`:
+    the base layers whose features the decode state carries besides the last hidden state (what the heads read)."""
     stats = DecodeStats()
     timer = _PhaseTimer(stats, profile, input_ids.device)
     if streamer is not None:
         streamer.put(input_ids.cpu())
     with timer("prefill"):
-        state = prefill(model, input_ids, sampling, generator)
+        state = prefill(model, input_ids, sampling, generator, feature_layers)
     stats.steps = 1
     new: list[int] = []
 
@@ -225,7 +230,7 @@ def decode(
         with timer("propose"):
             candidates = proposer.propose(state)
         with timer("verify"):
-            verified = verify(model, state.cache, candidates, state.length)
+            verified = verify(model, state.cache, candidates, state.length, feature_layers)
         with timer("accept"):
             accepted = rule(candidates, verified, sampling, generator)
         with timer("commit"):

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from medusa.heads import following_tokens, head_target_offset, tokens_read
+from medusa.heads import base_features, following_tokens, head_target_offset, tokens_read
 from medusa.propose import CandidateProjection
 
 
@@ -82,7 +82,8 @@ def head_rank_hits(model, input_ids, response_start: int, ranks: int = 10, chunk
     if last < first:
         return RankAccuracy(hits, counts, prefix_hits, prefix_counts)
     device = model.base.device
-    hidden = model.base(input_ids=ids[None].to(device), output_hidden_states=True).hidden_states[-1][0]  # (T, H)
+    hidden = base_features(model.base(input_ids=ids[None].to(device), output_hidden_states=True).hidden_states,
+                           heads.config.feature_layers)[0]  # (T, H) or with feature layers (T, H * (1 + layers))
     if heads.context is not None:  # what the heads read: the context layer over every position, each with its next token
         hidden = heads.contextualise(hidden[None], embed(following_tokens(ids, 1)[:, 0].to(device))[None])[0][0]
     offsets = torch.tensor([head_target_offset(k) for k in range(num_heads)])  # (K,)

@@ -23,6 +23,20 @@ def storage_state(state: dict[str, torch.Tensor], dtype: torch.dtype | None = No
             for k, v in state.items()}
 
 
+def base_features(hidden_states: tuple[torch.Tensor, ...], feature_layers=()) -> torch.Tensor:
+    """A base forward's `hidden_states` (embeddings, then each layer's output; the last one post-norm) -> what heads
+    read per position: the last hidden state, then the residual stream after each of `feature_layers`, concatenated
+    on the last axis ((..., H) without feature layers)."""
+    if not feature_layers:
+        return hidden_states[-1]
+    layers = len(hidden_states) - 1
+    for layer in feature_layers:
+        if layer >= layers:
+            raise ValueError(f"the heads read the base's layer {layer} (feature_layers) but the base has {layers} "
+                             f"layers (0 = embeddings .. {layers - 1}): use heads trained for this base")
+    return torch.cat([hidden_states[-1], *(hidden_states[layer] for layer in feature_layers)], dim=-1)
+
+
 def following_tokens(input_ids: torch.Tensor, count: int) -> torch.Tensor:
     """input_ids (..., T) -> (..., T, count): the tokens at t+1 .. t+count for each position t (0 past the end).
 
@@ -65,12 +79,14 @@ class ContextLayer(nn.Module):
     it, so the layer sees the (hidden state, next token) pairs of everything committed so far. Both residual branches
     end in zero-initialised maps: a fresh layer is the identity, and fresh heads on it equal heads without it.
     Attention is local (a window) so training on cached spans and decoding see the same thing, and its cache stays
-    small. Positions are rotary-encoded (only distances matter).
+    small. Positions are rotary-encoded (only distances matter). With `feature_layers` > 0 the input also holds that
+    many earlier layers' features after the last hidden state (see `base_features`), each RMS-normalised and then
+    mapped to the input through one more zero-initialised map.
     """
 
     HEAD_DIM = 64
 
-    def __init__(self, hidden_size: int, window: int):
+    def __init__(self, hidden_size: int, window: int, feature_layers: int = 0):
         super().__init__()
         if hidden_size % 2:
             raise ValueError(f"a context layer needs an even hidden size (rotary positions), got {hidden_size}")
@@ -78,6 +94,11 @@ class ContextLayer(nn.Module):
         self.num_attention_heads = hidden_size // self.HEAD_DIM if hidden_size % self.HEAD_DIM == 0 else 1
         self.head_dim = hidden_size // self.num_attention_heads
         self.next_token_map = nn.Linear(hidden_size, hidden_size, bias=False)
+        self.feature_layers = feature_layers
+        if feature_layers:  # per-layer scales: residual streams of different depths differ in size
+            self.feature_norm_weight = nn.Parameter(torch.ones(feature_layers, hidden_size))
+            self.feature_map = nn.Linear(feature_layers * hidden_size, hidden_size, bias=False)
+            nn.init.zeros_(self.feature_map.weight)
         self.attention_norm = nn.RMSNorm(hidden_size, eps=1e-6)
         self.qkv = nn.Linear(hidden_size, 3 * hidden_size, bias=False)
         self.attention_out = nn.Linear(hidden_size, hidden_size, bias=False)
@@ -98,14 +119,24 @@ class ContextLayer(nn.Module):
         return torch.stack([first * cos - second * sin, first * sin + second * cos], dim=-1).flatten(-2)
 
     def forward(self, hidden: torch.Tensor, next_embedding: torch.Tensor, past: tuple | None = None):
-        """hidden, next_embedding (B, T, H): positions that follow the `past` ones -> (features (B, T, H), past).
+        """hidden (B, T, H * (1 + feature_layers)), next_embedding (B, T, H): positions that follow the `past` ones
+        -> (features (B, T, H), past).
 
         past: what the previous call returned, None at the start: (keys, values (B, heads, P, D) of the last
         P <= window - 1 positions, the number of positions seen so far).
         """
-        batch, length, size = hidden.shape
+        size = next_embedding.shape[-1]
+        if hidden.shape[-1] != size * (1 + self.feature_layers):
+            raise ValueError(f"the context layer reads the last hidden state and {self.feature_layers} feature layers "
+                             f"({size * (1 + self.feature_layers)} values per position), got {hidden.shape[-1]}: "
+                             "take the base's hidden states with medusa.heads.base_features(..., feature_layers)")
+        hidden, extra = hidden[..., :size], hidden[..., size:]
+        batch, length, _ = hidden.shape
         keys, values, seen = past if past is not None else (None, None, 0)
         x = hidden + self.next_token_map(next_embedding.to(hidden.dtype))
+        if self.feature_layers:
+            extra = nn.functional.rms_norm(extra.unflatten(-1, (self.feature_layers, size)), (size,), eps=1e-6)
+            x = x + self.feature_map((extra * self.feature_norm_weight).flatten(-2))
         q, k, v = self.qkv(self.attention_norm(x)).view(batch, length, 3, self.num_attention_heads, self.head_dim) \
             .permute(2, 0, 3, 1, 4)  # each (B, heads, T, D)
         positions = torch.arange(seen, seen + length, device=hidden.device)
@@ -159,7 +190,8 @@ class MedusaHeads(nn.Module):
                     nn.init.zeros_(linear.weight)
         else:
             self.path_token_maps = None
-        self.context = ContextLayer(config.hidden_size, config.context_window) if config.context_window else None
+        self.context = ContextLayer(config.hidden_size, config.context_window, len(config.feature_layers)) \
+            if config.context_window else None
         if config.projection == "own":
             self.projections = nn.ModuleList(
                 nn.Linear(config.hidden_size, config.vocab_size, bias=False) for _ in range(config.num_heads)

@@ -202,7 +202,8 @@ def medusa_heads_loss(heads: MedusaHeads, hidden: torch.Tensor, input_ids: torch
                       candidates_only: bool = False, distill: bool = False) -> HeadLoss:
     """Per-head shifted cross-entropy on the base's last hidden states.
 
-    hidden (B, T, H) post-norm last hidden states; input_ids, loss_mask (B, T). Head k reads hidden[:, t] (and, for
+    hidden (B, T, H) post-norm last hidden states (with feature layers, their features after them: see
+    medusa.heads.base_features); input_ids, loss_mask (B, T). Head k reads hidden[:, t] (and, for
     heads conditioned on the next token, `embed_tokens(input_ids[:, t + 1])`) and is scored on
     input_ids[:, t + head_target_offset(k)] wherever that token is a response token. Only the positions that count
     are pushed through the head and its projection (the shared `lm_head` or the head's own).
@@ -234,7 +235,7 @@ def medusa_heads_loss(heads: MedusaHeads, hidden: torch.Tensor, input_ids: torch
     if distill and heads.projections is not None:
         raise ValueError("distillation reads the base's distribution through the shared lm_head: use projection "
                          "'shared', or train own projections without distill")
-    base_hidden = hidden  # the teacher's input, before any context layer
+    base_hidden = hidden[..., :heads.config.hidden_size]  # the teacher's input: the last hidden state
     following = None  # (B, T, n) the tokens after each position that conditioned heads read
     if heads.config.condition_on_next_token:
         if embed_tokens is None:

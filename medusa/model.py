@@ -50,6 +50,12 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
                 f"heads project to a vocabulary of {config.vocab_size} but the base model's has {vocab}: "
                 f"load the heads with the base they were trained on ({config.base_model_name_or_path})"
             )
+        layers = base.config.get_text_config().num_hidden_layers
+        if any(layer >= layers for layer in config.feature_layers):
+            raise ValueError(
+                f"heads read the base's layers {config.feature_layers} (feature_layers) but the base model has {layers} "
+                f"layers: load the heads with the base they were trained on ({config.base_model_name_or_path})"
+            )
         self.base, self.heads, self.tokenizer = base, heads.to(device=base.device, dtype=base.dtype), tokenizer
         self.tree = tree or config.tree or _default_tree(config.num_heads)
         TreeSpec(self.tree, num_heads=config.num_heads)
@@ -64,6 +70,10 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
     @property
     def config(self) -> MedusaConfig:
         return self.heads.config
+
+    @property
+    def feature_layers(self) -> list[int]:
+        return self.heads.config.feature_layers
 
     @property
     def device(self) -> torch.device:

@@ -111,7 +111,7 @@ def measure_step_latency(model, trees: dict[int, list[RankPath]], kv_length: int
     vocab = model.base.get_output_embeddings().weight.shape[0]
     prompt = torch.randint(0, vocab, (1, kv_length), generator=generator).to(device)
     sampling = SamplingConfig()
-    state = prefill(model.base, prompt, sampling)
+    state = prefill(model.base, prompt, sampling, feature_layers=model.config.feature_layers)
     num_heads = model.config.num_heads
     proposers = {n: build_medusa_proposer(model, build_buffers(TreeSpec(paths, num_heads), num_heads).to(device))
                  for n, paths in trees.items()}
@@ -124,7 +124,7 @@ def measure_step_latency(model, trees: dict[int, list[RankPath]], kv_length: int
             candidates = proposers[n].propose(state)
             _sync(device)
             t1 = time.perf_counter()
-            verified = verify(model.base, state.cache, candidates, state.length)
+            verified = verify(model.base, state.cache, candidates, state.length, model.config.feature_layers)
             _sync(device)
             t2 = time.perf_counter()
             greedy(candidates, verified, sampling)

@@ -6,13 +6,14 @@ from dataclasses import dataclass
 
 import torch
 
+from medusa.heads import base_features
 from medusa.propose import Candidates
 
 
 @dataclass(frozen=True)
 class VerifyOutput:
     logits: torch.Tensor  # (N, V): the target's next-token logits at every node
-    hidden: torch.Tensor  # (N, H): the last (post-norm) hidden state at every node
+    hidden: torch.Tensor  # (N, H): the last (post-norm) hidden state at every node (and feature layers: base_features)
 
 
 def tree_attention_mask(candidates: Candidates, past_length: int, dtype: torch.dtype) -> torch.Tensor:
@@ -24,7 +25,7 @@ def tree_attention_mask(candidates: Candidates, past_length: int, dtype: torch.d
 
 
 @torch.inference_mode()
-def verify(model, cache, candidates: Candidates, past_length: int) -> VerifyOutput:
+def verify(model, cache, candidates: Candidates, past_length: int, feature_layers=()) -> VerifyOutput:
     """Run the target once over the N candidate tokens; the cache grows by N rows (commit keeps the accepted ones)."""
     tokens = candidates.tokens[None]  # (1, N)
     position_ids = (past_length + candidates.tree.depth)[None]  # (1, N)
@@ -36,4 +37,4 @@ def verify(model, cache, candidates: Candidates, past_length: int) -> VerifyOutp
         use_cache=True,
         output_hidden_states=True,
     )
-    return VerifyOutput(logits=out.logits[0], hidden=out.hidden_states[-1][0])
+    return VerifyOutput(logits=out.logits[0], hidden=base_features(out.hidden_states, feature_layers)[0])

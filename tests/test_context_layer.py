@@ -12,9 +12,11 @@ from conftest import FAMILIES, HIDDEN, VOCAB, make_tiny_model
 
 from medusa import MedusaConfig, MedusaHeads, MedusaModel
 from medusa.evaluation import head_rank_hits
-from medusa.heads import ContextLayer, head_target_offset
+from medusa.decode import prefill
+from medusa.heads import ContextLayer, base_features, head_target_offset
 from medusa.losses import medusa_heads_loss
 from medusa.propose import build_medusa_proposer
+from medusa.sampling import SamplingConfig
 from medusa.tree import TreeSpec, build_buffers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -23,11 +25,11 @@ from train.train import Conversation, HiddenCache, cache_lookback, span_start  #
 WINDOW = 5
 
 
-def context_heads(window: int = WINDOW, path: bool = True, seed: int = 1) -> MedusaHeads:
+def context_heads(window: int = WINDOW, path: bool = True, seed: int = 1, feature_layers=()) -> MedusaHeads:
     """Random heads and context layer (every map non-zero, so the layer is far from the identity)."""
     torch.manual_seed(seed)
     heads = MedusaHeads(MedusaConfig(hidden_size=HIDDEN, vocab_size=VOCAB, num_heads=3, condition_on_next_token=True,
-                                     condition_on_path=path, context_window=window))
+                                     condition_on_path=path, context_window=window, feature_layers=list(feature_layers)))
     for name, p in heads.named_parameters():
         if "norm" not in name:  # the context layer's smaller, so that its attention does not saturate
             torch.nn.init.normal_(p, std=0.05 if name.startswith("context.") else 0.3)
@@ -47,6 +49,38 @@ def test_fresh_context_layer_is_the_identity_and_needs_the_next_token():
         MedusaConfig(hidden_size=HIDDEN, vocab_size=VOCAB, context_window=4)
     with pytest.raises(ValueError, match="context_window"):
         MedusaConfig(hidden_size=HIDDEN, vocab_size=VOCAB, condition_on_next_token=True, context_window=-1)
+
+
+def test_feature_layers_start_as_the_plain_context_layer_and_are_checked():
+    """heads.feature_layers (EAGLE-3's fused features): a fresh feature map adds nothing, a trained one does; wrong
+    widths, configs and layer indices are named errors."""
+    torch.manual_seed(0)
+    plain, fused = ContextLayer(HIDDEN, WINDOW), ContextLayer(HIDDEN, WINDOW, feature_layers=2)
+    for p in plain.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    assert set(fused.load_state_dict(plain.state_dict(), strict=False).missing_keys) == {"feature_map.weight",
+                                                                                         "feature_norm_weight"}
+    hidden, extra, following = torch.randn(1, 9, HIDDEN), 5 * torch.randn(1, 9, 2 * HIDDEN), torch.randn(1, 9, HIDDEN)
+    both = torch.cat([hidden, extra], dim=-1)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(both, following)[0], plain(hidden, following)[0])
+        torch.nn.init.normal_(fused.feature_map.weight, std=0.05)
+        assert (fused(both, following)[0] - plain(hidden, following)[0]).abs().max() > 1e-2
+    with pytest.raises(ValueError, match="base_features"):
+        fused(hidden, following)
+    with pytest.raises(ValueError, match="needs context_window"):
+        MedusaConfig(hidden_size=HIDDEN, vocab_size=VOCAB, condition_on_next_token=True, feature_layers=[1])
+    for bad in ([1, 1], [-1], "1"):
+        with pytest.raises(ValueError, match="distinct layer indices"):
+            MedusaConfig(hidden_size=HIDDEN, vocab_size=VOCAB, condition_on_next_token=True, context_window=4,
+                         feature_layers=bad)
+    states = tuple(torch.randn(1, 3, HIDDEN) for _ in range(3))  # embeddings, layer 1, layer 2 (post-norm)
+    assert base_features(states) is states[-1]
+    assert torch.equal(base_features(states, [1, 0]), torch.cat([states[2], states[1], states[0]], dim=-1))
+    with pytest.raises(ValueError, match="has 2 layers"):
+        base_features(states, [2])
+    with pytest.raises(ValueError, match="has 2 layers"):
+        MedusaModel(make_tiny_model("llama"), context_heads(feature_layers=[0, 2]))
 
 
 def test_incremental_context_equals_one_pass_and_sees_only_its_window():
@@ -97,15 +131,21 @@ def test_cached_spans_hold_the_whole_window():
             assert torch.allclose(got, expected, atol=1e-5) == same, (back, got, expected)
 
 
-def test_proposer_reads_what_evaluation_scores():
+@pytest.mark.parametrize("layers", [[], [0, 1]], ids=["last", "fused"])
+def test_proposer_reads_what_evaluation_scores(layers):
     """The decode-time read (context layer fed step by step) equals the whole-sequence features head_rank_hits uses."""
     torch.manual_seed(0)
-    model = MedusaModel(make_tiny_model("qwen2"), context_heads(path=False), tree=[[0], [0, 0], [0, 0, 0]])
+    model = MedusaModel(make_tiny_model("qwen2"), context_heads(path=False, feature_layers=layers),
+                        tree=[[0], [0, 0], [0, 0, 0]])
     proposer = build_medusa_proposer(model, build_buffers(TreeSpec(model.tree), 3))
     ids = torch.randint(2, VOCAB, (20,))
     embed = model.base.get_input_embeddings()
     with torch.no_grad():
-        hidden = model.base(ids[None], output_hidden_states=True).hidden_states[-1][0]
+        hidden = base_features(model.base(ids[None], output_hidden_states=True).hidden_states, layers)[0]
+        assert hidden.shape[-1] == HIDDEN * (1 + len(layers))
+        # what decoding carries: prefill's hidden states are these features
+        torch.testing.assert_close(prefill(model.base, ids[None, :8], SamplingConfig(), feature_layers=layers).new_hidden,
+                                   hidden[:8])
         following = torch.cat([ids[1:], ids.new_zeros(1)])
         whole = model.heads.contextualise(hidden[None], embed(following)[None])[0][0]
         start = 0
@@ -126,9 +166,11 @@ def test_proposer_reads_what_evaluation_scores():
     assert int(got.hits[0, 0]) == int(hits) and int(got.counts[0]) == len(rows)
 
 
+@pytest.mark.parametrize("layers", [[], [0, 1]], ids=["last", "fused"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_context_heads_keep_greedy_identity_and_round_trip(tmp_path, family):
-    model = MedusaModel(make_tiny_model(family), context_heads(), tree=[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+def test_context_heads_keep_greedy_identity_and_round_trip(tmp_path, family, layers):
+    model = MedusaModel(make_tiny_model(family), context_heads(feature_layers=layers),
+                        tree=[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
     prompt = torch.tensor([[5, 17, 33, 2, 8, 41, 9, 60]])
     expected = model.base.generate(prompt, max_new_tokens=30, do_sample=False, min_new_tokens=30)
     for proposer in ("medusa", "dynamic", "hybrid"):
@@ -136,7 +178,7 @@ def test_context_heads_keep_greedy_identity_and_round_trip(tmp_path, family):
         assert torch.equal(out.sequences, expected), (family, proposer)
     model.save_pretrained(tmp_path / "heads", dtype=torch.bfloat16)
     loaded = MedusaModel.from_pretrained(tmp_path / "heads", base=model.base)
-    assert loaded.config.context_window == WINDOW
+    assert loaded.config.context_window == WINDOW and loaded.config.feature_layers == layers
     for name, value in model.heads.state_dict().items():
         torch.testing.assert_close(loaded.heads.state_dict()[name], value.to(torch.bfloat16).float(), rtol=0, atol=0)
     assert torch.equal(loaded.generate(prompt, max_new_tokens=30).sequences, expected)

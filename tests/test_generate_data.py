@@ -214,7 +214,7 @@ def test_evaluation_overlap_filter_equals_the_naive_definition():
 
 @pytest.mark.slow  # filters all 52k T0 prompts against the evaluation sets four times (~20 s)
 def test_the_shipped_data_parts_do_not_overlap():
-    """The greedy parts never share a prompt; the sampled part re-asks Alpaca only (new, sampled answers); the
+    """The greedy parts never share a prompt; the sampled part and the fourth (GPU) part re-ask Alpaca only; the
     prompt-only part shares none with any of them."""
     from pathlib import Path
 
@@ -231,4 +231,10 @@ def test_the_shipped_data_parts_do_not_overlap():
     assert parts[2].greedy_fraction == 0.0
     # the prompt-only T0 part (the next recipe) holds no prompt an answered part holds
     prompts = load_sections(str(repo / "configs" / "smollm2-135m-prompts-data.yaml"), [], {"data": DataConfig})["data"]
-    assert not prompts.answer and not set(build_prompt_mix(prompts.sources, prompts.seed)) & (first | second | sampled)
+    prompt_only = set(build_prompt_mix(prompts.sources, prompts.seed))
+    assert not prompts.answer and not prompt_only & (first | second | sampled)
+    # the fourth answered part (GPU) asks new T0 and GSM8K prompts and re-asks Alpaca only
+    more = load_sections(str(repo / "configs" / "smollm2-135m-more-data.yaml"), [], {"data": DataConfig})["data"]
+    more = set(build_prompt_mix(more.sources, more.seed))
+    assert {src for src, _ in more & (first | second | sampled | prompt_only)} == {"bench:alpaca"}
+    assert {src for src, _ in more} == {"bench:t0", "bench:alpaca", "bench:gsm8k"}

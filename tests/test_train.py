@@ -384,6 +384,7 @@ def test_error_unknown_config_key(tmp_path, tiny_base, tiny_data):
     ({"training": {"report_to": "tensorboard"}}, "training.report_to"),
     ({"heads": {"condition_on_next_token": "yes"}}, "heads.condition_on_next_token must be true or false"),
     ({"heads": {"condition_on_path": True}}, "condition_on_path needs heads.condition_on_next_token"),
+    ({"heads": {"feature_layers": [1]}}, "feature_layers needs heads.context_window"),
 ])
 def test_error_invalid_values(tmp_path, tiny_base, tiny_data, bad, message):
     raw = sections(tmp_path, tiny_base, tiny_data)
@@ -548,16 +549,23 @@ def test_next_token_heads_learn_over_the_candidate_vocabulary(tmp_path, tiny_bas
     assert torch.equal(loaded.generate(prompt, max_new_tokens=20, tree=[[0], [0, 0], [0, 0, 0]]).sequences, expected)
 
 
-def test_context_heads_learn_and_decode_exactly(tmp_path, tiny_base, tiny_data):
+@pytest.mark.parametrize("layers, precompute", [([], True), ([0, 1], True), ([0, 1], False)],
+                         ids=["last", "fused-cached", "fused-live"])
+def test_context_heads_learn_and_decode_exactly(tmp_path, tiny_base, tiny_data, layers, precompute):
     """heads.context_window: the context layer trains with the heads (cached spans reach back a whole window), is
-    saved, and decoding feeds it step by step."""
-    heads = {"condition_on_next_token": True, "condition_on_path": True, "vocab_subset_size": 12, "context_window": 4}
-    result = run(sections(tmp_path, tiny_base, tiny_data, heads=heads, max_steps=30, eval_every=30))
+    saved, and decoding feeds it step by step; with heads.feature_layers it also learns to read those layers."""
+    heads = {"condition_on_next_token": True, "condition_on_path": True, "vocab_subset_size": 12, "context_window": 4,
+             "feature_layers": layers}
+    result = run(sections(tmp_path, tiny_base, tiny_data, heads=heads, max_steps=30, eval_every=30,
+                          precompute_hidden=precompute))
     first, last = result.eval_history[0], result.eval_history[-1]
     for k in range(3):
         assert top1(last, k) > 0.9 and top1(last, k) > top1(first, k) + 0.5, (k, first, last)
     loaded = MedusaModel.from_pretrained(result.output_dir)
     assert loaded.config.context_window == 4 and loaded.heads.context.attention_out.weight.abs().max() > 0
+    assert loaded.config.feature_layers == layers
+    if layers:
+        assert loaded.heads.context.feature_map.weight.abs().max() > 0
     prompt = torch.tensor([[5, 9] + CYCLE])
     expected = loaded.base.generate(prompt, max_new_tokens=20, do_sample=False, min_new_tokens=20)
     assert torch.equal(loaded.generate(prompt, max_new_tokens=20, tree=[[0], [0, 0], [0, 0, 0]]).sequences, expected)

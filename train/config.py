@@ -103,6 +103,9 @@ class HeadsConfig:
     # > 0: a context layer (causal attention over this many recent positions, then an MLP) between the base's hidden
     # states and the heads; needs condition_on_next_token. 0: the heads read one position's hidden state.
     context_window: int = 0
+    # Base layers whose residual stream the context layer reads besides the last hidden state (EAGLE-3's fused
+    # features; 0 = the embeddings); needs context_window.
+    feature_layers: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         from medusa.config import PROJECTIONS
@@ -119,6 +122,8 @@ class HeadsConfig:
         if self.context_window and not self.condition_on_next_token:
             raise ValueError("heads.context_window needs heads.condition_on_next_token: true (the context layer reads "
                              "each position's next token)")
+        if self.feature_layers and not self.context_window:
+            raise ValueError("heads.feature_layers needs heads.context_window > 0 (the context layer reads them)")
         if self.projection not in PROJECTIONS:
             raise ValueError(f"heads.projection must be one of {PROJECTIONS}, got {self.projection!r}")
         if self.vocab_subset_size is not None:

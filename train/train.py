@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from medusa.config import CONFIG_NAME, WEIGHTS_NAME, MedusaConfig  # noqa: E402
 from medusa.data import collate, frequent_tokens  # noqa: E402
 from medusa.fileio import write_directory  # noqa: E402
-from medusa.heads import MedusaHeads, head_target_offset  # noqa: E402
+from medusa.heads import MedusaHeads, base_features, head_target_offset  # noqa: E402
 from medusa.loading import DEFAULT_BASE, load_base, resolve_dtype  # noqa: E402
 from medusa.losses import (BASE_TARGET_OFFSET, TOPK, base_kl_loss, head_weights, medusa_heads_loss,  # noqa: E402
                            scored_positions)
@@ -284,14 +284,16 @@ class HiddenCache:
         return cls(hidden, ids, offsets, rs)
 
 
-def last_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """(B, T) -> (B, T, H): the base's last, post-norm hidden state; logits only for the last position (cheap)."""
+def last_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                feature_layers=()) -> torch.Tensor:
+    """(B, T) -> (B, T, H): the base's last, post-norm hidden state (with feature layers, their features after it:
+    medusa.heads.base_features); logits only for the last position (cheap)."""
     out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, logits_to_keep=1)
-    return out.hidden_states[-1]
+    return base_features(out.hidden_states, feature_layers)
 
 
 def build_hidden_cache(accelerator, base: nn.Module, convs: list[Conversation], lookback: int, path: Path, key: str,
-                       batch_tokens: int, log) -> HiddenCache:
+                       batch_tokens: int, log, feature_layers=()) -> HiddenCache:
     """Run the frozen base once over every conversation (each process a share) and cache what the heads read."""
     if path.is_file() and (cache := HiddenCache.load(path, key)) is not None:
         log(f"reusing precomputed hidden states {path}")
@@ -314,7 +316,8 @@ def build_hidden_cache(accelerator, base: nn.Module, convs: list[Conversation], 
         for rows in batches:
             batch = collate([{"input_ids": convs[i].ids, "response_start": convs[i].response_start} for i in rows],
                             pad_id=0, max_length=max(lengths[i] for i in rows))
-            hidden = last_hidden(base, batch.input_ids.to(accelerator.device), batch.attention_mask.to(accelerator.device))
+            hidden = last_hidden(base, batch.input_ids.to(accelerator.device), batch.attention_mask.to(accelerator.device),
+                                 feature_layers)
             for j, i in enumerate(rows):
                 spans[i] = hidden[j, span_start(convs[i], lookback):lengths[i]].to(torch.bfloat16).cpu()
             bar.update(sum(lengths[i] for i in rows))
@@ -330,7 +333,7 @@ def build_hidden_cache(accelerator, base: nn.Module, convs: list[Conversation], 
     part = path.with_name(f".{path.stem}.part-{rank}-of-{world}.safetensors")
     part.parent.mkdir(parents=True, exist_ok=True)
     mine = sorted(spans)
-    hidden_size = base.config.get_text_config().hidden_size
+    hidden_size = base.config.get_text_config().hidden_size * (1 + len(feature_layers))
     save_file({"rows": torch.tensor(mine, dtype=torch.long),
                "lengths": torch.tensor([len(spans[i]) for i in mine], dtype=torch.long),
                "hidden": torch.cat([spans[i] for i in mine]) if mine else torch.zeros(0, hidden_size, dtype=torch.bfloat16)},
@@ -378,14 +381,15 @@ class HeadTrainer(nn.Module):
         """
         compute_dtype = None if exact else self.compute_dtype
         ref_hidden = None
+        layers = self.heads.config.feature_layers
         if hidden is None:
             if self.cfg.medusa2:
-                hidden = last_hidden(self.base, input_ids, attention_mask)
+                hidden = last_hidden(self.base, input_ids, attention_mask, layers)
                 with torch.no_grad(), self.base.disable_adapter():  # the frozen base: the KL reference
                     ref_hidden = last_hidden(self.base, input_ids, attention_mask)
             else:
                 with torch.no_grad():
-                    hidden = last_hidden(self.base, input_ids, attention_mask)
+                    hidden = last_hidden(self.base, input_ids, attention_mask, layers)
         hidden = hidden.to(next(self.heads.parameters()).dtype)
         out = medusa_heads_loss(self.heads, hidden, input_ids, loss_mask, self.lm_head, decay=self.cfg.head_decay,
                                 coefficient=self.cfg.heads_coefficient, chunk_size=self.cfg.chunk_tokens,
@@ -395,7 +399,7 @@ class HeadTrainer(nn.Module):
                                 distill=self.cfg.distill and self.training)  # evaluation scores the data's tokens
         result = {"loss": out.loss, "ce": out.ce, "correct": out.correct, "count": out.count}
         if ref_hidden is not None:
-            kl, n = base_kl_loss(hidden, ref_hidden, input_ids, loss_mask, self.lm_head, chunk_size=self.cfg.chunk_tokens,
+            kl, n = base_kl_loss(hidden[..., :ref_hidden.shape[-1]], ref_hidden, input_ids, loss_mask, self.lm_head, chunk_size=self.cfg.chunk_tokens,
                                  compute_dtype=compute_dtype,
                                  normalizer=None if normalizer is None else normalizer[-1].clamp(min=1e-9))
             result.update(loss=out.loss + self.cfg.kl_weight * kl, kl=kl.detach(), kl_count=n)
@@ -409,7 +413,7 @@ def build_heads(heads_cfg: HeadsConfig, hidden_size: int, vocab_size: int, lm_he
                           num_layers=heads_cfg.num_layers, projection=heads_cfg.projection,
                           condition_on_next_token=heads_cfg.condition_on_next_token,
                           condition_on_path=heads_cfg.condition_on_path, context_window=heads_cfg.context_window,
-                          base_model_name_or_path=base_ref)
+                          feature_layers=list(heads_cfg.feature_layers), base_model_name_or_path=base_ref)
     if heads_cfg.init_from is None:
         return MedusaHeads(config, base_lm_head=lm_head)
     source = Path(heads_cfg.init_from)
@@ -649,6 +653,8 @@ def build_trainer(accelerator, cfg: TrainingConfig, heads: MedusaHeads, base: nn
         lookback = cfg.max_length if cfg.prompt_tokens else cache_lookback(heads.config)
         base_key = {"format": CACHE_FORMAT, "base": base_fingerprint(base), "dtype": str(base.dtype),
                     "mixed_precision": mixed, "max_length": cfg.max_length, "lookback": lookback}
+        if heads.config.feature_layers:  # (only then: the keys of existing caches stay valid)
+            base_key["feature_layers"] = heads.config.feature_layers
         caches = []
         for part in parts:
             part_convs = [convs[i] for i in part]
@@ -656,7 +662,7 @@ def build_trainer(accelerator, cfg: TrainingConfig, heads: MedusaHeads, base: nn
             key = hashlib.blake2b(json.dumps(key_info, sort_keys=True).encode(), digest_size=16).hexdigest()
             caches.append(build_hidden_cache(accelerator, base, part_convs, lookback,
                                              Path(cfg.cache_dir) / f"hidden-{key}.safetensors", key,
-                                             cfg.precompute_batch_tokens, log))
+                                             cfg.precompute_batch_tokens, log, heads.config.feature_layers))
         cache = HiddenCache.concat(caches)
 
         def fetch(rows):
