@@ -649,8 +649,8 @@ def build_trainer(accelerator, cfg: TrainingConfig, heads: MedusaHeads, base: nn
     options = {"compute_dtype": compute_dtype, "embed_tokens": base.get_input_embeddings(),
                "loss_over_candidates": loss_over_candidates}
     if cfg.precompute_hidden:
-        # training on prompt positions reads whole conversations
-        lookback = cfg.max_length if cfg.prompt_tokens else cache_lookback(heads.config)
+        # (with prompt_tokens the training conversations score from position 0, so their spans are whole anyway)
+        lookback = cache_lookback(heads.config)
         base_key = {"format": CACHE_FORMAT, "base": base_fingerprint(base), "dtype": str(base.dtype),
                     "mixed_precision": mixed, "max_length": cfg.max_length, "lookback": lookback}
         if heads.config.feature_layers:  # (only then: the keys of existing caches stay valid)
