@@ -83,11 +83,6 @@ class MedusaConfig:
 
             TreeSpec(self.tree, num_heads=self.num_heads)
 
-    @property
-    def feature_size(self) -> int:
-        """Width of what the heads take from the base per position: the last hidden state and each feature layer's."""
-        return self.hidden_size * (1 + len(self.feature_layers))
-
     def save(self, directory: str | os.PathLike) -> None:
         atomic_write_text(Path(directory) / CONFIG_NAME, json.dumps(asdict(self), indent=2))
 
