@@ -130,6 +130,23 @@ def head_rank_accuracy(model, sequences, response_starts, ranks: int = 10) -> Ra
     return total
 
 
+def head_rank_accuracy_by_group(model, sequences, response_starts, groups, ranks: int = 10):
+    """`head_rank_accuracy` pooled over everything and over each group of sequences (e.g. question categories):
+    -> (total RankAccuracy, {group: RankAccuracy}), each sequence scored once."""
+    if len(groups) != len(sequences):
+        raise ValueError(f"{len(sequences)} sequences but {len(groups)} group labels")
+    if not sequences:
+        raise ValueError("no sequences to score")
+    by_group: dict = {}
+    for ids, start, group in zip(sequences, response_starts, groups):
+        one = head_rank_hits(model, ids, start, ranks)
+        by_group[group] = one if group not in by_group else by_group[group] + one
+    total = None
+    for part in by_group.values():
+        total = part if total is None else total + part
+    return total, by_group
+
+
 def load_questions(path: str | Path) -> list[dict]:
     """Spec-Bench / MT-bench style JSONL: one `{question_id, category, turns: [str, ...]}` object a line."""
     path = Path(path)

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from medusa import MedusaModel  # noqa: E402
 from medusa.fileio import atomic_write_text  # noqa: E402
 from medusa.data import bench_data_dir  # noqa: E402
-from medusa.evaluation import RankAccuracy, head_rank_accuracy, load_questions, spread  # noqa: E402
+from medusa.evaluation import RankAccuracy, head_rank_accuracy_by_group, load_questions, spread  # noqa: E402
 from medusa.heads import head_target_offset  # noqa: E402
 from medusa.loading import DTYPES  # noqa: E402
 from train.config import DataConfig  # noqa: E402
@@ -68,6 +68,13 @@ def print_table(result: RankAccuracy, shown: int = 5) -> None:
           "chain: share of positions where heads 0..k all were right")
 
 
+def print_categories(by_category: dict[str, RankAccuracy], categories: list[str]) -> None:
+    print(f"{'category':>14} {'questions':>9} {'scored':>7}  top-1 per head")
+    for cat, part in sorted(by_category.items()):
+        print(f"{cat:>14} {categories.count(cat):>9} {int(part.counts[0]):>7}  "
+              + " ".join(f"{float(a):6.3f}" for a in part.top(1)))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--questions", default=str(bench_data_dir() / "spec_bench_question.jsonl"),
@@ -90,8 +97,10 @@ def main(argv=None) -> None:
     if not sequences:
         parser.exit(1, f"error: no question of {args.questions} fits the context window with "
                        f"{args.max_new_tokens} new tokens\n")
-    result = head_rank_accuracy(model, sequences, starts, ranks=args.ranks)
+    categories = [q.get("category", "none") for q in answered]
+    result, by_category = head_rank_accuracy_by_group(model, sequences, starts, categories, ranks=args.ranks)
     print_table(result)
+    print_categories(by_category, categories)
 
     positions = sum(len(s) - start for s, start in zip(sequences, starts))
     report = {
@@ -103,6 +112,9 @@ def main(argv=None) -> None:
         "positions": positions,  # response tokens generated
         "counts": result.counts.tolist(),  # positions scored per head
         "questions": len(answered),
+        # where the heads miss: top-1 per head and scored positions for each question category
+        "by_category": {cat: {"questions": categories.count(cat), "top1": part.top(1).tolist(),
+                              "counts": part.counts.tolist()} for cat, part in sorted(by_category.items())},
         "settings": {
             "heads": args.heads or "default", "base": model.config.base_model_name_or_path,
             "questions_file": args.questions, "limit": args.limit, "max_new_tokens": args.max_new_tokens,

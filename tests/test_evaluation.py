@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from medusa import MedusaConfig, MedusaHeads, MedusaModel, head_target_offset
-from medusa.evaluation import head_rank_accuracy, head_rank_hits, load_questions, spread
+from medusa.evaluation import head_rank_accuracy, head_rank_accuracy_by_group, head_rank_hits, load_questions, spread
 from tests.conftest import make_heads, make_tiny_model
 
 V = 16  # one-hot world: hidden size == vocabulary size
@@ -135,6 +135,26 @@ def test_matches_slow_reference_on_a_tiny_model(projection, subset):
     assert torch.equal(got.counts, want_counts) and torch.equal(got.hits, want_hits)
     assert got.hits.sum() > 0  # random heads still hit sometimes: the comparison is not vacuous
     assert torch.all(got.acc.sum(1) <= 1)
+
+
+def test_accuracy_by_group_splits_the_pooled_counts():
+    """Per-category accuracy (scripts/head_accuracy.py's by_category): each group equals scoring its sequences alone,
+    and the groups add up to the pooled result."""
+    model = MedusaModel(make_tiny_model("qwen2"), make_heads(3, random=True), tokenizer=object(),
+                        projection_dtype=torch.float32)
+    torch.manual_seed(7)
+    sequences = [torch.randint(0, 96, (n,)) for n in (30, 25, 18, 22)]
+    starts, groups = [10, 6, 4, 12], ["writing", "math", "writing", "coding"]
+    total, by_group = head_rank_accuracy_by_group(model, sequences, starts, groups, ranks=4)
+    pooled = head_rank_accuracy(model, sequences, starts, ranks=4)
+    assert torch.equal(total.hits, pooled.hits) and torch.equal(total.counts, pooled.counts)
+    assert sorted(by_group) == ["coding", "math", "writing"]
+    writing = head_rank_accuracy(model, [sequences[0], sequences[2]], [starts[0], starts[2]], ranks=4)
+    assert torch.equal(by_group["writing"].hits, writing.hits)
+    assert torch.equal(by_group["writing"].counts, writing.counts)
+    assert not torch.equal(by_group["math"].counts, by_group["coding"].counts)  # groups hold different positions
+    with pytest.raises(ValueError, match="group labels"):
+        head_rank_accuracy_by_group(model, sequences, starts, groups[:2])
 
 
 def test_bad_arguments_are_named():
