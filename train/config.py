@@ -63,8 +63,7 @@ class DataConfig:
     answer: bool = True
 
     def __post_init__(self):
-        if not isinstance(self.answer, bool):
-            raise ValueError(f"data.answer must be true or false, got {self.answer!r}")
+        _check_bool(self, "data", "answer")
         if not self.answer and self.second_turn_fraction:
             raise ValueError("data.second_turn_fraction needs answers to follow up on: set data.answer true, or "
                              "second_turn_fraction 0 for prompt-only data")
@@ -111,8 +110,7 @@ class HeadsConfig:
         from medusa.config import PROJECTIONS
 
         for name in ("loss_over_candidates", "condition_on_next_token", "condition_on_path"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"heads.{name} must be true or false, got {getattr(self, name)!r}")
+            _check_bool(self, "heads", name)
         if self.condition_on_path and not self.condition_on_next_token:
             raise ValueError("heads.condition_on_path needs heads.condition_on_next_token: true (a path starts at the "
                              "root token)")
@@ -207,8 +205,7 @@ class TrainingConfig:
         if self.report_to not in REPORT_TO:
             raise ValueError(f"training.report_to must be one of {REPORT_TO}, got {self.report_to!r}")
         for name in ("distill", "prompt_tokens"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"training.{name} must be true or false, got {getattr(self, name)!r}")
+            _check_bool(self, "training", name)
         if self.prompt_tokens and not self.distill:
             raise ValueError("training.prompt_tokens needs training.distill: true (a prompt's tokens are not the base's "
                              "own, so the heads learn the base's distribution there, not the prompt's next token)")
@@ -219,6 +216,12 @@ class TrainingConfig:
             resolve_dtype(self.save_dtype)
         if not self.output_dir:
             raise ValueError("training.output_dir is empty: name the directory the heads are written to")
+
+
+def _check_bool(cfg, section: str, name: str) -> None:
+    value = getattr(cfg, name)
+    if not isinstance(value, bool):
+        raise ValueError(f"{section}.{name} must be true or false, got {value!r}")
 
 
 def _check_int(cfg, section: str, name: str, minimum: int) -> None:

@@ -399,8 +399,9 @@ class HeadTrainer(nn.Module):
                                 distill=self.cfg.distill and self.training)  # evaluation scores the data's tokens
         result = {"loss": out.loss, "ce": out.ce, "correct": out.correct, "count": out.count}
         if ref_hidden is not None:
-            kl, n = base_kl_loss(hidden[..., :ref_hidden.shape[-1]], ref_hidden, input_ids, loss_mask, self.lm_head, chunk_size=self.cfg.chunk_tokens,
-                                 compute_dtype=compute_dtype,
+            # (with feature layers the heads read more than the last hidden state; the KL compares that one)
+            kl, n = base_kl_loss(hidden[..., :ref_hidden.shape[-1]], ref_hidden, input_ids, loss_mask, self.lm_head,
+                                 chunk_size=self.cfg.chunk_tokens, compute_dtype=compute_dtype,
                                  normalizer=None if normalizer is None else normalizer[-1].clamp(min=1e-9))
             result.update(loss=out.loss + self.cfg.kl_weight * kl, kl=kl.detach(), kl_count=n)
         return result
