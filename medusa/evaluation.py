@@ -11,6 +11,10 @@ acc_given_prefix[k][r] is the same share over the positions where heads 0..k-1 a
 A tree step reaches depth k only through such positions, and they are easier than average (the errors of
 neighbouring heads are correlated), so a product of the marginals acc undervalues deep paths; the tree builder
 multiplies these conditional shares instead. Row 0 equals acc[0].
+
+by_confidence[k][b] is head k's top-1 accuracy split by how sure the target itself was of the emitted token (its
+probability where it emitted it; for greedy answers the target's top probability), in the bins CONFIDENCE_EDGES
+cut: it tells misses the target could not have avoided either from misses on tokens the target found obvious.
 """
 
 from __future__ import annotations
@@ -25,12 +29,17 @@ from medusa.heads import base_features, following_tokens, head_target_offset, to
 from medusa.propose import CandidateProjection
 
 
+CONFIDENCE_EDGES = (0.3, 0.5, 0.7, 0.9)  # bins of the target's probability of the emitted token: [0, .3), ... [.9, 1]
+
+
 @dataclass(frozen=True)
 class RankAccuracy:
     hits: torch.Tensor  # (K, R) long: scored positions where rank r of head k was the emitted token
     counts: torch.Tensor  # (K,) long: positions scored for head k (fewer for far heads: their targets run out)
     prefix_hits: torch.Tensor  # (K, R) long: hits among the positions where heads 0..k-1 were right at rank 0
     prefix_counts: torch.Tensor  # (K,) long: those positions
+    confidence_hits: torch.Tensor  # (K, B) long: rank-0 hits by the bin of the target's probability of the token
+    confidence_counts: torch.Tensor  # (K, B) long: scored positions by that bin
 
     @property
     def acc(self) -> torch.Tensor:
@@ -47,13 +56,21 @@ class RankAccuracy:
         """(K,) share of positions where heads 0..k all were right at rank 0: how often a top-1 chain reaches k+1."""
         return self.acc_given_prefix[:, 0].cumprod(0)
 
+    @property
+    def by_confidence(self) -> torch.Tensor:
+        """(K, B) float: top-1 accuracy of head k where the target's probability of the emitted token lay in bin b."""
+        return self.confidence_hits.double() / self.confidence_counts.clamp(min=1)
+
     def top(self, n: int) -> torch.Tensor:
         """(K,) cumulative top-n accuracy: the emitted token is among head k's n best."""
         return self.acc[:, :n].sum(1)
 
     def __add__(self, other: "RankAccuracy") -> "RankAccuracy":
-        return RankAccuracy(self.hits + other.hits, self.counts + other.counts,
-                            self.prefix_hits + other.prefix_hits, self.prefix_counts + other.prefix_counts)
+        return RankAccuracy(*(mine + theirs for mine, theirs in zip(self._tensors(), other._tensors())))
+
+    def _tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.hits, self.counts, self.prefix_hits, self.prefix_counts, self.confidence_hits,
+                self.confidence_counts)
 
 
 @torch.inference_mode()
@@ -77,13 +94,19 @@ def head_rank_hits(model, input_ids, response_start: int, ranks: int = 10, chunk
         raise ValueError(f"response_start {response_start} lies outside the sequence of {total} tokens")
     hits, prefix_hits = torch.zeros(num_heads, ranks, dtype=torch.long), torch.zeros(num_heads, ranks, dtype=torch.long)
     counts, prefix_counts = torch.zeros(num_heads, dtype=torch.long), torch.zeros(num_heads, dtype=torch.long)
+    edges = torch.tensor(CONFIDENCE_EDGES, dtype=torch.float64)
+    confidence_hits = torch.zeros(num_heads, len(edges) + 1, dtype=torch.long)
+    confidence_counts = torch.zeros_like(confidence_hits)
     first = max(response_start - 1, 0)  # the heads' first read: the last prompt position, after prefill
     last = total - 1 - head_target_offset(0)  # the nearest head's last source position with a target
     if last < first:
-        return RankAccuracy(hits, counts, prefix_hits, prefix_counts)
+        return RankAccuracy(hits, counts, prefix_hits, prefix_counts, confidence_hits, confidence_counts)
     device = model.base.device
-    hidden = base_features(model.base(input_ids=ids[None].to(device), output_hidden_states=True).hidden_states,
-                           heads.config.feature_layers)[0]  # (T, H) or with feature layers (T, H * (1 + layers))
+    out = model.base(input_ids=ids[None].to(device), output_hidden_states=True)
+    hidden = base_features(out.hidden_states, heads.config.feature_layers)[0]  # (T, H), or (T, H * (1 + layers))
+    # bin of the target's probability of each token where it emitted it (position j's token comes from j - 1's logits)
+    emitted_p = out.logits[0, :-1].float().log_softmax(-1).gather(-1, ids[1:, None].to(device))[:, 0].exp()
+    confidence_bin = torch.bucketize(torch.cat([emitted_p.new_ones(1), emitted_p]).double().cpu(), edges, right=True)
     if heads.context is not None:  # what the heads read: the context layer over every position, each with its next token
         hidden = heads.contextualise(hidden[None], embed(following_tokens(ids, 1)[:, 0].to(device))[None])[0][0]
     offsets = torch.tensor([head_target_offset(k) for k in range(num_heads)])  # (K,)
@@ -106,7 +129,10 @@ def head_rank_hits(model, input_ids, response_start: int, ranks: int = 10, chunk
         prefix = torch.cat([torch.ones_like(valid[:1]), right[:-1, :, 0].int().cumprod(0).bool()])  # (K, n)
         prefix_hits += (right & prefix[..., None]).sum(1)
         prefix_counts += (valid & prefix).sum(1)
-    return RankAccuracy(hits, counts, prefix_hits, prefix_counts)
+        bins = confidence_bin[dst.clamp(max=total - 1)]  # (K, n)
+        confidence_counts.scatter_add_(1, bins, valid.long())
+        confidence_hits.scatter_add_(1, bins, right[..., 0].long())
+    return RankAccuracy(hits, counts, prefix_hits, prefix_counts, confidence_hits, confidence_counts)
 
 
 def candidate_logits(projection: CandidateProjection, head_hidden: torch.Tensor) -> torch.Tensor:

@@ -9,8 +9,10 @@ train/generate_data.py answers training prompts; then acc[k][r] is the share of 
 medusa/evaluation.py). Path heads (`condition_on_path`) read the target's own tokens as their path, so for them
 acc[k][r] is the accuracy given that the path's tokens are right. acc_given_prefix[k][r] counts only the positions
 where heads 0..k-1 were also right at rank 0, the positions a step that reached depth k really sees (they are
-easier than average). scripts/build_tree.py reads the JSON: {"acc": [[...]], "acc_given_prefix": [[...]], "chain",
-"top1", "top5", "positions", "questions", "counts", "settings"}.
+easier than average). Top-1 is also reported per question category and per bin of the target's own probability of
+the token it emitted (misses on tokens the target was sure of are the heads' to win). scripts/build_tree.py reads
+the JSON: {"acc": [[...]], "acc_given_prefix": [[...]], "chain", "top1", "top5", "positions", "questions", "counts",
+"by_category", "by_target_confidence", "settings"}.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from medusa import MedusaModel  # noqa: E402
 from medusa.fileio import atomic_write_text  # noqa: E402
 from medusa.data import bench_data_dir  # noqa: E402
-from medusa.evaluation import RankAccuracy, head_rank_accuracy_by_group, load_questions, spread  # noqa: E402
+from medusa.evaluation import (CONFIDENCE_EDGES, RankAccuracy, head_rank_accuracy_by_group, load_questions,  # noqa: E402
+                               spread)
 from medusa.heads import head_target_offset  # noqa: E402
 from medusa.loading import DTYPES  # noqa: E402
 from train.config import DataConfig  # noqa: E402
@@ -75,6 +78,20 @@ def print_categories(by_category: dict[str, RankAccuracy], categories: list[str]
               + " ".join(f"{float(a):6.3f}" for a in part.top(1)))
 
 
+def confidence_bins() -> list[str]:
+    edges = (0.0, *CONFIDENCE_EDGES, 1.0)
+    return [f"{lo:.1f}-{hi:.1f}" for lo, hi in zip(edges, edges[1:])]
+
+
+def print_confidence(result: RankAccuracy) -> None:
+    """Top-1 per head split by the target's own probability of the token it emitted."""
+    bins = confidence_bins()
+    shares = result.confidence_counts[0].double() / result.counts[0].clamp(min=1)
+    print(f"{'target p':>10} {'share':>6}  top-1 per head")
+    for b, name in enumerate(bins):
+        print(f"{name:>10} {float(shares[b]):6.3f}  " + " ".join(f"{float(a):6.3f}" for a in result.by_confidence[:, b]))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--questions", default=str(bench_data_dir() / "spec_bench_question.jsonl"),
@@ -101,6 +118,7 @@ def main(argv=None) -> None:
     result, by_category = head_rank_accuracy_by_group(model, sequences, starts, categories, ranks=args.ranks)
     print_table(result)
     print_categories(by_category, categories)
+    print_confidence(result)
 
     positions = sum(len(s) - start for s, start in zip(sequences, starts))
     report = {
@@ -115,6 +133,11 @@ def main(argv=None) -> None:
         # where the heads miss: top-1 per head and scored positions for each question category
         "by_category": {cat: {"questions": categories.count(cat), "top1": part.top(1).tolist(),
                               "counts": part.counts.tolist()} for cat, part in sorted(by_category.items())},
+        # where the heads miss, by how sure the target was of the token: its probability bins, the share of head 0's
+        # scored positions in each, top-1 per head in each (greedy answers: the target's top probability)
+        "by_target_confidence": {"bins": confidence_bins(),
+                                 "share": (result.confidence_counts[0].double() / result.counts[0].clamp(min=1)).tolist(),
+                                 "top1": result.by_confidence.T.tolist(), "counts": result.confidence_counts.T.tolist()},
         "settings": {
             "heads": args.heads or "default", "base": model.config.base_model_name_or_path,
             "questions_file": args.questions, "limit": args.limit, "max_new_tokens": args.max_new_tokens,

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from medusa import MedusaConfig, MedusaHeads, MedusaModel, head_target_offset
+from medusa import evaluation
 from medusa.evaluation import head_rank_accuracy, head_rank_accuracy_by_group, head_rank_hits, load_questions, spread
 from tests.conftest import make_heads, make_tiny_model
 
@@ -32,7 +33,8 @@ class OneHotBase(nn.Module):
         return self.lm_head
 
     def forward(self, input_ids, output_hidden_states=True):
-        return SimpleNamespace(hidden_states=(nn.functional.one_hot(input_ids, V).float(),))
+        hidden = nn.functional.one_hot(input_ids, V).float()
+        return SimpleNamespace(hidden_states=(hidden,), logits=self.lm_head(hidden))
 
 
 def counting_heads(num_heads: int) -> MedusaHeads:
@@ -96,13 +98,17 @@ def test_accuracy_given_prefix_counts_only_positions_where_the_heads_before_were
     assert got.chain[0] == got.acc[0, 0] and 0 < got.chain[2] < got.chain[1] < got.chain[0]
 
 
-def reference_hits(model, ids: torch.Tensor, response_start: int, ranks: int):
-    """One position and one head at a time, counting the candidates the head prefers to the emitted token."""
+def reference_hits(model, ids: torch.Tensor, response_start: int, ranks: int, edges: tuple[float, ...]):
+    """One position and one head at a time, counting the candidates the head prefers to the emitted token; top-1
+    hits and counts also by the bin (`edges`) of the base's probability of that token where it emitted it."""
     num_heads, projection = model.heads.config.num_heads, model.candidate_projection
     hits, counts = torch.zeros(num_heads, ranks, dtype=torch.long), torch.zeros(num_heads, dtype=torch.long)
+    bin_hits = torch.zeros(num_heads, len(edges) + 1, dtype=torch.long)
+    bin_counts = torch.zeros_like(bin_hits)
     candidates = projection.token(torch.arange(projection.weight.shape[-2])).tolist()
     with torch.no_grad():
-        hidden = model.base(ids[None], output_hidden_states=True).hidden_states[-1][0]
+        out = model.base(ids[None], output_hidden_states=True)
+        hidden, probs = out.hidden_states[-1][0], out.logits[0].double().softmax(-1)
         for t in range(max(response_start - 1, 0), len(ids)):
             logits = projection.logits(model.heads.head_hidden(hidden[t]))  # (K, V') as the proposer sees them
             for k in range(num_heads):
@@ -110,16 +116,21 @@ def reference_hits(model, ids: torch.Tensor, response_start: int, ranks: int):
                 if j >= len(ids):
                     continue
                 counts[k] += 1
+                b = sum(float(probs[j - 1, ids[j]]) >= edge for edge in edges)
+                bin_counts[k, b] += 1
                 if int(ids[j]) not in candidates:  # outside the candidate subset: never a hit
                     continue
                 rank = int((logits[k] > logits[k, candidates.index(int(ids[j]))]).sum())
                 if rank < ranks:
                     hits[k, rank] += 1
-    return hits, counts
+                bin_hits[k, b] += rank == 0
+    return hits, counts, bin_hits, bin_counts
 
 
 @pytest.mark.parametrize("projection, subset", [("shared", False), ("own", False), ("shared", True), ("own", True)])
-def test_matches_slow_reference_on_a_tiny_model(projection, subset):
+def test_matches_slow_reference_on_a_tiny_model(projection, subset, monkeypatch):
+    edges = (0.009, 0.0104, 0.012, 0.015)  # a random base gives every token ~1/96: bins around it, so all get used
+    monkeypatch.setattr(evaluation, "CONFIDENCE_EDGES", edges)
     heads = make_heads(4, random=True, projection=projection)
     if subset:  # candidates only from 40 of the 96 tokens
         heads.set_vocab_subset(torch.randperm(96, generator=torch.Generator().manual_seed(2))[:40])
@@ -128,11 +139,14 @@ def test_matches_slow_reference_on_a_tiny_model(projection, subset):
     sequences = [torch.randint(0, 96, (n,)) for n in (40, 9, 3)]
     starts = [12, 8, 3]  # the last has no scorable position at all
     got = head_rank_accuracy(model, sequences, starts, ranks=6)
-    want_hits, want_counts = torch.zeros(4, 6, dtype=torch.long), torch.zeros(4, dtype=torch.long)
+    want = None
     for ids, start in zip(sequences, starts):
-        h, c = reference_hits(model, ids, start, 6)
-        want_hits, want_counts = want_hits + h, want_counts + c
+        one = reference_hits(model, ids, start, 6, edges)
+        want = one if want is None else tuple(a + b for a, b in zip(want, one))
+    want_hits, want_counts, want_bin_hits, want_bin_counts = want
     assert torch.equal(got.counts, want_counts) and torch.equal(got.hits, want_hits)
+    assert torch.equal(got.confidence_counts, want_bin_counts) and torch.equal(got.confidence_hits, want_bin_hits)
+    assert torch.equal(got.confidence_counts.sum(1), got.counts) and (got.confidence_counts > 0).sum() >= 8
     assert got.hits.sum() > 0  # random heads still hit sometimes: the comparison is not vacuous
     assert torch.all(got.acc.sum(1) <= 1)
 

@@ -227,14 +227,16 @@ def test_the_shipped_data_parts_do_not_overlap():
     assert len(second) == 3600 and not first & second
     assert {src for src, _ in sampled} == {"bench:t0", "bench:alpaca", "bench:gsm8k"}
     assert not {x for x in sampled if x[0] != "bench:alpaca"} & (first | second)  # new T0 and GSM8K prompts
-    assert {str(repo / d) for d in parts[0].extra_dirs} == {str(repo / c.out_dir) for c in parts[1:]}  # all read
     assert parts[2].greedy_fraction == 0.0
-    # the prompt-only T0 part (the next recipe) holds no prompt an answered part holds
+    # the prompt-only T0 part holds no prompt an answered part holds
     prompts = load_sections(str(repo / "configs" / "smollm2-135m-prompts-data.yaml"), [], {"data": DataConfig})["data"]
     prompt_only = set(build_prompt_mix(prompts.sources, prompts.seed))
     assert not prompts.answer and not prompt_only & (first | second | sampled)
     # the fourth answered part (GPU) asks new T0 and GSM8K prompts and re-asks Alpaca only
-    more = load_sections(str(repo / "configs" / "smollm2-135m-more-data.yaml"), [], {"data": DataConfig})["data"]
-    more = set(build_prompt_mix(more.sources, more.seed))
+    more_cfg = load_sections(str(repo / "configs" / "smollm2-135m-more-data.yaml"), [], {"data": DataConfig})["data"]
+    more = set(build_prompt_mix(more_cfg.sources, more_cfg.seed))
     assert {src for src, _ in more & (first | second | sampled | prompt_only)} == {"bench:alpaca"}
     assert {src for src, _ in more} == {"bench:t0", "bench:alpaca", "bench:gsm8k"}
+    # the shipped recipe reads every part
+    read = {str(repo / d) for d in parts[0].extra_dirs}
+    assert read == {str(repo / c.out_dir) for c in (*parts[1:], more_cfg, prompts)}

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from medusa import MedusaModel
 from medusa.config import WEIGHTS_NAME, MedusaConfig
-from medusa.heads import following_tokens
+from medusa.heads import MedusaHeads, following_tokens
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -305,7 +305,9 @@ def test_wandb_logs_offline_without_an_account(tmp_path, tiny_base, tiny_data, m
 
 
 # --------------------------------------------------------------------------- Medusa-2
-@pytest.mark.parametrize("heads", [{}, {"condition_on_next_token": True, "context_window": 4}], ids=["plain", "context"])
+@pytest.mark.parametrize("heads", [{}, {"condition_on_next_token": True, "context_window": 4},
+                                   {"condition_on_next_token": True, "context_window": 4, "feature_layers": [0, 1]}],
+                         ids=["plain", "context", "fused"])
 def test_medusa2_trains_adapter_and_heads_and_loads_merged(tmp_path, tiny_base, tiny_data, heads):
     raw = sections(tmp_path, tiny_base, tiny_data, heads=heads, max_steps=10, medusa2=True, precompute_hidden=False,
                    lora_r=4, lora_alpha=8, lora_lr=1e-2, lora_dropout=0.0, kl_weight=1.0)
@@ -331,6 +333,11 @@ def test_medusa2_trains_adapter_and_heads_and_loads_merged(tmp_path, tiny_base, 
         merged, adapted, original = loaded.base(ids).logits, peft_model(ids).logits, plain(ids).logits
     torch.testing.assert_close(merged, adapted, atol=1e-4, rtol=1e-4)
     assert (merged - original).abs().max() > 1e-4  # the adapter really changed the base
+    assert loaded.config.feature_layers == heads.get("feature_layers", [])
+    # the heads read the adapted base's features, and decoding stays exactly the adapted base's greedy output
+    prompt = torch.tensor([[3, 4, 5] + CYCLE[:4]])
+    expected = loaded.base.generate(prompt, max_new_tokens=12, do_sample=False, min_new_tokens=12)
+    assert torch.equal(loaded.generate(prompt, max_new_tokens=12, tree=[[0], [1], [0, 0]]).sequences, expected)
 
 
 def test_medusa1_output_replaces_a_stale_adapter(tmp_path, tiny_base, tiny_data):
@@ -414,6 +421,12 @@ def test_error_heads_that_do_not_match_the_base(tmp_path, tiny_base, tiny_data):
     save_heads(make_heads(num_heads=2), other)
     with pytest.raises(ValueError, match="num_heads=2 but the heads section asks for 3"):
         run(sections(tmp_path, tiny_base, tiny_data, heads={"init_from": str(other)}))
+
+    save_heads(MedusaHeads(MedusaConfig(hidden_size=HIDDEN, vocab_size=VOCAB, num_heads=3, condition_on_next_token=True,
+                                        context_window=4)), other)  # context heads without feature layers
+    with pytest.raises(ValueError, match=r"feature_layers=\[\] but the heads section asks for \[0, 1\]"):
+        run(sections(tmp_path, tiny_base, tiny_data, heads={"init_from": str(other), "condition_on_next_token": True,
+                                                             "context_window": 4, "feature_layers": [0, 1]}))
 
 
 def test_error_data_from_another_tokenizer(tmp_path, tiny_base):
@@ -655,15 +668,17 @@ def test_distill_needs_the_shared_projection(tmp_path, tiny_base, tiny_data):
         run(sections(tmp_path, tiny_base, tiny_data, heads={"projection": "own"}, distill=True))
 
 
-@pytest.mark.parametrize("name", ["smollm2-135m.yaml", "smollm2-135m-medusa2.yaml", "smollm2-135m-prompt-tokens.yaml"])
+@pytest.mark.parametrize("name", ["smollm2-135m.yaml", "smollm2-135m-medusa2.yaml", "smollm2-135m-cpu.yaml"])
 def test_shipped_configs_parse_and_agree_with_the_shipped_heads(name):
-    """The configs that reproduce / continue / are to replace the shipped heads describe the heads that are shipped."""
+    """The configs that reproduce / continue the shipped heads describe the heads that are shipped; the CPU recipe
+    (the heads shipped before) differs only in not reading feature layers."""
     cfg = load_sections(str(REPO / "configs" / name), [], train_mod.SECTIONS)
     shipped = MedusaConfig.load(REPO / "medusa" / "default_heads" / "smollm2-135m-instruct")
     heads = cfg["heads"]
     for field in ("num_heads", "num_layers", "projection", "condition_on_next_token", "condition_on_path",
                   "context_window"):
         assert getattr(heads, field) == getattr(shipped, field), field
+    assert list(heads.feature_layers) == ([] if name == "smollm2-135m-cpu.yaml" else shipped.feature_layers)
     if heads.vocab_subset_size is not None:
         assert heads.vocab_subset_size == shipped.vocab_subset_size
     if name == "smollm2-135m.yaml":  # the heads were trained on exactly the data directories this config reads

@@ -424,8 +424,8 @@ def build_heads(heads_cfg: HeadsConfig, hidden_size: int, vocab_size: int, lm_he
             raise ValueError(f"heads.init_from {source} was trained for {name} {getattr(found, name)} but the base "
                              f"({base_ref}) has {want}: start from heads made for this base, or drop heads.init_from")
     for name in ("num_heads", "num_layers", "projection", "condition_on_next_token", "condition_on_path",
-                 "context_window"):
-        if getattr(found, name) != getattr(heads_cfg, name):
+                 "context_window", "feature_layers"):
+        if getattr(found, name) != type(getattr(found, name))(getattr(heads_cfg, name)):  # (list vs tuple)
             raise ValueError(f"heads.init_from {source} has {name}={getattr(found, name)!r} but the heads section asks "
                              f"for {getattr(heads_cfg, name)!r}: make them agree")
     # Keep everything else the directory declares (tree, vocabulary subset, ...); provenance starts afresh.
