@@ -57,6 +57,11 @@ class RankAccuracy:
         return self.acc_given_prefix[:, 0].cumprod(0)
 
     @property
+    def confidence_share(self) -> torch.Tensor:
+        """(K, B) float: share of head k's scored positions whose emitted token's target probability is in bin b."""
+        return self.confidence_counts.double() / self.counts.clamp(min=1)[:, None]
+
+    @property
     def by_confidence(self) -> torch.Tensor:
         """(K, B) float: top-1 accuracy of head k where the target's probability of the emitted token lay in bin b."""
         return self.confidence_hits.double() / self.confidence_counts.clamp(min=1)
@@ -145,20 +150,14 @@ def candidate_logits(projection: CandidateProjection, head_hidden: torch.Tensor)
 
 def head_rank_accuracy(model, sequences, response_starts, ranks: int = 10) -> RankAccuracy:
     """Pooled rank hits over many sequences: `sequences[i]` (T_i,) ids, `response_starts[i]` where its response begins."""
-    if len(sequences) != len(response_starts):
-        raise ValueError(f"{len(sequences)} sequences but {len(response_starts)} response starts")
-    if not sequences:
-        raise ValueError("no sequences to score")
-    total = None
-    for ids, start in zip(sequences, response_starts):
-        one = head_rank_hits(model, ids, start, ranks)
-        total = one if total is None else total + one
-    return total
+    return head_rank_accuracy_by_group(model, sequences, response_starts, [None] * len(sequences), ranks)[0]
 
 
 def head_rank_accuracy_by_group(model, sequences, response_starts, groups, ranks: int = 10):
     """`head_rank_accuracy` pooled over everything and over each group of sequences (e.g. question categories):
     -> (total RankAccuracy, {group: RankAccuracy}), each sequence scored once."""
+    if len(sequences) != len(response_starts):
+        raise ValueError(f"{len(sequences)} sequences but {len(response_starts)} response starts")
     if len(groups) != len(sequences):
         raise ValueError(f"{len(sequences)} sequences but {len(groups)} group labels")
     if not sequences:

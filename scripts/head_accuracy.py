@@ -85,11 +85,10 @@ def confidence_bins() -> list[str]:
 
 def print_confidence(result: RankAccuracy) -> None:
     """Top-1 per head split by the target's own probability of the token it emitted."""
-    bins = confidence_bins()
-    shares = result.confidence_counts[0].double() / result.counts[0].clamp(min=1)
     print(f"{'target p':>10} {'share':>6}  top-1 per head")
-    for b, name in enumerate(bins):
-        print(f"{name:>10} {float(shares[b]):6.3f}  " + " ".join(f"{float(a):6.3f}" for a in result.by_confidence[:, b]))
+    for b, name in enumerate(confidence_bins()):
+        print(f"{name:>10} {float(result.confidence_share[0, b]):6.3f}  "
+              + " ".join(f"{float(a):6.3f}" for a in result.by_confidence[:, b]))
 
 
 def main(argv=None) -> None:
@@ -136,7 +135,7 @@ def main(argv=None) -> None:
         # where the heads miss, by how sure the target was of the token: its probability bins, the share of head 0's
         # scored positions in each, top-1 per head in each (greedy answers: the target's top probability)
         "by_target_confidence": {"bins": confidence_bins(),
-                                 "share": (result.confidence_counts[0].double() / result.counts[0].clamp(min=1)).tolist(),
+                                 "share": result.confidence_share[0].tolist(),
                                  "top1": result.by_confidence.T.tolist(), "counts": result.confidence_counts.T.tolist()},
         "settings": {
             "heads": args.heads or "default", "base": model.config.base_model_name_or_path,

@@ -147,6 +147,7 @@ def test_matches_slow_reference_on_a_tiny_model(projection, subset, monkeypatch)
     assert torch.equal(got.counts, want_counts) and torch.equal(got.hits, want_hits)
     assert torch.equal(got.confidence_counts, want_bin_counts) and torch.equal(got.confidence_hits, want_bin_hits)
     assert torch.equal(got.confidence_counts.sum(1), got.counts) and (got.confidence_counts > 0).sum() >= 8
+    torch.testing.assert_close(got.confidence_share.sum(1), torch.ones(4, dtype=torch.double))
     assert got.hits.sum() > 0  # random heads still hit sometimes: the comparison is not vacuous
     assert torch.all(got.acc.sum(1) <= 1)
 
@@ -169,6 +170,8 @@ def test_accuracy_by_group_splits_the_pooled_counts():
     assert not torch.equal(by_group["math"].counts, by_group["coding"].counts)  # groups hold different positions
     with pytest.raises(ValueError, match="group labels"):
         head_rank_accuracy_by_group(model, sequences, starts, groups[:2])
+    with pytest.raises(ValueError, match="4 sequences but 3 response starts"):
+        head_rank_accuracy_by_group(model, sequences, starts[:3], groups)
 
 
 def test_bad_arguments_are_named():
