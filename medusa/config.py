@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from medusa.fileio import atomic_write_text
+from medusa.ngram import COPY_MIN_NGRAM
 
 FORMAT_VERSION = 1
 CONFIG_NAME = "medusa_config.json"
@@ -42,6 +43,10 @@ class MedusaConfig:
     # The context layer also reads the residual stream after these base layers (0 = the embeddings), besides the
     # last hidden state: EAGLE-3's fused low / middle / high-level features. Needs context_window. Medusa-only layout.
     feature_layers: list[int] = field(default_factory=list)
+    # > 0: each head ranks first the token that followed the most recent earlier occurrence of the last copy_ngram
+    # .. 2 tokens (its copy guess, see medusa.ngram), before its own guesses. Weights are untouched: this is how the
+    # heads' guesses are ranked when proposing and when scored. 0 = off.
+    copy_ngram: int = 0
     format_version: int = FORMAT_VERSION
     extra: dict = field(default_factory=dict)  # free-form provenance (training run, data), never read by code
 
@@ -70,6 +75,10 @@ class MedusaConfig:
         if self.feature_layers and not self.context_window:
             raise ValueError("MedusaConfig.feature_layers needs context_window > 0: the context layer is what reads "
                              "the extra layers' features")
+        if not isinstance(self.copy_ngram, int) or isinstance(self.copy_ngram, bool) or \
+                not (self.copy_ngram == 0 or self.copy_ngram >= COPY_MIN_NGRAM):
+            raise ValueError(f"MedusaConfig.copy_ngram must be 0 (off) or an integer >= {COPY_MIN_NGRAM} (the longest "
+                             f"suffix matched), got {self.copy_ngram!r}")
         if self.projection not in PROJECTIONS:
             raise ValueError(f"MedusaConfig.projection must be one of {PROJECTIONS}, got {self.projection!r}")
         if self.vocab_subset_size is not None and not 0 < self.vocab_subset_size <= self.vocab_size:

@@ -5,7 +5,7 @@ target actually emitted there. Head k reads the hidden state at position t and i
 t + head_target_offset(k). Only positions the decoder really consults are scored: t runs from the last prompt
 token (the heads' first use, right after prefill) to the last position whose target is still in the sequence.
 Ranks come from the model's candidate projection, as the proposer ranks them (its dtype, its vocabulary subset:
-a token outside the subset is never a hit).
+a token outside the subset is never a hit), with the copy guess first for heads with `copy_ngram` (medusa.ngram).
 
 acc_given_prefix[k][r] is the same share over the positions where heads 0..k-1 all had the emitted token at rank 0.
 A tree step reaches depth k only through such positions, and they are easier than average (the errors of
@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from medusa.heads import base_features, following_tokens, head_target_offset, tokens_read
+from medusa.ngram import copy_chain, copy_guesses, put_first
 from medusa.propose import CandidateProjection
 
 
@@ -40,6 +41,8 @@ class RankAccuracy:
     prefix_counts: torch.Tensor  # (K,) long: those positions
     confidence_hits: torch.Tensor  # (K, B) long: rank-0 hits by the bin of the target's probability of the token
     confidence_counts: torch.Tensor  # (K, B) long: scored positions by that bin
+    copy_counts: torch.Tensor  # (K,) long: scored positions where head k had a copy guess (heads with copy_ngram)
+    copy_hits: torch.Tensor  # (K,) long: those where the copy guess was the emitted token
 
     @property
     def acc(self) -> torch.Tensor:
@@ -66,6 +69,16 @@ class RankAccuracy:
         """(K, B) float: top-1 accuracy of head k where the target's probability of the emitted token lay in bin b."""
         return self.confidence_hits.double() / self.confidence_counts.clamp(min=1)
 
+    @property
+    def copy_share(self) -> torch.Tensor:
+        """(K,) share of head k's scored positions where it had a copy guess."""
+        return self.copy_counts.double() / self.counts.clamp(min=1)
+
+    @property
+    def copy_precision(self) -> torch.Tensor:
+        """(K,) how often head k's copy guess was the emitted token, where it had one."""
+        return self.copy_hits.double() / self.copy_counts.clamp(min=1)
+
     def top(self, n: int) -> torch.Tensor:
         """(K,) cumulative top-n accuracy: the emitted token is among head k's n best."""
         return self.acc[:, :n].sum(1)
@@ -75,7 +88,7 @@ class RankAccuracy:
 
     def _tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.hits, self.counts, self.prefix_hits, self.prefix_counts, self.confidence_hits,
-                self.confidence_counts)
+                self.confidence_counts, self.copy_counts, self.copy_hits)
 
 
 @torch.inference_mode()
@@ -102,10 +115,12 @@ def head_rank_hits(model, input_ids, response_start: int, ranks: int = 10, chunk
     edges = torch.tensor(CONFIDENCE_EDGES, dtype=torch.float64)
     confidence_hits = torch.zeros(num_heads, len(edges) + 1, dtype=torch.long)
     confidence_counts = torch.zeros_like(confidence_hits)
+    copy_counts, copy_hits = torch.zeros(num_heads, dtype=torch.long), torch.zeros(num_heads, dtype=torch.long)
     first = max(response_start - 1, 0)  # the heads' first read: the last prompt position, after prefill
     last = total - 1 - head_target_offset(0)  # the nearest head's last source position with a target
     if last < first:
-        return RankAccuracy(hits, counts, prefix_hits, prefix_counts, confidence_hits, confidence_counts)
+        return RankAccuracy(hits, counts, prefix_hits, prefix_counts, confidence_hits, confidence_counts,
+                            copy_counts, copy_hits)
     device = model.base.device
     out = model.base(input_ids=ids[None].to(device), output_hidden_states=True)
     hidden = base_features(out.hidden_states, heads.config.feature_layers)[0]  # (T, H), or (T, H * (1 + layers))
@@ -127,6 +142,11 @@ def head_rank_hits(model, input_ids, response_start: int, ranks: int = 10, chunk
         dst = src[None, :] + offsets[:, None]  # (K, n) positions of the tokens each head predicts
         valid = dst < total  # (K, n) far heads run out of targets before near ones
         target = ids[dst.clamp(max=total - 1)]  # (K, n)
+        if heads.config.copy_ngram:  # rank each head's copy guess first, as the proposer does
+            copies = copy_guesses_along(ids, src, heads.config)  # (K, n)
+            top = torch.stack([put_first(top[k], copies[k]) for k in range(num_heads)])
+            copy_counts += ((copies >= 0) & valid).sum(1)
+            copy_hits += ((copies == target) & valid).sum(1)
         right = (top == target[..., None]) & valid[..., None]  # (K, n, R)
         hits += right.sum(1)
         counts += valid.sum(1)
@@ -137,7 +157,21 @@ def head_rank_hits(model, input_ids, response_start: int, ranks: int = 10, chunk
         bins = confidence_bin[dst.clamp(max=total - 1)]  # (K, n)
         confidence_counts.scatter_add_(1, bins, valid.long())
         confidence_hits.scatter_add_(1, bins, right[..., 0].long())
-    return RankAccuracy(hits, counts, prefix_hits, prefix_counts, confidence_hits, confidence_counts)
+    return RankAccuracy(hits, counts, prefix_hits, prefix_counts, confidence_hits, confidence_counts, copy_counts,
+                        copy_hits)
+
+
+def copy_guesses_along(ids: torch.Tensor, sources: torch.Tensor, config) -> torch.Tensor:
+    """(T,) ids, (n,) source positions -> (K, n) each head's copy guess there (-1: none), as the proposer makes it in a
+    step whose root is ids[t + 1] (path heads: with the target's own tokens as the path)."""
+    guesses = torch.full((config.num_heads, sources.numel()), -1, dtype=torch.long)
+    for i, t in enumerate(sources.tolist()):
+        chain = copy_chain(ids[: t + 2], config.copy_ngram, config.num_heads)
+        for k in range(len(chain)):
+            path = ids[t + 2: t + 2 + k][None] if config.condition_on_path else None
+            if path is None or path.shape[1] == k:  # the target's path may run out before the chain does
+                guesses[k, i] = copy_guesses(chain, k, path)[0]
+    return guesses
 
 
 def candidate_logits(projection: CandidateProjection, head_hidden: torch.Tensor) -> torch.Tensor:

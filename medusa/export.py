@@ -143,6 +143,9 @@ def export_heads(heads: MedusaHeads, out_dir: str | os.PathLike, format: str, *,
     if format == "medusa" and config.vocab_subset_size:
         logger.warning("the official layout cannot carry the %d-token candidate subset: engines will rank the full "
                        "vocabulary (vLLM's layout keeps it as token_map)", config.vocab_subset_size)
+    if config.copy_ngram:
+        logger.warning("copy_ngram %d is a medusa ranking rule, not weights: the exported heads guess without it (vLLM "
+                       "and TGI have n-gram speculators of their own)", config.copy_ngram)
     if format == "medusa" and config.num_layers > 1:
         logger.warning("the official Medusa code repeats one ResBlock instance per head, so it ties the %d layers "
                        "exported here; TGI and vLLM build distinct layers", config.num_layers)

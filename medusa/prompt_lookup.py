@@ -10,27 +10,12 @@ from __future__ import annotations
 import torch
 
 from medusa.dynamic_tree import buffers_from_parents
+from medusa.ngram import ngram_continuation
 from medusa.propose import Candidates, build_medusa_proposer
 from medusa.tree import TreeBuffers, TreeSpec, build_buffers, chain
 
 MAX_NGRAM = 3  # longest suffix tried first (prompt-lookup-decoding's default; transformers uses 2)
 NUM_TOKENS = 10  # continuation length, as transformers' prompt_lookup_num_tokens=10
-
-
-def ngram_continuation(tokens: torch.Tensor, max_ngram: int = MAX_NGRAM, num_tokens: int = NUM_TOKENS) -> list[int]:
-    """tokens (T,) long -> up to `num_tokens` ids: what followed the earliest earlier occurrence of the last n tokens.
-
-    Tries n = max_ngram down to 1 and returns the first match's continuation (transformers' rule); [] if none.
-    The continuation may run into the suffix itself (repetitions are exactly what it should catch).
-    """
-    length = tokens.numel()
-    for n in range(min(max_ngram, length - 1), 0, -1):
-        windows = tokens[: length - 1].unfold(0, n, 1)  # (T - n, n): windows with at least one token after them
-        hits = (windows == tokens[length - n:]).all(1).nonzero()
-        if hits.numel():
-            start = int(hits[0]) + n
-            return tokens[start: start + num_tokens].tolist()
-    return []
 
 
 def graft_chain(candidates: Candidates, chain_tokens: list[int]) -> Candidates:

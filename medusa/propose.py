@@ -8,6 +8,7 @@ from typing import Protocol
 
 import torch
 
+from medusa.ngram import copy_chain, copy_guesses, put_first
 from medusa.tree import TreeBuffers
 
 
@@ -94,6 +95,7 @@ class MedusaProposer:
     """Top-s tokens of each head, read from the last committed hidden state, placed by a static tree.
 
     Path heads (`condition_on_path`) guess each node's children from that node's own path, one depth at a time.
+    Heads with `copy_ngram` rank their copy guess (medusa.ngram) first.
     """
 
     def __init__(self, heads, projection: CandidateProjection, tree: TreeBuffers, embed_tokens=None):
@@ -130,6 +132,13 @@ class MedusaProposer:
         self._context_read = features[0, -1]
         return self._context_read
 
+    def step_copies(self, state) -> list[int]:
+        """This step's copy guesses, one per head (fewer, or none, where the context holds no match); [] when the
+        heads do not copy."""
+        if not self.heads.config.copy_ngram:
+            return []
+        return copy_chain(torch.tensor(state.tokens), self.heads.config.copy_ngram, self.heads.config.num_heads)
+
     def path_logits(self, hidden: torch.Tensor, root: torch.Tensor, head: int, paths: torch.Tensor) -> torch.Tensor:
         """Head `head`'s logits after each of P paths: hidden (H,), root (), paths (P, head) token ids after the
         root -> (P, V'). Heads that read no path give P equal rows."""
@@ -154,16 +163,22 @@ class MedusaProposer:
             logits = self.head_logits(self.read(state), state.root_token)
             width = max(tree.topk_per_head)
             top = self.projection.token(torch.topk(logits, width, dim=-1).indices)  # (K_used, width) token ids
+            copies = self.step_copies(state)
+            if copies:
+                top = put_first(top, torch.cat([copy_guesses(copies, k, None) for k in range(self.used_heads)]).to(top.device))
             parts += [top[k, :s] for k, s in enumerate(tree.topk_per_head[: self.used_heads]) if s]
         flat = torch.cat(parts)
         return Candidates(tokens=flat[tree.candidate_index], tree=tree)
 
     def _propose_by_path(self, state) -> Candidates:
         tokens = state.root_token.view(1).repeat(self.tree.num_nodes)  # (N,) filled depth by depth
-        hidden = self.read(state)
+        hidden, copies = self.read(state), self.step_copies(state)
         for head, level in enumerate(self.levels):
-            logits = self.path_logits(hidden, state.root_token, head, tokens[level.parent_paths])  # (P, V')
+            paths = tokens[level.parent_paths]  # (P, head)
+            logits = self.path_logits(hidden, state.root_token, head, paths)  # (P, V')
             top = self.projection.token(torch.topk(logits, level.width, dim=-1).indices)  # (P, width)
+            if copies:
+                top = put_first(top, copy_guesses(copies, head, paths))
             tokens[level.nodes] = top[level.parent_rows, level.ranks]
         return Candidates(tokens=tokens, tree=self.tree)
 

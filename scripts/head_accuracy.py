@@ -12,12 +12,15 @@ where heads 0..k-1 were also right at rank 0, the positions a step that reached 
 easier than average). Top-1 is also reported per question category and per bin of the target's own probability of
 the token it emitted (misses on tokens the target was sure of are the heads' to win). scripts/build_tree.py reads
 the JSON: {"acc": [[...]], "acc_given_prefix": [[...]], "chain", "top1", "top5", "positions", "questions", "counts",
-"by_category", "by_target_confidence", "settings"}.
+"by_category", "by_target_confidence", "copy", "settings"}. Heads with `copy_ngram` rank their copy guess (the token
+that followed the last few tokens' most recent earlier occurrence, medusa/ngram.py) first, as the proposer does;
+`--copy-ngram 0` scores the network's guesses alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -83,6 +86,12 @@ def confidence_bins() -> list[str]:
     return [f"{lo:.1f}-{hi:.1f}" for lo, hi in zip(edges, edges[1:])]
 
 
+def print_copy(result: RankAccuracy, ngram: int) -> None:
+    print(f"\ncopy guesses (last {ngram}..2 tokens seen before; ranked first where they exist): share of positions "
+          + " ".join(f"{float(x):.3f}" for x in result.copy_share) + ", right "
+          + " ".join(f"{float(x):.3f}" for x in result.copy_precision))
+
+
 def print_confidence(result: RankAccuracy) -> None:
     """Top-1 per head split by the target's own probability of the token it emitted."""
     print(f"{'target p':>10} {'share':>6}  top-1 per head")
@@ -104,10 +113,14 @@ def main(argv=None) -> None:
     parser.add_argument("--device", help="e.g. cuda (default: cpu)")
     parser.add_argument("--ranks", type=int, default=10, help="ranks per head to score")
     parser.add_argument("--batch-size", type=int, default=8, help="questions answered per generate call")
+    parser.add_argument("--copy-ngram", type=int, help="override the heads' copy_ngram (0: score the network's own "
+                        "guesses alone, without the copy guess ranked first)")
     args = parser.parse_args(argv)
 
     started = time.time()
     model = MedusaModel.from_pretrained(args.heads, base=args.base, dtype=args.dtype, device=args.device)
+    if args.copy_ngram is not None:
+        model.heads.config = dataclasses.replace(model.config, copy_ngram=args.copy_ngram)  # validated again
     questions = spread(load_questions(args.questions), args.limit)
     sequences, starts, answered = answer_questions(model, questions, args.max_new_tokens, args.batch_size)
     if not sequences:
@@ -118,6 +131,8 @@ def main(argv=None) -> None:
     print_table(result)
     print_categories(by_category, categories)
     print_confidence(result)
+    if model.config.copy_ngram:
+        print_copy(result, model.config.copy_ngram)
 
     positions = sum(len(s) - start for s, start in zip(sequences, starts))
     report = {
@@ -137,10 +152,13 @@ def main(argv=None) -> None:
         "by_target_confidence": {"bins": confidence_bins(),
                                  "share": result.confidence_share[0].tolist(),
                                  "top1": result.by_confidence.T.tolist(), "counts": result.confidence_counts.T.tolist()},
+        # copy guesses (heads with copy_ngram): share of each head's positions with one, and how often it was right
+        "copy": {"share": result.copy_share.tolist(), "precision": result.copy_precision.tolist()},
         "settings": {
             "heads": args.heads or "default", "base": model.config.base_model_name_or_path,
             "questions_file": args.questions, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
             "dtype": args.dtype, "ranks": args.ranks, "greedy": True, "num_heads": model.config.num_heads,
+            "copy_ngram": model.config.copy_ngram,
             "projection": model.config.projection, "vocab_subset_size": model.config.vocab_subset_size,
             "candidate_dtype": str(model.candidate_projection.weight.dtype).removeprefix("torch."),
             "head_target_offsets": [head_target_offset(k) for k in range(model.config.num_heads)],

@@ -10,6 +10,7 @@ every outcome is deterministic; the p-values are printed (`pytest -s`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -20,6 +21,7 @@ from transformers import (AutoModelForCausalLM, LlamaConfig, LogitsProcessorList
 
 from medusa import MedusaModel
 from medusa.acceptance import ACCEPTANCE_RULES, Acceptance, rejection, speculative
+from medusa.ngram import copy_chain
 from medusa.sampling import SamplingConfig, select_token, target_probs
 from tests.conftest import make_heads
 
@@ -157,12 +159,12 @@ def exact_continuations(target, prompt: torch.Tensor, **settings) -> torch.Tenso
     return (p1[:, None, None] * p2[:, :, None] * p3).flatten()
 
 
-def sample_counts(model, n: int, seed: int, **kwargs) -> torch.Tensor:
+def sample_counts(model, n: int, seed: int, prompt: torch.Tensor = PROMPT, **kwargs) -> torch.Tensor:
     """(V**3,) how often `model.generate(do_sample=True)` emitted each continuation in n runs."""
     generator = torch.Generator().manual_seed(seed)
     index = torch.empty(n, dtype=torch.long)
     for i in range(n):
-        x1, x2, x3 = model.generate(PROMPT, NEW, do_sample=True, generator=generator, **kwargs).sequences[0, -NEW:].tolist()
+        x1, x2, x3 = model.generate(prompt, NEW, do_sample=True, generator=generator, **kwargs).sequences[0, -NEW:].tolist()
         index[i] = x1 * V * V + x2 * V + x3
     return torch.bincount(index, minlength=V ** 3)
 
@@ -254,6 +256,23 @@ def test_medusa_tree_rejection_sampling_is_exact(target, medusa):
     counts = sample_counts(medusa, EXACT_SAMPLES, seed=1, **MEDUSA_SETTINGS)  # default rule for do_sample: rejection
     result = chi_square(counts, exact)
     report("medusa tree, rejection (exact)", result)
+    assert result["impossible"] == 0
+    assert result["p_value"] > SIGNIFICANCE, result
+
+
+@pytest.mark.slow
+def test_copying_heads_tree_rejection_sampling_is_exact(target):
+    """Heads with copy guesses (copy_ngram): every bigram (5, v) is in the prompt, so every step has a copy chain
+    ranked first; sampling must stay exact."""
+    heads = make_heads(num_heads=2, random=True, hidden=16, vocab=V)
+    heads.config = dataclasses.replace(heads.config, copy_ngram=2)
+    model = MedusaModel(target, heads, tree=MEDUSA_TREE)
+    prompt = torch.tensor([[t for v in range(V) if v != 5 for t in (5, v)] + [5]])
+    assert copy_chain(torch.cat([prompt[0], torch.tensor([0])]), 2, 2) == [5, 1]  # after root 0: copy 5, then 1
+    exact = exact_continuations(target, prompt, **MEDUSA_SETTINGS)
+    counts = sample_counts(model, EXACT_SAMPLES, seed=3, prompt=prompt, **MEDUSA_SETTINGS)
+    result = chi_square(counts, exact)
+    report("medusa tree with copy guesses, rejection (exact)", result)
     assert result["impossible"] == 0
     assert result["p_value"] > SIGNIFICANCE, result
 

@@ -59,6 +59,9 @@ class FixedHeads:
     def read(self, state):
         return state.last_hidden
 
+    def step_copies(self, state):
+        return []  # no copy guesses (tests/test_copy.py covers them)
+
     def head_logits(self, hidden, next_token, num_heads=None):
         return self.logits[:num_heads]
 

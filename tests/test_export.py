@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import os
 
 import pytest
@@ -227,3 +229,13 @@ def test_vocab_subset_travels_as_vllm_token_map(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         export_model(model, tmp_path / "official", "medusa")
     assert "cannot carry the 6-token candidate subset" in caplog.text
+
+
+def test_copy_guess_is_named_when_it_does_not_travel(tmp_path, caplog):
+    """copy_ngram is a ranking rule of medusa's: exporting says the other engine's heads will guess without it."""
+    model = medusa_model("own")
+    model.heads.config = dataclasses.replace(model.config, copy_ngram=4)
+    with caplog.at_level(logging.WARNING, logger="medusa.export"):
+        out = export_model(model, tmp_path / "vllm", "vllm")
+    assert "copy_ngram 4" in caplog.text
+    assert MedusaModel.from_pretrained(out, base=make_tiny_model("llama"), tokenizer=_TOKENIZER).config.copy_ngram == 0

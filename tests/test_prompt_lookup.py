@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from medusa import MedusaModel
-from medusa.prompt_lookup import PromptLookupProposer, graft_chain, ngram_continuation
+from medusa.ngram import ngram_continuation
+from medusa.prompt_lookup import PromptLookupProposer, graft_chain
 from medusa.propose import Candidates
 from medusa.tree import TreeSpec, build_buffers
 from tests.conftest import FAMILIES, make_heads, make_tiny_model

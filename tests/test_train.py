@@ -683,3 +683,22 @@ def test_shipped_configs_parse_and_agree_with_the_shipped_heads(name):
         assert heads.vocab_subset_size == shipped.vocab_subset_size
     if name == "smollm2-135m.yaml":  # the heads were trained on exactly the data directories this config reads
         assert shipped.extra["training"]["data_dirs"] == [cfg["data"].out_dir, *cfg["data"].extra_dirs]
+
+
+def test_copy_ngram_goes_from_the_heads_section_to_the_saved_heads(tmp_path, tiny_base, tiny_data):
+    """heads.copy_ngram is not trained: it is written to the heads' config (fresh heads and init_from alike), and
+    a value the heads config refuses is named at config time."""
+    cfg = build(sections(tmp_path, tiny_base, tiny_data, heads={"copy_ngram": 3}))["heads"]
+    lm_head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
+    fresh = train_mod.build_heads(cfg, HIDDEN, VOCAB, lm_head, None)
+    assert fresh.config.copy_ngram == 3
+    from medusa.model import save_heads
+
+    (tmp_path / "start").mkdir()
+    save_heads(fresh, tmp_path / "start")
+    continued = build(sections(tmp_path, tiny_base, tiny_data, heads={"copy_ngram": 0,
+                                                                      "init_from": str(tmp_path / "start")}))["heads"]
+    assert train_mod.build_heads(continued, HIDDEN, VOCAB, lm_head, None).config.copy_ngram == 0
+    with pytest.raises(ValueError, match="copy_ngram"):
+        train_mod.build_heads(build(sections(tmp_path, tiny_base, tiny_data, heads={"copy_ngram": 1}))["heads"],
+                              HIDDEN, VOCAB, lm_head, None)

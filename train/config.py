@@ -105,6 +105,9 @@ class HeadsConfig:
     # Base layers whose residual stream the context layer reads besides the last hidden state (EAGLE-3's fused
     # features; 0 = the embeddings); needs context_window.
     feature_layers: list[int] = field(default_factory=list)
+    # > 0: the saved heads rank their copy guess first (the token after the most recent earlier occurrence of the
+    # last copy_ngram .. 2 tokens; see medusa.ngram). Not trained: written to the heads' config. 0 = off.
+    copy_ngram: int = 0
 
     def __post_init__(self):
         from medusa.config import PROJECTIONS
@@ -117,6 +120,7 @@ class HeadsConfig:
         _check_int(self, "heads", "num_heads", minimum=1)
         _check_int(self, "heads", "num_layers", minimum=0)
         _check_int(self, "heads", "context_window", minimum=0)
+        _check_int(self, "heads", "copy_ngram", minimum=0)
         if self.context_window and not self.condition_on_next_token:
             raise ValueError("heads.context_window needs heads.condition_on_next_token: true (the context layer reads "
                              "each position's next token)")

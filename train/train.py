@@ -414,7 +414,8 @@ def build_heads(heads_cfg: HeadsConfig, hidden_size: int, vocab_size: int, lm_he
                           num_layers=heads_cfg.num_layers, projection=heads_cfg.projection,
                           condition_on_next_token=heads_cfg.condition_on_next_token,
                           condition_on_path=heads_cfg.condition_on_path, context_window=heads_cfg.context_window,
-                          feature_layers=list(heads_cfg.feature_layers), base_model_name_or_path=base_ref)
+                          feature_layers=list(heads_cfg.feature_layers), copy_ngram=heads_cfg.copy_ngram,
+                          base_model_name_or_path=base_ref)
     if heads_cfg.init_from is None:
         return MedusaHeads(config, base_lm_head=lm_head)
     source = Path(heads_cfg.init_from)
@@ -429,7 +430,8 @@ def build_heads(heads_cfg: HeadsConfig, hidden_size: int, vocab_size: int, lm_he
             raise ValueError(f"heads.init_from {source} has {name}={getattr(found, name)!r} but the heads section asks "
                              f"for {getattr(heads_cfg, name)!r}: make them agree")
     # Keep everything else the directory declares (tree, vocabulary subset, ...); provenance starts afresh.
-    heads = MedusaHeads(dataclasses.replace(found, base_model_name_or_path=base_ref, extra={}))
+    heads = MedusaHeads(dataclasses.replace(found, base_model_name_or_path=base_ref, copy_ngram=heads_cfg.copy_ngram,
+                                            extra={}))
     load_heads_weights(heads, source / WEIGHTS_NAME)
     return heads
 

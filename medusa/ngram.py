@@ -1,0 +1,69 @@
+"""N-gram matching against the tokens so far: prompt lookup's guess, and the heads' copy guess.
+
+Text repeats itself: names, code, quoted phrases, and a small model's own loops. What followed an earlier occurrence
+of the last few tokens is then often what comes next. Prompt lookup proposes that continuation on its own; heads
+with `copy_ngram` rank it first among their own guesses (see `copy_guesses`, `put_first`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def ngram_continuation(tokens: torch.Tensor, max_ngram: int, num_tokens: int, min_ngram: int = 1,
+                       latest: bool = False) -> list[int]:
+    """tokens (T,) long -> up to `num_tokens` ids: what followed an earlier occurrence of the last n tokens.
+
+    Tries n = max_ngram down to min_ngram and returns the first match's continuation; [] if none. `latest` picks the
+    most recent earlier occurrence, else the earliest (transformers' prompt lookup rule). The continuation may run
+    into the suffix itself (repetitions are exactly what it should catch).
+    """
+    length = tokens.numel()
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        windows = tokens[: length - 1].unfold(0, n, 1)  # (T - n, n): windows with at least one token after them
+        hits = (windows == tokens[length - n:]).all(1).nonzero()
+        if hits.numel():
+            start = int(hits[-1 if latest else 0]) + n
+            return tokens[start: start + num_tokens].tolist()
+    return []
+
+
+COPY_MIN_NGRAM = 2  # a single repeated token is a weak cue: its continuation was right less often than head 1 (0.42 vs 0.46)
+
+
+def copy_chain(tokens: torch.Tensor, max_ngram: int, length: int) -> list[int]:
+    """The heads' copy guesses for one step: tokens (T,) the prompt and output so far, the root last -> up to `length`
+    ids, the copy for head k at index k: the continuation of the most recent earlier occurrence of the last
+    max_ngram .. COPY_MIN_NGRAM tokens (recent repeats predict better than early ones)."""
+    return ngram_continuation(tokens, max_ngram, length, min_ngram=COPY_MIN_NGRAM, latest=True)
+
+
+def copy_guesses(chain: list[int], head: int, paths: torch.Tensor | None) -> torch.Tensor:
+    """Head `head`'s copy guess after each path: chain from `copy_chain`, paths (P, head) tokens after the root (None
+    for heads that do not read a path: one shared row) -> (P,) token ids, -1 where there is none.
+
+    A head that reads its path gets the copy only on the path that follows the chain so far (further on, another
+    path's context no longer matches); a head that reads no path guesses the same after every path.
+    """
+    rows = 1 if paths is None else paths.shape[0]
+    device = None if paths is None else paths.device
+    guesses = torch.full((rows,), -1, dtype=torch.long, device=device)
+    if len(chain) > head:
+        follows = torch.ones(rows, dtype=torch.bool, device=device) if paths is None else \
+            (paths == torch.tensor(chain[:head], dtype=torch.long, device=device)).all(1)
+        guesses[follows] = chain[head]
+    return guesses
+
+
+def put_first(tokens: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    """tokens (P, W) a head's ranked guesses per row (distinct within a row), first (P,) a token to rank first in each
+    row (-1: none) -> (P, W): that token, then the row's own guesses without it, cut to W."""
+    rows, width = tokens.shape
+    has = first >= 0
+    merged = torch.cat([first[:, None], tokens], dim=1)  # (P, W + 1)
+    duplicate = tokens == first[:, None]  # (P, W): at most one True per row
+    # one column leaves each row: the guess that repeats the first token, else the last guess; column 0 without a copy
+    drop = torch.where(duplicate.any(1), duplicate.int().argmax(1) + 1, torch.full_like(first, width))
+    drop = torch.where(has, drop, torch.zeros_like(drop))
+    keep = torch.arange(width + 1, device=tokens.device)[None, :] != drop[:, None]
+    return merged[keep].view(rows, width)
