@@ -165,7 +165,8 @@ class MedusaProposer:
             top = self.projection.token(torch.topk(logits, width, dim=-1).indices)  # (K_used, width) token ids
             copies = self.step_copies(state)
             if copies:
-                top = put_first(top, torch.cat([copy_guesses(copies, k, None) for k in range(self.used_heads)]).to(top.device))
+                guesses = torch.cat([copy_guesses(copies, k, None) for k in range(self.used_heads)])  # (K_used,)
+                top = put_first(top, guesses.to(top.device))
             parts += [top[k, :s] for k, s in enumerate(tree.topk_per_head[: self.used_heads]) if s]
         flat = torch.cat(parts)
         return Candidates(tokens=flat[tree.candidate_index], tree=tree)
