@@ -687,7 +687,7 @@ def test_shipped_configs_parse_and_agree_with_the_shipped_heads(name):
 
 def test_copy_ngram_goes_from_the_heads_section_to_the_saved_heads(tmp_path, tiny_base, tiny_data):
     """heads.copy_ngram is not trained: it is written to the heads' config (fresh heads and init_from alike), and
-    a value the heads config refuses is named at config time."""
+    a value the heads config refuses is named when the heads are built."""
     cfg = build(sections(tmp_path, tiny_base, tiny_data, heads={"copy_ngram": 3}))["heads"]
     lm_head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
     fresh = train_mod.build_heads(cfg, HIDDEN, VOCAB, lm_head, None)
