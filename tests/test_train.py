@@ -671,7 +671,7 @@ def test_distill_needs_the_shared_projection(tmp_path, tiny_base, tiny_data):
 @pytest.mark.parametrize("name", ["smollm2-135m.yaml", "smollm2-135m-medusa2.yaml", "smollm2-135m-cpu.yaml"])
 def test_shipped_configs_parse_and_agree_with_the_shipped_heads(name):
     """The configs that reproduce / continue the shipped heads describe the heads that are shipped; the CPU recipe
-    (the heads shipped before) differs only in not reading feature layers."""
+    (the heads shipped before) differs only in not reading feature layers and not copying."""
     cfg = load_sections(str(REPO / "configs" / name), [], train_mod.SECTIONS)
     shipped = MedusaConfig.load(REPO / "medusa" / "default_heads" / "smollm2-135m-instruct")
     heads = cfg["heads"]
@@ -679,6 +679,7 @@ def test_shipped_configs_parse_and_agree_with_the_shipped_heads(name):
                   "context_window"):
         assert getattr(heads, field) == getattr(shipped, field), field
     assert list(heads.feature_layers) == ([] if name == "smollm2-135m-cpu.yaml" else shipped.feature_layers)
+    assert heads.copy_ngram == (0 if name == "smollm2-135m-cpu.yaml" else shipped.copy_ngram)
     if heads.vocab_subset_size is not None:
         assert heads.vocab_subset_size == shipped.vocab_subset_size
     if name == "smollm2-135m.yaml":  # the heads were trained on exactly the data directories this config reads
