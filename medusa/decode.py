@@ -8,19 +8,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
-
-from medusa import kv_cache
 from medusa.acceptance import AcceptanceRule, get_rule
-from medusa.heads import base_features
-from medusa.propose import Proposer
+from medusa.engine import EagerEngine, engine_for
+from medusa.propose import PlainProposer, Proposer
 from medusa.sampling import SamplingConfig, select_token
-from medusa.verify import verify
 
 
 @dataclass
 class DecodeState:
-    cache: DynamicCache
+    cache: object  # the engine's KV cache (medusa.engine): transformers' DynamicCache or StaticCache
     length: int  # tokens in the cache
     root_token: torch.Tensor  # 0-dim long: the target's next token, not yet in the cache
     last_hidden: torch.Tensor  # (H,): hidden state at the last cached position (the one that chose root_token)
@@ -85,22 +81,49 @@ class _PhaseTimer:
 
 
 @torch.inference_mode()
-def prefill(model, input_ids: torch.Tensor, sampling: SamplingConfig, generator=None, feature_layers=()) -> DecodeState:
+def prefill(model, input_ids: torch.Tensor, sampling: SamplingConfig, generator=None, feature_layers=(), *,
+            engine=None, max_length: int | None = None) -> DecodeState:
     """One ordinary forward over the prompt (1, T): fills the cache and chooses the first new token. The state's
-    hidden states are what the heads read (with `feature_layers`, see medusa.heads.base_features)."""
-    cache = DynamicCache(config=model.config)
-    out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, output_hidden_states=True,
-                logits_to_keep=1)
-    root = select_token(out.logits[0, -1], sampling, generator)
-    hidden = base_features(out.hidden_states, feature_layers)[0]  # (T, H) or (T, H * (1 + feature layers))
+    hidden states are what the heads read (with `feature_layers`, see medusa.heads.base_features). `engine` runs the
+    forward (default: eager, on `model`); `max_length`: the most rows its cache will hold (default: the prompt)."""
+    engine = engine or EagerEngine(model)
+    cache = engine.new_cache(max_length or input_ids.shape[1])
+    out = engine.prefill(cache, input_ids, feature_layers)
+    root = select_token(out.logits, sampling, generator)
+    hidden = out.hidden  # (T, H) or (T, H * (1 + feature layers))
     return DecodeState(cache, input_ids.shape[1], root, hidden[-1], input_ids[0].tolist() + [int(root)], hidden)
 
 
-def prepare_input_ids(input_ids, device) -> torch.Tensor:
-    """A (1, T) tensor, a list of ids or a BatchEncoding -> (1, T) long tensor on `device` (shared by every generate)."""
-    if hasattr(input_ids, "keys") and "input_ids" in input_ids:  # BatchEncoding / dict
+def prepare_input_ids(input_ids, device, vocab_size: int | None = None, attention_mask=None) -> torch.Tensor:
+    """A (1, T) tensor, a list of ids or a BatchEncoding -> (1, T) long tensor on `device` (shared by every generate).
+
+    Ids must be integers in [0, vocab_size); an attention mask (given, or inside the BatchEncoding) must be all ones:
+    one unpadded sequence."""
+    if hasattr(input_ids, "keys"):  # BatchEncoding / dict
+        if "input_ids" not in input_ids:
+            raise ValueError(f"a dict of inputs needs 'input_ids'; got keys {sorted(input_ids.keys())}")
+        if attention_mask is None:
+            attention_mask = input_ids.get("attention_mask")
         input_ids = input_ids["input_ids"]
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dtype == torch.bool or input_ids.is_floating_point() or input_ids.is_complex():
+            raise TypeError(f"input_ids must hold integer token ids, got a {input_ids.dtype} tensor: pass the ids "
+                            "the tokenizer returns (e.g. tokenizer(text, return_tensors='pt')['input_ids'])")
+    elif isinstance(input_ids, (list, tuple)):
+        flat = input_ids[0] if input_ids and isinstance(input_ids[0], (list, tuple)) else input_ids
+        bad = next((x for x in flat if isinstance(x, bool) or not isinstance(x, int)), None)
+        if bad is not None:
+            raise TypeError(f"input_ids must be integer token ids, got {type(bad).__name__} {bad!r}")
+    else:
+        raise TypeError(f"input_ids must be a tensor, a list of ids or the tokenizer's output, got "
+                        f"{type(input_ids).__name__}")
     input_ids = torch.as_tensor(input_ids, dtype=torch.long)
+    if attention_mask is not None and not bool(torch.as_tensor(attention_mask).bool().all()):
+        raise ValueError("the attention_mask pads the prompt (it holds zeros): generate takes one unpadded sequence; "
+                         "drop the padding (or the batch) before calling it")
+    if input_ids.numel() and vocab_size is not None and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size):
+        raise ValueError(f"input_ids hold ids outside the model's vocabulary [0, {vocab_size}): min "
+                         f"{int(input_ids.min())}, max {int(input_ids.max())}; encode the prompt with the model's tokenizer")
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
@@ -118,11 +141,17 @@ def stop_token_ids(base, tokenizer, eos_token_id) -> set[int]:
             eos_token_id = tokenizer.eos_token_id
     if eos_token_id is None:
         return set()
-    return {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+    if isinstance(eos_token_id, torch.Tensor):
+        eos_token_id = eos_token_id.flatten().tolist()
+    ids = [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
+    if not isinstance(ids, (list, tuple, set)) or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+        raise TypeError(f"eos_token_id must be a token id, a list of ids or a tensor of ids, got {eos_token_id!r} "
+                        "(a string? use tokenizer.convert_tokens_to_ids)")
+    return set(ids)
 
 
 def check_lengths(base, prompt_length: int, max_new_tokens: int) -> None:
-    if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     window = getattr(base.config.get_text_config(), "max_position_embeddings", None)
     if window is not None and prompt_length + max_new_tokens > window:
@@ -141,6 +170,11 @@ class SpeculativeGenerator:
 
     default_sampling_rule = "rejection"
     feature_layers: tuple | list = ()  # base layers the proposer reads besides the last (see medusa.heads.base_features)
+    default_engine = "eager"  # how the target runs (medusa.engine); `engine=` in generate overrides it
+
+    def engine(self, name: str | None = None):
+        """The execution engine `name` (default: `default_engine`) for the target, built once and kept."""
+        return engine_for(self.base, name or self.default_engine)
 
     def _make_proposer(self, proposer: str | None, tree, sampling: SamplingConfig, generator) -> Proposer:
         raise NotImplementedError
@@ -166,14 +200,19 @@ class SpeculativeGenerator:
         streamer=None,
         generator: torch.Generator | None = None,
         profile: bool = False,
+        engine: str | None = None,
+        attention_mask=None,
     ) -> GenerateOutput:
         """Speculative generation for one sequence. Greedy output equals the base model's greedy `generate`;
         `do_sample=True` samples exactly from its distribution (unless `acceptance="typical"`, which is lossy).
 
         input_ids: (1, T) tensor, a list of ids, or the BatchEncoding `apply_chat_template(..., return_tensors="pt")`
         gives. Sampling settings follow transformers (temperature, top_k, top_p; `generator` seeds the draws).
+        `proposer="plain"` decodes one token a step on the same engine (no guesses); `engine` picks how the target
+        runs: "eager" (the exact reference) or "compiled" (static cache, pre-packed weights; see medusa.engine).
         """
-        input_ids = prepare_input_ids(input_ids, self.device)
+        vocab = self.base.get_input_embeddings().num_embeddings
+        input_ids = prepare_input_ids(input_ids, self.device, vocab_size=vocab, attention_mask=attention_mask)
         self._check_lengths(input_ids.shape[1], max_new_tokens)
         sampling = SamplingConfig(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
                                   posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha)
@@ -182,6 +221,7 @@ class SpeculativeGenerator:
             self.base, self._make_proposer(proposer, tree, sampling, generator), rule, input_ids,
             max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_token_ids(self.base, self.tokenizer, eos_token_id),
             streamer=streamer, generator=generator, profile=profile, feature_layers=self.feature_layers,
+            engine=self.engine(engine),
         )
 
 
@@ -203,15 +243,20 @@ def decode(
     generator: torch.Generator | None = None,
     profile: bool = False,
     feature_layers=(),
+    engine=None,
 ) -> GenerateOutput:
     """input_ids (1, T) -> GenerateOutput. Callers validate inputs (see MedusaModel.generate). `feature_layers`:
-    the base layers whose features the decode state carries besides the last hidden state (what the heads read)."""
+    the base layers whose features the decode state carries besides the last hidden state (what the heads read).
+    `engine` runs the target (medusa.engine; default: eager on `model`)."""
+    engine = engine or EagerEngine(model)
     stats = DecodeStats()
     timer = _PhaseTimer(stats, profile, input_ids.device)
     if streamer is not None:
         streamer.put(input_ids.cpu())
     with timer("prefill"):
-        state = prefill(model, input_ids, sampling, generator, feature_layers)
+        # the cache's most rows: the prompt, every new token and one proposal's nodes beyond them
+        rows = input_ids.shape[1] + max_new_tokens + proposer.max_nodes
+        state = prefill(model, input_ids, sampling, generator, feature_layers, engine=engine, max_length=rows)
     stats.steps = 1
     new: list[int] = []
 
@@ -226,15 +271,20 @@ def decode(
         return stop is not None or len(new) >= max_new_tokens
 
     done = emit([int(state.root_token)])
+    window = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     while not done:
         with timer("propose"):
             candidates = proposer.propose(state)
+            if window is not None and state.length + candidates.tree.max_depth >= window:
+                # the tree would reach positions past the context window (learned positions crash there): near
+                # the end, verify the root alone
+                candidates = PlainProposer(state.root_token.device).propose(state)
         with timer("verify"):
-            verified = verify(model, state.cache, candidates, state.length, feature_layers)
+            verified = engine.verify(state.cache, candidates, state.length, feature_layers)
         with timer("accept"):
             accepted = rule(candidates, verified, sampling, generator)
         with timer("commit"):
-            kv_cache.commit(state.cache, state.length, accepted.nodes)
+            engine.commit(state.cache, state.length, accepted.nodes)
             state.length += accepted.nodes.numel()
             state.new_hidden = verified.hidden[accepted.nodes]
             state.last_hidden = state.new_hidden[-1]

@@ -29,6 +29,7 @@ class DraftProposer:
     def __init__(self, draft, num_speculative_tokens: int, sampling: SamplingConfig, vocab_size: int,
                  generator: torch.Generator | None = None):
         self.draft, self.gamma, self.sampling, self.generator = draft, num_speculative_tokens, sampling, generator
+        self.max_nodes = num_speculative_tokens + 1
         self.vocab_size = vocab_size  # the target's: q is cut or padded to it (same tokenizer, padded output layers)
         chain_spec = TreeSpec(chain(num_speculative_tokens))
         self.tree = build_buffers(chain_spec, num_speculative_tokens).to(draft.device)

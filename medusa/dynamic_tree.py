@@ -79,6 +79,7 @@ class DynamicTreeProposer:
             raise ValueError(f"dynamic tree needs num_nodes >= 1, depth >= 0, topk >= 1; got {num_nodes}, {depth}, {topk}")
         self.medusa = medusa  # a MedusaProposer over a chain of `depth` heads: only its head logits are used
         self.num_nodes, self.depth, self.topk = num_nodes, depth, topk
+        self.max_nodes = num_nodes
 
     def propose(self, state) -> Candidates:
         root = state.root_token.view(1)
@@ -133,6 +134,9 @@ class DynamicTreeProposer:
 
     def observe(self, state, accepted_tokens: list[int]) -> None:
         pass
+
+    def skip(self, state) -> None:
+        self.medusa.skip(state)
 
 
 def build_dynamic_proposer(model, tree: TreeBuffers, topk: int = DEFAULT_TOPK) -> DynamicTreeProposer:

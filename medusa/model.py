@@ -13,9 +13,13 @@ from torch import nn
 
 from medusa.config import CONFIG_NAME, WEIGHTS_NAME, MedusaConfig
 from medusa.decode import SpeculativeGenerator
+from medusa.engine import ENGINES
+from medusa.guard import GuardedProposer
 from medusa.fileio import write_directory
+from medusa.hardware import native_bf16
 from medusa.heads import MedusaHeads, storage_state
 from medusa.loading import DEFAULT_BASE, BaseSource, load_base, resolve_dtype
+from medusa.plan import Plan, load_accuracy, load_or_calibrate, save_accuracy
 from medusa.propose import CandidateProjection, get_proposer
 from medusa.sampling import SamplingConfig
 from medusa.tree import TreeSpec, build_buffers, chain, load_tree
@@ -61,6 +65,19 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         TreeSpec(self.tree, num_heads=config.num_heads)
         self.projection_dtype = projection_dtype or _candidate_dtype(base)
         self.refresh_candidate_projection()
+        self.accuracy: list[list[float]] | None = None  # acc_given_prefix per head and rank (medusa.plan)
+        self.plan: Plan | None = None  # what generate uses by default (medusa.plan); None: eager, the heads' tree
+        self.engine_override: str | None = None  # from_pretrained(engine=...): wins over the plan
+
+    @property
+    def default_engine(self) -> str:
+        return self.engine_override or (self.plan.engine if self.plan else "eager")
+
+    def calibrate(self, recalibrate: bool = True, progress: bool = True) -> Plan:
+        """Measure this machine and choose engine, tree and proposer (medusa.plan); cached, and used from now on."""
+        self.plan = None  # measure the proposers themselves, not the guard around them
+        self.plan = load_or_calibrate(self, recalibrate=recalibrate, progress=progress)
+        return self.plan
 
     def refresh_candidate_projection(self) -> None:
         """Rebuild the proposing projection (after changing heads' weights, vocabulary subset or device)."""
@@ -96,12 +113,34 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike | None = None, *, base: BaseSource = None, dtype=None,
-                        device=None, tokenizer=None, tree=None) -> "MedusaModel":
+                        device=None, tokenizer=None, tree=None, plan: str | None = None,
+                        engine: str | None = None) -> "MedusaModel":
         """Load heads from a directory (default: the shipped SmolLM2 heads) onto their base, or onto `base`.
 
         The directory holds `medusa_config.json` + `medusa_heads.safetensors` (and `adapter_*` for Medusa-2), or is
         an official Medusa / vLLM export (`config.json` + safetensors; see medusa.export).
+
+        plan: "auto" (default; `$MEDUSA_PLAN` changes it) measures this machine once and chooses the engine, tree
+        and proposer generate uses (medusa.plan; cached, see `model.plan`); "off" keeps the eager engine and the
+        heads' own tree. `tree=` and `engine=` here, and `tree=` / `proposer=` / `engine=` in generate, override it.
+        dtype "auto": bf16 where the hardware computes it natively (a GPU from Ampere on, a CPU with AVX512-BF16 or
+        AMX), else float32.
         """
+        model = cls._load(path, base=base, dtype=dtype, device=device, tokenizer=tokenizer, tree=tree)
+        if engine is not None and engine not in ENGINES:
+            raise ValueError(f"unknown engine {engine!r}: use one of {list(ENGINES)}")
+        model.engine_override = engine
+        plan = plan or os.environ.get("MEDUSA_PLAN", "auto")
+        if plan not in ("auto", "off"):
+            raise ValueError(f"plan must be 'auto' or 'off', got {plan!r}")
+        if plan == "auto":
+            model.calibrate(recalibrate=False)
+        return model
+
+    @classmethod
+    def _load(cls, path, *, base, dtype, device, tokenizer, tree) -> "MedusaModel":
+        if dtype == "auto":
+            dtype = torch.bfloat16 if native_bf16(device or "cpu") else torch.float32
         if path is None:
             if not (DEFAULT_HEADS_DIR / CONFIG_NAME).is_file():
                 logger.warning("no shipped heads found in %s: using untrained heads", DEFAULT_HEADS_DIR)
@@ -125,7 +164,9 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
             model = PeftModel.from_pretrained(model, str(path)).merge_and_unload().eval()
         heads = MedusaHeads(config)
         load_heads_weights(heads, path / WEIGHTS_NAME)
-        return cls(model, heads, tokenizer, tree=_tree_arg(tree))
+        medusa = cls(model, heads, tokenizer, tree=_tree_arg(tree))
+        medusa.accuracy = load_accuracy(path)
+        return medusa
 
     @classmethod
     def from_draft_model(cls, target: BaseSource = None, draft: BaseSource = None, *, num_speculative_tokens: int = 5,
@@ -145,27 +186,50 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         `dtype` (e.g. "bfloat16") stores the weights in that precision: half the file of fp32 heads.
         """
         dtype = resolve_dtype(dtype) if dtype is not None else None
-        write_directory(Path(directory), lambda tmp: save_heads(self.heads, tmp, tree=self.tree, dtype=dtype),
-                        last=CONFIG_NAME)
+        def write(tmp: Path) -> None:
+            save_heads(self.heads, tmp, tree=self.tree, dtype=dtype)
+            if self.accuracy is not None:
+                save_accuracy(tmp, self.accuracy, source="saved with the heads")
+
+        write_directory(Path(directory), write, last=CONFIG_NAME)
 
     # ---------------------------------------------------------------- generation
     def _make_proposer(self, proposer: str | None, tree, sampling: SamplingConfig, generator):
-        """Medusa heads over a static tree by default; `proposer` names another from the registry (dynamic, hybrid, ...)."""
-        buffers = build_buffers(TreeSpec(_tree_arg(tree) or self.tree, self.config.num_heads), self.config.num_heads)
-        return get_proposer(proposer or "medusa")(self, buffers.to(self.device))
+        """The plan's proposer and tree by default (else Medusa heads over the heads' static tree); `proposer` names
+        another from the registry (plain, dynamic, hybrid, ...)."""
+        planned = self.plan if self.plan is not None and self.plan.proposer != "plain" else None
+        chosen_by_plan = proposer is None and self.plan is not None
+        if chosen_by_plan:
+            proposer = self.plan.proposer
+        paths = _tree_arg(tree) or (planned.tree if planned and planned.tree else self.tree)
+        buffers = build_buffers(TreeSpec(paths, self.config.num_heads), self.config.num_heads)
+        built = get_proposer(proposer or "medusa")(self, buffers.to(self.device))
+        if not chosen_by_plan or proposer == "plain":  # an explicit proposer runs as asked
+            return built
+        return GuardedProposer(built, self.plan.plain_ms, self.device)  # never slower than plain decoding, online
 
 
 def _candidate_dtype(base) -> torch.dtype:
-    """bf16 for proposing under an fp32 base on CPU (2.9x faster with AMX here; ranking only), else the base dtype."""
-    if base.dtype == torch.float32 and base.device.type == "cpu":
+    """bf16 for proposing under an fp32 base on a CPU that computes bf16 natively (ranking only: half the bytes),
+    else the base dtype: where bf16 is emulated (AVX2) a 16-row bf16 projection took 50.7 ms against 15.4 in fp32."""
+    if base.dtype == torch.float32 and base.device.type == "cpu" and native_bf16():
         return torch.bfloat16
     return base.dtype
 
 
 def _tree_arg(tree) -> list[list[int]] | None:
-    if tree is None or isinstance(tree, list):
-        return tree
-    return load_tree(tree)
+    """None (the default), a list of rank paths, or a tree name / JSON path -> rank paths (None for the default)."""
+    if tree is None:
+        return None
+    if isinstance(tree, (list, tuple)):
+        if not tree:
+            raise ValueError("tree=[] holds no paths: pass None for the default tree, or proposer='plain' to decode "
+                             "without guesses")
+        return [list(p) if isinstance(p, (list, tuple)) else p for p in tree]
+    if isinstance(tree, (str, os.PathLike)):
+        return load_tree(tree)
+    raise TypeError(f"tree must be a list of rank paths like [[0], [1], [0, 0]], a tree name or a JSON path, got "
+                    f"{type(tree).__name__} {tree!r}")
 
 
 def _base_reference(source: BaseSource, model) -> str | None:

@@ -50,6 +50,7 @@ class PromptLookupProposer:
         if max_ngram < 1 or num_tokens < 1:
             raise ValueError(f"prompt lookup needs max_ngram >= 1 and num_tokens >= 1, got {max_ngram}, {num_tokens}")
         self.device, self.max_ngram, self.num_tokens = device, max_ngram, num_tokens
+        self.max_nodes = 1 + num_tokens
         self._chains: dict[int, TreeBuffers] = {}  # chain length -> buffers on the device (keeps their mask cache)
 
     def continuation(self, state) -> list[int]:
@@ -74,6 +75,7 @@ class HybridProposer:
 
     def __init__(self, inner, lookup: PromptLookupProposer):
         self.inner, self.lookup = inner, lookup
+        self.max_nodes = inner.max_nodes + lookup.num_tokens  # the chain may share no node with the tree
 
     def propose(self, state) -> Candidates:
         candidates = self.inner.propose(state)
@@ -82,6 +84,10 @@ class HybridProposer:
 
     def observe(self, state, accepted_tokens: list[int]) -> None:
         self.inner.observe(state, accepted_tokens)
+
+    def skip(self, state) -> None:
+        if hasattr(self.inner, "skip"):
+            self.inner.skip(state)
 
 
 def build_prompt_lookup_proposer(model, tree: TreeBuffers) -> PromptLookupProposer:

@@ -9,7 +9,8 @@ from typing import Protocol
 import torch
 
 from medusa.ngram import copy_chain, copy_guesses, put_first
-from medusa.tree import TreeBuffers
+from medusa.prepack import can_prepack, pack, packed_linear
+from medusa.tree import TreeBuffers, TreeSpec, build_buffers
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,8 @@ class Candidates:
 
 
 class Proposer(Protocol):
+    max_nodes: int  # the most nodes (root included) a proposal holds: sizes a static KV cache
+
     def propose(self, state) -> Candidates:
         """Guess tokens after `state.root_token`, arranged as a tree rooted at it."""
 
@@ -37,21 +40,25 @@ class CandidateProjection:
 
     weight: torch.Tensor  # (V', H) shared or (K, V', H) own
     token_ids: torch.Tensor | None  # (V',) candidate index -> token id; None: the full vocabulary
+    packed: torch.Tensor | None = None  # a shared weight pre-packed for oneDNN (CPU; medusa.prepack), else None
 
     @classmethod
     def build(cls, heads, lm_head, dtype: torch.dtype) -> "CandidateProjection":
-        return cls(heads.candidate_weight(lm_head).detach().to(dtype).contiguous(), getattr(heads, "vocab_subset", None))
+        weight = heads.candidate_weight(lm_head).detach().to(dtype).contiguous()
+        packed = pack(weight) if weight.dim() == 2 and can_prepack(weight.device, dtype) else None
+        return cls(weight, getattr(heads, "vocab_subset", None), packed)
 
     def logits(self, head_hidden: torch.Tensor) -> torch.Tensor:
         """(K, H) -> (K, V') logits over the candidate vocabulary."""
-        head_hidden = head_hidden.to(self.weight.dtype)
         if self.weight.dim() == 2:
-            return head_hidden @ self.weight.T
-        return torch.einsum("kh,kvh->kv", head_hidden, self.weight[: head_hidden.shape[0]])
+            return self.head_logits(0, head_hidden)
+        return torch.einsum("kh,kvh->kv", head_hidden.to(self.weight.dtype), self.weight[: head_hidden.shape[0]])
 
     def head_logits(self, head: int, head_hidden: torch.Tensor) -> torch.Tensor:
         """(P, H) rows of one head -> (P, V') logits over the candidate vocabulary."""
         weight = self.weight if self.weight.dim() == 2 else self.weight[head]
+        if self.packed is not None:
+            return packed_linear(head_hidden.to(weight.dtype), self.packed, weight.shape[0])
         return head_hidden.to(weight.dtype) @ weight.T
 
     def token(self, index: torch.Tensor) -> torch.Tensor:
@@ -103,7 +110,12 @@ class MedusaProposer:
             raise ValueError(f"tree needs {len(tree.topk_per_head)} heads, the model has {heads.config.num_heads}")
         if heads.config.condition_on_next_token and embed_tokens is None:
             raise ValueError("these heads read the next token's embedding: pass embed_tokens (the base's input embeddings)")
+        width = max(tree.topk_per_head, default=0)
+        if width > projection.weight.shape[-2]:
+            raise ValueError(f"the tree asks for rank {width - 1} of a head, but the heads rank only "
+                             f"{projection.weight.shape[-2]} candidate tokens: use ranks below that")
         self.heads, self.projection, self.tree, self.embed_tokens = heads, projection, tree, embed_tokens
+        self.max_nodes = tree.num_nodes
         self.used_heads = max((k + 1 for k, s in enumerate(tree.topk_per_head) if s), default=0)
         self.by_path = heads.config.condition_on_path  # children depend on their parent's path
         self.levels = tree_levels(tree) if self.by_path else []
@@ -131,6 +143,11 @@ class MedusaProposer:
                                                            self._context)
         self._context_read = features[0, -1]
         return self._context_read
+
+    def skip(self, state) -> None:
+        """A step without guesses (medusa.guard): the context layer still reads the positions it committed."""
+        if self.heads.context is not None:
+            self.read(state)
 
     def step_copies(self, state) -> list[int]:
         """This step's copy guesses, one per head (fewer, or none, where the context holds no match); [] when the
@@ -187,6 +204,22 @@ class MedusaProposer:
         pass
 
 
+class PlainProposer:
+    """No guesses: the root alone, so each step commits one token. Plain decoding on the same engine and loop, the
+    baseline a speculative method has to beat there."""
+
+    max_nodes = 1
+
+    def __init__(self, device: torch.device):
+        self.tree = build_buffers(TreeSpec([]), 1).to(device)
+
+    def propose(self, state) -> Candidates:
+        return Candidates(tokens=state.root_token.view(1), tree=self.tree)
+
+    def observe(self, state, accepted_tokens: list[int]) -> None:
+        pass
+
+
 def build_medusa_proposer(model, tree: TreeBuffers) -> MedusaProposer:
     embed = model.base.get_input_embeddings() if model.heads.config.condition_on_next_token else None
     return MedusaProposer(model.heads, model.candidate_projection, tree, embed)
@@ -202,6 +235,7 @@ def _lazy(target: str):
 # Other modules add their proposers here (dynamic tree, prompt lookup, hybrid).
 PROPOSERS = {
     "medusa": build_medusa_proposer,
+    "plain": lambda model, tree: PlainProposer(model.device),
     "dynamic": _lazy("medusa.dynamic_tree:build_dynamic_proposer"),
     "prompt_lookup": _lazy("medusa.prompt_lookup:build_prompt_lookup_proposer"),
     "hybrid": _lazy("medusa.prompt_lookup:build_hybrid_proposer"),

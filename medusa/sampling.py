@@ -18,17 +18,29 @@ class SamplingConfig:
     posterior_alpha: float = 0.3
 
     def __post_init__(self):
-        if self.do_sample:
-            if not self.temperature > 0:
-                raise ValueError(f"temperature must be > 0 when do_sample=True, got {self.temperature} (use do_sample=False for greedy)")
-            if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k <= 0):
-                raise ValueError(f"top_k must be a positive integer or None, got {self.top_k!r}")
-            if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
-                raise ValueError(f"top_p must lie in (0, 1], got {self.top_p!r}")
+        # Checked whether sampling or not: a setting that would be refused when sampling is a mistake when greedy too.
+        if not isinstance(self.do_sample, bool):
+            raise TypeError(f"do_sample must be True or False, got {self.do_sample!r}")
+        for name in ("temperature", "posterior_threshold", "posterior_alpha"):
+            _check_number(name, getattr(self, name))
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature} (greedy decoding: do_sample=False)")
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
+                                       or self.top_k <= 0):
+            raise ValueError(f"top_k must be a positive integer or None (no top-k), got {self.top_k!r}")
+        if self.top_p is not None:
+            _check_number("top_p", self.top_p)
+            if not 0.0 < self.top_p <= 1.0:
+                raise ValueError(f"top_p must lie in (0, 1] (1 or None: no top-p), got {self.top_p!r}")
         if not 0.0 <= self.posterior_threshold <= 1.0:
             raise ValueError(f"posterior_threshold (typical acceptance's epsilon) must lie in [0, 1], got {self.posterior_threshold!r}")
         if not self.posterior_alpha >= 0.0:
             raise ValueError(f"posterior_alpha (typical acceptance's alpha) must be >= 0, got {self.posterior_alpha!r}")
+
+
+def _check_number(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
 
 
 def shape_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:

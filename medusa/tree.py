@@ -134,9 +134,18 @@ def load_tree(name_or_path: str | Path) -> list[list[int]]:
     if not path.is_file():
         available = sorted(p.stem for p in TREES_DIR.glob("*.json")) if TREES_DIR.is_dir() else []
         raise FileNotFoundError(f"tree {name_or_path!r} not found (a JSON file, or one of {available})")
-    data = json.loads(path.read_text())
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"tree file {path} is not valid JSON ({err}): expected a list of rank paths or "
+                         '{"paths": [...]}') from err
+    if isinstance(data, dict) and "paths" not in data:
+        raise ValueError(f"tree file {path} has no 'paths' key: expected a list of rank paths or "
+                         f'{{"paths": [...]}}, got keys {sorted(data)}')
     paths = data["paths"] if isinstance(data, dict) else data
     TreeSpec(paths)  # validate now, with a clear error
+    if not paths:
+        raise ValueError(f"tree file {path} holds no paths")
     return paths
 
 

@@ -18,10 +18,10 @@ import torch
 
 from medusa.acceptance import greedy
 from medusa.decode import prefill
+from medusa.engine import EagerEngine
 from medusa.propose import build_medusa_proposer
 from medusa.sampling import SamplingConfig
 from medusa.tree import TreeSpec, build_buffers
-from medusa.verify import verify
 
 RankPath = tuple[int, ...]
 DEFAULT_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)  # nodes, root included
@@ -99,6 +99,25 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.inference_mode()
+def time_step(model, engine, proposer, state, sampling: SamplingConfig) -> tuple[float, float, float]:
+    """Milliseconds of one step's propose, verify and (greedy) accept on `engine`; the cache is set back after it,
+    so repeated steps all see the same KV length."""
+    device = model.device
+    _sync(device)
+    t0 = time.perf_counter()
+    candidates = proposer.propose(state)
+    _sync(device)
+    t1 = time.perf_counter()
+    verified = engine.verify(state.cache, candidates, state.length, model.config.feature_layers)
+    _sync(device)
+    t2 = time.perf_counter()
+    greedy(candidates, verified, sampling)
+    t3 = time.perf_counter()  # acceptance ends in a host sync
+    engine.truncate(state.cache, state.length)
+    return 1000 * (t1 - t0), 1000 * (t2 - t1), 1000 * (t3 - t2)
+
+
+@torch.inference_mode()
 def measure_step_latency(model, trees: dict[int, list[RankPath]], kv_length: int = 512, repeats: int = 10,
                          warmup: int = 2, seed: int = 0) -> dict[int, StepLatency]:
     """Time propose -> verify -> accept for each tree on `model` (a MedusaModel) after a `kv_length`-token prefill.
@@ -117,22 +136,13 @@ def measure_step_latency(model, trees: dict[int, list[RankPath]], kv_length: int
                  for n, paths in trees.items()}
     samples = {n: ([], [], []) for n in trees}
     sizes = sorted(trees)
+    engine = EagerEngine(model.base)
     for rep in range(warmup + repeats):
         for n in sizes[rep % len(sizes):] + sizes[: rep % len(sizes)]:
-            _sync(device)
-            t0 = time.perf_counter()
-            candidates = proposers[n].propose(state)
-            _sync(device)
-            t1 = time.perf_counter()
-            verified = verify(model.base, state.cache, candidates, state.length, model.config.feature_layers)
-            _sync(device)
-            t2 = time.perf_counter()
-            greedy(candidates, verified, sampling)
-            t3 = time.perf_counter()  # acceptance ends in a host sync
-            state.cache.crop(-candidates.tree.num_nodes)
+            times = time_step(model, engine, proposers[n], state, sampling)
             if rep >= warmup:
-                for bucket, seconds in zip(samples[n], (t1 - t0, t2 - t1, t3 - t2)):
-                    bucket.append(1000 * seconds)
+                for bucket, ms in zip(samples[n], times):
+                    bucket.append(ms)
     return {n: StepLatency(n, *(statistics.median(b) for b in samples[n])) for n in sizes}
 
 

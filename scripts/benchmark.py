@@ -6,7 +6,12 @@
         [--temperature 0] [--draft PATH|early-exit:N] [--gamma 5] [--threads N] [--seed 0] [--no-profile] [--overwrite]
 
 Methods (interleaved per question, after a warm-up):
-  baseline        transformers greedy (or sampling, --temperature > 0) `generate` of the base model
+  baseline        transformers greedy (or sampling, --temperature > 0) `generate` of the base model (eager)
+  baseline_compiled  the best plain decoding at hand: this library's one-token-a-step decoding on the compiled engine
+                  (StaticCache, weights pre-packed on CPU, CUDA graphs on a GPU; medusa.engine)
+  plain           one token a step in this library's loop on --engine (no guesses)
+  planned         MedusaModel.generate with nothing named: the engine, proposer and tree of the calibrated plan
+                  (medusa.plan; --plan auto), guarded online
   prompt_lookup   transformers `generate(prompt_lookup_num_tokens=10)`
   assisted        transformers `generate(assistant_model=--draft)`
   medusa          MedusaModel.generate, static tree (--tree or the heads' own)
@@ -22,7 +27,10 @@ one, `mt_bench`, as Spec-Bench does. `--limit N` keeps N questions per reported 
 round-robin across its categories). Every turn's answer goes back into that method's own conversation (chat
 template) before the next turn.
 
-Speedup = (total new tokens / total time) of a method over the same for `baseline`, per category and overall.
+Speedup = (total new tokens / total time) of a method over the same for `baseline`, per category and overall;
+speedup_vs_compiled the same over `baseline_compiled`. --engine runs this library's methods on the eager engine
+(the exact reference) or the compiled one (default). identical_share / identical_share_vs_compiled: the share of
+turns whose output equals baseline's / baseline_compiled's.
 tau = new tokens per target forward (counted with a forward hook, so also for transformers' methods; plain
 decoding = 1.00). `identical` = every output equals the baseline's (meaningful at temperature 0 only).
 The analysis of Leviathan et al. (DESIGN section 6) is reported next to it: alpha (acceptance rate per guess, the
@@ -54,18 +62,21 @@ from medusa import MedusaModel
 from medusa.config import CONFIG_NAME
 from medusa.fileio import atomic_write_text
 from medusa.decode import DecodeStats
+from medusa.engine import ENGINES
 from medusa.evaluation import load_questions as read_questions
+from medusa.hardware import describe
 from medusa.model import DEFAULT_HEADS_DIR
 from medusa.tree import load_tree
 
 MT_BENCH_CATEGORIES = frozenset({"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"})
-METHODS = ("baseline", "prompt_lookup", "assisted", "medusa", "medusa_dynamic", "hybrid", "lookup", "medusa_typical",
+METHODS = ("baseline", "baseline_compiled", "plain", "planned", "prompt_lookup", "assisted", "medusa", "medusa_dynamic", "hybrid", "lookup", "medusa_typical",
            "draft")
-MODEL_FREE = frozenset({"prompt_lookup"})  # transformers' n-gram proposals: c = 0 (ours are timed by the profiler)
+MODEL_FREE = frozenset({"prompt_lookup"})
+PLAIN = frozenset({"baseline", "baseline_compiled", "plain"})  # one token a step: no guesses to analyse  # transformers' n-gram proposals: c = 0 (ours are timed by the profiler)
 PROMPT_LOOKUP_TOKENS = 10
 WARMUP_TOKENS = 16
 RESUME_KEYS = ("questions", "base", "heads", "tree", "dtype", "device", "max_new_tokens", "temperature", "draft",
-               "gamma", "threads", "seed", "profile")
+               "gamma", "threads", "seed", "profile", "engine")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -80,6 +91,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--base", default=None, help="base model: directory, .gguf or Hub id (default: the heads' base)")
     parser.add_argument("--tree", default=None, help="tree name in configs/trees/ or JSON path (default: the heads')")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--plan", default="auto", choices=["auto", "off"],
+                        help="calibrate (or load the cached) decoding plan for this machine: the 'planned' method")
+    parser.add_argument("--engine", default="compiled", choices=list(ENGINES),
+                        help="how this library's methods run the target (medusa.engine; default: compiled)")
     parser.add_argument("--device", default=None, help="e.g. cuda (default: CPU)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampling variants")
@@ -139,10 +154,12 @@ def answer_message(tokenizer, output_ids: list[int]) -> dict:
 class ForwardRecorder:
     """Counts and times a model's forward calls; for each: cache length before it and tokens fed (query length)."""
 
-    def __init__(self, model, sync: bool):
+    def __init__(self, models, sync: bool):
+        """models: one module, or several that run the same target (the compiled engine's pre-packed copy)."""
         self.sync, self.calls, self._start = sync, [], 0.0
-        model.register_forward_pre_hook(self._before, with_kwargs=True)
-        model.register_forward_hook(self._after)
+        for model in models if isinstance(models, (list, tuple)) else [models]:
+            model.register_forward_pre_hook(self._before, with_kwargs=True)
+            model.register_forward_hook(self._after)
 
     def _now(self) -> float:
         if self.sync:
@@ -204,11 +221,12 @@ def build_methods(names: list[str], args, model, stop_ids: list[int]) -> tuple[d
             return {"output_ids": out[0, input_ids.shape[1]:].tolist()}
         return run
 
-    def ours(target, **kwargs):
+    def ours(target, engine=args.engine, **kwargs):
         def run(input_ids, max_new_tokens, seed):
             generator = torch.Generator(base.device).manual_seed(seed) if sampling else None
             out = target.generate(input_ids, max_new_tokens, do_sample=sampling, temperature=args.temperature or 1.0,
-                                  eos_token_id=stop_ids or None, generator=generator, profile=args.profile, **kwargs)
+                                  eos_token_id=stop_ids or None, generator=generator, profile=args.profile,
+                                  engine=engine, **kwargs)
             stats = out.stats
             return {"output_ids": out.sequences[0, input_ids.shape[1]:].tolist(),
                     "accepted_lengths": list(stats.accepted_lengths),
@@ -220,6 +238,13 @@ def build_methods(names: list[str], args, model, stop_ids: list[int]) -> tuple[d
     for name in names:
         if name == "baseline":
             runs[name] = hf()
+        elif name == "baseline_compiled":
+            runs[name] = ours(model, engine="compiled", proposer="plain")
+        elif name == "planned":
+            if model.plan is None:
+                skipped[name] = "needs --plan auto"
+            else:
+                runs[name] = ours(model, engine=None)
         elif name == "prompt_lookup":
             runs[name] = hf(prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS)
         elif name == "assisted":
@@ -236,7 +261,8 @@ def build_methods(names: list[str], args, model, stop_ids: list[int]) -> tuple[d
         elif name == "medusa_typical":
             runs[name] = ours(model, proposer="medusa", tree=tree, acceptance="typical")
         else:
-            proposer = {"medusa": "medusa", "medusa_dynamic": "dynamic", "hybrid": "hybrid", "lookup": "prompt_lookup"}[name]
+            proposer = {"medusa": "medusa", "medusa_dynamic": "dynamic", "hybrid": "hybrid", "lookup": "prompt_lookup",
+                        "plain": "plain"}[name]
             runs[name] = ours(model, proposer=proposer, tree=tree)
     return runs, skipped, draft_hf
 
@@ -277,9 +303,11 @@ def aggregate(turns: list[dict], method: str, has_profile: bool) -> dict:
     accepted = [n for t in turns for n in t["accepted_lengths"]]
     proposed = [n for t in turns for n in t["proposed_lengths"]]
     out = {"new_tokens": new_tokens, "time_s": seconds, "tokens_per_s": new_tokens / seconds if seconds else 0.0,
+           # steps that proposed nothing: the plan's online guard decoding plainly (medusa.guard)
+           "plain_step_share": sum(d == 0 for d in proposed) / len(proposed) if proposed else None,
            "tau": new_tokens / forwards if forwards else 0.0, "forwards": forwards,
            "verify_ms_per_step": 1000 * sum(t["verify_s"] for t in turns) / steps if steps else None}
-    if method == "baseline":
+    if method in PLAIN:
         out.update(alpha=None, gamma=0.0, c=None)
         return out
     gamma = sum(proposed) / len(proposed) if proposed else 0.0
@@ -300,9 +328,17 @@ def aggregate(turns: list[dict], method: str, has_profile: bool) -> dict:
 def summarize(records: dict, questions: list[dict], methods: list[str], settings: dict) -> dict:
     """records: (question_id, method) -> raw record. Speedups against 'baseline' when it was run."""
     groups = sorted({q["group"] for q in questions})
-    baseline_ids = {(r["question_id"], i): turn["output_ids"] for (qid, m), r in records.items() if m == "baseline"
-                    for i, turn in enumerate(r["turns"])}
+    outputs = {reference: {(r["question_id"], i): turn["output_ids"] for (qid, m), r in records.items()
+                           if m == reference for i, turn in enumerate(r["turns"])}
+               for reference in ("baseline", "baseline_compiled")}
+    baseline_ids = outputs["baseline"]
     sampling = settings["temperature"] > 0
+
+    def identical_share(mine: list[dict], reference: str) -> float | None:
+        pairs = [(outputs[reference].get((r["question_id"], i)), t["output_ids"])
+                 for r in mine for i, t in enumerate(r["turns"])]
+        pairs = [(a, b) for a, b in pairs if a is not None]
+        return sum(a == b for a, b in pairs) / len(pairs) if pairs and not sampling else None
 
     def block(selected: list[dict]) -> dict:
         ids = {q["question_id"] for q in selected}
@@ -318,15 +354,19 @@ def summarize(records: dict, questions: list[dict], methods: list[str], settings
                                          for r in mine for i, t in enumerate(r["turns"]))
             else:
                 stats["identical"] = None
+            stats["identical_share"] = identical_share(mine, "baseline")
+            stats["identical_share_vs_compiled"] = identical_share(mine, "baseline_compiled")
             result[method] = stats
-        base = result.get("baseline")
+        base, compiled = result.get("baseline"), result.get("baseline_compiled")
         for method, stats in result.items():
             stats["speedup"] = stats["tokens_per_s"] / base["tokens_per_s"] if base and base["tokens_per_s"] else None
+            stats["speedup_vs_compiled"] = (stats["tokens_per_s"] / compiled["tokens_per_s"]
+                                            if compiled and compiled["tokens_per_s"] else None)
             if base and base["verify_ms_per_step"] and stats["verify_ms_per_step"]:
                 stats["verify_cost"] = stats["verify_ms_per_step"] / base["verify_ms_per_step"]
             else:
                 stats["verify_cost"] = None
-            if method == "baseline":
+            if method in PLAIN:
                 stats["predicted_speedup"] = stats["predicted_speedup_with_verify_cost"] = 1.0
             elif stats["alpha"] is not None and stats["c"] is not None:
                 stats["predicted_speedup"] = predicted_speedup(stats["alpha"], stats["gamma"], stats["c"])
@@ -361,14 +401,19 @@ def write_markdown(summary: dict, path: Path) -> None:
              ""]
     if s.get("skipped"):
         lines += ["Skipped: " + "; ".join(f"`{m}`: {why}" for m, why in s["skipped"].items()), ""]
-    lines += ["## Overall", "", "| method | speedup | tokens/s | tau | identical | alpha | gamma | c | predicted | "
-              "verify cost | predicted / verify cost |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["## Overall", "", "| method | speedup | vs compiled | tokens/s | tau | identical | same as baseline / "
+              "compiled | alpha | gamma | c | predicted | verify cost | predicted / verify cost |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for m, st in summary["overall"].items():
-        lines.append(f"| {m} | {_fmt(st['speedup'])} | {_fmt(st['tokens_per_s'])} | {_fmt(st['tau'])} | "
-                     f"{_fmt(st['identical'])} | {_fmt(st['alpha'])} | {_fmt(st['gamma'])} | {_fmt(st['c'], 3)} | "
+        lines.append(f"| {m} | {_fmt(st['speedup'])} | {_fmt(st.get('speedup_vs_compiled'))} | "
+                     f"{_fmt(st['tokens_per_s'])} | {_fmt(st['tau'])} | {_fmt(st['identical'])} | "
+                     f"{_fmt(st.get('identical_share'))} / {_fmt(st.get('identical_share_vs_compiled'))} | "
+                     f"{_fmt(st['alpha'])} | {_fmt(st['gamma'])} | {_fmt(st['c'], 3)} | "
                      f"{_fmt(st['predicted_speedup'])} | {_fmt(st['verify_cost'])} | "
                      f"{_fmt(st['predicted_speedup_with_verify_cost'])} |")
-    for title, key in (("Speedup per category", "speedup"), ("tau (tokens per target forward) per category", "tau")):
+    for title, key in (("Speedup per category", "speedup"), ("Speedup over baseline_compiled per category",
+                                                            "speedup_vs_compiled"),
+                       ("tau (tokens per target forward) per category", "tau")):
         lines += ["", f"## {title}", "", "| category | " + " | ".join(methods) + " |",
                   "|---|" + "---|" * len(methods)]
         for group, block in summary["per_category"].items():
@@ -381,7 +426,7 @@ def write_markdown(summary: dict, path: Path) -> None:
               "|---|---|---|---|---|---|---|---|---|"]
     for group, block in summary["per_category"].items():
         for m, st in block.items():
-            if m == "baseline":
+            if m in PLAIN:
                 continue
             lines.append(f"| {group} | {m} | {_fmt(st['alpha'])} | {_fmt(st['gamma'])} | {_fmt(st['c'], 3)} | "
                          f"{_fmt(st['tau'])} | {_fmt(st['predicted_speedup'])} | "
@@ -449,7 +494,8 @@ def main(argv=None) -> dict:
     if not questions:
         raise ValueError(f"{args.questions} holds no questions")
 
-    model = MedusaModel.from_pretrained(args.heads, base=args.base, dtype=args.dtype, device=args.device)
+    model = MedusaModel.from_pretrained(args.heads, base=args.base, dtype=args.dtype, device=args.device,
+                                        plan=args.plan)
     tokenizer = model.tokenizer
     if tokenizer is None:
         raise ValueError("the benchmark needs the base model's tokenizer (chat template): load a base that has one")
@@ -462,7 +508,13 @@ def main(argv=None) -> dict:
         "questions": str(args.questions), "limit": args.limit, "methods": args.methods,
         "base": str(args.base or model.config.base_model_name_or_path), "heads": heads_label(args.heads),
         "tree": args.tree or "heads' default", "tree_paths": load_tree(args.tree) if args.tree else model.tree,
-        "dtype": args.dtype, "device": str(model.device),
+        "dtype": args.dtype, "device": str(model.device), "engine": args.engine,
+        "baseline_compiled": "this library's plain decoding (proposer 'plain') on the compiled engine: StaticCache, "
+                             + ("torch.compile with CUDA graphs" if model.device.type == "cuda" else
+                                "linear weights pre-packed for oneDNN, no torch.compile (slower here, see medusa.engine)"),
+        "hardware": describe(model.device),
+        "plan": None if model.plan is None else {k: getattr(model.plan, k) for k in (
+            "engine", "proposer", "tree", "expected_speedup", "plain_ms", "reason", "calibration_s")},
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "draft": args.draft,
         "gamma": args.gamma, "threads": torch.get_num_threads(), "seed": args.seed, "profile": args.profile,
         "num_questions": len(questions), "torch": torch.__version__, "transformers": transformers.__version__,
@@ -485,7 +537,11 @@ def main(argv=None) -> dict:
         print(f"skipping method {name!r}: {why}", file=sys.stderr)
     settings["skipped"] = skipped
     methods = [m for m in args.methods if m in runs]
-    recorders = {"target": ForwardRecorder(model.base, sync)}
+    targets = [model.base]
+    if args.engine == "compiled" or "baseline_compiled" in methods:
+        runner = model.engine("compiled").runner  # the compiled engine's forward (a pre-packed copy on CPU)
+        targets += [runner] if runner is not model.base else []
+    recorders = {"target": ForwardRecorder(targets, sync)}
     if draft_lm is not None:  # times transformers' assistant forwards (our draft proposer is timed by the profiler)
         recorders["draft"] = ForwardRecorder(draft_lm, sync)
 
@@ -493,10 +549,15 @@ def main(argv=None) -> dict:
         return torch.tensor([encode_conversation(tokenizer, messages)], device=model.device)
 
     todo = [q for q in questions if any((q["question_id"], m) not in records for m in methods)]
-    if todo:  # warm-up: every method once, untimed
+    if todo:  # warm-up: every method once, untimed here but recorded (the compiled engine packs or compiles then)
         warm = prompt_ids([{"role": "user", "content": todo[0]["turns"][0]}])
+        warmup = {}
         for name in methods:
+            start = time.perf_counter()
             runs[name](warm, min(WARMUP_TOKENS, args.max_new_tokens), args.seed)
+            warmup[name] = round(time.perf_counter() - start, 3)
+        settings["warmup_s"] = warmup
+        print("warm-up seconds (engine set-up included): " + ", ".join(f"{m} {s:.1f}" for m, s in warmup.items()))
 
     with raw_path.open("a") as raw:
         for q_index, q in enumerate(tqdm(todo, desc="questions", unit="q")):

@@ -54,7 +54,7 @@ def main(argv=None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     acc = load_accuracy(args.accuracy)
-    model = MedusaModel.from_pretrained(args.heads, base=args.base, dtype=args.dtype, device=args.device)
+    model = MedusaModel.from_pretrained(args.heads, base=args.base, dtype=args.dtype, device=args.device, plan="off")
     if len(acc) > model.config.num_heads:
         print(f"note: {args.accuracy} covers {len(acc)} heads, the model has {model.config.num_heads}; using the first "
               f"{model.config.num_heads}", file=sys.stderr)

@@ -36,6 +36,8 @@ from medusa.evaluation import (CONFIDENCE_EDGES, RankAccuracy, head_rank_accurac
                                spread)
 from medusa.heads import head_target_offset  # noqa: E402
 from medusa.loading import DTYPES  # noqa: E402
+from medusa.model import DEFAULT_HEADS_DIR  # noqa: E402
+from medusa.plan import ACCURACY_NAME, save_accuracy  # noqa: E402
 from train.config import DataConfig  # noqa: E402
 from train.generate_data import answer_batch, stop_and_pad_ids, tokenize_prompts  # noqa: E402
 
@@ -115,10 +117,13 @@ def main(argv=None) -> None:
     parser.add_argument("--batch-size", type=int, default=8, help="questions answered per generate call")
     parser.add_argument("--copy-ngram", type=int, help="override the heads' copy_ngram (0: score the network's own "
                         "guesses alone, without the copy guess ranked first)")
+    parser.add_argument("--heads-dir", action="store_true",
+                        help="also write the conditional accuracy table into the heads directory as "
+                             "medusa_accuracy.json, where the calibrated plan (medusa.plan) reads it")
     args = parser.parse_args(argv)
 
     started = time.time()
-    model = MedusaModel.from_pretrained(args.heads, base=args.base, dtype=args.dtype, device=args.device)
+    model = MedusaModel.from_pretrained(args.heads, base=args.base, dtype=args.dtype, device=args.device, plan="off")
     if args.copy_ngram is not None:
         model.heads.config = dataclasses.replace(model.config, copy_ngram=args.copy_ngram)  # validated again
     questions = spread(load_questions(args.questions), args.limit)
@@ -168,6 +173,11 @@ def main(argv=None) -> None:
     }
     atomic_write_text(Path(args.out), json.dumps(report, indent=2))
     print(f"{len(answered)} questions, {positions} response tokens -> {args.out}")
+    if args.heads_dir:
+        directory = Path(args.heads) if args.heads else DEFAULT_HEADS_DIR
+        save_accuracy(directory, report["acc_given_prefix"], source=f"scripts/head_accuracy.py --questions "
+                      f"{args.questions} --limit {args.limit}: {len(answered)} questions, {positions} tokens")
+        print(f"accuracy table -> {directory / ACCURACY_NAME}")
 
 
 if __name__ == "__main__":

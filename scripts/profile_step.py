@@ -34,7 +34,7 @@ def main() -> None:
     args = parser.parse_args()
 
     model = MedusaModel.from_base(dtype=args.dtype) if args.heads == "untrained" else \
-        MedusaModel.from_pretrained(args.heads, dtype=args.dtype)
+        MedusaModel.from_pretrained(args.heads, dtype=args.dtype, plan="off")
     chat = lambda text: model.tokenizer.apply_chat_template(  # noqa: E731
         [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt")
     model.generate(chat("Hi"), max_new_tokens=8)

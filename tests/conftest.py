@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
-from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models
 from transformers import AutoModelForCausalLM, GemmaConfig, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
 
 from medusa import MedusaConfig, MedusaHeads, MedusaModel
+
+# from_pretrained calibrates a plan by default; tests choose engine and tree themselves (tests/test_plan.py asks
+# for plan="auto"), so timing noise never changes what they decode.
+os.environ.setdefault("MEDUSA_PLAN", "off")
 
 VOCAB, HIDDEN = 96, 64
 _COMMON = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

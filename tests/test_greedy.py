@@ -39,6 +39,7 @@ class OracleProposer:
     def __init__(self, reference: list[int], depth: int, wrong_at: int | None):
         self.reference, self.wrong_at = reference, wrong_at
         self.tree = build_buffers(TreeSpec(chain(depth)), depth)
+        self.max_nodes = self.tree.num_nodes
 
     def propose(self, state):
         n = len(state.tokens)  # state.tokens ends with the root token

@@ -78,3 +78,29 @@ def test_stops_at_eos_like_generate(shipped):
     out = shipped.generate(ids, max_new_tokens=100)
     assert torch.equal(out.sequences, reference)
     assert out.sequences[0, -1].item() == shipped.tokenizer.eos_token_id
+
+
+def test_compiled_engine_and_a_calibrated_plan_on_the_real_model(shipped, tmp_path, monkeypatch):
+    """The compiled engine (StaticCache, pre-packed weights) keeps every shipped-heads output equal to transformers'
+    eager greedy generate, for plain decoding, the dynamic tree and the hybrid; a (short) calibration on this machine
+    yields a plan whose default generate is equal too, and it is cached and read back."""
+    import medusa.plan
+
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
+    assert shipped.accuracy is not None  # medusa_accuracy.json ships beside the heads
+    monkeypatch.setattr(medusa.plan, "SIZES", (1, 4, 8))
+    plan = medusa.plan.load_or_calibrate(shipped, progress=False)
+    assert plan.latency_ms and plan.options and plan.plain_ms > 0
+    assert medusa.plan.load_or_calibrate(shipped, progress=False).options == plan.options  # cached
+    try:
+        shipped.plan = plan
+        for text in PROMPTS[:3]:
+            ids = _chat(shipped, text)
+            reference = shipped.base.generate(**ids, max_new_tokens=96, do_sample=False)
+            for kwargs in (dict(proposer="plain", engine="compiled"), dict(proposer="dynamic", engine="compiled",
+                                                                           tree="smollm2-135m-cpu-bf16"),
+                           dict(proposer="hybrid", engine="compiled"), {}):
+                out = shipped.generate(ids, max_new_tokens=96, **kwargs)
+                assert torch.equal(out.sequences, reference), (text, kwargs)
+    finally:
+        shipped.plan = None

@@ -1,0 +1,73 @@
+"""What the machine computes natively: ISA flags, bf16 support, and a description that keys calibration caches.
+
+CPUs of one cloud machine kind differ (AVX-512 with native bf16 on one, AVX2 only on another), and what wins on one
+loses on the other. The environment variables that limit the ISA (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA,
+MKL_ENABLE_INSTRUCTIONS) are honoured, so an AVX-512 machine told to behave like an AVX2 one is described as one.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+
+import torch
+
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile")
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+# oneDNN ISA names below the first with native bf16 (AVX512_CORE_BF16): a limit to one of these turns bf16 off.
+ONEDNN_BELOW_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI")
+
+
+@functools.lru_cache(maxsize=1)
+def _cpuinfo() -> tuple[str, frozenset]:
+    """(model name, flags) from /proc/cpuinfo; ('', {}) where there is none (macOS, Windows)."""
+    name, flags = platform.processor() or platform.machine(), frozenset()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and name in ("", platform.machine()):
+                    name = value.strip()
+                elif key == "flags" and not flags:
+                    flags = frozenset(value.split())
+    except OSError:
+        pass
+    return name, flags
+
+
+def cpu_flags() -> frozenset:
+    """The ISA flags this process may use: the CPU's, less what the environment turns off."""
+    flags = set(_cpuinfo()[1]) & set(ISA_FLAGS)
+    capability = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
+    onednn = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    if capability in ("avx2", "default") or onednn in ONEDNN_BELOW_BF16[:4]:
+        flags -= {f for f in flags if f.startswith(("avx512", "amx"))}
+    if onednn in ONEDNN_BELOW_BF16:
+        flags -= set(BF16_FLAGS) | {"amx_tile"}
+    if capability == "default":
+        flags -= {"avx2", "fma"}
+    return frozenset(flags)
+
+
+def native_bf16(device: torch.device | str = "cpu") -> bool:
+    """bf16 matmuls at hardware speed: any CUDA GPU from Ampere on; a CPU with AVX512-BF16 or AMX. Elsewhere bf16 is
+    emulated and slower than fp32 (an AVX2 CPU: a 16-node verify in bf16 cost 6-7 one-token steps)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return bool(cpu_flags() & set(BF16_FLAGS))
+
+
+def describe(device: torch.device | str = "cpu") -> dict:
+    """What a latency measurement depends on: the processor, its usable ISA, threads and torch's version."""
+    device = torch.device(device)
+    info = {"torch": torch.__version__, "device": device.type}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    else:
+        info.update(cpu=_cpuinfo()[0], isa=sorted(cpu_flags()), threads=torch.get_num_threads(),
+                    capability=torch.backends.cpu.get_cpu_capability())
+    info["native_bf16"] = native_bf16(device)
+    return info

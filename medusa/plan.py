@@ -1,0 +1,262 @@
+"""A decoding plan calibrated on the machine at hand: engine, tree size and proposer, chosen from measured latency.
+
+The right tree for a 2-core CPU is not the right one for a GPU, and the shipped trees that gave 2x on one CPU gave
+0.43x on another. So the plan times the target's forward on each engine for a ladder of query lengths (plus what the
+proposers cost), combines that with the heads' accuracy table (`acc_given_prefix`, shipped as ACCURACY_NAME in the
+heads directory), and keeps the option with the most expected tokens per second:
+
+    expected speedup = expected tau / (step time(N) / plain step time)
+
+where a static tree's tau is 1 + the sum of its paths' values (medusa.tree_builder). If nothing beats plain decoding
+by MIN_GAIN, the plan is plain decoding on the fastest engine. Plans are cached as JSON under the medusa cache
+(`$MEDUSA_CACHE/plans/`), keyed by what changes them (hardware, threads, torch, base, heads, dtype); `calibrate`
+redoes one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from medusa.engine import ENGINES, engine_for
+from medusa.fileio import atomic_write_text
+from medusa.hardware import describe
+from medusa.loading import cache_root
+from medusa.sampling import SamplingConfig
+from medusa.tree_builder import check_accuracy, expected_tau, grow_tree, time_step
+
+logger = logging.getLogger(__name__)
+
+ACCURACY_NAME = "medusa_accuracy.json"  # in a heads directory: {"acc_given_prefix": [[...], ...], "source": ...}
+PLAN_VERSION = 2
+SIZES = (1, 2, 4, 6, 8, 12, 16, 24)  # tree nodes timed, root included (1 = plain decoding)
+SLOW_ENGINE = 1.25  # an engine whose plain step is this much slower than the fastest one's is not timed further
+MIN_GAIN = 1.05  # a speculative option must beat plain decoding by this much to be chosen
+CONTEXT = 256  # tokens in the cache while timing: a typical chat prompt
+# tau of the proposers the accuracy model does not cover, relative to a static tree of the same size, as measured on
+# Spec-Bench (limit 10, shipped heads): dynamic 2.86 vs 2.74 (medusa); hybrid 3.21, at up to HYBRID_CHAIN more nodes.
+DYNAMIC_TAU_GAIN = 1.04
+# The accuracy table comes from MT-bench answers; on Spec-Bench's mix (translation, QA, maths, RAG...) the 16-node
+# static tree accepted 2.47 tokens per step where the table predicts 3.02: 73% of the guessed part carried over.
+# Expected taus are discounted so (1 + TAU_CARRY_OVER * sum of path values), which also keeps plans conservative.
+TAU_CARRY_OVER = 0.73
+HYBRID_TAU_GAIN = 1.17
+HYBRID_CHAIN = 10  # prompt lookup's chain (medusa.prompt_lookup.NUM_TOKENS): costed at its full length
+
+
+@dataclass
+class Option:
+    """One configuration the plan compared."""
+
+    engine: str
+    proposer: str  # plain, medusa (static tree), dynamic, hybrid
+    num_nodes: int  # tree nodes, root included (hybrid: before the prompt-lookup chain)
+    tau: float  # expected tokens per step
+    step_ms: float  # measured: propose + verify (+ acceptance)
+    speedup: float = 0.0  # expected, over the best plain decoding
+
+    @property
+    def tokens_per_s(self) -> float:
+        return 1000 * self.tau / self.step_ms
+
+
+@dataclass
+class Plan:
+    """What `generate` uses unless told otherwise, and why (the options, measured latencies)."""
+
+    engine: str
+    proposer: str
+    tree: list[list[int]]  # static tree paths (dynamic and hybrid take their size from it); [] for plain
+    expected_speedup: float  # over plain decoding on the fastest engine
+    plain_ms: float  # that plain decoding's step time: the online guard's yardstick
+    reason: str
+    options: list[dict] = field(default_factory=list)
+    latency_ms: dict = field(default_factory=dict)  # engine -> {query length: median verify ms}
+    key: dict = field(default_factory=dict)
+    calibration_s: float = 0.0
+
+    def describe(self) -> str:
+        lines = [f"plan: {self.proposer} on the {self.engine} engine, {len(self.tree) + 1 if self.tree else 1} nodes, "
+                 f"expected {self.expected_speedup:.2f}x over plain decoding ({self.reason})",
+                 f"{'engine':<9} {'proposer':<8} {'nodes':>5} {'exp. tau':>8} {'step ms':>8} {'exp. speedup':>12}"]
+        for o in sorted(self.options, key=lambda o: -o["speedup"])[:12]:
+            lines.append(f"{o['engine']:<9} {o['proposer']:<8} {o['num_nodes']:>5} {o['tau']:>8.2f} "
+                         f"{o['step_ms']:>8.1f} {o['speedup']:>11.2f}x")
+        return "\n".join(lines)
+
+
+def load_accuracy(directory) -> list[list[float]] | None:
+    """The heads' accuracy table from their directory (None when there is none)."""
+    path = Path(directory) / ACCURACY_NAME
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        return check_accuracy(data["acc_given_prefix"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"{path} is not a valid accuracy table ({err}): regenerate it with scripts/head_accuracy.py "
+                         f"--heads-dir, or delete it to plan without one") from err
+
+
+def save_accuracy(directory, acc: list[list[float]], source: str = "") -> None:
+    atomic_write_text(Path(directory) / ACCURACY_NAME,
+                      json.dumps({"acc_given_prefix": check_accuracy(acc), "source": source}, indent=2))
+
+
+def heads_fingerprint(model) -> str:
+    """Changes when the heads' config or weights do (a sum per tensor: cheap, and enough to tell heads apart)."""
+    config = json.dumps(asdict(model.config), sort_keys=True, default=str)
+    sums = [float(t.double().sum()) for t in model.heads.state_dict().values()]
+    return hashlib.sha256((config + repr(sums)).encode()).hexdigest()[:16]
+
+
+def plan_key(model) -> dict:
+    base = model.base
+    return {"version": PLAN_VERSION, **describe(model.device), "base": str(base.config.name_or_path),
+            "base_parameters": sum(p.numel() for p in base.parameters()), "heads": heads_fingerprint(model),
+            "dtype": str(base.dtype).replace("torch.", ""), "has_accuracy": model.accuracy is not None}
+
+
+def plan_path(key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return cache_root() / "plans" / f"{digest}.json"
+
+
+# ------------------------------------------------------------------------------------------------------ measuring
+@torch.inference_mode()
+def measure(model, engines=ENGINES, sizes=SIZES, repeats: int = 4, context: int = CONTEXT, progress: bool = True):
+    """Median ms per step part on each engine: {engine: {proposer: {nodes: (propose_ms, verify_ms)}}}.
+
+    Static trees come from the heads' accuracy table (grow_tree), dynamic and hybrid trees from the same sizes; every
+    proposal is verified and accepted, then the cache is set back, so all sizes see `context` tokens. Sizes and
+    proposers are interleaved within each repeat, so drifts in machine load hit them alike.
+    """
+    from medusa.decode import prefill
+
+    device, sampling = model.device, SamplingConfig()
+    vocab = model.base.get_output_embeddings().weight.shape[0]
+    prompt = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(0)).to(device)
+    order = grow_tree(model.accuracy, max(sizes)) if model.accuracy is not None else []
+    sizes = [n for n in sizes if n == 1 or n - 1 <= len(order)]
+    jobs = [("plain", 1)] + [(p, n) for n in sizes if n > 1 for p in ("medusa", "dynamic", "hybrid")]
+    prompt_state = {}
+    for name in engines:  # plain steps first: engines far slower than the fastest are not timed further
+        engine = engine_for(model.base, name)
+        state = prefill(model.base, prompt, sampling, feature_layers=model.feature_layers, engine=engine,
+                        max_length=context + max(sizes) + HYBRID_CHAIN + 1)
+        prompt_state[name] = _plain_ms(model, engine, state, repeats + 1)
+    fastest = min(prompt_state.values())
+    engines = [name for name in engines if prompt_state[name] <= SLOW_ENGINE * fastest]
+    results = {}
+    total = len(engines) * (repeats + 1) * len(jobs)
+    done, start = 0, time.perf_counter()
+    for name in engines:
+        engine = engine_for(model.base, name)
+        proposers = {(p, n): model._make_proposer(p, [list(path) for path in order[: n - 1]] or None,
+                                                  sampling, None) for p, n in jobs}
+        samples = {job: ([], []) for job in jobs}
+        state = prefill(model.base, prompt, sampling, feature_layers=model.feature_layers, engine=engine,
+                        max_length=context + max(sizes) + HYBRID_CHAIN + 1)
+        for rep in range(repeats + 1):  # the first round warms up
+            for job in jobs[rep % len(jobs):] + jobs[: rep % len(jobs)]:
+                propose_ms, verify_ms, accept_ms = time_step(model, engine, proposers[job], state, sampling)
+                if rep:
+                    samples[job][0].append(propose_ms)
+                    samples[job][1].append(verify_ms + accept_ms)
+                done += 1
+            if progress:
+                print(f"\rcalibrating: {done}/{total} steps timed, {time.perf_counter() - start:.0f} s",
+                      end="", file=sys.stderr, flush=True)
+        results[name] = {job: tuple(statistics.median(s) for s in samples[job]) for job in jobs}
+    if progress:
+        print(file=sys.stderr)
+    return results, order
+
+
+def _plain_ms(model, engine, state, repeats: int) -> float:
+    """Median ms of a plain step (one token verified) on `engine`."""
+    proposer, sampling = model._make_proposer("plain", None, SamplingConfig(), None), SamplingConfig()
+    times = [sum(time_step(model, engine, proposer, state, sampling)) for _ in range(repeats)]
+    return statistics.median(times[1:] or times)
+
+
+def choose(measured: dict, order, acc) -> tuple[Option, list[Option], Option]:
+    """Every option's expected speedup over the fastest plain decoding -> (best, all options, that plain option)."""
+    options = []
+    for engine, jobs in measured.items():
+        for (proposer, n), (propose_ms, verify_ms) in jobs.items():
+            if proposer == "plain":
+                options.append(Option(engine, "plain", 1, 1.0, propose_ms + verify_ms))
+                continue
+            tau = 1 + TAU_CARRY_OVER * (expected_tau(order[: n - 1], acc) - 1)
+            tau *= {"medusa": 1.0, "dynamic": DYNAMIC_TAU_GAIN, "hybrid": HYBRID_TAU_GAIN}[proposer]
+            step = propose_ms + verify_ms
+            if proposer == "hybrid":  # costed as if the whole chain were grafted on
+                larger = [m for (p, m) in jobs if p == "medusa" and m >= n + HYBRID_CHAIN]
+                step = propose_ms + (jobs[("medusa", min(larger))][1] if larger else verify_ms * 2)
+            options.append(Option(engine, proposer, n, tau, step))
+    plain = max((o for o in options if o.proposer == "plain"), key=lambda o: o.tokens_per_s)
+    for o in options:
+        o.speedup = o.tokens_per_s / plain.tokens_per_s
+    best = max(options, key=lambda o: o.speedup)
+    return best, options, plain
+
+
+def calibrate(model, engines=ENGINES, sizes=SIZES, repeats: int = 4, progress: bool = True) -> Plan:
+    """Measure on this machine and choose (nothing is read from or written to the cache)."""
+    start = time.perf_counter()
+    acc = model.accuracy
+    measured, order = measure(model, engines, sizes if acc is not None else (1,), repeats, progress=progress)
+    plan = decide(measured, order, acc)
+    plan.key, plan.calibration_s = plan_key(model), time.perf_counter() - start
+    return plan
+
+
+def decide(measured: dict, order, acc) -> Plan:
+    """Measured step times ({engine: {(proposer, nodes): (propose_ms, verify_ms)}}), the static trees' path order and
+    the accuracy table (None: unknown) -> the plan: the best option, or plain decoding unless one beats it by
+    MIN_GAIN. Without an accuracy table: the heads' own tree (`tree` []) on the fastest engine, guarded online."""
+    best, options, plain = choose(measured, order, acc)
+    if acc is None:
+        best = Option(plain.engine, "medusa", 0, 0.0, 0.0, speedup=1.0)
+        reason = "the heads have no accuracy table to predict acceptance from: their own tree, guarded online"
+    elif best.speedup < MIN_GAIN:
+        best, reason = plain, (f"no speculative option is expected to beat plain decoding by {MIN_GAIN - 1:.0%} "
+                               f"here (best {max(o.speedup for o in options if o.proposer != 'plain'):.2f}x)")
+    else:
+        reason = f"the most expected tokens per second of {len(options)} options measured here"
+    latency = {e: {str(n): round(v[1], 3) for (p, n), v in jobs.items() if p in ("plain", "medusa")}
+               for e, jobs in measured.items()}
+    tree = [list(p) for p in order[: best.num_nodes - 1]] if best.proposer != "plain" else []
+    return Plan(engine=best.engine, proposer=best.proposer, tree=tree, expected_speedup=best.speedup,
+                plain_ms=plain.step_ms, reason=reason, options=[asdict(o) for o in options], latency_ms=latency)
+
+
+def load_or_calibrate(model, recalibrate: bool = False, progress: bool = True) -> Plan:
+    """The cached plan for this machine, model and heads; calibrated (and cached) when there is none or it is
+    unreadable (a corrupt file is replaced, with a warning)."""
+    key = plan_key(model)
+    path = plan_path(key)
+    if path.is_file() and not recalibrate:
+        try:
+            data = json.loads(path.read_text())
+            if data.get("key") == json.loads(json.dumps(key)):
+                return Plan(**data)
+            logger.warning("cached plan %s was made for another set-up: calibrating again", path)
+        except (json.JSONDecodeError, TypeError) as err:
+            logger.warning("cached plan %s is unreadable (%s): calibrating again", path, err)
+    if progress:
+        print("calibrating a decoding plan for this machine (once; cached in "
+              f"{path.parent})", file=sys.stderr, flush=True)
+    plan = calibrate(model, progress=progress)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(asdict(plan), indent=1))
+    return plan

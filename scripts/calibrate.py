@@ -1,0 +1,44 @@
+"""Measure this machine and choose the decoding plan (engine, proposer, tree) that `generate` uses by default.
+
+    python scripts/calibrate.py [--heads DIR] [--base PATH] [--dtype float32|bfloat16|auto] [--device cuda]
+                                [--engines eager,compiled] [--out plan.json]
+
+The plan is cached under $MEDUSA_CACHE/plans/ (what `MedusaModel.from_pretrained` reads); this script measures anew
+and replaces the cached one, then prints the options it compared. See medusa/plan.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from medusa import MedusaModel
+from medusa.engine import ENGINES
+from medusa.fileio import atomic_write_text
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--heads", default=None, help="heads directory (default: the shipped heads)")
+    parser.add_argument("--base", default=None, help="base model (default: the heads' base)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--out", default=None, help="also write the plan here as JSON")
+    args = parser.parse_args(argv)
+    model = MedusaModel.from_pretrained(args.heads, base=args.base, dtype=args.dtype, device=args.device, plan="off")
+    if model.accuracy is None:
+        print("note: these heads have no accuracy table (medusa_accuracy.json): the plan only picks the engine; "
+              "write one with scripts/head_accuracy.py --heads-dir")
+    plan = model.calibrate(recalibrate=True)
+    print(plan.describe())
+    print(f"measured in {plan.calibration_s:.1f} s; engines timed: {sorted(plan.latency_ms)} of {list(ENGINES)}")
+    if args.out:
+        atomic_write_text(Path(args.out), json.dumps(asdict(plan), indent=1))
+    return asdict(plan)
+
+
+if __name__ == "__main__":
+    main()

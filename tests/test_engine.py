@@ -1,0 +1,146 @@
+"""Execution engines: the compiled engine (StaticCache, pre-packed weights) against the eager reference."""
+
+import pytest
+import torch
+from torch import nn
+
+from medusa import MedusaModel
+from medusa.decode import prefill
+from medusa.engine import CompiledEngine, EagerEngine, engine_for, make_engine
+from medusa.hardware import cpu_flags, native_bf16
+from medusa.prepack import PackedLinear, prepacked_copy
+from medusa.propose import Candidates
+from medusa.sampling import SamplingConfig
+from medusa.tree import TreeSpec, build_buffers
+from tests.conftest import FAMILIES, make_heads, make_tiny_model
+from tests.test_tree import HAND_TREE
+
+TOL = dict(atol=1e-4, rtol=1e-4)  # fp32: the pre-packed GEMMs sum in another order than eager's
+
+
+def _verify(engine, model, prompt, candidates, max_length=64):
+    state = prefill(model, prompt, SamplingConfig(), engine=engine, max_length=max_length)
+    return state, engine.verify(state.cache, candidates, state.length)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("tree", [[], HAND_TREE], ids=["q=1", "tree"])
+def test_compiled_logits_equal_eager(family, tree):
+    model = make_tiny_model(family)
+    torch.manual_seed(0)
+    prompt = torch.randint(1, 90, (1, 11))
+    buffers = build_buffers(TreeSpec(tree, 3), 3)
+    candidates = Candidates(tokens=torch.randint(1, 90, (buffers.num_nodes,)), tree=buffers)
+    compiled = CompiledEngine(model)
+    assert compiled.prepacked  # CPU, fp32: the path under test
+    eager_state, eager = _verify(EagerEngine(model), model, prompt, candidates)
+    static_state, static = _verify(compiled, model, prompt, candidates)
+    torch.testing.assert_close(static_state.new_hidden, eager_state.new_hidden, **TOL)
+    torch.testing.assert_close(static.logits, eager.logits, **TOL)
+    torch.testing.assert_close(static.hidden, eager.hidden, **TOL)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_static_commit_equals_eager_commit(family):
+    """Commit a path that is not a prefix of the rows (nodes 0, 1, 3, 6), then the next verify agrees."""
+    model = make_tiny_model(family)
+    torch.manual_seed(1)
+    prompt = torch.randint(1, 90, (1, 9))
+    buffers = build_buffers(TreeSpec(HAND_TREE, 3), 3)
+    tokens = torch.randint(1, 90, (buffers.num_nodes,))
+    accepted = torch.tensor([0, 1, 3, 6])
+    follow = Candidates(tokens=torch.randint(1, 90, (buffers.num_nodes,)), tree=buffers)
+    results = []
+    for engine in (EagerEngine(model), CompiledEngine(model)):
+        state, _ = _verify(engine, model, prompt, Candidates(tokens=tokens, tree=buffers))
+        engine.commit(state.cache, state.length, accepted)
+        results.append(engine.verify(state.cache, follow, state.length + 4).logits)
+    torch.testing.assert_close(results[1], results[0], **TOL)
+    # and both equal a fresh run over the committed sequence
+    committed = torch.cat([prompt[0], tokens[accepted]])[None]
+    _, fresh = _verify(EagerEngine(model), model, committed, follow)
+    torch.testing.assert_close(results[1], fresh.logits, **TOL)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("proposer", ["plain", "medusa", "dynamic", "hybrid"])
+def test_compiled_engine_greedy_identity(family, proposer):
+    base = make_tiny_model(family)
+    model = MedusaModel(base, make_heads(random=True), projection_dtype=torch.float32)
+    prompt = torch.tensor([[3, 4, 5, 6, 3, 4]])
+    reference = base.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=40, do_sample=False)
+    out = model.generate(prompt, max_new_tokens=40, proposer=proposer, engine="compiled")
+    assert torch.equal(out.sequences, reference)
+    assert out.stats.new_tokens == 40
+
+
+def test_cache_is_kept_and_grown_only_when_needed():
+    model = MedusaModel(make_tiny_model("llama"), make_heads(random=True), projection_dtype=torch.float32)
+    engine = model.engine("compiled")
+    assert engine is engine_for(model.base, "compiled")  # built once per base model
+    model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=10, engine="compiled")
+    first = engine._cache
+    model.generate(torch.tensor([[3, 4, 5, 6]]), max_new_tokens=12, engine="compiled")
+    assert engine._cache is first  # fits: reused
+    long = model.generate(torch.tensor([[3, 4, 5] * 40]), max_new_tokens=30, engine="compiled")
+    assert engine._cache is not first and long.stats.new_tokens == 30
+
+
+def test_prepacked_copy_shares_parameters_and_leaves_the_model_alone():
+    model = make_tiny_model("qwen2")
+    packed = prepacked_copy(model)
+    assert any(isinstance(m, PackedLinear) for m in packed.modules())
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())
+    assert all(type(m) is not nn.Linear for m in packed.modules())
+    original = {id(p) for p in model.parameters()}
+    assert {id(p) for p in packed.parameters()} <= original  # shared, never copied
+
+
+def test_unknown_engine_is_named():
+    model = MedusaModel(make_tiny_model("llama"), make_heads())
+    with pytest.raises(ValueError, match="unknown engine 'fast'"):
+        model.generate(torch.tensor([[3, 4]]), max_new_tokens=2, engine="fast")
+    with pytest.raises(ValueError, match="unknown engine"):
+        make_engine("jit", model.base)
+
+
+def test_isa_limits_from_the_environment_are_honoured(monkeypatch):
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert not any(f.startswith(("avx512", "amx")) for f in cpu_flags())
+    assert not native_bf16("cpu")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE")  # AVX-512 without bf16
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY")
+    assert not native_bf16("cpu")
+
+
+@pytest.mark.slow
+def test_torch_compile_on_cpu_matches_eager():
+    """engine='compiled' with torch_compile=True (the CUDA default): one inductor graph per query length."""
+    model = make_tiny_model("llama")
+    torch.manual_seed(2)
+    prompt = torch.randint(1, 90, (1, 7))
+    buffers = build_buffers(TreeSpec(HAND_TREE, 3), 3)
+    candidates = Candidates(tokens=torch.randint(1, 90, (buffers.num_nodes,)), tree=buffers)
+    _, eager = _verify(EagerEngine(model), model, prompt, candidates)
+    _, compiled = _verify(CompiledEngine(model, torch_compile=True), model, prompt, candidates)
+    torch.testing.assert_close(compiled.logits, eager.logits, **TOL)
+
+
+def test_shared_gqa_attention_is_transformers_sdpa_bit_for_bit():
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from medusa.prepack import shared_gqa_sdpa
+
+    torch.manual_seed(3)
+    module = SimpleNamespace(num_key_value_groups=3, is_causal=True)
+    query, key, value = torch.randn(1, 9, 6, 16), torch.randn(1, 3, 40, 16), torch.randn(1, 3, 40, 16)
+    mask = torch.zeros(1, 1, 6, 40)
+    mask[..., 34:] = torch.finfo(torch.float32).min  # a tree's pattern: some of the last rows hidden
+    mask[0, 0, 0, 35] = 0.0
+    for attention_mask in (mask, None):
+        ours, _ = shared_gqa_sdpa(module, query, key, value, attention_mask, scaling=0.25)
+        theirs, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=0.25)
+        assert torch.equal(ours, theirs)

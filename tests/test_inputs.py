@@ -1,0 +1,91 @@
+"""Bad inputs to generate are refused by name (parameter, value, fix), never silently changed."""
+
+import json
+import re
+
+import pytest
+import torch
+
+from medusa import MedusaModel
+from tests.conftest import VOCAB, make_heads, make_tiny_model
+
+PROMPT = [[3, 4, 5, 6]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return MedusaModel(make_tiny_model("llama"), make_heads(random=True), projection_dtype=torch.float32)
+
+
+BAD_CALLS = [
+    # (name, arguments to generate, exception, words the message must hold)
+    ("float ids", dict(input_ids=torch.tensor([[1.0, 2.0]])), TypeError, "integer token ids"),
+    ("bool ids", dict(input_ids=torch.tensor([[True, False]])), TypeError, "integer token ids"),
+    ("float in a list", dict(input_ids=[[1, 2.5]]), TypeError, "integer token ids"),
+    ("id = vocabulary size", dict(input_ids=[[1, VOCAB]]), ValueError, "outside the model's vocabulary"),
+    ("negative id", dict(input_ids=[[-1, 2]]), ValueError, "outside the model's vocabulary"),
+    ("padded mask in the dict", dict(input_ids={"input_ids": torch.tensor(PROMPT),
+                                                "attention_mask": torch.tensor([[0, 1, 1, 1]])}),
+     ValueError, "pads the prompt"),
+    ("padded attention_mask", dict(attention_mask=torch.tensor([[0, 1, 1, 1]])), ValueError, "pads the prompt"),
+    ("a dict without input_ids", dict(input_ids={"ids": PROMPT}), ValueError, "needs 'input_ids'"),
+    ("eos as a string", dict(eos_token_id="</s>"), TypeError, "eos_token_id"),
+    ("max_new_tokens=True", dict(max_new_tokens=True), ValueError, "max_new_tokens"),
+    ("temperature as a string", dict(do_sample=True, temperature="0.7"), TypeError, "temperature"),
+    ("top_k=True", dict(do_sample=True, top_k=True), ValueError, "top_k"),
+    ("greedy with a negative temperature", dict(temperature=-1.0), ValueError, "temperature"),
+    ("greedy with top_p 1.5", dict(top_p=1.5), ValueError, "top_p"),
+    ("do_sample as a string", dict(do_sample="yes"), TypeError, "do_sample"),
+    ("an empty tree", dict(tree=[]), ValueError, "tree=[] holds no paths"),
+    ("a tree as a dict", dict(tree={"paths": [[0]]}), TypeError, "tree must be"),
+    ("a tree as an int", dict(tree=3), TypeError, "tree must be"),
+    ("a rank above the vocabulary", dict(tree=[[0], [1], [2]] + [[r] for r in range(3, VOCAB + 1)]), ValueError,
+     "rank"),
+    ("an unknown proposer", dict(proposer="beam"), ValueError, "unknown proposer"),
+]
+
+
+@pytest.mark.parametrize("name, kwargs, error, words", BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
+def test_bad_input_is_refused_by_name(model, name, kwargs, error, words):
+    kwargs = {"input_ids": PROMPT, "max_new_tokens": 4, **kwargs}
+    with pytest.raises(error, match=re.escape(words)):
+        model.generate(**kwargs)
+
+
+def test_tree_files_that_are_not_trees_are_named(model, tmp_path):
+    broken = tmp_path / "broken.json"
+    broken.write_text("{ paths: ")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        model.generate(PROMPT, max_new_tokens=2, tree=str(broken))
+    no_paths = tmp_path / "no_paths.json"
+    no_paths.write_text(json.dumps({"nodes": [[0]]}))
+    with pytest.raises(ValueError, match="no 'paths' key"):
+        model.generate(PROMPT, max_new_tokens=2, tree=str(no_paths))
+
+
+def test_good_variants_are_accepted_as_what_they_mean(model):
+    """An all-ones mask, ids in a dict, eos as a tensor or list: the same output as the plain form."""
+    reference = model.generate(PROMPT, max_new_tokens=12).sequences
+    inputs = {"input_ids": torch.tensor(PROMPT), "attention_mask": torch.ones(1, 4, dtype=torch.long)}
+    assert torch.equal(model.generate(inputs, max_new_tokens=12).sequences, reference)
+    assert torch.equal(model.generate(torch.tensor(PROMPT, dtype=torch.int32), max_new_tokens=12).sequences, reference)
+    stop = int(reference[0, 6])  # the third new token
+    for eos in (torch.tensor([stop]), [stop], stop):
+        out = model.generate(PROMPT, max_new_tokens=12, eos_token_id=eos)
+        assert out.sequences[0, -1] == stop and out.sequences.shape[1] <= 7
+
+
+def test_trees_shrink_near_the_end_of_a_learned_position_window():
+    """GPT-2 (32 learned positions): a 20-token prompt + 12 new tokens fills the window exactly; deep trees must not
+    reach past it (they used to crash mid-generation where transformers succeeds)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    base = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2)).eval()
+    model = MedusaModel(base, make_heads(random=True, hidden=32), projection_dtype=torch.float32)
+    prompt = torch.randint(1, VOCAB, (1, 20))
+    reference = base.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12, do_sample=False,
+                              pad_token_id=0)
+    for proposer in ("medusa", "dynamic", "hybrid"):
+        out = model.generate(prompt, max_new_tokens=12, proposer=proposer, tree=[[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]])
+        assert torch.equal(out.sequences, reference), proposer

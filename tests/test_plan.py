@@ -1,0 +1,165 @@
+"""The calibrated plan: choices from synthetic latency curves, the cache and its key, overrides, and the online guard."""
+
+import json
+import logging
+
+import pytest
+import torch
+
+import medusa.model
+import medusa.plan
+from medusa import MedusaModel
+from medusa.plan import ACCURACY_NAME, MIN_GAIN, Plan, decide, load_accuracy, plan_path, save_accuracy
+from medusa.tree_builder import grow_tree
+from tests.conftest import FAMILIES, make_heads, make_tiny_model, save_tiny_checkpoint
+
+STRONG = [[0.8, 0.1, 0.05], [0.8, 0.1, 0.05], [0.8, 0.1, 0.05], [0.8, 0.1, 0.05]]
+WEAK = [[0.1, 0.03, 0.01], [0.05, 0.02, 0.01], [0.03, 0.01, 0.01], [0.02, 0.01, 0.01]]
+SIZES = (2, 4, 8, 12)
+
+
+def curve(verify_ms, propose_ms=0.5, engines=("compiled",)):
+    """Synthetic measurements: verify_ms(nodes) for plain decoding and every proposer and size."""
+    jobs = {("plain", 1): (0.0, verify_ms(1))}
+    for n in SIZES:
+        for proposer in ("medusa", "dynamic", "hybrid"):
+            jobs[(proposer, n)] = (propose_ms, verify_ms(n))
+    return {engine: dict(jobs) for engine in engines}
+
+
+def test_weak_heads_on_a_steep_curve_decode_plainly():
+    """Two tokens cost 1.5x one, and the heads are rarely right: nothing beats plain decoding by MIN_GAIN."""
+    plan = decide(curve(lambda n: 10.0 * (1 + 0.5 * (n > 1) + 0.1 * n)), grow_tree(WEAK, 12), WEAK)
+    assert plan.proposer == "plain" and plan.tree == []
+    assert plan.expected_speedup == pytest.approx(1.0)
+    assert "beat plain decoding" in plan.reason
+    assert all(o["speedup"] < MIN_GAIN for o in plan.options if o["proposer"] != "plain")
+
+
+def test_a_flat_curve_picks_a_wide_tree():
+    """Verifying costs the same at any size (a GPU): the widest tree timed wins."""
+    plan = decide(curve(lambda n: 10.0), grow_tree(STRONG, 12), STRONG)
+    assert plan.proposer != "plain" and len(plan.tree) + 1 == max(SIZES)
+    assert plan.expected_speedup > 2
+
+
+def test_a_steep_curve_with_strong_heads_picks_a_small_tree():
+    plan = decide(curve(lambda n: 10.0 * n ** 0.6), grow_tree(STRONG, 12), STRONG)
+    assert plan.proposer != "plain" and len(plan.tree) + 1 < max(SIZES)
+    assert plan.plain_ms == pytest.approx(10.0)
+
+
+def test_the_fastest_engine_wins():
+    measured = curve(lambda n: 20.0 + n)
+    measured.update({"eager": curve(lambda n: 40.0 + n)["compiled"]})
+    plan = decide(measured, grow_tree(STRONG, 12), STRONG)
+    assert plan.engine == "compiled" and plan.plain_ms == pytest.approx(21.0)
+
+
+def test_without_an_accuracy_table_the_heads_own_tree_runs_on_the_fastest_engine():
+    measured = {"compiled": {("plain", 1): (0.0, 10.0)}, "eager": {("plain", 1): (0.0, 30.0)}}
+    plan = decide(measured, [], None)
+    assert (plan.engine, plan.proposer, plan.tree) == ("compiled", "medusa", [])
+    assert "no accuracy table" in plan.reason
+
+
+def test_auto_dtype_is_bf16_only_with_native_support(tmp_path, monkeypatch):
+    base_dir, heads_dir = save_tiny_checkpoint(tmp_path)
+    for native, dtype in ((False, torch.float32), (True, torch.bfloat16)):
+        monkeypatch.setattr(medusa.model, "native_bf16", lambda device="cpu", native=native: native)
+        model = MedusaModel.from_pretrained(heads_dir, base=base_dir, dtype="auto", plan="off")
+        assert model.base.dtype == dtype
+
+
+def _tiny_with_accuracy(tmp_path, family="llama"):
+    base_dir, heads_dir = save_tiny_checkpoint(tmp_path, family)
+    save_accuracy(heads_dir, STRONG, source="test")
+    return base_dir, heads_dir
+
+
+def test_plan_is_cached_keyed_and_rebuilt_when_corrupt(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "cache"))
+    base_dir, heads_dir = _tiny_with_accuracy(tmp_path)
+    model = MedusaModel.from_pretrained(heads_dir, base=base_dir, plan="auto")
+    path = plan_path(model.plan.key)
+    assert path.is_file() and json.loads(path.read_text())["proposer"] == model.plan.proposer
+    assert model.plan.key["has_accuracy"] and model.accuracy == STRONG
+
+    again = MedusaModel.from_pretrained(heads_dir, base=base_dir, plan="auto")
+    assert again.plan.options == model.plan.options  # read from the cache, not measured again
+
+    path.write_text("{ not json")
+    with caplog.at_level(logging.WARNING, logger="medusa.plan"):
+        rebuilt = MedusaModel.from_pretrained(heads_dir, base=base_dir, plan="auto")
+    assert "unreadable" in caplog.text
+    assert json.loads(path.read_text())["key"] == rebuilt.plan.key
+
+    # the key changes with the hardware (another CPU's flags, GPU, threads) and with the heads
+    other = dict(model.plan.key, isa=["avx2"])
+    assert plan_path(other) != path
+    monkeypatch.setattr(medusa.plan, "describe", lambda device: {"cpu": "another", "threads": 64})
+    assert plan_path(medusa.plan.plan_key(model)) != path
+    with torch.no_grad():
+        model.heads.blocks[0][0].linear.bias.add_(1.0)
+    assert medusa.plan.heads_fingerprint(model) != model.plan.key["heads"]
+
+
+def test_a_corrupt_accuracy_table_is_named(tmp_path):
+    (tmp_path / ACCURACY_NAME).write_text('{"acc_given_prefix": [[1.5]]}')
+    with pytest.raises(ValueError, match="not a valid accuracy table"):
+        load_accuracy(tmp_path)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_planned_generate_is_exact_and_arguments_override_the_plan(tmp_path, monkeypatch, family):
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "cache"))
+    base_dir, heads_dir = _tiny_with_accuracy(tmp_path, family)
+    model = MedusaModel.from_pretrained(heads_dir, base=base_dir, plan="auto")
+    prompt = torch.tensor([[3, 4, 5, 6, 3, 4]])
+    reference = model.base.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=30,
+                                    do_sample=False)
+    assert torch.equal(model.generate(prompt, max_new_tokens=30).sequences, reference)
+    assert model.default_engine == model.plan.engine
+    eager = MedusaModel.from_pretrained(heads_dir, base=base_dir, plan="auto", engine="eager")
+    assert eager.default_engine == "eager"
+    out = eager.generate(prompt, max_new_tokens=30, proposer="medusa", tree=[[0], [0, 0]])
+    assert torch.equal(out.sequences, reference) and max(out.stats.proposed_lengths) == 2
+    with pytest.raises(ValueError, match="plan must be"):
+        MedusaModel.from_pretrained(heads_dir, base=base_dir, plan="yes")
+
+
+def _guarded(plain_ms, family="llama", context=False):
+    if context:
+        from tests.test_context_layer import context_heads
+        heads = context_heads()
+    else:
+        heads = make_heads(random=True, condition_on_path=True)
+    model = MedusaModel(make_tiny_model(family), heads, projection_dtype=torch.float32)
+    model.plan = Plan(engine="eager", proposer="medusa", tree=[[0], [1], [0, 0], [0, 0, 0]], expected_speedup=1.5,
+                      plain_ms=plain_ms, reason="test")
+    return model
+
+
+@pytest.mark.parametrize("context", [False, True], ids=["path-heads", "context-layer"])
+def test_guard_falls_back_to_plain_decoding_when_guessing_loses_and_stays_exact(context):
+    model = _guarded(plain_ms=1e-6, context=context)  # no step can beat a plain step this cheap
+    prompt = torch.tensor([[3, 4, 5, 6, 7]])
+    reference = model.base.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=80,
+                                    do_sample=False)
+    out = model.generate(prompt, max_new_tokens=80)
+    assert torch.equal(out.sequences, reference)
+    depths = out.stats.proposed_lengths
+    assert depths[:8] == [3] * 8  # one window of guessing, then plain steps (depth 0), then a retry
+    assert depths[8:24] == [0] * 16 and 3 in depths[24:]
+
+
+def test_guard_keeps_guessing_while_it_pays():
+    model = _guarded(plain_ms=1e9)
+    out = model.generate(torch.tensor([[3, 4, 5, 6, 7]]), max_new_tokens=60)
+    assert 0 not in out.stats.proposed_lengths
+
+
+def test_an_explicit_proposer_is_not_guarded():
+    model = _guarded(plain_ms=1e-6)
+    out = model.generate(torch.tensor([[3, 4, 5, 6, 7]]), max_new_tokens=60, proposer="medusa")
+    assert 0 not in out.stats.proposed_lengths
