@@ -20,6 +20,7 @@ from medusa.hardware import native_bf16
 from medusa.heads import MedusaHeads, storage_state
 from medusa.loading import DEFAULT_BASE, BaseSource, load_base, resolve_dtype
 from medusa.plan import Plan, load_accuracy, load_or_calibrate, save_accuracy
+from medusa.prepack import can_prepack, prepacked_copy
 from medusa.propose import CandidateProjection, get_proposer
 from medusa.sampling import SamplingConfig
 from medusa.tree import TreeSpec, build_buffers, chain, load_tree
@@ -80,9 +81,13 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         return self.plan
 
     def refresh_candidate_projection(self) -> None:
-        """Rebuild the proposing projection (after changing heads' weights, vocabulary subset or device)."""
+        """Rebuild what proposing uses (after changing the heads' weights, vocabulary subset or device): the
+        projection, and on CPU a copy of the heads with pre-packed linear layers (medusa.prepack; 14 small GEMMs a
+        step of the dynamic tree)."""
         self.candidate_projection = CandidateProjection.build(
             self.heads, self.base.get_output_embeddings(), self.projection_dtype)
+        packable = can_prepack(self.base.device, self.base.dtype) and self.base.dtype == torch.float32
+        self.proposal_heads = prepacked_copy(self.heads, skip=("projections",)) if packable else self.heads
 
     @property
     def config(self) -> MedusaConfig:

@@ -36,15 +36,21 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias
 
 
 class PackedLinear(nn.Module):
-    """nn.Linear whose weight is used pre-packed (the module keeps no reference to the original weight)."""
+    """nn.Linear whose weight is used pre-packed. The weight itself stays shared with the original layer; an in-place
+    change to it (training, load_state_dict) is noticed through its version counter and the weight packed again."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = pack(linear.weight)
-        self.bias = linear.bias
+        self.weight, self.bias = linear.weight, linear.bias
+        self._pack()
+
+    def _pack(self) -> None:
+        self.packed, self.packed_version = pack(self.weight), self.weight._version
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight._version != self.packed_version:
+            self._pack()
         return packed_linear(x, self.packed, self.out_features, self.bias)
 
 
@@ -67,15 +73,16 @@ SHARED_GQA_SDPA = "medusa_shared_gqa_sdpa"
 AttentionInterface.register(SHARED_GQA_SDPA, shared_gqa_sdpa)
 
 
-def prepacked_copy(model: nn.Module) -> nn.Module:
-    """A copy of `model` whose nn.Linear layers are PackedLinear; every parameter and buffer is shared, not copied.
-    A model on transformers' sdpa attention gets `shared_gqa_sdpa` in the copy."""
+def prepacked_copy(model: nn.Module, skip: tuple[str, ...] = ()) -> nn.Module:
+    """A copy of `model` whose nn.Linear layers are PackedLinear (except those under a child named in `skip`); every
+    parameter and buffer is shared, not copied. A model on transformers' sdpa attention gets `shared_gqa_sdpa`."""
     shared = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
     packed = copy.deepcopy(model, shared)
+    skipped = {id(m) for name, child in packed.named_children() if name in skip for m in child.modules()}
     for module in list(packed.modules()):
         for name, child in list(module.named_children()):
-            if type(child) is nn.Linear:
+            if type(child) is nn.Linear and id(child) not in skipped:
                 setattr(module, name, PackedLinear(child))
-    if getattr(packed.config, "_attn_implementation", None) == "sdpa":
+    if getattr(getattr(packed, "config", None), "_attn_implementation", None) == "sdpa":
         packed.set_attn_implementation(SHARED_GQA_SDPA)
     return packed

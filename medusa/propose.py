@@ -222,7 +222,7 @@ class PlainProposer:
 
 def build_medusa_proposer(model, tree: TreeBuffers) -> MedusaProposer:
     embed = model.base.get_input_embeddings() if model.heads.config.condition_on_next_token else None
-    return MedusaProposer(model.heads, model.candidate_projection, tree, embed)
+    return MedusaProposer(getattr(model, "proposal_heads", model.heads), model.candidate_projection, tree, embed)
 
 
 def _lazy(target: str):

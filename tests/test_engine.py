@@ -144,3 +144,13 @@ def test_shared_gqa_attention_is_transformers_sdpa_bit_for_bit():
         ours, _ = shared_gqa_sdpa(module, query, key, value, attention_mask, scaling=0.25)
         theirs, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=0.25)
         assert torch.equal(ours, theirs)
+
+
+def test_packed_layers_follow_in_place_changes_to_the_shared_weight():
+    linear = nn.Linear(8, 5)
+    packed = PackedLinear(linear)
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(packed(x), linear(x))
+    with torch.no_grad():
+        linear.weight.mul_(3.0)
+    torch.testing.assert_close(packed(x), linear(x))

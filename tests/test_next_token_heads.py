@@ -97,8 +97,9 @@ def test_the_proposer_feeds_the_root_token_to_the_heads():
     """Heads whose guesses depend only on the root: the candidates must change with it."""
     model = MedusaModel(make_tiny_model("llama"), make_heads(num_heads=2, condition_on_next_token=True), tree=[[0]])
     proposer_input = []
-    original = model.heads.run_head
-    model.heads.run_head = lambda k, hidden, embedding=None: proposer_input.append(embedding) or original(k, hidden, embedding)
+    proposing = model.proposal_heads  # the heads proposing runs (on CPU a pre-packed copy of model.heads)
+    original = proposing.run_head
+    proposing.run_head = lambda k, hidden, embedding=None: proposer_input.append(embedding) or original(k, hidden, embedding)
     model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=4)
     embed = model.base.get_input_embeddings()
     assert proposer_input and all(e is not None and e.shape == (HIDDEN,) for e in proposer_input)
