@@ -232,7 +232,7 @@ def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
 def _write_directory(out_dir: Path, write, overwrite: bool) -> Path:
     """Write an export atomically; another layout's leftovers would mislead foreign_layout, so they go."""
     _check_out_dir(out_dir, overwrite)
-    return write_directory(out_dir, write, stale=(OFFICIAL_WEIGHTS, OFFICIAL_PICKLE, VLLM_WEIGHTS), last=FOREIGN_CONFIG)
+    return write_directory(out_dir, write, stale=(OFFICIAL_WEIGHTS, OFFICIAL_PICKLE, VLLM_WEIGHTS))
 
 
 # ---------------------------------------------------------------------------------------------- import

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import shutil
 import tempfile
@@ -31,16 +33,66 @@ def atomic_write_text(path: Path, text: str) -> None:
         raise
 
 
-def write_directory(out_dir: Path, write: Callable[[Path], None], *, stale: Iterable[str] = (),
-                    last: str | None = None) -> Path:
-    """Run `write(tmp)` in a temporary sibling folder, then move the result into place.
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux renameat2 with RENAME_EXCHANGE); False where the system offers no such call."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_cwd, rename_exchange = -100, 2
+    if renameat2(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(b))
 
-    A new directory is renamed into place in one step. Into an existing one the files move one by one, `last`
-    (e.g. the config that announces the layout) at the end, and files named in `stale` that this write did not
-    produce are removed first, so no mix of old and new layouts remains.
+
+def _siblings(out_dir: Path, kind: str) -> list[Path]:
+    return sorted(out_dir.parent.glob(f".{out_dir.name}.{kind}-*"))
+
+
+def _settle(out_dir: Path) -> None:
+    """Undo what a killed write left: temporary folders go; if the directory itself is missing while an old version
+    waits beside it (killed between the two renames of the fallback swap), that version is put back."""
+    old = _siblings(out_dir, "old")
+    if old and not out_dir.exists():
+        os.replace(old[-1], out_dir)
+        old = old[:-1]
+    for leftover in old + _siblings(out_dir, "tmp"):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _keep(item: Path, dst: Path) -> None:
+    """Carry a file the write did not produce into the new version: hard links where possible (no copy)."""
+    if item.is_dir():
+        shutil.copytree(item, dst, copy_function=_link_or_copy)
+    else:
+        _link_or_copy(item, dst)
+
+
+def _link_or_copy(src, dst) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def write_directory(out_dir: Path, write: Callable[[Path], None], *, stale: Iterable[str] = ()) -> Path:
+    """Run `write(tmp)` in a temporary sibling folder, then put it in the place of `out_dir` as a whole.
+
+    Readers see the old directory or the new one, never a mix: a new directory is renamed into place, an existing
+    one is swapped with the new in one step (renameat2 RENAME_EXCHANGE; elsewhere two renames, and a write killed
+    between them is undone by the next one). Entries of the old directory that this write does not produce are
+    carried over (hard links), except those named in `stale` (files of another layout). Leftovers of killed writes
+    are cleaned up first.
     """
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    _settle(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise NotADirectoryError(f"{out_dir} exists and is not a directory: choose another output path")
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
     try:
         write(tmp)
@@ -51,13 +103,16 @@ def write_directory(out_dir: Path, write: Callable[[Path], None], *, stale: Iter
         if not out_dir.is_dir():
             os.replace(tmp, out_dir)
             return out_dir
-        written = {p.name for p in tmp.iterdir()}
-        for name in stale:
-            if name not in written:
-                (out_dir / name).unlink(missing_ok=True)
-        for item in sorted(tmp.iterdir(), key=lambda p: p.name == last):
-            os.replace(item, out_dir / item.name)
-        tmp.rmdir()
+        written, stale = {p.name for p in tmp.iterdir()}, set(stale)
+        for item in out_dir.iterdir():
+            if item.name not in written and item.name not in stale:
+                _keep(item, tmp / item.name)
+        if not _exchange(tmp, out_dir):
+            old = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.old-"))
+            os.replace(out_dir, old)  # on Linux an empty directory may be replaced by rename
+            os.replace(tmp, out_dir)
+            tmp = old
+        shutil.rmtree(tmp, ignore_errors=True)  # now the old version
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -196,7 +196,7 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
             if self.accuracy is not None:
                 save_accuracy(tmp, self.accuracy, source="saved with the heads")
 
-        write_directory(Path(directory), write, last=CONFIG_NAME)
+        write_directory(Path(directory), write)
 
     # ---------------------------------------------------------------- generation
     def _make_proposer(self, proposer: str | None, tree, sampling: SamplingConfig, generator):

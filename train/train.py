@@ -634,7 +634,7 @@ def save_output(trainer: HeadTrainer, output_dir: Path, extra: dict) -> None:
             (tmp / "README.md").unlink(missing_ok=True)  # peft's model card template: placeholders only
 
     # without Medusa-2, a stale adapter left in output_dir would be merged into the base at load time
-    write_directory(output_dir, write, stale=() if trainer.cfg.medusa2 else ADAPTER_FILES, last=CONFIG_NAME)
+    write_directory(output_dir, write, stale=() if trainer.cfg.medusa2 else ADAPTER_FILES)
 
 
 # ====================================================================== the run

@@ -1,0 +1,123 @@
+"""Directories are replaced as a whole: readers see the old version or the new one, never a mix, even after a kill."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from medusa.config import MedusaConfig
+from medusa.fileio import _settle, write_directory
+from medusa.heads import MedusaHeads
+from medusa.model import load_heads_weights
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _writer(files: dict):
+    def write(tmp: Path) -> None:
+        for name, text in files.items():
+            (tmp / name).write_text(text)
+    return write
+
+
+def test_an_existing_directory_is_replaced_whole_keeping_foreign_files(tmp_path):
+    out = tmp_path / "heads"
+    write_directory(out, _writer({"config.json": "1", "weights": "1", "old_layout.bin": "1"}))
+    (out / "notes.txt").write_text("mine")
+    write_directory(out, _writer({"config.json": "2", "weights": "2"}), stale=("old_layout.bin",))
+    assert {p.name: p.read_text() for p in out.iterdir()} == {"config.json": "2", "weights": "2", "notes.txt": "mine"}
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".heads.")]  # no temporary folder left
+
+
+def test_leftovers_of_killed_writes_are_cleaned_and_an_old_version_put_back(tmp_path):
+    out = tmp_path / "heads"
+    (tmp_path / ".heads.tmp-dead").mkdir()
+    (tmp_path / ".heads.old-dead").mkdir()
+    (tmp_path / ".heads.old-dead" / "config.json").write_text("old")
+    _settle(out)  # killed between the fallback's two renames: the old version comes back
+    assert (out / "config.json").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["heads"]
+    write_directory(out, _writer({"config.json": "new"}))
+    assert (out / "config.json").read_text() == "new"
+
+
+def test_a_file_in_the_way_is_named(tmp_path):
+    (tmp_path / "heads").write_text("not a directory")
+    with pytest.raises(NotADirectoryError, match="not a directory"):
+        write_directory(tmp_path / "heads", _writer({"a": "b"}))
+
+
+SAVER = textwrap.dedent("""
+    import os, sys, time
+    import torch
+    sys.path.insert(0, {root!r})
+    from medusa.config import MedusaConfig
+    from medusa.heads import MedusaHeads
+    from medusa.model import save_heads
+    from medusa.fileio import write_directory
+
+    real_replace = os.replace
+    def slow_replace(*args, **kwargs):  # widen every window between renames, where a mix could show
+        real_replace(*args, **kwargs)
+        time.sleep(0.01)
+    os.replace = slow_replace
+
+    def heads(version):
+        torch.manual_seed(version)
+        config = MedusaConfig(hidden_size=8, vocab_size=16, num_heads=2, extra={{"version": version}})
+        h = MedusaHeads(config)
+        for p in h.parameters():
+            torch.nn.init.normal_(p)
+        return h
+
+    versions = [heads(1), heads(2)]
+    print("ready", flush=True)
+    while True:
+        for h in versions:
+            def write(tmp, h=h):
+                save_heads(h, tmp)
+                time.sleep(0.005)
+            write_directory({out!r}, write)
+""")
+
+
+def _version_on_disk(out: Path) -> int:
+    config = MedusaConfig.load(out)
+    heads = MedusaHeads(config)
+    load_heads_weights(heads, out / "medusa_heads.safetensors")
+    version = config.extra["version"]
+    torch.manual_seed(version)
+    expected = MedusaHeads(MedusaConfig(hidden_size=8, vocab_size=16, num_heads=2))
+    for p in expected.parameters():
+        torch.nn.init.normal_(p)
+    for name, tensor in expected.state_dict().items():
+        assert torch.equal(heads.state_dict()[name], tensor), f"weights of another version than config {version}"
+    return version
+
+
+def test_sigkill_during_repeated_overwrites_leaves_a_whole_version(tmp_path):
+    out = tmp_path / "heads"
+    script = tmp_path / "saver.py"
+    script.write_text(SAVER.format(root=str(ROOT), out=str(out)))
+    rng = random.Random(0)
+    seen = set()
+    for _ in range(3):
+        proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "ready"
+        delay = rng.uniform(0.05, 0.4)
+        try:
+            proc.wait(timeout=delay)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+        write_directory(tmp_path / "unrelated", _writer({"x": "y"}))  # an unrelated write settles nothing here
+        if out.exists():
+            _settle(out)  # what the next write (or a reader that writes) does first
+            seen.add(_version_on_disk(out))
+    assert seen  # the saver wrote at least once before each kill
