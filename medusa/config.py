@@ -16,6 +16,11 @@ WEIGHTS_NAME = "medusa_heads.safetensors"
 PROJECTIONS = ("shared", "own")  # shared: reuse the base lm_head; own: one [V, H] matrix per head
 
 
+def _is_int(value) -> bool:
+    """An integer and not a bool (JSON true would otherwise pass as 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass
 class MedusaConfig:
     hidden_size: int
@@ -52,9 +57,16 @@ class MedusaConfig:
 
     def __post_init__(self):
         for name in ("hidden_size", "vocab_size", "num_heads"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+            if not _is_int(getattr(self, name)) or getattr(self, name) <= 0:
                 raise ValueError(f"MedusaConfig.{name} must be a positive integer, got {getattr(self, name)!r}")
-        if not isinstance(self.num_layers, int) or self.num_layers < 0:
+        if not _is_int(self.format_version):
+            raise ValueError(f"MedusaConfig.format_version must be an integer, got {self.format_version!r}")
+        for name in ("base_model_name_or_path", "revision"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"MedusaConfig.{name} must be a string or null, got {getattr(self, name)!r}")
+        if not isinstance(self.extra, dict):
+            raise ValueError(f"MedusaConfig.extra must be an object, got {self.extra!r}")
+        if not _is_int(self.num_layers) or self.num_layers < 0:
             raise ValueError(f"MedusaConfig.num_layers must be >= 0, got {self.num_layers!r}")
         for name in ("condition_on_next_token", "condition_on_path"):
             if not isinstance(getattr(self, name), bool):
@@ -62,7 +74,7 @@ class MedusaConfig:
         if self.condition_on_path and not self.condition_on_next_token:
             raise ValueError("MedusaConfig.condition_on_path needs condition_on_next_token: a path starts at the root "
                              "token (set both)")
-        if not isinstance(self.context_window, int) or self.context_window < 0:
+        if not _is_int(self.context_window) or self.context_window < 0:
             raise ValueError(f"MedusaConfig.context_window must be an integer >= 0, got {self.context_window!r}")
         if self.context_window and not self.condition_on_next_token:
             raise ValueError("MedusaConfig.context_window needs condition_on_next_token: the context layer reads each "
@@ -81,7 +93,8 @@ class MedusaConfig:
                              f"suffix matched), got {self.copy_ngram!r}")
         if self.projection not in PROJECTIONS:
             raise ValueError(f"MedusaConfig.projection must be one of {PROJECTIONS}, got {self.projection!r}")
-        if self.vocab_subset_size is not None and not 0 < self.vocab_subset_size <= self.vocab_size:
+        if self.vocab_subset_size is not None and (not _is_int(self.vocab_subset_size)
+                                                   or not 0 < self.vocab_subset_size <= self.vocab_size):
             raise ValueError(f"MedusaConfig.vocab_subset_size must lie in [1, vocab_size], got {self.vocab_subset_size}")
         if self.format_version > FORMAT_VERSION:
             raise ValueError(
@@ -104,8 +117,17 @@ class MedusaConfig:
             raw = json.loads(path.read_text())
         except json.JSONDecodeError as err:
             raise ValueError(f"{path} is not valid JSON ({err}): the heads config is corrupt") from err
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path} holds {type(raw).__name__} {raw!r}, not an object of heads settings: the heads "
+                             "config is corrupt; re-save the heads")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ValueError(f"{path}: unknown keys {unknown}; known keys: {sorted(known)}")
-        return cls(**raw)
+        missing = sorted(f.name for f in fields(cls) if f.name in ("hidden_size", "vocab_size") and f.name not in raw)
+        if missing:
+            raise ValueError(f"{path} lacks {missing}: the heads config is incomplete; re-save the heads")
+        try:
+            return cls(**raw)
+        except ValueError as err:
+            raise ValueError(f"{path}: {err}") from err

@@ -136,8 +136,9 @@ def load_base(
         return model.eval(), tokenizer
     path = resolve_base_path(source)
     try:
+        # trust_remote_code stays off, so a base with custom code is refused instead of asking "[y/N]" on a terminal
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation
+            path, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation, trust_remote_code=False
         )
     except OSError as err:
         raise OSError(
@@ -147,5 +148,5 @@ def load_base(
     if device is not None:
         model = model.to(device)
     if tokenizer is None:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     return model.eval(), tokenizer

@@ -161,12 +161,21 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
                                              dtype=dtype, device=device, tokenizer=tokenizer)
                 return cls(model, heads, tokenizer, tree=_tree_arg(tree))
         config = MedusaConfig.load(path)
+        if base is None and config.base_model_name_or_path is None:
+            raise ValueError(f"the heads in {path} do not name their base model (base_model_name_or_path is null): "
+                             "pass base= (a Hub id, directory, .gguf file or loaded model)")
         base_source = base if base is not None else config.base_model_name_or_path
+        if (path / "adapter_config.json").is_file() and not (path / "adapter_model.safetensors").is_file():
+            raise ValueError(
+                f"{path} holds a Medusa-2 adapter without adapter_model.safetensors (a pickled adapter_model.bin is "
+                "never loaded): convert it once where you trust the file, e.g. `from safetensors.torch import "
+                "save_file; save_file(torch.load('adapter_model.bin', weights_only=True), "
+                "'adapter_model.safetensors')`")
         model, tokenizer = load_base(base_source, dtype=dtype, device=device, tokenizer=tokenizer)
         if (path / "adapter_config.json").is_file():  # Medusa-2: LoRA-adapted base
             from peft import PeftModel
 
-            model = PeftModel.from_pretrained(model, str(path)).merge_and_unload().eval()
+            model = PeftModel.from_pretrained(model, str(path), use_safetensors=True).merge_and_unload().eval()
         heads = MedusaHeads(config)
         load_heads_weights(heads, path / WEIGHTS_NAME)
         medusa = cls(model, heads, tokenizer, tree=_tree_arg(tree))

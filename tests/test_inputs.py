@@ -89,3 +89,35 @@ def test_trees_shrink_near_the_end_of_a_learned_position_window():
     for proposer in ("medusa", "dynamic", "hybrid"):
         out = model.generate(prompt, max_new_tokens=12, proposer=proposer, tree=[[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]])
         assert torch.equal(out.sequences, reference), proposer
+
+
+@pytest.mark.parametrize("text, words", [
+    ("[]", "not an object of heads settings"),
+    ("null", "not an object of heads settings"),
+    ('{"hidden_size": 64, "vocab_size": 96, "num_heads": true}', "num_heads must be a positive integer"),
+    ('{"hidden_size": 64, "vocab_size": 96, "vocab_subset_size": "5"}', "vocab_subset_size"),
+    ('{"hidden_size": 64, "vocab_size": 96, "format_version": "1"}', "format_version must be an integer"),
+    ('{"vocab_size": 96}', "lacks ['hidden_size']"),
+])
+def test_bad_heads_configs_are_named_with_their_file(tmp_path, text, words):
+    from medusa.config import CONFIG_NAME, MedusaConfig
+
+    (tmp_path / CONFIG_NAME).write_text(text)
+    with pytest.raises(ValueError, match=re.escape(words)) as caught:
+        MedusaConfig.load(tmp_path)
+    assert str(tmp_path / CONFIG_NAME) in str(caught.value)
+
+
+def test_heads_without_a_base_name_and_pickled_adapters_are_refused(tmp_path):
+    from tests.conftest import save_tiny_checkpoint
+
+    base_dir, heads_dir = save_tiny_checkpoint(tmp_path)
+    config = json.loads((heads_dir / "medusa_config.json").read_text())
+    (heads_dir / "medusa_config.json").write_text(json.dumps({**config, "base_model_name_or_path": None}))
+    with pytest.raises(ValueError, match="do not name their base model"):
+        MedusaModel.from_pretrained(heads_dir)
+    MedusaModel.from_pretrained(heads_dir, base=base_dir)  # naming it works
+    (heads_dir / "adapter_config.json").write_text("{}")
+    (heads_dir / "adapter_model.bin").write_bytes(b"pickle")
+    with pytest.raises(ValueError, match="never loaded"):
+        MedusaModel.from_pretrained(heads_dir, base=base_dir)
