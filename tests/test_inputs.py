@@ -1,7 +1,9 @@
 """Bad inputs to generate are refused by name (parameter, value, fix), never silently changed."""
 
 import json
+import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -121,3 +123,31 @@ def test_heads_without_a_base_name_and_pickled_adapters_are_refused(tmp_path):
     (heads_dir / "adapter_model.bin").write_bytes(b"pickle")
     with pytest.raises(ValueError, match="never loaded"):
         MedusaModel.from_pretrained(heads_dir, base=base_dir)
+
+
+REFUSED_DOC = Path(__file__).resolve().parent.parent / "docs" / "refused_inputs.md"
+
+
+def refused_inputs_table(model) -> str:
+    """The docs table of refused generate inputs, rendered from BAD_CALLS and the messages they actually raise."""
+    lines = ["# Inputs `generate` refuses, and what it says", "",
+             "Generated from `tests/test_inputs.py::BAD_CALLS` (`UPDATE_DOCS=1 pytest tests/test_inputs.py` rewrites "
+             "it; the test fails when it is out of date). Tiny llama, prompt `[[3, 4, 5, 6]]`, vocabulary of "
+             f"{VOCAB}.", "", "| input | error | message |", "|---|---|---|"]
+    for name, kwargs, error, _ in BAD_CALLS:
+        try:
+            model.generate(**{"input_ids": PROMPT, "max_new_tokens": 4, **kwargs})
+            message = "(accepted!)"
+        except error as err:
+            message = str(err).replace("|", "\\|").replace("\n", " ")
+        lines.append(f"| {name} | {error.__name__} | {message} |")
+    return "\n".join(lines) + "\n"
+
+
+def test_the_docs_table_of_refused_inputs_is_current(model):
+    table = refused_inputs_table(model)
+    if os.environ.get("UPDATE_DOCS") == "1":
+        REFUSED_DOC.write_text(table)
+    assert "(accepted!)" not in table
+    assert REFUSED_DOC.is_file() and REFUSED_DOC.read_text() == table, \
+        "docs/refused_inputs.md is out of date: rerun with UPDATE_DOCS=1"
