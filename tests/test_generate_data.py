@@ -240,3 +240,14 @@ def test_the_shipped_data_parts_do_not_overlap():
     # the shipped recipe reads every part
     read = {str(repo / d) for d in parts[0].extra_dirs}
     assert read == {str(repo / c.out_dir) for c in (*parts[1:], more_cfg, prompts)}
+
+
+def test_a_mistyped_prompt_path_writes_nothing_and_a_corrupt_record_is_named(setup, tmp_path):
+    args, out = setup
+    with pytest.raises(FileNotFoundError):
+        main(args + ["--data.sources", json.dumps({str(tmp_path / "promts.jsonl"): -1})])
+    assert not (out / "data_config.json").exists()  # so the corrected run is not refused as "other settings"
+    main(args)
+    (out / "data_config.json").write_text('{"seed": 0, ')
+    with pytest.raises(ValueError, match="data_config.json is not valid JSON"):
+        main(args)

@@ -703,3 +703,16 @@ def test_copy_ngram_goes_from_the_heads_section_to_the_saved_heads(tmp_path, tin
     with pytest.raises(ValueError, match="copy_ngram"):
         train_mod.build_heads(build(sections(tmp_path, tiny_base, tiny_data, heads={"copy_ngram": 1}))["heads"],
                               HIDDEN, VOCAB, lm_head, None)
+
+
+def test_error_unwritable_output_is_found_before_any_step(tmp_path, tiny_base, tiny_data, monkeypatch):
+    """A file where a directory should be (here the checkpoints'): refused at the start. An unwritable output used
+    to fail after every step, with no checkpoint kept when save_every is 0."""
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file, not a directory")
+    steps = []
+    monkeypatch.setattr(train_mod, "load_base", lambda *a, **k: steps.append("loaded") or (_ for _ in ()).throw(
+        AssertionError("the base was loaded before the output was checked")))
+    with pytest.raises(PermissionError, match="cannot write to .*blocker"):
+        run(sections(tmp_path, tiny_base, tiny_data, checkpoint_dir=str(blocker / "ckpt")))
+    assert steps == []

@@ -25,6 +25,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from medusa.fileio import atomic_write_text  # noqa: E402
 from medusa.data import build_prompt_mix, drop_evaluation_overlap, evaluation_prompts  # noqa: E402
 from medusa.loading import load_base  # noqa: E402
 from medusa.decode import stop_token_ids  # noqa: E402
@@ -89,18 +90,28 @@ def shard_groups(pending: list[int], cfg: DataConfig) -> list[list[int]]:
 
 
 def check_resume(out_dir: Path, cfg: DataConfig) -> None:
+    """Refuse to resume `out_dir` with settings that would change its rows (reads only: nothing is written yet)."""
     meta = out_dir / SETTINGS_NAME
     current = {k: asdict(cfg)[k] for k in ORDER_FIELDS}
     if meta.is_file():
+        try:
+            recorded = json.loads(meta.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{meta} is not valid JSON ({err}): it records the settings of the data in {out_dir}; "
+                             "restore it, or use another data.out_dir") from err
         defaults = asdict(DataConfig())  # keys an older data_config.json lacks had their defaults then
-        previous = {k: json.loads(meta.read_text()).get(k, defaults[k]) for k in ORDER_FIELDS}
+        previous = {k: recorded.get(k, defaults[k]) for k in ORDER_FIELDS}
         if previous != current:
             raise ValueError(
                 f"{out_dir} was generated with {previous}, this run asks for {current}: "
                 "use another data.out_dir or the same settings to resume"
             )
+
+
+def record_settings(out_dir: Path, cfg: DataConfig) -> None:
+    """Written once the prompts have been read, so a mistyped prompt path leaves nothing that refuses the fix."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    meta.write_text(json.dumps(asdict(cfg), indent=2))
+    atomic_write_text(out_dir / SETTINGS_NAME, json.dumps(asdict(cfg), indent=2))
 
 
 def tokenize_prompts(tokenizer, mix, max_prompt_tokens: int) -> list[dict]:
@@ -202,11 +213,13 @@ def main(argv=None) -> None:
     torch.manual_seed(cfg.seed)
     out_dir = Path(cfg.out_dir)
     check_resume(out_dir, cfg)
+    mix = build_prompt_mix(cfg.sources, cfg.seed)  # reads the prompt files: before the model loads or anything is written
+    follow_ups = check_follow_ups(cfg.follow_ups or DEFAULT_FOLLOW_UPS)
     model, tokenizer = load_base(cfgs["model"].base, dtype=cfg.dtype, device=cfgs["model"].resolved_device())
     eos_ids, pad_id = stop_and_pad_ids(model, tokenizer)
-    follow_ups = check_follow_ups(cfg.follow_ups or DEFAULT_FOLLOW_UPS)
 
-    items = tokenize_prompts(tokenizer, build_prompt_mix(cfg.sources, cfg.seed), cfg.max_prompt_tokens)
+    items = tokenize_prompts(tokenizer, mix, cfg.max_prompt_tokens)
+    record_settings(out_dir, cfg)
     n_shards = (len(items) + cfg.shard_size - 1) // cfg.shard_size
     if cfg.max_shards is not None:
         n_shards = min(n_shards, cfg.max_shards)

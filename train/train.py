@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -763,6 +764,9 @@ def train(cfgs: dict, *, resume: bool = False, stop_after_steps: int | None = No
     rank, world = accelerator.process_index, accelerator.num_processes
     set_seed(cfg.seed)
     ckpt_root = checkpoint_root(cfg)
+    if main:  # found now, not after every step: where the heads and checkpoints go must take files
+        for directory in (Path(cfg.output_dir).parent, ckpt_root):
+            check_writable(directory)
     resume_from = latest_checkpoint(ckpt_root)
     if resume and resume_from is None:
         raise FileNotFoundError(f"--resume: no checkpoint in {ckpt_root}; drop --resume to start a fresh run")
@@ -961,6 +965,18 @@ def relaunch_with_torchrun(processes: int, argv: list[str]) -> None:
                "--master_addr", os.environ["MASTER_ADDR"], "--master_port", os.environ.get("MASTER_PORT", "29500"),
                str(Path(__file__).resolve()), *argv]
     os.execv(sys.executable, command)
+
+
+def check_writable(directory: Path) -> None:
+    """Create `directory` if needed and write (then remove) a file in it; a clear error naming it otherwise."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".medusa-write-check-"):
+            pass
+    except OSError as err:
+        raise PermissionError(f"cannot write to {directory} ({err.strerror or err}): choose a writable "
+                              "training.output_dir / training.checkpoint_dir") from err
 
 
 def main(argv: list[str] | None = None) -> TrainResult:
