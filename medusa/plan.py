@@ -147,14 +147,14 @@ def measure(model, engines=ENGINES, sizes=SIZES, repeats: int = 4, context: int 
     order = grow_tree(model.accuracy, max(sizes)) if model.accuracy is not None else []
     sizes = [n for n in sizes if n == 1 or n - 1 <= len(order)]
     jobs = [("plain", 1)] + [(p, n) for n in sizes if n > 1 for p in ("medusa", "dynamic", "hybrid")]
-    prompt_state = {}
+    plain_ms, states = {}, {}  # per engine: its plain step, and the prefilled state every step starts from
     for name in engines:  # plain steps first: engines far slower than the fastest are not timed further
         engine = engine_for(model.base, name)
-        state = prefill(model.base, prompt, sampling, feature_layers=model.feature_layers, engine=engine,
-                        max_length=context + max(sizes) + HYBRID_CHAIN + 1)
-        prompt_state[name] = _plain_ms(model, engine, state, repeats + 1)
-    fastest = min(prompt_state.values())
-    engines = [name for name in engines if prompt_state[name] <= SLOW_ENGINE * fastest]
+        states[name] = prefill(model.base, prompt, sampling, feature_layers=model.feature_layers, engine=engine,
+                               max_length=context + max(sizes) + HYBRID_CHAIN + 1)
+        plain_ms[name] = _plain_ms(model, engine, states[name], repeats + 1)
+    fastest = min(plain_ms.values())
+    engines = [name for name in engines if plain_ms[name] <= SLOW_ENGINE * fastest]
     results = {}
     total = len(engines) * (repeats + 1) * len(jobs)
     done, start = 0, time.perf_counter()
@@ -162,9 +162,7 @@ def measure(model, engines=ENGINES, sizes=SIZES, repeats: int = 4, context: int 
         engine = engine_for(model.base, name)
         proposers = {(p, n): model._make_proposer(p, [list(path) for path in order[: n - 1]] or None,
                                                   sampling, None) for p, n in jobs}
-        samples = {job: ([], []) for job in jobs}
-        state = prefill(model.base, prompt, sampling, feature_layers=model.feature_layers, engine=engine,
-                        max_length=context + max(sizes) + HYBRID_CHAIN + 1)
+        samples, state = {job: ([], []) for job in jobs}, states[name]
         for rep in range(repeats + 1):  # the first round warms up
             for job in jobs[rep % len(jobs):] + jobs[: rep % len(jobs)]:
                 propose_ms, verify_ms, accept_ms = time_step(model, engine, proposers[job], state, sampling)

@@ -32,7 +32,7 @@ from torch import nn
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from medusa.config import CONFIG_NAME, WEIGHTS_NAME, MedusaConfig  # noqa: E402
+from medusa.config import WEIGHTS_NAME, MedusaConfig  # noqa: E402
 from medusa.data import collate, frequent_tokens  # noqa: E402
 from medusa.fileio import write_directory  # noqa: E402
 from medusa.heads import MedusaHeads, base_features, head_target_offset  # noqa: E402
