@@ -27,7 +27,7 @@ from medusa import kv_cache
 from medusa.heads import base_features
 from medusa.prepack import can_prepack, prepacked_copy
 from medusa.propose import Candidates
-from medusa.verify import VerifyOutput, tree_attention_mask, verify
+from medusa.verify import VerifyOutput, verify
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +41,14 @@ class PrefillOutput:
     hidden: torch.Tensor  # (T, F): what heads read at every prompt position (medusa.heads.base_features)
 
 
+@torch.inference_mode()
+def run_prefill(model, cache, input_ids: torch.Tensor, feature_layers=()) -> PrefillOutput:
+    """One ordinary forward over the prompt (1, T) into `cache`, logits kept for its last position only."""
+    out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, output_hidden_states=True,
+                logits_to_keep=1)
+    return PrefillOutput(out.logits[0, -1], base_features(out.hidden_states, feature_layers)[0])
+
+
 class EagerEngine:
     """transformers' DynamicCache and the model as it is: the reference every other engine is tested against."""
 
@@ -52,11 +60,8 @@ class EagerEngine:
     def new_cache(self, max_length: int):
         return DynamicCache(config=self.model.config)
 
-    @torch.inference_mode()
     def prefill(self, cache, input_ids: torch.Tensor, feature_layers=()) -> PrefillOutput:
-        out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, output_hidden_states=True,
-                         logits_to_keep=1)
-        return PrefillOutput(out.logits[0, -1], base_features(out.hidden_states, feature_layers)[0])
+        return run_prefill(self.model, cache, input_ids, feature_layers)
 
     def verify(self, cache, candidates: Candidates, past_length: int, feature_layers=()) -> VerifyOutput:
         return verify(self.model, cache, candidates, past_length, feature_layers)
@@ -151,9 +156,7 @@ class CompiledEngine:
     @torch.inference_mode()
     def prefill(self, cache, input_ids: torch.Tensor, feature_layers=()) -> PrefillOutput:
         self._set_length(cache, 0)
-        out = self.runner(input_ids=input_ids, past_key_values=cache, use_cache=True, output_hidden_states=True,
-                          logits_to_keep=1)
-        return PrefillOutput(out.logits[0, -1], base_features(out.hidden_states, feature_layers)[0])
+        return run_prefill(self.runner, cache, input_ids, feature_layers)
 
     @torch.inference_mode()
     def verify(self, cache, candidates: Candidates, past_length: int, feature_layers=()) -> VerifyOutput:
@@ -163,17 +166,10 @@ class CompiledEngine:
         if past_length + n > rows:
             raise RuntimeError(f"the static cache has {rows} rows; this step needs {past_length + n}")
         self._set_length(cache, past_length)
-        dtype = self.model.dtype
-        if isinstance(cache.layers[0], PrefixStaticLayer):  # attention sees past + N rows, as in the eager engine
-            mask = tree_attention_mask(candidates, past_length, dtype) if n > 1 else None  # one token sees all
-        else:
-            mask = torch.full((1, 1, n, rows), torch.finfo(dtype).min, dtype=dtype, device=candidates.tokens.device)
-            mask[..., : past_length + n] = tree_attention_mask(candidates, past_length, dtype)
-        position_ids = (past_length + candidates.tree.depth)[None]  # (1, N)
-        inputs = dict(input_ids=candidates.tokens[None], attention_mask=mask, position_ids=position_ids,
-                      past_key_values=cache, use_cache=True, output_hidden_states=True)
+        # prefix layers show attention past + N rows, as in the eager engine; fixed-size ones the whole allocation
+        mask_rows = None if isinstance(cache.layers[0], PrefixStaticLayer) else rows
         try:
-            out = self.verify_runner(**inputs)
+            return verify(self.verify_runner, cache, candidates, past_length, feature_layers, mask_rows)
         except Exception as err:  # noqa: BLE001 - a compiler failure must not end generation: run uncompiled
             if self.verify_runner is self.runner:
                 raise
@@ -181,8 +177,7 @@ class CompiledEngine:
                            type(err).__name__, err)
             self.verify_runner = self.runner
             self._set_length(cache, past_length)
-            out = self.runner(**inputs)
-        return VerifyOutput(logits=out.logits[0], hidden=base_features(out.hidden_states, feature_layers)[0])
+            return verify(self.runner, cache, candidates, past_length, feature_layers, mask_rows)
 
     @torch.inference_mode()
     def commit(self, cache, past_length: int, accepted_nodes: torch.Tensor) -> None:

@@ -15,8 +15,10 @@ import torch
 
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile")
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
-# oneDNN ISA names below the first with native bf16 (AVX512_CORE_BF16): a limit to one of these turns bf16 off.
-ONEDNN_BELOW_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI")
+# oneDNN ISA names below AVX-512, and below its first ISA with native bf16 (AVX512_CORE_BF16): a limit to one of these
+# turns those off.
+ONEDNN_BELOW_AVX512 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2")
+ONEDNN_BELOW_BF16 = ONEDNN_BELOW_AVX512 + ("AVX512_CORE", "AVX512_CORE_VNNI")
 
 
 @functools.lru_cache(maxsize=1)
@@ -42,7 +44,7 @@ def cpu_flags() -> frozenset:
     flags = set(_cpuinfo()[1]) & set(ISA_FLAGS)
     capability = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
     onednn = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
-    if capability in ("avx2", "default") or onednn in ONEDNN_BELOW_BF16[:4]:
+    if capability in ("avx2", "default") or onednn in ONEDNN_BELOW_AVX512:
         flags -= {f for f in flags if f.startswith(("avx512", "amx"))}
     if onednn in ONEDNN_BELOW_BF16:
         flags -= set(BF16_FLAGS) | {"amx_tile"}

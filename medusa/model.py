@@ -211,11 +211,10 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
     def _make_proposer(self, proposer: str | None, tree, sampling: SamplingConfig, generator):
         """The plan's proposer and tree by default (else Medusa heads over the heads' static tree); `proposer` names
         another from the registry (plain, dynamic, hybrid, ...)."""
-        planned = self.plan if self.plan is not None and self.plan.proposer != "plain" else None
         chosen_by_plan = proposer is None and self.plan is not None
         if chosen_by_plan:
             proposer = self.plan.proposer
-        paths = _tree_arg(tree) or (planned.tree if planned and planned.tree else self.tree)
+        paths = _tree_arg(tree) or (self.plan.tree if self.plan is not None else None) or self.tree  # plain: []
         buffers = build_buffers(TreeSpec(paths, self.config.num_heads), self.config.num_heads)
         built = get_proposer(proposer or "medusa")(self, buffers.to(self.device))
         if not chosen_by_plan or proposer == "plain":  # an explicit proposer runs as asked

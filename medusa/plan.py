@@ -133,7 +133,7 @@ def plan_path(key: dict) -> Path:
 # ------------------------------------------------------------------------------------------------------ measuring
 @torch.inference_mode()
 def measure(model, engines=ENGINES, sizes=SIZES, repeats: int = 4, context: int = CONTEXT, progress: bool = True):
-    """Median ms per step part on each engine: {engine: {proposer: {nodes: (propose_ms, verify_ms)}}}.
+    """-> ({engine: {(proposer, nodes): (propose_ms, verify_ms)}} as medians, the static trees' path order).
 
     Static trees come from the heads' accuracy table (grow_tree), dynamic and hybrid trees from the same sizes; every
     proposal is verified and accepted, then the cache is set back, so all sizes see `context` tokens. Sizes and
@@ -155,13 +155,13 @@ def measure(model, engines=ENGINES, sizes=SIZES, repeats: int = 4, context: int 
         plain_ms[name] = _plain_ms(model, engine, states[name], repeats + 1)
     fastest = min(plain_ms.values())
     engines = [name for name in engines if plain_ms[name] <= SLOW_ENGINE * fastest]
+    proposers = {(p, n): model._make_proposer(p, [list(path) for path in order[: n - 1]] or None, sampling, None)
+                 for p, n in jobs}  # the same for every engine
     results = {}
     total = len(engines) * (repeats + 1) * len(jobs)
     done, start = 0, time.perf_counter()
     for name in engines:
         engine = engine_for(model.base, name)
-        proposers = {(p, n): model._make_proposer(p, [list(path) for path in order[: n - 1]] or None,
-                                                  sampling, None) for p, n in jobs}
         samples, state = {job: ([], []) for job in jobs}, states[name]
         for rep in range(repeats + 1):  # the first round warms up
             for job in jobs[rep % len(jobs):] + jobs[: rep % len(jobs)]:
@@ -208,13 +208,15 @@ def choose(measured: dict, order, acc) -> tuple[Option, list[Option], Option]:
     return best, options, plain
 
 
-def calibrate(model, engines=ENGINES, sizes=SIZES, repeats: int = 4, progress: bool = True) -> Plan:
-    """Measure on this machine and choose (nothing is read from or written to the cache)."""
+def calibrate(model, engines=ENGINES, sizes=SIZES, repeats: int = 4, progress: bool = True,
+              key: dict | None = None) -> Plan:
+    """Measure on this machine and choose (nothing is read from or written to the cache). `key`: the model's
+    plan_key when the caller has it already (it sums every heads tensor)."""
     start = time.perf_counter()
     acc = model.accuracy
     measured, order = measure(model, engines, sizes if acc is not None else (1,), repeats, progress=progress)
     plan = decide(measured, order, acc)
-    plan.key, plan.calibration_s = plan_key(model), time.perf_counter() - start
+    plan.key, plan.calibration_s = key or plan_key(model), time.perf_counter() - start
     return plan
 
 
@@ -254,7 +256,7 @@ def load_or_calibrate(model, recalibrate: bool = False, progress: bool = True) -
     if progress:
         print("calibrating a decoding plan for this machine (once; cached in "
               f"{path.parent})", file=sys.stderr, flush=True)
-    plan = calibrate(model, progress=progress)
+    plan = calibrate(model, progress=progress, key=key)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(asdict(plan), indent=1))
     return plan

@@ -16,22 +16,33 @@ class VerifyOutput:
     hidden: torch.Tensor  # (N, H): the last (post-norm) hidden state at every node (and feature layers: base_features)
 
 
-def tree_attention_mask(candidates: Candidates, past_length: int, dtype: torch.dtype) -> torch.Tensor:
-    """(1, 1, N, past + N) additive mask: the whole past is visible, the tree part follows ancestry."""
+def tree_attention_mask(candidates: Candidates, past_length: int, dtype: torch.dtype,
+                        rows: int | None = None) -> torch.Tensor:
+    """(1, 1, N, rows) additive mask, rows = past + N by default: the whole past is visible, the tree part follows
+    ancestry, and rows beyond past + N (a static cache's unwritten allocation) are hidden."""
     tree = candidates.tree
     bias = tree.attention_bias(dtype, candidates.tokens.device)
     past = torch.zeros((tree.num_nodes, past_length), dtype=dtype, device=bias.device)
-    return torch.cat([past, bias], dim=1)[None, None]
+    parts = [past, bias]
+    if rows is not None and rows > past_length + tree.num_nodes:
+        parts.append(torch.full((tree.num_nodes, rows - past_length - tree.num_nodes), torch.finfo(dtype).min,
+                                dtype=dtype, device=bias.device))
+    return torch.cat(parts, dim=1)[None, None]
 
 
 @torch.inference_mode()
-def verify(model, cache, candidates: Candidates, past_length: int, feature_layers=()) -> VerifyOutput:
-    """Run the target once over the N candidate tokens; the cache grows by N rows (commit keeps the accepted ones)."""
+def verify(model, cache, candidates: Candidates, past_length: int, feature_layers=(),
+           mask_rows: int | None = None) -> VerifyOutput:
+    """Run the target once over the N candidate tokens; the cache grows by N rows (commit keeps the accepted ones).
+
+    One token sees the whole past: it goes without a mask (transformers' one-token path, as in its `generate`),
+    unless `mask_rows` asks for a mask of that fixed width (a compiled graph's static shapes)."""
     tokens = candidates.tokens[None]  # (1, N)
     position_ids = (past_length + candidates.tree.depth)[None]  # (1, N)
+    one_token = tokens.shape[1] == 1 and mask_rows is None
     out = model(
         input_ids=tokens,
-        attention_mask=tree_attention_mask(candidates, past_length, model.dtype),
+        attention_mask=None if one_token else tree_attention_mask(candidates, past_length, model.dtype, mask_rows),
         position_ids=position_ids,
         past_key_values=cache,
         use_cache=True,

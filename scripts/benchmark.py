@@ -69,10 +69,11 @@ from medusa.model import DEFAULT_HEADS_DIR
 from medusa.tree import load_tree
 
 MT_BENCH_CATEGORIES = frozenset({"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"})
-METHODS = ("baseline", "baseline_compiled", "plain", "planned", "prompt_lookup", "assisted", "medusa", "medusa_dynamic", "hybrid", "lookup", "medusa_typical",
+METHODS = ("baseline", "baseline_compiled", "plain", "planned", "prompt_lookup", "assisted", "medusa", "medusa_dynamic",
+           "hybrid", "lookup", "medusa_typical",
            "draft")
-MODEL_FREE = frozenset({"prompt_lookup"})
-PLAIN = frozenset({"baseline", "baseline_compiled", "plain"})  # one token a step: no guesses to analyse  # transformers' n-gram proposals: c = 0 (ours are timed by the profiler)
+MODEL_FREE = frozenset({"prompt_lookup"})  # transformers' n-gram proposals: c = 0 (ours are timed by the profiler)
+PLAIN = frozenset({"baseline", "baseline_compiled", "plain"})  # one token a step: no guesses to analyse
 PROMPT_LOOKUP_TOKENS = 10
 WARMUP_TOKENS = 16
 RESUME_KEYS = ("questions", "base", "heads", "tree", "dtype", "device", "max_new_tokens", "temperature", "draft",
@@ -538,7 +539,8 @@ def main(argv=None) -> dict:
     settings["skipped"] = skipped
     methods = [m for m in args.methods if m in runs]
     targets = [model.base]
-    if args.engine == "compiled" or "baseline_compiled" in methods:
+    planned_compiled = "planned" in methods and model.plan is not None and model.plan.engine == "compiled"
+    if args.engine == "compiled" or "baseline_compiled" in methods or planned_compiled:
         runner = model.engine("compiled").runner  # the compiled engine's forward (a pre-packed copy on CPU)
         targets += [runner] if runner is not model.base else []
     recorders = {"target": ForwardRecorder(targets, sync)}
