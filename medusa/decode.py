@@ -8,6 +8,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+from transformers import GenerationConfig
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from medusa import generate_args
 from medusa.acceptance import AcceptanceRule, get_rule
 from medusa.engine import EagerEngine, engine_for
 from medusa.propose import PlainProposer, Proposer
@@ -57,9 +61,14 @@ class DecodeStats:
 
 
 @dataclass
-class GenerateOutput:
-    sequences: torch.Tensor  # (1, prompt + new): like transformers' generate
-    stats: DecodeStats
+class GenerateOutput(GenerateDecoderOnlyOutput):
+    """transformers' generate output (`sequences`: (1, prompt + new)) with this library's DecodeStats. An integer
+    index gives a sequence, as on the tensor transformers' generate returns by default: `tokenizer.decode(out[0])`."""
+
+    stats: DecodeStats | None = None
+
+    def __getitem__(self, key):
+        return self.sequences[key] if isinstance(key, int) else super().__getitem__(key)
 
 
 class _PhaseTimer:
@@ -184,45 +193,68 @@ class SpeculativeGenerator:
 
     def generate(
         self,
-        input_ids,
-        max_new_tokens: int = 128,
+        input_ids=None,
+        generation_config: GenerationConfig | None = None,
         *,
-        do_sample: bool = False,
-        temperature: float = 1.0,
+        attention_mask=None,
+        max_new_tokens: int | None = None,
+        max_length: int | None = None,
+        do_sample: bool | None = None,
+        temperature: float | None = None,
         top_k: int | None = None,
         top_p: float | None = None,
+        eos_token_id: int | list[int] | None = None,
+        stopping_criteria=None,
+        stop_strings: str | list[str] | None = None,
+        streamer=None,
+        return_dict_in_generate: bool | None = None,
         acceptance: str | None = None,
         proposer: str | None = None,
         posterior_threshold: float = 0.09,
         posterior_alpha: float = 0.3,
         tree: list[list[int]] | str | None = None,
-        eos_token_id: int | list[int] | None = None,
-        streamer=None,
         generator: torch.Generator | None = None,
         profile: bool = False,
         engine: str | None = None,
-        attention_mask=None,
-    ) -> GenerateOutput:
-        """Speculative generation for one sequence. Greedy output equals the base model's greedy `generate`;
-        `do_sample=True` samples exactly from its distribution (unless `acceptance="typical"`, which is lossy).
+        **transformers_kwargs,
+    ) -> GenerateOutput | torch.Tensor:
+        """Speculative generation for one sequence, called as transformers' `generate` is. Greedy output equals the
+        base model's greedy `generate`; `do_sample=True` samples exactly from its distribution (unless
+        `acceptance="typical"`, which is lossy).
 
-        input_ids: (1, T) tensor, a list of ids, or the BatchEncoding `apply_chat_template(..., return_tensors="pt")`
-        gives. Sampling settings follow transformers (temperature, top_k, top_p; `generator` seeds the draws).
+        input_ids: (1, T) tensor, a list of ids, or the tokenizer's output (`generate(**tokenizer(text,
+        return_tensors="pt"))`, its attention_mask all ones). Generation settings (max_new_tokens, max_length,
+        do_sample, temperature, top_k, top_p, eos_token_id, stop_strings) come with transformers' precedence: this
+        call, then `generation_config`, then the base's generation config, then transformers' defaults (see
+        medusa.generate_args; with no length set anywhere, 128 new tokens). `stopping_criteria` and `streamer` are
+        transformers'. Returns a GenerateOutput (`.sequences`, `.stats`; `out[0]` is the sequence); with
+        `return_dict_in_generate=False`, the sequences tensor alone. `generator` seeds the draws.
         `proposer="plain"` decodes one token a step on the same engine (no guesses); `engine` picks how the target
         runs: "eager" (the exact reference) or "compiled" (static cache, pre-packed weights; see medusa.engine).
         """
+        generate_args.refuse_unknown(transformers_kwargs)
+        if input_ids is None:
+            raise ValueError("generate needs input_ids: the prompt's token ids (or **tokenizer(text, return_tensors='pt'))")
         vocab = self.base.get_input_embeddings().num_embeddings
         input_ids = prepare_input_ids(input_ids, self.device, vocab_size=vocab, attention_mask=attention_mask)
-        self._check_lengths(input_ids.shape[1], max_new_tokens)
-        sampling = SamplingConfig(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-                                  posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha)
-        rule = get_rule(acceptance or (self.default_sampling_rule if do_sample else "greedy"))
-        return decode(
+        settings = generate_args.resolve(
+            self.base, input_ids.shape[1], generation_config,
+            dict(max_new_tokens=max_new_tokens, max_length=max_length, do_sample=do_sample, temperature=temperature,
+                 top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, stop_strings=stop_strings,
+                 return_dict_in_generate=return_dict_in_generate, **transformers_kwargs),
+            posterior_threshold, posterior_alpha)
+        self._check_lengths(input_ids.shape[1], settings.max_new_tokens)
+        sampling = settings.sampling
+        rule = get_rule(acceptance or (self.default_sampling_rule if sampling.do_sample else "greedy"))
+        out = decode(
             self.base, self._make_proposer(proposer, tree, sampling, generator), rule, input_ids,
-            max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_token_ids(self.base, self.tokenizer, eos_token_id),
+            max_new_tokens=settings.max_new_tokens, sampling=sampling,
+            stop_ids=stop_token_ids(self.base, self.tokenizer, settings.eos_token_id),
+            stop_when=generate_args.stopping(stopping_criteria, settings.stop_strings, self.tokenizer),
             streamer=streamer, generator=generator, profile=profile, feature_layers=self.feature_layers,
             engine=self.engine(engine),
         )
+        return out.sequences if settings.return_dict_in_generate is False else out
 
 
 def _stop_index(tokens: list[int], stop_ids: set[int]) -> int | None:
@@ -239,6 +271,7 @@ def decode(
     max_new_tokens: int,
     sampling: SamplingConfig,
     stop_ids: set[int],
+    stop_when=None,
     streamer=None,
     generator: torch.Generator | None = None,
     profile: bool = False,
@@ -247,6 +280,7 @@ def decode(
 ) -> GenerateOutput:
     """input_ids (1, T) -> GenerateOutput. Callers validate inputs (see MedusaModel.generate). `feature_layers`:
     the base layers whose features the decode state carries besides the last hidden state (what the heads read).
+    `stop_when(ids (1, T)) -> bool`: a stopping criterion checked after every new token (transformers' criteria).
     `engine` runs the target (medusa.engine; default: eager on `model`)."""
     engine = engine or EagerEngine(model)
     stats = DecodeStats()
@@ -265,6 +299,12 @@ def decode(
         room = max_new_tokens - len(new)
         stop = _stop_index(tokens[:room], stop_ids)
         kept = tokens[: room if stop is None else stop + 1]
+        if stop_when is not None:
+            prompt = input_ids[0].tolist()
+            first = next((i for i in range(len(kept)) if stop_when(torch.tensor([prompt + new + kept[: i + 1]]))),
+                         None)
+            if first is not None:
+                kept, stop = kept[: first + 1], first
         new.extend(kept)
         if streamer is not None and kept:
             streamer.put(torch.tensor(kept))

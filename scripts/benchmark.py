@@ -225,7 +225,7 @@ def build_methods(names: list[str], args, model, stop_ids: list[int]) -> tuple[d
     def ours(target, engine=args.engine, **kwargs):
         def run(input_ids, max_new_tokens, seed):
             generator = torch.Generator(base.device).manual_seed(seed) if sampling else None
-            out = target.generate(input_ids, max_new_tokens, do_sample=sampling, temperature=args.temperature or 1.0,
+            out = target.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=sampling, temperature=args.temperature or 1.0,
                                   eos_token_id=stop_ids or None, generator=generator, profile=args.profile,
                                   engine=engine, **kwargs)
             stats = out.stats

@@ -164,7 +164,7 @@ def sample_counts(model, n: int, seed: int, prompt: torch.Tensor = PROMPT, **kwa
     generator = torch.Generator().manual_seed(seed)
     index = torch.empty(n, dtype=torch.long)
     for i in range(n):
-        x1, x2, x3 = model.generate(prompt, NEW, do_sample=True, generator=generator, **kwargs).sequences[0, -NEW:].tolist()
+        x1, x2, x3 = model.generate(prompt, max_new_tokens=NEW, do_sample=True, generator=generator, **kwargs).sequences[0, -NEW:].tolist()
         index[i] = x1 * V * V + x2 * V + x3
     return torch.bincount(index, minlength=V ** 3)
 
@@ -205,22 +205,22 @@ def test_target_probs_match_transformers_warpers(settings):
 @pytest.mark.parametrize("settings, message", [
     (dict(temperature=0.0), "temperature must be > 0"), (dict(temperature=-1.0), "temperature must be > 0"),
     (dict(top_p=0.0), r"top_p must lie in \(0, 1\]"), (dict(top_p=1.5), r"top_p must lie in \(0, 1\]"),
-    (dict(top_k=0), "top_k must be a positive integer"), (dict(top_k=-3), "top_k must be a positive integer"),
+    (dict(top_k=2.5), "top_k must be a positive integer"), (dict(top_k=-3), "top_k must be a positive integer"),
     (dict(posterior_threshold=1.5), "posterior_threshold"), (dict(posterior_alpha=-0.1), "posterior_alpha"),
 ])
 def test_invalid_sampling_settings_are_named(medusa, settings, message):
     with pytest.raises(ValueError, match=message):
-        medusa.generate(PROMPT, 3, do_sample=True, **settings)
+        medusa.generate(PROMPT, max_new_tokens=3, do_sample=True, **settings)
 
 
 def test_unknown_acceptance_rule_is_named(medusa):
     with pytest.raises(ValueError, match="unknown acceptance rule 'nope'.*rejection"):
-        medusa.generate(PROMPT, 3, do_sample=True, acceptance="nope")
+        medusa.generate(PROMPT, max_new_tokens=3, do_sample=True, acceptance="nope")
 
 
 def test_seeded_generator_reproduces_a_sample(medusa, draft_model):
     for model in (medusa, draft_model):
-        runs = [model.generate(PROMPT, 20, do_sample=True, generator=torch.Generator().manual_seed(7), **MEDUSA_SETTINGS)
+        runs = [model.generate(PROMPT, max_new_tokens=20, do_sample=True, generator=torch.Generator().manual_seed(7), **MEDUSA_SETTINGS)
                 for _ in range(2)]
         assert torch.equal(runs[0].sequences, runs[1].sequences)
 

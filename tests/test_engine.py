@@ -8,7 +8,7 @@ from medusa import MedusaModel
 from medusa.decode import prefill
 from medusa.engine import CompiledEngine, EagerEngine, engine_for, make_engine
 from medusa.hardware import cpu_flags, native_bf16
-from medusa.prepack import PackedLinear, prepacked_copy
+from medusa.prepack import FusedMember, FusedProjections, PackedLinear, prepacked_copy
 from medusa.propose import Candidates
 from medusa.sampling import SamplingConfig
 from medusa.tree import TreeSpec, build_buffers
@@ -154,3 +154,33 @@ def test_packed_layers_follow_in_place_changes_to_the_shared_weight():
     with torch.no_grad():
         linear.weight.mul_(3.0)
     torch.testing.assert_close(packed(x), linear(x))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sibling_projections_are_fused_in_the_packed_copy(family):
+    packed = prepacked_copy(make_tiny_model(family))
+    layer = packed.model.layers[0]
+    for name in ("q_proj", "k_proj", "v_proj"):
+        assert isinstance(getattr(layer.self_attn, name), FusedMember)
+    assert layer.mlp.gate_proj.group is layer.mlp.up_proj.group
+    assert isinstance(layer.mlp.down_proj, PackedLinear)
+
+
+def test_fused_projections_equal_their_layers_in_any_call_order():
+    torch.manual_seed(4)
+    linears = [nn.Linear(8, 6), nn.Linear(8, 3), nn.Linear(8, 3)]
+    group = FusedProjections(linears)
+    members = [FusedMember(group, i) for i in range(3)]
+    x, y = torch.randn(2, 8), torch.randn(2, 8)
+    for order in ([0, 1, 2], [2, 0, 1]):
+        for i in order:
+            torch.testing.assert_close(members[i](x), linears[i](x))
+    # the same member twice on one tensor, then another input half-way through a group: each recomputed
+    torch.testing.assert_close(members[1](x), linears[1](x))
+    torch.testing.assert_close(members[1](x), linears[1](x))
+    torch.testing.assert_close(members[0](y), linears[0](y))
+    with torch.no_grad():
+        x.mul_(2.0)
+        linears[2].weight.add_(1.0)
+    torch.testing.assert_close(members[2](x), linears[2](x))
+    torch.testing.assert_close(members[0](x), linears[0](x))

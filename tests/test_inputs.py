@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import GenerationConfig
 
 from medusa import MedusaModel
 from tests.conftest import VOCAB, make_heads, make_tiny_model
@@ -44,6 +45,15 @@ BAD_CALLS = [
     ("a rank above the vocabulary", dict(tree=[[0], [1], [2]] + [[r] for r in range(3, VOCAB + 1)]), ValueError,
      "rank"),
     ("an unknown proposer", dict(proposer="beam"), ValueError, "unknown proposer"),
+    ("max_new_tokens positionally", dict(generation_config=8), TypeError, "pass settings by keyword"),
+    ("repetition_penalty", dict(repetition_penalty=1.2), ValueError, "does not support repetition_penalty=1.2"),
+    ("no_repeat_ngram_size in a GenerationConfig", dict(generation_config=GenerationConfig(no_repeat_ngram_size=3)),
+     ValueError, "does not support no_repeat_ngram_size=3"),
+    ("beam search", dict(num_beams=4), ValueError, "does not support num_beams=4"),
+    ("a logits processor", dict(logits_processor=[lambda ids, scores: scores]), ValueError, "logits_processor"),
+    ("an unknown argument", dict(temprature=0.7), TypeError, "unexpected arguments ['temprature']"),
+    ("max_length inside the prompt", dict(max_new_tokens=None, max_length=3), ValueError, "max_length=3 leaves no room"),
+    ("stop_strings without a tokenizer", dict(stop_strings=["."]), ValueError, "stop_strings needs the tokenizer"),
 ]
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import HIDDEN, VOCAB, make_tiny_model
+from tests.conftest import HIDDEN, VOCAB, make_tiny_model
 from safetensors.torch import load_file
 
 from medusa import MedusaModel
@@ -409,7 +409,7 @@ def test_yaml_reads_exponent_learning_rates(tmp_path, tiny_base, tiny_data):
 
 
 def test_error_heads_that_do_not_match_the_base(tmp_path, tiny_base, tiny_data):
-    from conftest import make_heads
+    from tests.conftest import make_heads
     from medusa.model import save_heads
 
     other = tmp_path / "other-heads"
