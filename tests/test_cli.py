@@ -1,0 +1,71 @@
+"""The `medusa` command: chat from a pipe (burst and steady streaming), and the command index."""
+
+import io
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from medusa import MedusaModel
+from medusa.cli import chat, main
+from tests.conftest import save_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("chat"))
+
+
+def _chat(monkeypatch, capsys, argv, lines):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("".join(line + "\n" for line in lines)))
+    chat.main(argv)
+    return capsys.readouterr()
+
+
+def test_chat_from_a_pipe_streams_each_answer_with_its_rate_and_tau(monkeypatch, capsys, checkpoint):
+    base_dir, heads_dir = checkpoint
+    out = _chat(monkeypatch, capsys, ["--heads", str(heads_dir), "--base", str(base_dir), "--max-new-tokens", "10"],
+                ["hello", "", "and then"])
+    reports = [line for line in out.err.splitlines() if line.startswith("[")]
+    assert len(reports) == 2 and all("tok/s" in r and "tau" in r for r in reports)
+    model = MedusaModel.from_pretrained(heads_dir, base=base_dir)
+    ids = model.tokenizer.apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True,
+                                              return_tensors="pt")
+    first = model.tokenizer.decode(model.generate(ids, max_new_tokens=10).sequences[0, ids["input_ids"].shape[1]:],
+                                   skip_special_tokens=True)
+    assert out.out.startswith(first)  # greedy: the same answer as generate, streamed
+
+
+def test_steady_stream_emits_fixed_chunks_and_hides_the_accepted_lengths():
+    log = chat.EmissionLog()
+    sink = []
+    streamer = chat.SteadyStreamer(type("Sink", (), {"put": lambda s, v: sink.append(v), "end": lambda s: None})(),
+                                   log, chunk=3, interval=0.002)
+    streamer.put(torch.tensor([[1, 2]]))  # the prompt
+    accepted = [1, 4, 2, 5, 1, 3]
+    for n in [1] + accepted:
+        streamer.put(torch.arange(n))
+    streamer.end()
+    sizes = [n for _, n in log.emissions]
+    assert sizes[:-1] == [3] * (len(sizes) - 1) and sum(sizes) == 1 + sum(accepted)
+    steady = chat.leak_report(log, accepted)
+    assert steady["size_corr"] == pytest.approx(0.0, abs=0.5)
+    bursts = chat.EmissionLog()
+    for n in [1] + accepted:  # the prefill's token, then one burst per verify step
+        bursts.record(n)
+    assert chat.leak_report(bursts, accepted)["size_corr"] == pytest.approx(1.0)  # bursts give it away
+
+
+def test_the_command_lists_its_subcommands_and_names_unknown_ones():
+    done = subprocess.run([sys.executable, "-m", "medusa", "--help"], capture_output=True, text=True)
+    assert done.returncode == 0 and "chat" in done.stdout
+    done = subprocess.run([sys.executable, "-m", "medusa", "chatt"], capture_output=True, text=True)
+    assert done.returncode != 0 and "unknown command 'chatt'" in done.stderr
+
+
+def test_main_dispatches(monkeypatch):
+    called = []
+    monkeypatch.setattr(chat, "main", lambda argv: called.append(argv))
+    main(["chat", "--steady"])
+    assert called == [["--steady"]]
