@@ -1,6 +1,7 @@
 """The `medusa` command: chat from a pipe (burst and steady streaming), and the command index."""
 
 import io
+import json
 import subprocess
 import sys
 
@@ -69,3 +70,14 @@ def test_main_dispatches(monkeypatch):
     monkeypatch.setattr(chat, "main", lambda argv: called.append(argv))
     main(["chat", "--steady"])
     assert called == [["--steady"]]
+
+
+def test_calibrate_measures_and_writes_the_plan(tmp_path, capsys, monkeypatch, checkpoint):
+    from medusa.cli import calibrate
+
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "cache"))  # the plan cache: not the user's
+    base_dir, heads_dir = checkpoint
+    plan = calibrate.main(["--heads", str(heads_dir), "--base", str(base_dir), "--out", str(tmp_path / "plan.json")])
+    written = json.loads((tmp_path / "plan.json").read_text())
+    assert written == json.loads(json.dumps(plan)) and written["engine"] in ("eager", "compiled")
+    assert "measured in" in capsys.readouterr().out

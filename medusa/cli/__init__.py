@@ -8,6 +8,7 @@ import sys
 # command -> (module with main(argv), what it does); imported only when run, so `medusa --help` stays fast
 COMMANDS = {
     "chat": ("medusa.cli.chat", "streaming chat in the terminal (or from a pipe), tokens/s and tau per answer"),
+    "calibrate": ("medusa.cli.calibrate", "measure this machine and choose the decoding plan (cached)"),
 }
 
 

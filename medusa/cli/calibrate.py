@@ -1,9 +1,8 @@
 """Measure this machine and choose the decoding plan (engine, proposer, tree) that `generate` uses by default.
 
-    python scripts/calibrate.py [--heads DIR] [--base PATH] [--dtype float32|bfloat16|auto] [--device cuda]
-                                [--engines eager,compiled] [--out plan.json]
+    medusa calibrate [--heads DIR] [--base PATH] [--dtype float32|bfloat16|auto] [--device cuda] [--out plan.json]
 
-The plan is cached under $MEDUSA_CACHE/plans/ (what `MedusaModel.from_pretrained` reads); this script measures anew
+The plan is cached under $MEDUSA_CACHE/plans/ (what `MedusaModel.from_pretrained` reads); this command measures anew
 and replaces the cached one, then prints the options it compared. See medusa/plan.py.
 """
 
@@ -20,7 +19,7 @@ from medusa.fileio import atomic_write_text
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="medusa calibrate", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--heads", default=None, help="heads directory (default: the shipped heads)")
     parser.add_argument("--base", default=None, help="base model (default: the heads' base)")
@@ -38,7 +37,3 @@ def main(argv=None) -> dict:
     if args.out:
         atomic_write_text(Path(args.out), json.dumps(asdict(plan), indent=1))
     return asdict(plan)
-
-
-if __name__ == "__main__":
-    main()
