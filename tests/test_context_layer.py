@@ -14,7 +14,7 @@ from medusa import MedusaConfig, MedusaHeads, MedusaModel
 from medusa.evaluation import head_rank_hits
 from medusa.decode import prefill
 from medusa.heads import ContextLayer, base_features, head_target_offset
-from medusa.losses import medusa_heads_loss
+from train.losses import medusa_heads_loss
 from medusa.propose import build_medusa_proposer
 from medusa.sampling import SamplingConfig
 from medusa.tree import TreeSpec, build_buffers

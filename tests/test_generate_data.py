@@ -7,7 +7,7 @@ import pytest
 
 import random
 
-from medusa.data import build_prompt_mix, drop_evaluation_overlap, normalise
+from train.data import build_prompt_mix, drop_evaluation_overlap, normalise
 from train.config import DataConfig
 from train.generate_data import is_greedy_shard, load_shards, main, shard_dirs, shard_groups
 from tests.conftest import make_tiny_model, tiny_tokenizer

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -24,7 +25,10 @@ from medusa.heads import MedusaHeads, following_tokens
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from train import train as train_mod  # noqa: E402
-from train.config import load_sections  # noqa: E402
+from train.batches import Conversation, load_conversations, split_eval  # noqa: E402
+from train.config import Config, load_config  # noqa: E402
+from train.hidden_cache import HiddenCache, span_start  # noqa: E402
+from train.trainer import build_heads  # noqa: E402
 
 CYCLE = [11, 23, 37, 42, 58, 64, 79]  # the learnable pattern: every response walks this cycle
 
@@ -103,10 +107,10 @@ def sections(tmp: Path, base: Path, data: Path, heads: dict | None = None, **tra
     return raw
 
 
-def build(raw: dict) -> dict:
+def build(raw: dict) -> Config:
     path = Path(raw["training"]["output_dir"]).parent / "config.yaml"
     path.write_text(yaml.safe_dump(raw))
-    return load_sections(str(path), [], train_mod.SECTIONS)
+    return load_config(str(path))
 
 
 def top1(metrics: dict, head: int) -> float:
@@ -213,13 +217,13 @@ def test_an_added_data_dir_computes_only_its_own_hidden_states(tmp_path, tiny_ba
 
 def test_concatenated_part_caches_equal_one_cache_over_everything():
     torch.manual_seed(0)
-    convs = [train_mod.Conversation(ids=torch.randint(0, 96, (n,)).tolist(), response_start=r)
+    convs = [Conversation(ids=torch.randint(0, 96, (n,)).tolist(), response_start=r)
              for n, r in [(9, 3), (5, 1), (12, 8), (7, 2)]]
-    spans = {i: torch.randn(len(c.ids) - train_mod.span_start(c, 3), 4).to(torch.bfloat16) for i, c in enumerate(convs)}
-    whole = train_mod.HiddenCache.assemble(convs, spans, 3)
-    parts = [train_mod.HiddenCache.assemble(convs[:1], {0: spans[0]}, 3),
-             train_mod.HiddenCache.assemble(convs[1:], {i - 1: spans[i] for i in range(1, 4)}, 3)]
-    joined = train_mod.HiddenCache.concat(parts)
+    spans = {i: torch.randn(len(c.ids) - span_start(c, 3), 4).to(torch.bfloat16) for i, c in enumerate(convs)}
+    whole = HiddenCache.assemble(convs, spans, 3)
+    parts = [HiddenCache.assemble(convs[:1], {0: spans[0]}, 3),
+             HiddenCache.assemble(convs[1:], {i - 1: spans[i] for i in range(1, 4)}, 3)]
+    joined = HiddenCache.concat(parts)
     for name in ("hidden", "ids", "offsets", "response_start"):
         assert torch.equal(getattr(joined, name), getattr(whole, name)), name
     rows = [3, 0, 2]
@@ -244,7 +248,8 @@ def test_resume_equals_uninterrupted(tmp_path, tiny_base, tiny_data, mode):
     whole = run(sections(whole_dir, tiny_base, tiny_data, **common))
     stopped = run(sections(split_dir, tiny_base, tiny_data, **common), stop_after_steps=6)
     assert stopped.output_dir is None and stopped.steps == 6
-    assert (split_dir / "ckpt" / "step-00000006" / "trainer_state.json").is_file()
+    state = split_dir / "ckpt" / "checkpoints" / "checkpoint_0" / "trainer_state.json"  # accelerate's naming
+    assert state.is_file() and json.loads(state.read_text())["step"] == 6
     resumed = run(sections(split_dir, tiny_base, tiny_data, **common), resume=True)
 
     a, b = load_file(str(whole.output_dir / WEIGHTS_NAME)), load_file(str(resumed.output_dir / WEIGHTS_NAME))
@@ -405,7 +410,7 @@ def test_yaml_reads_exponent_learning_rates(tmp_path, tiny_base, tiny_data):
     raw = sections(tmp_path, tiny_base, tiny_data)
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(raw).replace("lr: 0.01", "lr: 1e-3"))  # YAML 1.1 reads 1e-3 as a string
-    assert load_sections(str(path), [], train_mod.SECTIONS)["training"].lr == 1e-3
+    assert load_config(str(path)).training.lr == 1e-3
 
 
 def test_error_heads_that_do_not_match_the_base(tmp_path, tiny_base, tiny_data):
@@ -451,23 +456,6 @@ def test_init_from_continues_from_saved_heads(tmp_path, tiny_base, tiny_data):
 
 
 # --------------------------------------------------------------------------- processes
-LAUNCHED = {"ACCELERATE_USE_CPU": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
-
-
-@pytest.mark.parametrize("env, parent, expected", [
-    (LAUNCHED, ["python", "accelerate", "launch", "--num_processes", "2", "--cpu", "train/train.py"], 2),
-    (LAUNCHED, ["accelerate", "launch", "--cpu", "--num-processes=3", "t.py", "--config", "c.yaml"], 3),
-    (LAUNCHED, ["accelerate", "launch", "--cpu", "--num_processes", "1", "t.py"], None),
-    (LAUNCHED, ["accelerate", "launch", "--cpu", "--num_processes", "4", "--num_machines", "2", "t.py"], None),
-    (LAUNCHED, ["accelerate", "launch", "--cpu", "t.py", "--num_processes", "4"], None),  # the script's, not ours
-    ({**LAUNCHED, "WORLD_SIZE": "2"}, ["accelerate", "launch", "--num_processes", "2", "--cpu", "t.py"], None),
-    ({"MASTER_ADDR": "127.0.0.1"}, ["accelerate", "launch", "--num_processes", "2", "t.py"], None),
-    (LAUNCHED, ["bash", "run.sh"], None),
-])
-def test_detects_accelerate_cpu_launch_that_started_one_process(env, parent, expected):
-    assert train_mod.requested_cpu_processes(env, parent) == expected
-
-
 @pytest.mark.parametrize("kind", ["FSDP", "DEEPSPEED"])
 def test_sharded_launches_are_refused_with_the_reason(kind):
     from types import SimpleNamespace
@@ -520,7 +508,7 @@ def test_accelerate_launch_two_processes(tmp_path, tiny_base, tiny_data):
 
 
 def test_frequent_tokens_orders_by_count_then_id():
-    from medusa.data import frequent_tokens
+    from train.data import frequent_tokens
 
     assert frequent_tokens([[5, 5, 3, 9], [3, 5]], 4, 10).tolist() == [5, 3, 9, 0]
     with pytest.raises(ValueError, match="vocab subset size"):
@@ -587,12 +575,12 @@ def test_context_heads_learn_and_decode_exactly(tmp_path, tiny_base, tiny_data, 
 def test_distilled_heads_learn_the_base_distribution(tmp_path, tiny_base, tiny_data):
     """training.distill: the heads move towards the base's own distributions (the random tiny base does not follow
     the data's cycle, so its KL, not the data's tokens, is what must fall)."""
-    from medusa.losses import medusa_heads_loss
+    from train.losses import medusa_heads_loss
 
     heads = {"condition_on_next_token": True, "context_window": 4}
     result = run(sections(tmp_path, tiny_base, tiny_data, heads=heads, max_steps=30, eval_every=0, distill=True))
     trained = MedusaModel.from_pretrained(result.output_dir)
-    fresh = train_mod.build_heads(build(sections(tmp_path, tiny_base, tiny_data, heads=heads))["heads"], HIDDEN, VOCAB,
+    fresh = build_heads(build(sections(tmp_path, tiny_base, tiny_data, heads=heads)).heads, HIDDEN, VOCAB,
                                   trained.base.get_output_embeddings(), None)
     ids = torch.tensor([[5, 9, 30, 2] + CYCLE * 2])
     mask = torch.zeros_like(ids)
@@ -622,7 +610,7 @@ def test_prompt_tokens_train_on_whole_conversations_and_prompt_only_data(tmp_pat
     """training.prompt_tokens: every position of the training conversations (prompt-only rows included) is scored
     against the base's distribution, the cache holds whole conversations (cached = live), held-out conversations are
     answered ones, and the heads move towards the base on prompt text that plain training never scores."""
-    from medusa.losses import medusa_heads_loss
+    from train.losses import medusa_heads_loss
 
     prompts = write_prompt_only_shards(tmp_path / "prompts")
     heads = {"condition_on_next_token": True, "context_window": 4}
@@ -642,9 +630,9 @@ def test_prompt_tokens_train_on_whole_conversations_and_prompt_only_data(tmp_pat
     for a, b in zip(results[True].eval_history, results[False].eval_history):
         for key in a:
             assert a[key] == pytest.approx(b[key], abs=2e-2), key  # the cache stores bf16 hidden states
-    convs = train_mod.load_conversations(tiny_data, 1024, VOCAB) + train_mod.load_conversations(
+    convs = load_conversations(tiny_data, 1024, VOCAB) + load_conversations(
         prompts, 1024, VOCAB, prompt_only=True)
-    train_idx, eval_idx = train_mod.split_eval(convs, 8)
+    train_idx, eval_idx = split_eval(convs, 8)
     assert len(eval_idx) == 8 and all(convs[i].response_tokens for i in eval_idx) and len(train_idx) == 40 + 24
     extra = MedusaModel.from_pretrained(results[True].output_dir).config.extra["training"]
     assert extra["train_scored_tokens"] == sum(len(convs[i].ids) for i in train_idx)
@@ -672,9 +660,9 @@ def test_distill_needs_the_shared_projection(tmp_path, tiny_base, tiny_data):
 def test_shipped_configs_parse_and_agree_with_the_shipped_heads(name):
     """The configs that reproduce / continue the shipped heads describe the heads that are shipped; the CPU recipe
     (the heads shipped before) differs only in not reading feature layers and not copying."""
-    cfg = load_sections(str(REPO / "configs" / name), [], train_mod.SECTIONS)
+    cfg = load_config(str(REPO / "configs" / name))
     shipped = MedusaConfig.load(REPO / "medusa" / "default_heads" / "smollm2-135m-instruct")
-    heads = cfg["heads"]
+    heads = cfg.heads
     for field in ("num_heads", "num_layers", "projection", "condition_on_next_token", "condition_on_path",
                   "context_window"):
         assert getattr(heads, field) == getattr(shipped, field), field
@@ -683,25 +671,25 @@ def test_shipped_configs_parse_and_agree_with_the_shipped_heads(name):
     if heads.vocab_subset_size is not None:
         assert heads.vocab_subset_size == shipped.vocab_subset_size
     if name == "smollm2-135m.yaml":  # the heads were trained on exactly the data directories this config reads
-        assert shipped.extra["training"]["data_dirs"] == [cfg["data"].out_dir, *cfg["data"].extra_dirs]
+        assert shipped.extra["training"]["data_dirs"] == [cfg.data.out_dir, *cfg.data.extra_dirs]
 
 
 def test_copy_ngram_goes_from_the_heads_section_to_the_saved_heads(tmp_path, tiny_base, tiny_data):
     """heads.copy_ngram is not trained: it is written to the heads' config (fresh heads and init_from alike), and
     a value the heads config refuses is named when the heads are built."""
-    cfg = build(sections(tmp_path, tiny_base, tiny_data, heads={"copy_ngram": 3}))["heads"]
+    cfg = build(sections(tmp_path, tiny_base, tiny_data, heads={"copy_ngram": 3})).heads
     lm_head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
-    fresh = train_mod.build_heads(cfg, HIDDEN, VOCAB, lm_head, None)
+    fresh = build_heads(cfg, HIDDEN, VOCAB, lm_head, None)
     assert fresh.config.copy_ngram == 3
     from medusa.model import save_heads
 
     (tmp_path / "start").mkdir()
     save_heads(fresh, tmp_path / "start")
     continued = build(sections(tmp_path, tiny_base, tiny_data, heads={"copy_ngram": 0,
-                                                                      "init_from": str(tmp_path / "start")}))["heads"]
-    assert train_mod.build_heads(continued, HIDDEN, VOCAB, lm_head, None).config.copy_ngram == 0
+                                                                      "init_from": str(tmp_path / "start")})).heads
+    assert build_heads(continued, HIDDEN, VOCAB, lm_head, None).config.copy_ngram == 0
     with pytest.raises(ValueError, match="copy_ngram"):
-        train_mod.build_heads(build(sections(tmp_path, tiny_base, tiny_data, heads={"copy_ngram": 1}))["heads"],
+        build_heads(build(sections(tmp_path, tiny_base, tiny_data, heads={"copy_ngram": 1})).heads,
                               HIDDEN, VOCAB, lm_head, None)
 
 
