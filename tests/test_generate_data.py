@@ -251,3 +251,38 @@ def test_a_mistyped_prompt_path_writes_nothing_and_a_corrupt_record_is_named(set
     (out / "data_config.json").write_text('{"seed": 0, ')
     with pytest.raises(ValueError, match="data_config.json is not valid JSON"):
         main(args)
+
+
+def test_sigkill_mid_run_then_rerun_equals_an_uninterrupted_run(setup, tmp_path):
+    """A real SIGKILL (no cleanup runs) while shards are being written: the re-run completes the data, and every
+    row, greedy and sampled, equals an uninterrupted run's."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    args, out = setup
+    prompts = tmp_path / "many.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Tell me fact number {i} about owls."}) + "\n" for i in range(60)))
+    args = args + ["--data.sources", json.dumps({str(prompts): -1}), "--data.greedy_fraction", "0.5",
+                   "--data.max_new_tokens", "24"]
+    repo = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen([sys.executable, str(repo / "train" / "generate_data.py"), *args],
+                            env={**os.environ, "PYTHONPATH": str(repo)}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (out / "shard-00001").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    _, stderr = proc.communicate()
+    assert proc.returncode == -signal.SIGKILL, f"the run ended before it was killed:\n{stderr[-2000:]}"
+    written = len(shard_dirs(out))
+    assert 0 < written < 20, written  # killed part-way: some shards written, not all
+    main(args)  # the re-run
+    whole = tmp_path / "whole"
+    main(args + ["--data.out_dir", str(whole)])
+    assert len(shard_dirs(out)) == len(shard_dirs(whole)) == 20
+    assert _rows(out) == _rows(whole)
+    assert not list(out.glob(".tmp-*"))

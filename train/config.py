@@ -187,7 +187,7 @@ class TrainingConfig:
     run_name: str | None = None  # the wandb run's name
     log_every: int = 10  # optimizer steps between loss lines
     save_every: int = 500  # optimizer steps between checkpoints (0: none before the end)
-    keep_checkpoints: int = 2  # the newest N checkpoints are kept
+    keep_checkpoints: int = 2  # the newest N (>= 2) checkpoints are kept
     precompute_hidden: bool = True  # frozen base: run it once over the data, reuse its hidden states every epoch
     precompute_batch_tokens: int = 8192  # padded tokens per base forward while precomputing
     mixed_precision: str = "auto"  # auto (bf16 where the hardware has it) | bf16 | no
@@ -213,13 +213,16 @@ class TrainingConfig:
             _check_range(self, name, minimum=0)
         if self.max_grad_norm is not None:
             _check_range(self, "max_grad_norm", minimum=0)
-        for name in ("batch_size", "grad_accum", "max_length", "log_every", "keep_checkpoints",
+        for name in ("batch_size", "grad_accum", "max_length", "log_every",
                      "precompute_batch_tokens", "chunk_tokens", "lora_r", "lora_alpha", "epochs"):
             _check_range(self, name, minimum=1)
         for name in ("warmup_steps", "eval_every", "eval_conversations", "save_every", "seed"):
             _check_range(self, name, minimum=0)
         if self.max_steps is not None:
             _check_range(self, "max_steps", minimum=1)
+        if self.keep_checkpoints < 2:  # accelerate prunes before it writes: a kill mid-save must leave one
+            raise ValueError(f"training.keep_checkpoints must be >= 2, got {self.keep_checkpoints}: the oldest is "
+                             "deleted before the next is written, so one alone would not survive a kill during a save")
         if not 0.0 <= self.lora_dropout < 1.0:
             raise ValueError(f"training.lora_dropout must lie in [0, 1), got {self.lora_dropout}")
         if self.lr == 0:

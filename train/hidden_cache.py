@@ -65,13 +65,23 @@ class HiddenCache:
 
     @classmethod
     def load(cls, path: Path, key: str) -> "HiddenCache | None":
-        """The cache at `path` if it was written for `key`, else None."""
-        from safetensors import safe_open
+        """The cache at `path` if it was written for `key`, else None; a ValueError naming the file if it is
+        unreadable (truncated by a full disk, say: writes go through a rename, so a killed run leaves none)."""
+        from safetensors import SafetensorError, safe_open
 
-        with safe_open(str(path), framework="pt") as f:
-            if (f.metadata() or {}).get("key") != key:
-                return None
-            return cls(*(f.get_tensor(name) for name in ("hidden", "ids", "offsets", "response_start")))
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                if (f.metadata() or {}).get("key") != key:
+                    return None
+                cache = cls(*(f.get_tensor(name) for name in ("hidden", "ids", "offsets", "response_start")))
+        except (SafetensorError, OSError, RuntimeError, KeyError) as err:
+            raise ValueError(f"hidden-state cache {path} is unreadable ({err}): delete it and it is rebuilt") from err
+        rows = int(cache.offsets[-1])
+        if cache.hidden.shape[0] != rows or cache.ids.shape[0] != rows or \
+                cache.response_start.shape[0] != cache.offsets.shape[0] - 1:
+            raise ValueError(f"hidden-state cache {path} is inconsistent ({rows} rows in its offsets, "
+                             f"{cache.hidden.shape[0]} hidden states): delete it and it is rebuilt")
+        return cache
 
     @classmethod
     def concat(cls, caches: list["HiddenCache"]) -> "HiddenCache":
@@ -105,9 +115,15 @@ def last_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch
 def build_hidden_cache(accelerator, base: nn.Module, convs: list[Conversation], lookback: int, path: Path, key: str,
                        batch_tokens: int, log, feature_layers=()) -> HiddenCache:
     """Run the frozen base once over every conversation (each process a share) and cache what the heads read."""
-    if path.is_file() and (cache := HiddenCache.load(path, key)) is not None:
-        log(f"reusing precomputed hidden states {path}")
-        return cache
+    if path.is_file():
+        try:
+            cache = HiddenCache.load(path, key)
+        except ValueError as err:  # the states are a function of the key: computing them again is always right
+            cache = None
+            log(f"warning: {err}; rebuilding it")
+        if cache is not None:
+            log(f"reusing precomputed hidden states {path}")
+            return cache
     rank, world = accelerator.process_index, accelerator.num_processes
     lengths = [len(c.ids) for c in convs]
     order = sorted(range(len(convs)), key=lambda i: lengths[i])  # similar lengths together: little padding
