@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -290,10 +291,19 @@ def load_config(config_path: str | None, overrides: list[str] = ()) -> Config:
     try:
         return draccus.decode(Config, raw)
     except DecodingError as err:
-        reason = err.message.split(": ", 1)[-1] if err.message.startswith("Couldn't parse") else err.message
-        raise ValueError(f"{'.'.join(err.key_path)} {reason}") from None
+        raise ValueError(_type_error(err, raw)) from None
     except ParsingError as err:  # a __post_init__ refused a value: its message names it
         raise (err.__cause__ or err) from None
+
+
+def _type_error(err: DecodingError, raw: dict) -> str:
+    """draccus's error -> "section.key must be <what the decoders above ask>, got <value>"."""
+    value, hint = raw, Config
+    for key in err.key_path:
+        value = value.get(key) if isinstance(value, dict) else None
+        hint = typing.get_type_hints(hint)[key] if dataclasses.is_dataclass(hint) else hint
+    wanted = list(dict.fromkeys(re.findall(r"must be (.+?), got", err.message))) or [f"a {hint}"]
+    return f"{'.'.join(err.key_path)} must be {' or '.join(wanted)}, got {value!r}"
 
 
 def _refuse_unknown(raw: dict, config_path: str | None) -> None:
