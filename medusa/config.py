@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field, fields
-from typing import ClassVar
 from pathlib import Path
+from typing import ClassVar
 
 from medusa.fileio import atomic_write_text
 from medusa.ngram import COPY_MIN_NGRAM

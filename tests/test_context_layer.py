@@ -20,7 +20,8 @@ from medusa.sampling import SamplingConfig
 from medusa.tree import TreeSpec, build_buffers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from train.train import Conversation, HiddenCache, cache_lookback, span_start  # noqa: E402
+from train.batches import Conversation  # noqa: E402
+from train.hidden_cache import HiddenCache, cache_lookback, span_start  # noqa: E402
 
 WINDOW = 5
 
