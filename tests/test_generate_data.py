@@ -218,22 +218,22 @@ def test_the_shipped_data_parts_do_not_overlap():
     prompt-only part shares none with any of them."""
     from pathlib import Path
 
-    from train.config import DataConfig, load_sections
+    from train.config import load_config
 
     repo = Path(__file__).resolve().parent.parent
     names = ("smollm2-135m.yaml", "smollm2-135m-chat-data.yaml", "smollm2-135m-sampled-data.yaml")
-    parts = [load_sections(str(repo / "configs" / name), [], {"data": DataConfig})["data"] for name in names]
+    parts = [load_config(str(repo / "configs" / name)).data for name in names]
     first, second, sampled = ({(src, p) for src, p in build_prompt_mix(c.sources, c.seed)} for c in parts)
     assert len(second) == 3600 and not first & second
     assert {src for src, _ in sampled} == {"bench:t0", "bench:alpaca", "bench:gsm8k"}
     assert not {x for x in sampled if x[0] != "bench:alpaca"} & (first | second)  # new T0 and GSM8K prompts
     assert parts[2].greedy_fraction == 0.0
     # the prompt-only T0 part holds no prompt an answered part holds
-    prompts = load_sections(str(repo / "configs" / "smollm2-135m-prompts-data.yaml"), [], {"data": DataConfig})["data"]
+    prompts = load_config(str(repo / "configs" / "smollm2-135m-prompts-data.yaml")).data
     prompt_only = set(build_prompt_mix(prompts.sources, prompts.seed))
     assert not prompts.answer and not prompt_only & (first | second | sampled)
     # the fourth answered part (GPU) asks new T0 and GSM8K prompts and re-asks Alpaca only
-    more_cfg = load_sections(str(repo / "configs" / "smollm2-135m-more-data.yaml"), [], {"data": DataConfig})["data"]
+    more_cfg = load_config(str(repo / "configs" / "smollm2-135m-more-data.yaml")).data
     more = set(build_prompt_mix(more_cfg.sources, more_cfg.seed))
     assert {src for src, _ in more & (first | second | sampled | prompt_only)} == {"bench:alpaca"}
     assert {src for src, _ in more} == {"bench:t0", "bench:alpaca", "bench:gsm8k"}
