@@ -76,3 +76,11 @@ def test_overrides_win_over_the_file_and_read_as_yaml():
     assert cfg.training.lr == 2e-3 and cfg.training.max_steps is None
     assert cfg.training.lora_target_modules == ["q_proj", "v_proj"] and cfg.data.sources == {"bench:gsm8k": "0:10"}
     assert cfg.training.epochs == 3  # the file's, untouched
+
+
+def test_init_from_heads_gain_a_vocabulary_subset_the_section_asks_for(tmp_path):
+    """The subset is taken from the data after the weights load: init_from's heads may have none, or another size."""
+    save_heads(MedusaHeads(MedusaConfig(hidden_size=HIDDEN, vocab_size=VOCAB, num_heads=2)), tmp_path)
+    cfg = load_config(None, ["--heads.init_from", str(tmp_path), "--heads.vocab_subset_size", "7"])
+    heads = build_heads(cfg.heads, HIDDEN, VOCAB, torch.nn.Linear(HIDDEN, VOCAB, bias=False), None)
+    assert heads.config.vocab_subset_size is None  # train.py then calls set_vocab_subset with 7 frequent tokens

@@ -104,7 +104,8 @@ def train(cfg: Config, *, resume: bool = False, stop_after_steps: int | None = N
 
     # ---- the heads, the trainer around them, the optimizer
     heads = build_heads(cfg.heads, hidden_size, vocab_size, lm_head, base_ref).to(accelerator.device)
-    if cfg.heads.vocab_subset_size and cfg.heads.init_from is None:  # (init_from's heads hold their subset)
+    if cfg.heads.vocab_subset_size and (cfg.heads.init_from is None or  # (init_from's own subset is kept)
+                                        heads.config.vocab_subset_size != cfg.heads.vocab_subset_size):
         heads.set_vocab_subset(frequent_tokens(  # the candidate vocabulary: what proposing ranks
             (convs[i].ids[convs[i].response_start:] for i in train_idx), cfg.heads.vocab_subset_size, vocab_size))
     response_tokens = sum(convs[i].response_tokens for i in train_idx)

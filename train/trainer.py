@@ -89,7 +89,8 @@ def build_heads(heads_cfg: HeadsConfig, hidden_size: int, vocab_size: int, lm_he
         if getattr(found, name) != want:
             raise ValueError(f"heads.init_from {source} was trained for {name} {getattr(found, name)} but the base "
                              f"({base_ref}) has {want}: start from heads made for this base, or drop heads.init_from")
-    heads = MedusaHeads(config)
+    # the weights hold init_from's candidate ids; a subset the section asks for is taken from the data afterwards
+    heads = MedusaHeads(dataclasses.replace(config, vocab_subset_size=found.vocab_subset_size))
     try:
         load_heads_weights(heads, source / WEIGHTS_NAME)
     except ValueError:  # the section changed the weights' layout: name what it changed
