@@ -6,6 +6,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import ClassVar
 
 from medusa.fileio import atomic_write_text
 from medusa.ngram import COPY_MIN_NGRAM
@@ -23,13 +24,17 @@ def _is_int(value) -> bool:
 
 @dataclass
 class MedusaConfig:
-    hidden_size: int
-    vocab_size: int
-    num_heads: int = 4
+    # Errors name a field "MedusaConfig.x"; the training config's heads section (train.config.HeadsConfig) says "heads.x".
+    _section: ClassVar[str] = ""
+    # The base's sizes. None only while the training config's heads section is read: training fills them in from the
+    # base (a saved medusa_config.json always holds both).
+    hidden_size: int | None = None
+    vocab_size: int | None = None  # the base's vocabulary (lm_head rows); filled in like hidden_size
+    num_heads: int = 4  # heads, one per position guessed beyond the base's own next token
     num_layers: int = 1  # residual blocks per head
-    projection: str = "shared"
-    base_model_name_or_path: str | None = None
-    revision: str | None = None
+    projection: str = "shared"  # shared: reuse the base lm_head; own: one [V, H] matrix per head
+    base_model_name_or_path: str | None = None  # the base the heads were trained on (training fills it in)
+    revision: str | None = None  # that base's revision, when known (training leaves it null)
     tree: list[list[int]] | None = None  # default tree for these heads (rank paths, see medusa.tree)
     # Candidates come only from these most frequent tokens (ids stored with the weights): the heads' vocabulary
     # projection is then that much cheaper, and exactness is untouched because the target verifies every guess.
@@ -52,50 +57,58 @@ class MedusaConfig:
     # .. 2 tokens (its copy guess, see medusa.ngram), before its own guesses. Weights are untouched: this is how the
     # heads' guesses are ranked when proposing and when scored. 0 = off.
     copy_ngram: int = 0
-    format_version: int = FORMAT_VERSION
+    format_version: int = FORMAT_VERSION  # the medusa_config.json layout; newer than this medusa is refused
     extra: dict = field(default_factory=dict)  # free-form provenance (training run, data), never read by code
+
+    def _name(self, name: str) -> str:
+        return f"{self._section or 'MedusaConfig'}.{name}"
+
+    def _ref(self, name: str) -> str:
+        """A field named inside another field's message: bare in MedusaConfig's, "heads.x" in the section's."""
+        return f"{self._section}.{name}" if self._section else name
 
     def __post_init__(self):
         for name in ("hidden_size", "vocab_size", "num_heads"):
-            if not _is_int(getattr(self, name)) or getattr(self, name) <= 0:
-                raise ValueError(f"MedusaConfig.{name} must be a positive integer, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if (value is not None or name == "num_heads") and (not _is_int(value) or value <= 0):
+                raise ValueError(f"{self._name(name)} must be a positive integer, got {value!r}")
         if not _is_int(self.format_version):
-            raise ValueError(f"MedusaConfig.format_version must be an integer, got {self.format_version!r}")
+            raise ValueError(f"{self._name('format_version')} must be an integer, got {self.format_version!r}")
         for name in ("base_model_name_or_path", "revision"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
-                raise ValueError(f"MedusaConfig.{name} must be a string or null, got {getattr(self, name)!r}")
+                raise ValueError(f"{self._name(name)} must be a string or null, got {getattr(self, name)!r}")
         if not isinstance(self.extra, dict):
-            raise ValueError(f"MedusaConfig.extra must be an object, got {self.extra!r}")
+            raise ValueError(f"{self._name('extra')} must be an object, got {self.extra!r}")
         if not _is_int(self.num_layers) or self.num_layers < 0:
-            raise ValueError(f"MedusaConfig.num_layers must be >= 0, got {self.num_layers!r}")
+            raise ValueError(f"{self._name('num_layers')} must be >= 0, got {self.num_layers!r}")
         for name in ("condition_on_next_token", "condition_on_path"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"MedusaConfig.{name} must be true or false, got {getattr(self, name)!r}")
+                raise ValueError(f"{self._name(name)} must be true or false, got {getattr(self, name)!r}")
         if self.condition_on_path and not self.condition_on_next_token:
-            raise ValueError("MedusaConfig.condition_on_path needs condition_on_next_token: a path starts at the root "
-                             "token (set both)")
+            raise ValueError(f"{self._name('condition_on_path')} needs {self._ref('condition_on_next_token')}: a path "
+                             "starts at the root token (set both)")
         if not _is_int(self.context_window) or self.context_window < 0:
-            raise ValueError(f"MedusaConfig.context_window must be an integer >= 0, got {self.context_window!r}")
+            raise ValueError(f"{self._name('context_window')} must be an integer >= 0, got {self.context_window!r}")
         if self.context_window and not self.condition_on_next_token:
-            raise ValueError("MedusaConfig.context_window needs condition_on_next_token: the context layer reads each "
-                             "position's next token (set both)")
+            raise ValueError(f"{self._name('context_window')} needs {self._ref('condition_on_next_token')}: the context "
+                             "layer reads each position's next token (set both)")
         if not isinstance(self.feature_layers, list) or any(
                 not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in self.feature_layers) \
                 or len(set(self.feature_layers)) != len(self.feature_layers):
-            raise ValueError(f"MedusaConfig.feature_layers must be a list of distinct layer indices >= 0, got "
+            raise ValueError(f"{self._name('feature_layers')} must be a list of distinct layer indices >= 0, got "
                              f"{self.feature_layers!r}")
         if self.feature_layers and not self.context_window:
-            raise ValueError("MedusaConfig.feature_layers needs context_window > 0: the context layer is what reads "
-                             "the extra layers' features")
+            raise ValueError(f"{self._name('feature_layers')} needs {self._ref('context_window')} > 0: the context layer "
+                             "is what reads the extra layers' features")
         if not isinstance(self.copy_ngram, int) or isinstance(self.copy_ngram, bool) or \
                 not (self.copy_ngram == 0 or self.copy_ngram >= COPY_MIN_NGRAM):
-            raise ValueError(f"MedusaConfig.copy_ngram must be 0 (off) or an integer >= {COPY_MIN_NGRAM} (the longest "
+            raise ValueError(f"{self._name('copy_ngram')} must be 0 (off) or an integer >= {COPY_MIN_NGRAM} (the longest "
                              f"suffix matched), got {self.copy_ngram!r}")
         if self.projection not in PROJECTIONS:
-            raise ValueError(f"MedusaConfig.projection must be one of {PROJECTIONS}, got {self.projection!r}")
-        if self.vocab_subset_size is not None and (not _is_int(self.vocab_subset_size)
-                                                   or not 0 < self.vocab_subset_size <= self.vocab_size):
-            raise ValueError(f"MedusaConfig.vocab_subset_size must lie in [1, vocab_size], got {self.vocab_subset_size}")
+            raise ValueError(f"{self._name('projection')} must be one of {PROJECTIONS}, got {self.projection!r}")
+        if self.vocab_subset_size is not None and (not _is_int(self.vocab_subset_size) or self.vocab_subset_size < 1 or
+                                                   (self.vocab_size is not None and self.vocab_subset_size > self.vocab_size)):
+            raise ValueError(f"{self._name('vocab_subset_size')} must lie in [1, vocab_size], got {self.vocab_subset_size}")
         if self.format_version > FORMAT_VERSION:
             raise ValueError(
                 f"heads format_version {self.format_version} is newer than this medusa ({FORMAT_VERSION}): upgrade medusa"

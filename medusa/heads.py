@@ -166,6 +166,9 @@ class MedusaHeads(nn.Module):
 
     def __init__(self, config: MedusaConfig, base_lm_head: nn.Linear | None = None):
         super().__init__()
+        if config.hidden_size is None or config.vocab_size is None:
+            raise ValueError("MedusaConfig.hidden_size and vocab_size are unset: fill them in from the base "
+                             "(its hidden size and lm_head rows) before building heads")
         self.config = config
         # Distinct ResBlock instances per head and layer (repeating one instance would tie their weights).
         self.blocks = nn.ModuleList(

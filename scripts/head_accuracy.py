@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from medusa import MedusaModel  # noqa: E402
 from medusa.fileio import atomic_write_text  # noqa: E402
-from medusa.data import bench_data_dir  # noqa: E402
+from train.data import bench_data_dir  # noqa: E402
 from medusa.evaluation import (CONFIDENCE_EDGES, RankAccuracy, head_rank_accuracy_by_group, load_questions,  # noqa: E402
                                spread)
 from medusa.heads import head_target_offset  # noqa: E402

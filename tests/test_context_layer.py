@@ -14,13 +14,14 @@ from medusa import MedusaConfig, MedusaHeads, MedusaModel
 from medusa.evaluation import head_rank_hits
 from medusa.decode import prefill
 from medusa.heads import ContextLayer, base_features, head_target_offset
-from medusa.losses import medusa_heads_loss
+from train.losses import medusa_heads_loss
 from medusa.propose import build_medusa_proposer
 from medusa.sampling import SamplingConfig
 from medusa.tree import TreeSpec, build_buffers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from train.train import Conversation, HiddenCache, cache_lookback, span_start  # noqa: E402
+from train.batches import Conversation  # noqa: E402
+from train.hidden_cache import HiddenCache, cache_lookback, span_start  # noqa: E402
 
 WINDOW = 5
 

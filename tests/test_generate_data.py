@@ -7,7 +7,7 @@ import pytest
 
 import random
 
-from medusa.data import build_prompt_mix, drop_evaluation_overlap, normalise
+from train.data import build_prompt_mix, drop_evaluation_overlap, normalise
 from train.config import DataConfig
 from train.generate_data import is_greedy_shard, load_shards, main, shard_dirs, shard_groups
 from tests.conftest import make_tiny_model, tiny_tokenizer
@@ -218,22 +218,22 @@ def test_the_shipped_data_parts_do_not_overlap():
     prompt-only part shares none with any of them."""
     from pathlib import Path
 
-    from train.config import DataConfig, load_sections
+    from train.config import load_config
 
     repo = Path(__file__).resolve().parent.parent
     names = ("smollm2-135m.yaml", "smollm2-135m-chat-data.yaml", "smollm2-135m-sampled-data.yaml")
-    parts = [load_sections(str(repo / "configs" / name), [], {"data": DataConfig})["data"] for name in names]
+    parts = [load_config(str(repo / "configs" / name)).data for name in names]
     first, second, sampled = ({(src, p) for src, p in build_prompt_mix(c.sources, c.seed)} for c in parts)
     assert len(second) == 3600 and not first & second
     assert {src for src, _ in sampled} == {"bench:t0", "bench:alpaca", "bench:gsm8k"}
     assert not {x for x in sampled if x[0] != "bench:alpaca"} & (first | second)  # new T0 and GSM8K prompts
     assert parts[2].greedy_fraction == 0.0
     # the prompt-only T0 part holds no prompt an answered part holds
-    prompts = load_sections(str(repo / "configs" / "smollm2-135m-prompts-data.yaml"), [], {"data": DataConfig})["data"]
+    prompts = load_config(str(repo / "configs" / "smollm2-135m-prompts-data.yaml")).data
     prompt_only = set(build_prompt_mix(prompts.sources, prompts.seed))
     assert not prompts.answer and not prompt_only & (first | second | sampled)
     # the fourth answered part (GPU) asks new T0 and GSM8K prompts and re-asks Alpaca only
-    more_cfg = load_sections(str(repo / "configs" / "smollm2-135m-more-data.yaml"), [], {"data": DataConfig})["data"]
+    more_cfg = load_config(str(repo / "configs" / "smollm2-135m-more-data.yaml")).data
     more = set(build_prompt_mix(more_cfg.sources, more_cfg.seed))
     assert {src for src, _ in more & (first | second | sampled | prompt_only)} == {"bench:alpaca"}
     assert {src for src, _ in more} == {"bench:t0", "bench:alpaca", "bench:gsm8k"}
@@ -251,3 +251,38 @@ def test_a_mistyped_prompt_path_writes_nothing_and_a_corrupt_record_is_named(set
     (out / "data_config.json").write_text('{"seed": 0, ')
     with pytest.raises(ValueError, match="data_config.json is not valid JSON"):
         main(args)
+
+
+def test_sigkill_mid_run_then_rerun_equals_an_uninterrupted_run(setup, tmp_path):
+    """A real SIGKILL (no cleanup runs) while shards are being written: the re-run completes the data, and every
+    row, greedy and sampled, equals an uninterrupted run's."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    args, out = setup
+    prompts = tmp_path / "many.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Tell me fact number {i} about owls."}) + "\n" for i in range(60)))
+    args = args + ["--data.sources", json.dumps({str(prompts): -1}), "--data.greedy_fraction", "0.5",
+                   "--data.max_new_tokens", "24"]
+    repo = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen([sys.executable, str(repo / "train" / "generate_data.py"), *args],
+                            env={**os.environ, "PYTHONPATH": str(repo)}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (out / "shard-00001").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    _, stderr = proc.communicate()
+    assert proc.returncode == -signal.SIGKILL, f"the run ended before it was killed:\n{stderr[-2000:]}"
+    written = len(shard_dirs(out))
+    assert 0 < written < 20, written  # killed part-way: some shards written, not all
+    main(args)  # the re-run
+    whole = tmp_path / "whole"
+    main(args + ["--data.out_dir", str(whole)])
+    assert len(shard_dirs(out)) == len(shard_dirs(whole)) == 20
+    assert _rows(out) == _rows(whole)
+    assert not list(out.glob(".tmp-*"))

@@ -135,6 +135,45 @@ def test_heads_without_a_base_name_and_pickled_adapters_are_refused(tmp_path):
         MedusaModel.from_pretrained(heads_dir, base=base_dir)
 
 
+BAD_CONFIGS = [
+    # (name, overrides of the training / data-generation config (no file: the defaults), words the message holds)
+    ("unknown section", ["--trainng.lr", "1e-3"], "unknown section(s) ['trainng']"),
+    ("unknown key", ["--training.learning_rate", "1e-3"], "training.learning_rate"),
+    ("a heads field training fills in", ["--heads.hidden_size", "576"], "heads.hidden_size is filled in by training"),
+    ("bool as a string", ["--training.medusa2", '"no"'], "training.medusa2 must be true or false"),
+    ("bool as a string", ["--training.precompute_hidden", '"false"'], "training.precompute_hidden must be true or false"),
+    ("integer as a string", ["--data.batch_size", '"16"'], "data.batch_size must be an integer"),
+    ("integer as a bool", ["--training.max_steps", "true"], "training.max_steps"),
+    ("number as a word", ["--training.lr", "fast"], "training.lr must be a number"),
+    ("string as a number", ["--model.dtype", "16"], "model.dtype must be a string"),
+    ("list as a string", ["--data.extra_dirs", "data/more"], "data.extra_dirs"),
+    ("top_p above 1", ["--data.top_p", "7"], "data.top_p must lie in (0, 1]"),
+    ("negative max_prompt_tokens", ["--data.max_prompt_tokens", "-5"], "data.max_prompt_tokens must be positive"),
+    ("zero temperature", ["--data.temperature", "0"], "data.temperature must be > 0"),
+    ("greedy_fraction above 1", ["--data.greedy_fraction", "1.5"], "data.greedy_fraction must lie in [0, 1]"),
+    ("zero learning rate", ["--training.lr", "0"], "training.lr is 0"),
+    ("negative weight decay", ["--training.weight_decay", "-0.1"], "training.weight_decay must be >= 0"),
+    ("zero batch size", ["--training.batch_size", "0"], "training.batch_size must be >= 1"),
+    ("one checkpoint kept", ["--training.keep_checkpoints", "1"], "training.keep_checkpoints must be >= 2"),
+    ("lora_dropout of 1", ["--training.lora_dropout", "1"], "training.lora_dropout must lie in [0, 1)"),
+    ("unknown batch unit", ["--training.batch_unit", "rows"], "training.batch_unit must be one of"),
+    ("unknown projection", ["--heads.projection", "tied"], "heads.projection must be one of"),
+    ("no heads", ["--heads.num_heads", "0"], "heads.num_heads must be a positive integer"),
+    ("path heads without the root token", ["--heads.condition_on_path", "true"],
+     "heads.condition_on_path needs heads.condition_on_next_token"),
+    ("Medusa-2 on cached hidden states", ["--training.medusa2", "true"], "precompute_hidden false for Medusa-2"),
+    ("an override without a section", ["--lr", "1e-3"], "must look like --section.key value"),
+]
+
+
+@pytest.mark.parametrize("name, overrides, words", BAD_CONFIGS, ids=[f"{c[0]} {c[1][0]}" for c in BAD_CONFIGS])
+def test_bad_config_is_refused_by_name(name, overrides, words):
+    from train.config import load_config
+
+    with pytest.raises(ValueError, match=re.escape(words)):
+        load_config(None, overrides)
+
+
 REFUSED_DOC = Path(__file__).resolve().parent.parent / "docs" / "refused_inputs.md"
 
 
@@ -154,8 +193,26 @@ def refused_inputs_table(model) -> str:
     return "\n".join(lines) + "\n"
 
 
+def refused_config_table() -> str:
+    """The docs table of refused training / data-generation config values, from BAD_CONFIGS and their messages."""
+    from train.config import load_config
+
+    lines = ["", "## Training and data-generation config values `train/config.py` refuses", "",
+             "From `tests/test_inputs.py::BAD_CONFIGS`: each override on its own (`--section.key value` on the "
+             "command line of train/train.py or train/generate_data.py; a YAML file's keys are read alike).", "",
+             "| case | override | message |", "|---|---|---|"]
+    for name, overrides, _ in BAD_CONFIGS:
+        try:
+            load_config(None, overrides)
+            message = "(accepted!)"
+        except ValueError as err:
+            message = str(err).replace("|", "\\|").replace("\n", " ")
+        lines.append(f"| {name} | `{' '.join(overrides)}` | {message} |")
+    return "\n".join(lines) + "\n"
+
+
 def test_the_docs_table_of_refused_inputs_is_current(model):
-    table = refused_inputs_table(model)
+    table = refused_inputs_table(model) + refused_config_table()
     if os.environ.get("UPDATE_DOCS") == "1":
         REFUSED_DOC.write_text(table)
     assert "(accepted!)" not in table

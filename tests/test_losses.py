@@ -1,4 +1,4 @@
-"""medusa/losses.py: which token each head is scored on, the fused chunked losses, weights and accuracies."""
+"""train/losses.py: which token each head is scored on, the fused chunked losses, weights and accuracies."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from tests.conftest import HIDDEN, VOCAB, make_heads
 
 from medusa.heads import head_target_offset
-from medusa.losses import (BASE_TARGET_OFFSET, base_kl_loss, head_targets, head_weights, linear_cross_entropy,
+from train.losses import (BASE_TARGET_OFFSET, base_kl_loss, head_targets, head_weights, linear_cross_entropy,
                            linear_kl, medusa_heads_loss, scored_positions, shifted_targets, topk_correct)
 
 

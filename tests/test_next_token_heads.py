@@ -11,7 +11,7 @@ from medusa import MedusaModel
 from medusa.evaluation import head_rank_hits
 from medusa.export import export_heads
 from medusa.heads import head_target_offset
-from medusa.losses import medusa_heads_loss
+from train.losses import medusa_heads_loss
 
 
 def test_fresh_conditioned_heads_equal_plain_heads_and_need_the_embedding():

@@ -1,26 +1,69 @@
-"""Dataclass configs for the training entry points: `--config file.yaml` plus `--section.key value` overrides.
+"""The config of the training entry points: `--config file.yaml` plus `--section.key value` overrides.
 
-Each YAML file has sections (`model`, `data`, `heads`, `training`); a script reads the sections it needs and
-rejects keys that no dataclass declares, naming them, so a typo never silently falls back to a default.
+One YAML file holds four sections (`model`, `data`, `heads`, `training`); train/generate_data.py reads model and
+data, train/train.py all four. draccus decodes the merged YAML into the dataclasses below: every value must have its
+field's type (strictly: the string "no" is no bool, "16" no int), and a field's comment is its `--help` text. Keys no
+dataclass declares are refused with their dotted path, so a typo never silently falls back to a default; ranges are
+checked in each `__post_init__`.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
+import sys
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
+import draccus
 import torch
 import yaml
+from draccus.utils import DecodingError, ParsingError
 
+from medusa.config import MedusaConfig
 from medusa.loading import resolve_dtype
+
+
+# draccus would turn the string "no" into False, True into 1 and 123 into "123": a YAML slip must be refused instead.
+def _strict_bool(raw):
+    if not isinstance(raw, bool):
+        raise ValueError(f"must be true or false, got {raw!r}")
+    return raw
+
+
+def _strict_int(raw):
+    if isinstance(raw, bool) or not isinstance(raw, int):
+        raise ValueError(f"must be an integer, got {raw!r}")
+    return raw
+
+
+def _number(raw):
+    """Floats, ints and numeric strings (YAML 1.1 reads `1e-3`, without a dot, as a string)."""
+    try:
+        if isinstance(raw, bool):
+            raise TypeError
+        return float(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"must be a number, got {raw!r}") from None
+
+
+def _strict_str(raw):
+    if not isinstance(raw, str):
+        raise ValueError(f"must be a string, got {raw!r}")
+    return raw
+
+
+for _type, _decode in ((bool, _strict_bool), (int, _strict_int), (float, _number), (str, _strict_str)):
+    draccus.decode.register(_type, _decode)
 
 
 @dataclass
 class ModelConfig:
-    base: str | None = None  # None: the embedded SmolLM2-135M-Instruct; else a Hub id, directory or .gguf
-    dtype: str = "float32"
+    base: str | None = None  # null: the embedded SmolLM2-135M-Instruct; else a Hub id, directory or .gguf
+    dtype: str = "float32"  # the base's weights: float32, bfloat16 or float16
     device: str = "auto"  # where generate_data runs the base: auto (cuda when there is one, else cpu), cpu, cuda:N
 
     def __post_init__(self):
@@ -39,101 +82,76 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    # source -> prompts: a count (-1: all) or a "start:stop" slice of the source's shuffled prompts
+    # Prompt source -> prompts: a count (-1: all) or a "start:stop" slice of the source's shuffled prompts
     sources: dict[str, int | str] = field(default_factory=lambda: {"bench:alpaca": 200})
-    out_dir: str = "data/selfdistill"
+    out_dir: str = "data/selfdistill"  # where generate_data writes its shards and training reads them
     extra_dirs: list[str] = field(default_factory=list)  # more data directories training reads after out_dir
-    max_shards: int | None = None  # generate only the first N shards of the mix (None: all of it)
+    max_shards: int | None = None  # generate only the first N shards of the mix (null: all of it)
     max_prompt_tokens: int = 768  # longer prompts are dropped
-    max_new_tokens: int = 256
-    batch_size: int = 16
+    max_new_tokens: int = 256  # the longest answer generated
+    batch_size: int = 16  # prompts answered together
     shard_size: int = 64  # prompts per shard on disk; the unit of resumption
-    temperature: float = 0.7
-    top_p: float = 0.95
+    temperature: float = 0.7  # sampled shards' temperature
+    top_p: float = 0.95  # sampled shards' nucleus
     greedy_fraction: float = 0.5  # share of shards answered greedily (what greedy decoding will see)
-    dtype: str = "bfloat16"
-    seed: int = 0
+    dtype: str = "bfloat16"  # the base's dtype while generating
+    seed: int = 0  # shuffles the prompt mix and seeds sampling
     # Multi-turn data: this share of conversations (spread evenly) gets a second user turn, a follow-up from
-    # `follow_ups` (None: DEFAULT_FOLLOW_UPS), and the target answers it too. Such a conversation is stored twice:
-    # as its first turn, and as the whole exchange with the second answer as its response.
+    # follow_ups, and the target answers it too (stored as the first turn and as the whole exchange)
     second_turn_fraction: float = 0.0
-    follow_ups: list[str] | None = None
-    # false: write the prompts alone, through the chat template, without generating (tokenising only, no model
-    # run): prefill-priced data that only training.prompt_tokens trains on, against the base's own distribution.
+    follow_ups: list[str] | None = None  # the second turns' user messages (null: DEFAULT_FOLLOW_UPS)
+    # false: write the prompts alone, through the chat template, without generating: prefill-priced data that only
+    # training.prompt_tokens trains on, against the base's own distribution
     answer: bool = True
 
     def __post_init__(self):
-        _check_bool(self, "data", "answer")
         if not self.answer and self.second_turn_fraction:
             raise ValueError("data.second_turn_fraction needs answers to follow up on: set data.answer true, or "
                              "second_turn_fraction 0 for prompt-only data")
-        if not 0.0 <= self.second_turn_fraction <= 1.0:
-            raise ValueError(f"data.second_turn_fraction must lie in [0, 1], got {self.second_turn_fraction}")
-        if self.follow_ups is not None and (not self.follow_ups or not all(isinstance(f, str) and f.strip()
-                                                                            for f in self.follow_ups)):
+        for name in ("second_turn_fraction", "greedy_fraction"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"data.{name} must lie in [0, 1], got {getattr(self, name)}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"data.top_p must lie in (0, 1], got {self.top_p}: 1 keeps every token")
+        if self.temperature <= 0:
+            raise ValueError(f"data.temperature must be > 0, got {self.temperature}: greedy shards come from "
+                             "data.greedy_fraction, not a zero temperature")
+        if self.follow_ups is not None and (not self.follow_ups or not all(f.strip() for f in self.follow_ups)):
             raise ValueError("data.follow_ups must be a non-empty list of non-empty strings (or null for the defaults)")
         if not self.sources:
             raise ValueError("data.sources is empty: name at least one prompt source")
-        if self.batch_size <= 0 or self.shard_size <= 0 or self.max_new_tokens <= 0:
-            raise ValueError("data.batch_size, data.shard_size and data.max_new_tokens must be positive")
+        for name in ("batch_size", "shard_size", "max_new_tokens", "max_prompt_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"data.{name} must be positive, got {getattr(self, name)}")
         if self.max_shards is not None and self.max_shards <= 0:
             raise ValueError(f"data.max_shards must be positive or null (all shards), got {self.max_shards}")
-        if not 0.0 <= self.greedy_fraction <= 1.0:
-            raise ValueError(f"data.greedy_fraction must lie in [0, 1], got {self.greedy_fraction}")
+        if self.seed < 0:
+            raise ValueError(f"data.seed must be >= 0, got {self.seed}")
+        if not self.out_dir:
+            raise ValueError("data.out_dir is empty: name the directory of the data shards")
+        resolve_dtype(self.dtype)
 
 
 @dataclass
-class HeadsConfig:
-    num_heads: int = 4
-    num_layers: int = 1  # residual blocks per head
-    projection: str = "shared"  # shared: reuse the frozen base lm_head (train blocks only); own: one [V, H] per head
-    init_from: str | None = None  # a heads directory to start from (e.g. Medusa-1 heads before Medusa-2)
-    # Propose only from the N most frequent response tokens of the training data (cheaper head projection at
-    # decode time; exactness is untouched). None: the whole vocabulary.
-    vocab_subset_size: int | None = None
-    # With a subset, the loss's softmax runs over the candidate tokens only: what proposing ranks, several times
-    # cheaper than the whole vocabulary.
-    loss_over_candidates: bool = True
-    # Heads also read the embedding of the target's next token (the tree root): more accurate guesses, but a
-    # layout only medusa serves (see MedusaHeads).
-    condition_on_next_token: bool = False
-    # Head k also reads the k tokens of its path after the root (Hydra's sequential heads); needs the above.
-    condition_on_path: bool = False
-    # > 0: a context layer (causal attention over this many recent positions, then an MLP) between the base's hidden
-    # states and the heads; needs condition_on_next_token. 0: the heads read one position's hidden state.
-    context_window: int = 0
-    # Base layers whose residual stream the context layer reads besides the last hidden state (EAGLE-3's fused
-    # features; 0 = the embeddings); needs context_window.
-    feature_layers: list[int] = field(default_factory=list)
-    # > 0: the saved heads rank their copy guess first (the token after the most recent earlier occurrence of the
-    # last copy_ngram .. 2 tokens; see medusa.ngram). Not trained: written to the heads' config. 0 = off.
-    copy_ngram: int = 0
+class HeadsConfig(MedusaConfig):
+    """The heads section is the heads' own config (medusa_config.json), peft's LoraConfig pattern: the saved config
+    is this section with what training fills in from the base (FILLED_IN). Any MedusaConfig field is an option."""
+
+    _section: ClassVar[str] = "heads"
+    # A heads directory to start from (e.g. Medusa-1 heads before Medusa-2): it supplies every field this section
+    # does not name
+    init_from: str | None = None
 
     def __post_init__(self):
-        from medusa.config import PROJECTIONS
-
-        for name in ("loss_over_candidates", "condition_on_next_token", "condition_on_path"):
-            _check_bool(self, "heads", name)
-        if self.condition_on_path and not self.condition_on_next_token:
-            raise ValueError("heads.condition_on_path needs heads.condition_on_next_token: true (a path starts at the "
-                             "root token)")
-        _check_int(self, "heads", "num_heads", minimum=1)
-        _check_int(self, "heads", "num_layers", minimum=0)
-        _check_int(self, "heads", "context_window", minimum=0)
-        _check_int(self, "heads", "copy_ngram", minimum=0)
-        if self.context_window and not self.condition_on_next_token:
-            raise ValueError("heads.context_window needs heads.condition_on_next_token: true (the context layer reads "
-                             "each position's next token)")
-        if self.feature_layers and not self.context_window:
-            raise ValueError("heads.feature_layers needs heads.context_window > 0 (the context layer reads them)")
-        if self.projection not in PROJECTIONS:
-            raise ValueError(f"heads.projection must be one of {PROJECTIONS}, got {self.projection!r}")
-        if self.vocab_subset_size is not None:
-            _check_int(self, "heads", "vocab_subset_size", minimum=1)
+        super().__post_init__()
         if self.num_layers == 0 and self.projection == "shared":
             raise ValueError("heads.num_layers 0 with projection 'shared' leaves nothing to train: "
                              "use num_layers >= 1 or projection 'own'")
 
+
+# MedusaConfig fields training fills in (from the base and the run), so the heads section may not set them. revision:
+# medusa.loading.load_base loads no revision, so training cannot vouch for one.
+FILLED_IN = ("hidden_size", "vocab_size", "base_model_name_or_path", "revision", "format_version", "extra")
 
 MIXED_PRECISION = ("auto", "bf16", "no")
 REPORT_TO = ("none", "wandb")
@@ -146,70 +164,74 @@ class TrainingConfig:
     checkpoint_dir: str | None = None  # default: runs/checkpoints/<name of output_dir>
     cache_dir: str = "runs/hidden_cache"  # precomputed base hidden states, one file per (data, base) pair
     lr: float = 1e-3  # heads (official Medusa-1: 1e-3)
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
+    weight_decay: float = 0.0  # AdamW's, on weight matrices only
+    warmup_steps: int = 0  # linear warmup, then a cosine schedule
     max_steps: int | None = None  # wins over epochs when set
-    epochs: int = 1
+    epochs: int = 1  # passes over the training conversations (when max_steps is null)
     batch_size: int = 8  # per process and micro-step, in batch_unit
-    batch_unit: str = "sequences"  # sequences | tokens: pack conversations up to batch_size positions (with
-    # precompute_hidden, the positions the heads read: response + num_heads + 1; otherwise whole conversations)
-    grad_accum: int = 1
+    # sequences | tokens: pack conversations up to batch_size positions (with precompute_hidden, the positions the
+    # heads read: response + num_heads + 1; otherwise whole conversations)
+    batch_unit: str = "sequences"
+    grad_accum: int = 1  # micro-steps per optimizer step
     max_length: int = 1024  # conversations are truncated to this many tokens
-    max_grad_norm: float | None = 1.0
+    max_grad_norm: float | None = 1.0  # gradient clipping (null: none)
     eval_every: int = 100  # optimizer steps between evaluations (0: only at the start and the end)
     eval_conversations: int = 64  # held out by a hash of their tokens: the same ones whatever the seed
     head_decay: float = 0.8  # head k's cross-entropy weighs heads_coefficient * head_decay**k
-    heads_coefficient: float = 1.0
-    seed: int = 0
+    heads_coefficient: float = 1.0  # the heads' loss against the base's KL (Medusa-2)
+    # With heads.vocab_subset_size, the loss's softmax runs over the candidate tokens only: what proposing ranks,
+    # several times cheaper than the whole vocabulary
+    loss_over_candidates: bool = True
+    seed: int = 0  # data order, initialisation and dropout
     report_to: str = "none"  # none | wandb (offline unless WANDB_MODE says otherwise)
-    wandb_project: str = "medusa"
-    run_name: str | None = None
-    log_every: int = 10
+    wandb_project: str = "medusa"  # the wandb project (report_to wandb)
+    run_name: str | None = None  # the wandb run's name
+    log_every: int = 10  # optimizer steps between loss lines
     save_every: int = 500  # optimizer steps between checkpoints (0: none before the end)
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = 2  # the newest N (>= 2) checkpoints are kept
     precompute_hidden: bool = True  # frozen base: run it once over the data, reuse its hidden states every epoch
     precompute_batch_tokens: int = 8192  # padded tokens per base forward while precomputing
     mixed_precision: str = "auto"  # auto (bf16 where the hardware has it) | bf16 | no
     chunk_tokens: int = 2048  # rows per vocabulary-projection chunk: bounds the [rows, V] logits in memory
-    # Medusa-2: LoRA on the base, trained with the heads; the base keeps its distribution through a KL term.
+    # Medusa-2: LoRA on the base, trained with the heads; the base keeps its distribution through a KL term
     medusa2: bool = False
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.05
+    lora_r: int = 16  # LoRA rank (Medusa-2)
+    lora_alpha: int = 32  # LoRA scale numerator (Medusa-2)
+    lora_dropout: float = 0.05  # LoRA dropout (Medusa-2)
     lora_target_modules: str | list[str] = "all-linear"  # peft's shorthand for every linear layer but lm_head
     lora_lr: float = 1e-4  # the adapters move slower than the heads
-    kl_weight: float = 1.0
-    save_dtype: str | None = None  # store the final heads in this dtype (e.g. bfloat16: half the file); None keeps fp32
+    kl_weight: float = 1.0  # the base's KL to its frozen self (Medusa-2)
+    save_dtype: str | None = None  # store the final heads in this dtype (e.g. bfloat16: half the file); null: fp32
     # Heads learn the base's whole next-token distribution (KL, soft targets) instead of the data's one token;
-    # held-out evaluation still scores the data's tokens. Needs heads.projection shared.
+    # held-out evaluation still scores the data's tokens. Needs heads.projection shared
     distill: bool = False
     # Also train on every prompt position of the training conversations, against the base's own distribution there
-    # (the prompt's tokens are not the base's, so this needs distill): prefill-priced data, no generation. The
-    # hidden-state cache then holds whole conversations. Held-out evaluation still scores responses only.
+    # (needs distill): prefill-priced data, no generation. Held-out evaluation still scores responses only
     prompt_tokens: bool = False
 
     def __post_init__(self):
-        for name in ("lr", "weight_decay", "head_decay", "heads_coefficient", "lora_dropout", "lora_lr", "kl_weight"):
-            _check_float(self, name, minimum=0.0)
+        for name in ("lr", "weight_decay", "head_decay", "heads_coefficient", "lora_lr", "kl_weight"):
+            _check_range(self, name, minimum=0)
         if self.max_grad_norm is not None:
-            _check_float(self, "max_grad_norm", minimum=0.0)
-        for name in ("batch_size", "grad_accum", "max_length", "log_every", "keep_checkpoints",
+            _check_range(self, "max_grad_norm", minimum=0)
+        for name in ("batch_size", "grad_accum", "max_length", "log_every",
                      "precompute_batch_tokens", "chunk_tokens", "lora_r", "lora_alpha", "epochs"):
-            _check_int(self, "training", name, minimum=1)
+            _check_range(self, name, minimum=1)
         for name in ("warmup_steps", "eval_every", "eval_conversations", "save_every", "seed"):
-            _check_int(self, "training", name, minimum=0)
+            _check_range(self, name, minimum=0)
         if self.max_steps is not None:
-            _check_int(self, "training", "max_steps", minimum=1)
+            _check_range(self, "max_steps", minimum=1)
+        if self.keep_checkpoints < 2:  # accelerate prunes before it writes: a kill mid-save must leave one
+            raise ValueError(f"training.keep_checkpoints must be >= 2, got {self.keep_checkpoints}: the oldest is "
+                             "deleted before the next is written, so one alone would not survive a kill during a save")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ValueError(f"training.lora_dropout must lie in [0, 1), got {self.lora_dropout}")
         if self.lr == 0:
             raise ValueError("training.lr is 0: the heads would not move")
-        if self.batch_unit not in BATCH_UNITS:
-            raise ValueError(f"training.batch_unit must be one of {BATCH_UNITS}, got {self.batch_unit!r}")
-        if self.mixed_precision not in MIXED_PRECISION:
-            raise ValueError(f"training.mixed_precision must be one of {MIXED_PRECISION}, got {self.mixed_precision!r}")
-        if self.report_to not in REPORT_TO:
-            raise ValueError(f"training.report_to must be one of {REPORT_TO}, got {self.report_to!r}")
-        for name in ("distill", "prompt_tokens"):
-            _check_bool(self, "training", name)
+        for name, choices in (("batch_unit", BATCH_UNITS), ("mixed_precision", MIXED_PRECISION),
+                              ("report_to", REPORT_TO)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"training.{name} must be one of {choices}, got {getattr(self, name)!r}")
         if self.prompt_tokens and not self.distill:
             raise ValueError("training.prompt_tokens needs training.distill: true (a prompt's tokens are not the base's "
                              "own, so the heads learn the base's distribution there, not the prompt's next token)")
@@ -222,41 +244,33 @@ class TrainingConfig:
             raise ValueError("training.output_dir is empty: name the directory the heads are written to")
 
 
-def _check_bool(cfg, section: str, name: str) -> None:
-    value = getattr(cfg, name)
-    if not isinstance(value, bool):
-        raise ValueError(f"{section}.{name} must be true or false, got {value!r}")
+def _check_range(cfg, name: str, minimum: float) -> None:
+    if getattr(cfg, name) < minimum:
+        raise ValueError(f"training.{name} must be >= {minimum}, got {getattr(cfg, name)!r}")
 
 
-def _check_int(cfg, section: str, name: str, minimum: int) -> None:
-    value = getattr(cfg, name)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{section}.{name} must be an integer >= {minimum}, got {value!r}")
+@dataclass
+class Config:
+    """A whole config file."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    heads: HeadsConfig = field(default_factory=HeadsConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
 
 
-def _check_float(cfg, name: str, minimum: float) -> None:
-    """Accept ints and numeric strings (YAML reads `1e-3` without a dot as a string) and store a float."""
-    value = getattr(cfg, name)
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"training.{name} must be a number, got {value!r}") from None
-    if isinstance(value, bool) or number < minimum:
-        raise ValueError(f"training.{name} must be a number >= {minimum}, got {value!r}")
-    setattr(cfg, name, number)
-
-
-def load_sections(config_path: str | None, overrides: list[str], sections: dict[str, type]) -> dict[str, object]:
-    """Build one dataclass per section from YAML plus `--section.key value` overrides; reject unknown keys."""
+def load_config(config_path: str | None, overrides: list[str] = ()) -> Config:
+    """YAML plus `--section.key value` overrides (values read as YAML) -> a validated Config."""
     raw: dict = {}
     if config_path:
         path = Path(config_path)
         if not path.is_file():
             raise FileNotFoundError(f"config file {path} does not exist")
         raw = yaml.safe_load(path.read_text()) or {}
-    for name in raw:
-        if name not in sections and name not in ALL_SECTIONS:
-            raise ValueError(f"{config_path}: unknown section {name!r}; known sections: {sorted(ALL_SECTIONS)}")
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path} holds {type(raw).__name__}, not sections: write `section:` lines (model, data, "
+                             "heads, training)")
+    raw = {name: values or {} for name, values in raw.items()}  # an empty section is all defaults
     it = iter(overrides)
     for flag in it:
         if not flag.startswith("--") or "." not in flag:
@@ -266,27 +280,65 @@ def load_sections(config_path: str | None, overrides: list[str], sections: dict[
             value = next(it)
         except StopIteration:
             raise ValueError(f"override {flag} has no value") from None
-        raw.setdefault(section, {})[key] = yaml.safe_load(value)  # numbers, bools, lists, dicts
-    built = {}
-    for name, cls in sections.items():
-        values = raw.get(name) or {}
-        known = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(raw.setdefault(section, {}), dict):
+            raise ValueError(f"section {section!r} must be a mapping of keys, got {raw[section]!r}")
+        raw[section][key] = yaml.safe_load(value)  # numbers, bools, lists, dicts
+    _refuse_unknown(raw, config_path)
+    if raw.get("heads", {}).get("init_from"):
+        # the heads to start from supply every field the section does not name
+        found = dataclasses.asdict(MedusaConfig.load(raw["heads"]["init_from"]))
+        raw["heads"] = {**{k: v for k, v in found.items() if k not in FILLED_IN}, **raw["heads"]}
+    try:
+        return draccus.decode(Config, raw)
+    except DecodingError as err:
+        raise ValueError(_type_error(err, raw)) from None
+    except ParsingError as err:  # a __post_init__ refused a value: its message names it
+        raise (err.__cause__ or err) from None
+
+
+def _type_error(err: DecodingError, raw: dict) -> str:
+    """draccus's error -> "section.key must be <what the decoders above ask>, got <value>"."""
+    value, hint = raw, Config
+    for key in err.key_path:
+        value = value.get(key) if isinstance(value, dict) else None
+        hint = typing.get_type_hints(hint)[key] if dataclasses.is_dataclass(hint) else hint
+    wanted = list(dict.fromkeys(re.findall(r"must be (.+?), got", err.message))) or [f"a {hint}"]
+    return f"{'.'.join(err.key_path)} must be {' or '.join(wanted)}, got {value!r}"
+
+
+def _refuse_unknown(raw: dict, config_path: str | None) -> None:
+    where = f"{config_path}: " if config_path else ""
+    sections = typing.get_type_hints(Config)
+    unknown = sorted(set(raw) - set(sections))
+    if unknown:
+        raise ValueError(f"{where}unknown section(s) {unknown}; known sections: {sorted(sections)}")
+    for name, values in raw.items():
+        if not isinstance(values, dict):
+            raise ValueError(f"{where}section {name!r} must be a mapping of keys, got {values!r}")
+        known = {f.name for f in dataclasses.fields(sections[name])}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ValueError(f"unknown key(s) {unknown} in section {name!r}; known keys: {sorted(known)}")
-        built[name] = cls(**values)
-    return built
+            raise ValueError(f"{where}unknown key(s) {unknown} in section {name!r} ({', '.join(f'{name}.{k}' for k in unknown)}); "
+                             f"known keys: {sorted(known - set(FILLED_IN))}")
+        filled = sorted(set(values) & set(FILLED_IN)) if name == "heads" else []
+        if filled:
+            raise ValueError(f"{where}heads.{filled[0]} is filled in by training (from the base and the run): drop it "
+                             "from the heads section")
 
 
-def parse_args(description: str, sections: dict[str, type], argv: list[str] | None = None, extra=None):
-    """`--config x.yaml` plus overrides -> (namespace, {section: dataclass})."""
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--config", help="YAML file with sections " + ", ".join(sections))
+def parse_args(description: str, argv: list[str] | None = None, extra=None) -> tuple[argparse.Namespace, Config]:
+    """`--config x.yaml` plus overrides -> (namespace, Config). `--help` lists every option with its comment."""
+    parser = argparse.ArgumentParser(description=description, add_help=False,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="YAML file with sections model, data, heads, training")
+    parser.add_argument("-h", "--help", action="store_true", help="list every option and exit")
     if extra:
         extra(parser)
     args, rest = parser.parse_known_args(argv)
-    return args, load_sections(args.config, rest, sections)
-
-
-# Every section any entry point understands (a file may hold sections another script reads).
-ALL_SECTIONS = {"model", "data", "heads", "training"}
+    if args.help:
+        parser.print_help()
+        print("\nAny option below overrides the YAML as --section.key value:")
+        options = draccus.argparsing.ArgumentParser(Config).parser.format_help()
+        print(options[options.index("\nModelConfig"):] if "\nModelConfig" in options else options)
+        sys.exit(0)
+    return args, load_config(args.config, rest)

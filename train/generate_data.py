@@ -26,10 +26,10 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from medusa.fileio import atomic_write_text  # noqa: E402
-from medusa.data import build_prompt_mix, drop_evaluation_overlap, evaluation_prompts  # noqa: E402
+from train.data import build_prompt_mix, drop_evaluation_overlap, evaluation_prompts  # noqa: E402
 from medusa.loading import load_base  # noqa: E402
 from medusa.decode import stop_token_ids  # noqa: E402
-from train.config import DataConfig, ModelConfig, parse_args  # noqa: E402
+from train.config import DataConfig, parse_args  # noqa: E402
 
 # The settings a data directory was made with (read back on resume, and by training: data.answer).
 SETTINGS_NAME = "data_config.json"
@@ -208,14 +208,14 @@ def add_record(records: list[dict], item: dict, response: list[int], greedy: boo
 
 
 def main(argv=None) -> None:
-    args, cfgs = parse_args(__doc__, {"model": ModelConfig, "data": DataConfig}, argv)
-    cfg: DataConfig = cfgs["data"]
+    _, config = parse_args(__doc__, argv)
+    cfg = config.data
     torch.manual_seed(cfg.seed)
     out_dir = Path(cfg.out_dir)
     check_resume(out_dir, cfg)
     mix = build_prompt_mix(cfg.sources, cfg.seed)  # reads the prompt files: before the model loads or anything is written
     follow_ups = check_follow_ups(cfg.follow_ups or DEFAULT_FOLLOW_UPS)
-    model, tokenizer = load_base(cfgs["model"].base, dtype=cfg.dtype, device=cfgs["model"].resolved_device())
+    model, tokenizer = load_base(config.model.base, dtype=cfg.dtype, device=config.model.resolved_device())
     eos_ids, pad_id = stop_and_pad_ids(model, tokenizer)
 
     items = tokenize_prompts(tokenizer, mix, cfg.max_prompt_tokens)
