@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import FAMILIES, HIDDEN, VOCAB, make_tiny_model
+from tests.conftest import FAMILIES, HIDDEN, VOCAB, make_tiny_model
 
 from medusa import MedusaConfig, MedusaHeads, MedusaModel
 from medusa.evaluation import head_rank_hits

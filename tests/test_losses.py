@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import HIDDEN, VOCAB, make_heads
+from tests.conftest import HIDDEN, VOCAB, make_heads
 
 from medusa.heads import head_target_offset
 from medusa.losses import (BASE_TARGET_OFFSET, base_kl_loss, head_targets, head_weights, linear_cross_entropy,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import FAMILIES, HIDDEN, VOCAB, make_heads, make_tiny_model
+from tests.conftest import FAMILIES, HIDDEN, VOCAB, make_heads, make_tiny_model
 
 from medusa import MedusaModel
 from medusa.evaluation import head_rank_hits

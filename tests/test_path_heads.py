@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FAMILIES, HIDDEN, VOCAB, make_heads, make_tiny_model
+from tests.conftest import FAMILIES, HIDDEN, VOCAB, make_heads, make_tiny_model
 
 from medusa import MedusaModel
 from medusa.config import MedusaConfig

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import HIDDEN, VOCAB, make_tiny_model
+from tests.conftest import HIDDEN, VOCAB, make_tiny_model
 from safetensors.torch import load_file
 
 from medusa import MedusaModel
