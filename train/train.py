@@ -39,7 +39,7 @@ from medusa.heads import MedusaHeads, base_features, head_target_offset  # noqa:
 from medusa.loading import DEFAULT_BASE, load_base, resolve_dtype  # noqa: E402
 from medusa.losses import (BASE_TARGET_OFFSET, TOPK, base_kl_loss, head_weights, medusa_heads_loss,  # noqa: E402
                            scored_positions)
-from medusa.model import load_heads_weights, save_heads  # noqa: E402
+from medusa.heads_io import load_heads_weights, save_heads  # noqa: E402
 from train.config import DataConfig, HeadsConfig, ModelConfig, TrainingConfig, parse_args  # noqa: E402
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "heads": HeadsConfig, "training": TrainingConfig}
