@@ -21,7 +21,8 @@ from medusa.heads_io import has_adapter, load_heads, merge_adapter, save_heads
 from medusa.loading import DEFAULT_BASE, BaseSource, load_base, resolve_dtype
 from medusa.plan import Plan, load_accuracy, load_or_calibrate, save_accuracy
 from medusa.prepack import can_prepack, prepacked_copy
-from medusa.propose import CandidateProjection, get_proposer
+from medusa.propose import CandidateProjection
+from medusa.proposers import get_proposer
 from medusa.sampling import SamplingConfig
 from medusa.tree import TreeSpec, build_buffers, chain, load_tree
 
