@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-TREES_DIR = Path(__file__).resolve().parent.parent / "configs" / "trees"
+TREES_DIR = Path(__file__).resolve().parent / "trees"  # shipped trees: package data, found by name
 
 
 class TreeSpec:
@@ -159,7 +159,8 @@ def buffers_from_parents(parent: torch.Tensor, depth: torch.Tensor) -> TreeBuffe
 
 
 def load_tree(name_or_path: str | Path) -> list[list[int]]:
-    """Rank paths from a JSON file (a bare list, or an object with a `paths` list) or a name in configs/trees/."""
+    """Rank paths from a JSON file (a bare list, or an object with a `paths` list) or the name of a shipped tree
+    (medusa/trees/NAME.json)."""
     path = Path(name_or_path)
     if not path.is_file():
         path = TREES_DIR / f"{name_or_path}.json"

@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -67,6 +69,22 @@ def test_shipped_tree_files_are_valid():
 
     for path in TREES_DIR.glob("*.json"):
         assert load_tree(path), path
+
+
+def test_shipped_trees_are_package_data_found_by_name_from_anywhere(tmp_path, monkeypatch):
+    """Shipped trees live inside the package (so a wheel carries them); a name finds them whatever the working
+    directory, and a path to a user's file still works."""
+    import medusa
+    from medusa.tree import TREES_DIR
+
+    assert TREES_DIR.parent == Path(medusa.__file__).parent
+    names = sorted(p.stem for p in TREES_DIR.glob("*.json"))
+    assert {"smollm2-135m-cpu", "smollm2-135m-cpu-bf16", "smollm2-135m-h100-bf16"} <= set(names)
+    monkeypatch.chdir(tmp_path)
+    for name in names:
+        assert load_tree(name) == load_tree(TREES_DIR / f"{name}.json"), name
+    (tmp_path / "mine.json").write_text('{"paths": [[0], [1], [0, 0]]}')
+    assert load_tree("mine.json") == load_tree(tmp_path / "mine.json") == [[0], [1], [0, 0]]
 
 
 def test_unknown_tree_name_lists_alternatives():
