@@ -1,4 +1,6 @@
-"""Proposers: state -> Candidates (tokens arranged as a tree). One small interface, several implementations."""
+"""Proposers: state -> Candidates (tokens arranged as a tree). The interface, the static-tree Medusa proposer and the
+plain one. The dynamic tree, prompt lookup and the draft model's proposer live in their own modules; medusa.proposers
+names those a MedusaModel builds by name."""
 
 from __future__ import annotations
 
