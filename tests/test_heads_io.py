@@ -1,4 +1,5 @@
-"""Official Medusa / vLLM layouts: exact file contents, round trips, and named errors for broken directories."""
+"""Heads on disk in other layouts (official Medusa / vLLM): exact file contents, round trips, and named errors for broken
+directories; one loader for every layout (medusa.heads_io). The native layout is tested in test_model_io.py."""
 
 from __future__ import annotations
 
@@ -239,3 +240,25 @@ def test_copy_guess_is_named_when_it_does_not_travel(tmp_path, caplog):
         out = export_model(model, tmp_path / "vllm", "vllm")
     assert "copy_ngram 4" in caplog.text
     assert MedusaModel.from_pretrained(out, base=make_tiny_model("llama"), tokenizer=_TOKENIZER).config.copy_ngram == 0
+
+
+def test_one_loader_for_every_layout_and_one_base_check(tmp_path):
+    """load_heads reads native, official and vLLM directories alike; heads of any layout that name no base model are
+    refused without base= (imported ones took the embedded SmolLM2 silently before)."""
+    model = medusa_model("own")
+    model.save_pretrained(tmp_path / "native")
+    for directory in (tmp_path / "native", export_model(model, tmp_path / "official", "medusa"),
+                      export_model(model, tmp_path / "vllm", "vllm")):
+        loaded = load_heads(directory).state_dict()
+        assert loaded.keys() == model.heads.state_dict().keys(), directory.name
+        for name, tensor in model.heads.state_dict().items():
+            assert torch.equal(tensor, loaded[name]), (directory.name, name)
+    with pytest.raises(FileNotFoundError, match=r"(?s)not a medusa heads directory.*nor an official Medusa or vLLM"):
+        load_heads(tmp_path / "empty")
+
+    config = json.loads((tmp_path / "official" / "config.json").read_text())
+    (tmp_path / "official" / "config.json").write_text(json.dumps({**config, "base_model_name_or_path": None}))
+    with pytest.raises(ValueError, match="do not name their base model"):
+        MedusaModel.from_pretrained(tmp_path / "official")
+    loaded = MedusaModel.from_pretrained(tmp_path / "official", base=make_tiny_model("llama"), tokenizer=_TOKENIZER)
+    assert loaded.config.num_heads == K
