@@ -1,4 +1,4 @@
-"""Per-step candidate trees: buffers from a parent array, and the dynamic tree proposer (the EAGLE-2 idea on Medusa heads).
+"""The dynamic tree proposer: a per-step candidate tree (the EAGLE-2 idea on Medusa heads).
 
 A static tree (medusa.tree) fixes which ranks of which heads are tried. A dynamic tree ranks every path by the heads'
 own confidence this step, the product of the heads' probabilities along it, and keeps the best N: a confident step
@@ -11,7 +11,7 @@ import torch
 
 from medusa.ngram import copy_guesses, put_first
 from medusa.propose import Candidates, build_medusa_proposer
-from medusa.tree import TreeBuffers, TreeSpec, build_buffers, chain
+from medusa.tree import TreeBuffers, TreeSpec, buffers_from_parents, build_buffers, chain
 
 DEFAULT_TOPK = 10  # children tried per node: the widest static Medusa trees use up to top-10 of head 0
 # How sure a copy guess is, for scoring paths: on 80 of the target's greedy training answers a copy guess (4- to
@@ -31,38 +31,6 @@ def copy_first_logp(tokens: torch.Tensor, logp: torch.Tensor, guesses: torch.Ten
     mixed = torch.where(is_copy, torch.log(probability + (1 - probability) * own.exp()),
                         own + torch.log1p(torch.tensor(-probability)))
     return merged, torch.where((guesses >= 0)[:, None], mixed, own)
-
-
-def buffers_from_parents(parent: torch.Tensor, depth: torch.Tensor) -> TreeBuffers:
-    """Tree buffers for an arbitrary tree given in topological order (the per-step counterpart of tree.build_buffers).
-
-    parent: (N,) long, parent[0] = 0 (the root), parent[i] < i. depth: (N,) long, depth[0] = 0.
-    Leaves are listed in node order, like build_buffers. `candidate_index` is unused for such trees (their tokens are
-    placed directly) and holds zeros; `topk_per_head` is empty.
-    """
-    n = parent.numel()
-    device = parent.device
-    nodes = torch.arange(n, device=device)
-    max_depth = int(depth.max()) if n > 1 else 0
-
-    visible = torch.eye(n, dtype=torch.bool, device=device)  # (N, N)
-    ancestor = nodes
-    for _ in range(max_depth):  # walk every node up one level at a time; the root is its own parent, so it stays
-        ancestor = parent[ancestor]
-        visible[nodes, ancestor] = True
-
-    is_leaf = torch.ones(n, dtype=torch.bool, device=device)
-    is_leaf[parent[1:]] = False
-    leaves = nodes[is_leaf]  # (L,)
-    rows = torch.arange(leaves.numel(), device=device)
-    leaf_paths = torch.full((leaves.numel(), max_depth + 1), n, dtype=torch.long, device=device)  # (L, D + 1)
-    node, column = leaves, depth[leaves]
-    for _ in range(max_depth + 1):  # fill each path from its leaf back to the root
-        live = column >= 0
-        leaf_paths[rows[live], column[live]] = node[live]
-        node, column = parent[node], column - 1
-    return TreeBuffers(n, visible, depth.clone(), parent.clone(), torch.zeros(n, dtype=torch.long, device=device), (),
-                       leaf_paths)
 
 
 class DynamicTreeProposer:

@@ -7,21 +7,22 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 from torch import nn
 
-from medusa.config import CONFIG_NAME, WEIGHTS_NAME, MedusaConfig
+from medusa.config import CONFIG_NAME, MedusaConfig
 from medusa.decode import SpeculativeGenerator
+from medusa.draft import DraftModel
 from medusa.engine import ENGINES
 from medusa.guard import GuardedProposer
 from medusa.fileio import write_directory
 from medusa.hardware import native_bf16
-from medusa.heads import MedusaHeads, storage_state
+from medusa.heads import MedusaHeads
+from medusa.heads_io import has_adapter, load_heads, merge_adapter, save_heads
 from medusa.loading import DEFAULT_BASE, BaseSource, load_base, resolve_dtype
 from medusa.plan import Plan, load_accuracy, load_or_calibrate, save_accuracy
 from medusa.prepack import can_prepack, prepacked_copy
-from medusa.propose import CandidateProjection, get_proposer
+from medusa.propose import CandidateProjection
+from medusa.proposers import get_proposer
 from medusa.sampling import SamplingConfig
 from medusa.tree import TreeSpec, build_buffers, chain, load_tree
 
@@ -123,7 +124,7 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         """Load heads from a directory (default: the shipped SmolLM2 heads) onto their base, or onto `base`.
 
         The directory holds `medusa_config.json` + `medusa_heads.safetensors` (and `adapter_*` for Medusa-2), or is
-        an official Medusa / vLLM export (`config.json` + safetensors; see medusa.export).
+        an official Medusa / vLLM export (`config.json` + safetensors; see medusa.heads_io).
 
         plan: "auto" (default; `$MEDUSA_PLAN` changes it) measures this machine once and chooses the engine, tree
         and proposer generate uses (medusa.plan; cached, see `model.plan`); "off" keeps the eager engine and the
@@ -152,32 +153,15 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
                 return cls.from_base(base, dtype=dtype, device=device, tokenizer=tokenizer, tree=tree)
             path = DEFAULT_HEADS_DIR
         path = Path(path)
-        if not (path / CONFIG_NAME).is_file():
-            from medusa.export import foreign_layout, import_heads  # official Medusa / vLLM layouts
-
-            if foreign_layout(path) is not None:
-                heads = import_heads(path)
-                model, tokenizer = load_base(base if base is not None else heads.config.base_model_name_or_path,
-                                             dtype=dtype, device=device, tokenizer=tokenizer)
-                return cls(model, heads, tokenizer, tree=_tree_arg(tree))
-        config = MedusaConfig.load(path)
-        if base is None and config.base_model_name_or_path is None:
+        heads = load_heads(path)  # any layout, checked before the (slow) base load
+        if base is None and heads.config.base_model_name_or_path is None:
             raise ValueError(f"the heads in {path} do not name their base model (base_model_name_or_path is null): "
                              "pass base= (a Hub id, directory, .gguf file or loaded model)")
-        base_source = base if base is not None else config.base_model_name_or_path
-        if (path / "adapter_config.json").is_file() and not (path / "adapter_model.safetensors").is_file():
-            raise ValueError(
-                f"{path} holds a Medusa-2 adapter without adapter_model.safetensors (a pickled adapter_model.bin is "
-                "never loaded): convert it once where you trust the file, e.g. `from safetensors.torch import "
-                "save_file; save_file(torch.load('adapter_model.bin', weights_only=True), "
-                "'adapter_model.safetensors')`")
-        model, tokenizer = load_base(base_source, dtype=dtype, device=device, tokenizer=tokenizer)
-        if (path / "adapter_config.json").is_file():  # Medusa-2: LoRA-adapted base
-            from peft import PeftModel
-
-            model = PeftModel.from_pretrained(model, str(path), use_safetensors=True).merge_and_unload().eval()
-        heads = MedusaHeads(config)
-        load_heads_weights(heads, path / WEIGHTS_NAME)
+        adapter = has_adapter(path)
+        model, tokenizer = load_base(base if base is not None else heads.config.base_model_name_or_path,
+                                     dtype=dtype, device=device, tokenizer=tokenizer)
+        if adapter:  # Medusa-2: LoRA-adapted base
+            model = merge_adapter(model, path)
         medusa = cls(model, heads, tokenizer, tree=_tree_arg(tree))
         medusa.accuracy = load_accuracy(path)
         return medusa
@@ -189,8 +173,6 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         proposes `num_speculative_tokens` tokens per step. target/draft: Hub id, directory, .gguf or loaded model
         (target None: the embedded SmolLM2). Returns a `medusa.draft.DraftModel` with this class's `generate`.
         """
-        from medusa.draft import DraftModel  # medusa.draft imports this module
-
         return DraftModel.load(target, draft, num_speculative_tokens=num_speculative_tokens, dtype=dtype,
                                device=device, tokenizer=tokenizer, draft_tokenizer=draft_tokenizer)
 
@@ -251,40 +233,3 @@ def _base_reference(source: BaseSource, model) -> str | None:
     if isinstance(source, (str, os.PathLike)):
         return str(source)
     return getattr(model.config, "name_or_path", None) or None
-
-
-def save_heads(heads: MedusaHeads, directory: Path, tree=None, extra: dict | None = None,
-               dtype: torch.dtype | None = None) -> None:
-    """Write config + safetensors into an existing directory. Shared-projection heads save only their blocks.
-
-    `dtype` (e.g. bfloat16) stores the weights in that precision; loading casts them to the base's dtype.
-    """
-    config = heads.config
-    if tree is not None:
-        config.tree = [list(p) for p in tree]
-    if extra:
-        config.extra = {**config.extra, **extra}
-    state = storage_state(heads.state_dict(), dtype)
-    save_file(state, str(directory / WEIGHTS_NAME), metadata={"format": "pt", "medusa_format_version": str(config.format_version)})
-    config.save(directory)
-
-
-def load_heads_weights(heads: MedusaHeads, path: Path) -> None:
-    """Load safetensors weights into `heads`, naming any missing, unexpected or mis-shaped tensor."""
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: a heads directory needs {WEIGHTS_NAME} beside {CONFIG_NAME}")
-    try:
-        state = load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as err:
-        raise ValueError(f"{path} is not a readable safetensors file ({err}): the heads file is corrupt; re-save or re-export it") from err
-    expected = heads.state_dict()
-    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise ValueError(
-            f"{path} does not match its config ({heads.config.num_heads} heads x {heads.config.num_layers} layers, "
-            f"projection={heads.config.projection!r}): missing {missing[:5]}, unexpected {unexpected[:5]}"
-        )
-    for name, tensor in state.items():
-        if tensor.shape != expected[name].shape:
-            raise ValueError(f"{path}: tensor {name} has shape {tuple(tensor.shape)}, the config implies {tuple(expected[name].shape)}")
-    heads.load_state_dict(state)

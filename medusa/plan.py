@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from medusa.decode import prefill
 from medusa.engine import ENGINES, engine_for
 from medusa.fileio import atomic_write_text
 from medusa.hardware import describe
@@ -139,8 +140,6 @@ def measure(model, engines=ENGINES, sizes=SIZES, repeats: int = 4, context: int 
     proposal is verified and accepted, then the cache is set back, so all sizes see `context` tokens. Sizes and
     proposers are interleaved within each repeat, so drifts in machine load hit them alike.
     """
-    from medusa.decode import prefill
-
     device, sampling = model.device, SamplingConfig()
     vocab = model.base.get_output_embeddings().weight.shape[0]
     prompt = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(0)).to(device)

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from medusa.dynamic_tree import buffers_from_parents
 from medusa.ngram import ngram_continuation
 from medusa.propose import Candidates, build_medusa_proposer
-from medusa.tree import TreeBuffers, TreeSpec, build_buffers, chain
+from medusa.tree import TreeBuffers, TreeSpec, buffers_from_parents, build_buffers, chain
 
 MAX_NGRAM = 3  # longest suffix tried first (prompt-lookup-decoding's default; transformers uses 2)
 NUM_TOKENS = 10  # continuation length, as transformers' prompt_lookup_num_tokens=10

@@ -1,8 +1,9 @@
-"""Proposers: state -> Candidates (tokens arranged as a tree). One small interface, several implementations."""
+"""Proposers: state -> Candidates (tokens arranged as a tree). The interface, the static-tree Medusa proposer and the
+plain one. The dynamic tree, prompt lookup and the draft model's proposer live in their own modules; medusa.proposers
+names those a MedusaModel builds by name."""
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -223,26 +224,3 @@ class PlainProposer:
 def build_medusa_proposer(model, tree: TreeBuffers) -> MedusaProposer:
     embed = model.base.get_input_embeddings() if model.heads.config.condition_on_next_token else None
     return MedusaProposer(getattr(model, "proposal_heads", model.heads), model.candidate_projection, tree, embed)
-
-
-def _lazy(target: str):
-    """'module:builder' -> a builder that imports it on first use (those modules import this one)."""
-    module, name = target.split(":")
-    return lambda model, tree: getattr(importlib.import_module(module), name)(model, tree)
-
-
-# name -> builder(model: MedusaModel, tree: TreeBuffers on the model's device) -> Proposer.
-# Other modules add their proposers here (dynamic tree, prompt lookup, hybrid).
-PROPOSERS = {
-    "medusa": build_medusa_proposer,
-    "plain": lambda model, tree: PlainProposer(model.device),
-    "dynamic": _lazy("medusa.dynamic_tree:build_dynamic_proposer"),
-    "prompt_lookup": _lazy("medusa.prompt_lookup:build_prompt_lookup_proposer"),
-    "hybrid": _lazy("medusa.prompt_lookup:build_hybrid_proposer"),
-}
-
-
-def get_proposer(name: str):
-    if name not in PROPOSERS:
-        raise ValueError(f"unknown proposer {name!r}: use one of {sorted(PROPOSERS)}")
-    return PROPOSERS[name]

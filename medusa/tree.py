@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-TREES_DIR = Path(__file__).resolve().parent.parent / "configs" / "trees"
+TREES_DIR = Path(__file__).resolve().parent / "trees"  # shipped trees: package data, found by name
 
 
 class TreeSpec:
@@ -126,8 +126,41 @@ def _build_buffers(paths: tuple[tuple[int, ...], ...], num_heads: int) -> TreeBu
     return TreeBuffers(n, visible, depth, parent, candidate_index, tuple(topk), leaf_paths)
 
 
+def buffers_from_parents(parent: torch.Tensor, depth: torch.Tensor) -> TreeBuffers:
+    """Tree buffers for an arbitrary tree given in topological order: the per-step trees (dynamic, prompt lookup).
+
+    parent: (N,) long, parent[0] = 0 (the root), parent[i] < i. depth: (N,) long, depth[0] = 0.
+    Leaves are listed in node order, like build_buffers. `candidate_index` is unused for such trees (their tokens are
+    placed directly) and holds zeros; `topk_per_head` is empty.
+    """
+    n = parent.numel()
+    device = parent.device
+    nodes = torch.arange(n, device=device)
+    max_depth = int(depth.max()) if n > 1 else 0
+
+    visible = torch.eye(n, dtype=torch.bool, device=device)  # (N, N)
+    ancestor = nodes
+    for _ in range(max_depth):  # walk every node up one level at a time; the root is its own parent, so it stays
+        ancestor = parent[ancestor]
+        visible[nodes, ancestor] = True
+
+    is_leaf = torch.ones(n, dtype=torch.bool, device=device)
+    is_leaf[parent[1:]] = False
+    leaves = nodes[is_leaf]  # (L,)
+    rows = torch.arange(leaves.numel(), device=device)
+    leaf_paths = torch.full((leaves.numel(), max_depth + 1), n, dtype=torch.long, device=device)  # (L, D + 1)
+    node, column = leaves, depth[leaves]
+    for _ in range(max_depth + 1):  # fill each path from its leaf back to the root
+        live = column >= 0
+        leaf_paths[rows[live], column[live]] = node[live]
+        node, column = parent[node], column - 1
+    return TreeBuffers(n, visible, depth.clone(), parent.clone(), torch.zeros(n, dtype=torch.long, device=device), (),
+                       leaf_paths)
+
+
 def load_tree(name_or_path: str | Path) -> list[list[int]]:
-    """Rank paths from a JSON file (a bare list, or an object with a `paths` list) or a name in configs/trees/."""
+    """Rank paths from a JSON file (a bare list, or an object with a `paths` list) or the name of a shipped tree
+    (medusa/trees/NAME.json)."""
     path = Path(name_or_path)
     if not path.is_file():
         path = TREES_DIR / f"{name_or_path}.json"

@@ -90,7 +90,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--heads", default=None, help="heads directory (default: the shipped heads)")
     parser.add_argument("--base", default=None, help="base model: directory, .gguf or Hub id (default: the heads' base)")
-    parser.add_argument("--tree", default=None, help="tree name in configs/trees/ or JSON path (default: the heads')")
+    parser.add_argument("--tree", default=None, help="shipped tree name (medusa/trees/) or JSON path (default: the heads')")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--plan", default="auto", choices=["auto", "off"],
                         help="calibrate (or load the cached) decoding plan for this machine: the 'planned' method")

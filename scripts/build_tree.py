@@ -1,6 +1,6 @@
 """Build a static tree from head accuracies and this machine's measured step latency.
 
-    python scripts/build_tree.py --accuracy acc.json --out configs/trees/smollm2-135m-cpu.json \
+    python scripts/build_tree.py --accuracy acc.json --out medusa/trees/smollm2-135m-cpu.json \
         [--max-nodes 64] [--dtype float32] [--heads DIR] [--base PATH] [--kv-length 512] [--repeats 10] [--threads N]
 
 `acc.json` comes from scripts/head_accuracy.py: {"acc_given_prefix": [[p(rank r of head k is right | heads before
@@ -29,7 +29,7 @@ from medusa.tree_builder import DEFAULT_SIZES, best_size, expected_tau, grow_tre
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--accuracy", required=True, help="JSON from scripts/head_accuracy.py (key 'acc')")
-    parser.add_argument("--out", required=True, help="tree JSON to write, e.g. configs/trees/smollm2-135m-cpu.json")
+    parser.add_argument("--out", required=True, help="tree JSON to write, e.g. medusa/trees/smollm2-135m-cpu.json")
     parser.add_argument("--max-nodes", type=int, default=64, help="largest tree to consider, root included")
     parser.add_argument("--sizes", default=None, help="comma-separated node counts to time (default: a ladder up to --max-nodes)")
     parser.add_argument("--heads", default=None, help="heads directory (default: the shipped heads); only their cost matters")

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from medusa.export import FORMATS, export_directory  # noqa: E402
+from medusa.heads_io import FORMATS, export_directory  # noqa: E402
 from medusa.loading import DTYPES  # noqa: E402
 
 

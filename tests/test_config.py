@@ -12,7 +12,7 @@ from conftest import HIDDEN, VOCAB
 
 from medusa.config import MedusaConfig
 from medusa.heads import MedusaHeads
-from medusa.model import save_heads
+from medusa.heads_io import save_heads
 from train.config import FILLED_IN, Config, HeadsConfig, load_config, parse_args
 from train.trainer import build_heads
 

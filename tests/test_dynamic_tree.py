@@ -1,4 +1,4 @@
-"""Per-step trees: buffers from a parent array, the dynamic proposer's choice of paths, greedy identity."""
+"""The dynamic tree proposer: its choice of paths per step, greedy identity."""
 
 import itertools
 from types import SimpleNamespace
@@ -7,45 +7,10 @@ import pytest
 import torch
 
 from medusa import MedusaModel
-from medusa.dynamic_tree import DynamicTreeProposer, buffers_from_parents
-from medusa.propose import get_proposer
+from medusa.dynamic_tree import DynamicTreeProposer
+from medusa.proposers import get_proposer
 from medusa.tree import TreeSpec, build_buffers, chain
 from tests.conftest import FAMILIES, make_heads, make_tiny_model
-
-# root 0; 1 and 2 under the root; 3 under 1; 4 under 3
-HAND_PARENT = [0, 0, 0, 1, 3]
-HAND_DEPTH = [0, 1, 1, 2, 3]
-HAND_VISIBLE = [[1, 0, 0, 0, 0],
-                [1, 1, 0, 0, 0],
-                [1, 0, 1, 0, 0],
-                [1, 1, 0, 1, 0],
-                [1, 1, 0, 1, 1]]
-HAND_LEAF_PATHS = [[0, 2, 5, 5], [0, 1, 3, 4]]  # leaves in node order, padded with N = 5
-
-
-def test_buffers_from_parents_hand_drawn_tree():
-    tree = buffers_from_parents(torch.tensor(HAND_PARENT), torch.tensor(HAND_DEPTH))
-    assert tree.num_nodes == 5
-    assert tree.visible.long().tolist() == HAND_VISIBLE
-    assert tree.leaf_paths.tolist() == HAND_LEAF_PATHS
-    assert tree.max_depth == 3
-    assert tree.parent.tolist() == HAND_PARENT and tree.depth.tolist() == HAND_DEPTH
-
-
-def test_buffers_from_parents_root_only():
-    tree = buffers_from_parents(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
-    assert tree.num_nodes == 1 and tree.leaf_paths.tolist() == [[0]] and tree.visible.tolist() == [[True]]
-
-
-@pytest.mark.parametrize("paths", [chain(3), [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]],
-                                   [[0], [1], [0, 0], [0, 1], [1, 0], [1, 1], [0, 0, 0], [1, 0, 0]]])
-def test_buffers_from_parents_match_the_static_builder(paths):
-    static = build_buffers(TreeSpec(paths))
-    dynamic = buffers_from_parents(static.parent, static.depth)
-    assert dynamic.num_nodes == static.num_nodes
-    for name in ("visible", "depth", "parent", "leaf_paths"):
-        assert torch.equal(getattr(dynamic, name), getattr(static, name)), name
-
 
 class FixedHeads:
     """Stands in for a MedusaProposer: fixed head logits (D, V), candidate index = token id."""

@@ -14,7 +14,7 @@ import torch
 from medusa.config import MedusaConfig
 from medusa.fileio import _settle, write_directory
 from medusa.heads import MedusaHeads
-from medusa.model import load_heads_weights
+from medusa.heads_io import load_heads_weights
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -59,7 +59,7 @@ SAVER = textwrap.dedent("""
     sys.path.insert(0, {root!r})
     from medusa.config import MedusaConfig
     from medusa.heads import MedusaHeads
-    from medusa.model import save_heads
+    from medusa.heads_io import save_heads
     from medusa.fileio import write_directory
 
     real_replace = os.replace

@@ -9,7 +9,7 @@ from tests.conftest import FAMILIES, HIDDEN, VOCAB, make_heads, make_tiny_model
 
 from medusa import MedusaModel
 from medusa.evaluation import head_rank_hits
-from medusa.export import export_heads
+from medusa.heads_io import export_heads
 from medusa.heads import head_target_offset
 from train.losses import medusa_heads_loss
 

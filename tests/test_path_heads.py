@@ -10,7 +10,7 @@ from medusa import MedusaModel
 from medusa.config import MedusaConfig
 from medusa.dynamic_tree import DynamicTreeProposer
 from medusa.evaluation import head_rank_hits
-from medusa.export import export_heads
+from medusa.heads_io import export_heads
 from medusa.heads import following_tokens, head_target_offset
 from medusa.propose import build_medusa_proposer
 from medusa.tree import TreeSpec, build_buffers, chain

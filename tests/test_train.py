@@ -460,7 +460,7 @@ def test_yaml_reads_exponent_learning_rates(tmp_path, tiny_base, tiny_data):
 
 def test_error_heads_that_do_not_match_the_base(tmp_path, tiny_base, tiny_data):
     from tests.conftest import make_heads
-    from medusa.model import save_heads
+    from medusa.heads_io import save_heads
 
     other = tmp_path / "other-heads"
     other.mkdir()
@@ -726,7 +726,7 @@ def test_copy_ngram_goes_from_the_heads_section_to_the_saved_heads(tmp_path, tin
     lm_head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
     fresh = build_heads(cfg, HIDDEN, VOCAB, lm_head, None)
     assert fresh.config.copy_ngram == 3
-    from medusa.model import save_heads
+    from medusa.heads_io import save_heads
 
     (tmp_path / "start").mkdir()
     save_heads(fresh, tmp_path / "start")

@@ -1,7 +1,9 @@
+from pathlib import Path
+
 import pytest
 import torch
 
-from medusa.tree import TreeSpec, build_buffers, chain, load_tree
+from medusa.tree import TreeSpec, buffers_from_parents, build_buffers, chain, load_tree
 
 # The hand-drawn tree (node numbers in canonical order):
 #            0 (root)
@@ -69,6 +71,58 @@ def test_shipped_tree_files_are_valid():
         assert load_tree(path), path
 
 
+def test_shipped_trees_are_package_data_found_by_name_from_anywhere(tmp_path, monkeypatch):
+    """Shipped trees live inside the package (so a wheel carries them); a name finds them whatever the working
+    directory, and a path to a user's file still works."""
+    import medusa
+    from medusa.tree import TREES_DIR
+
+    assert TREES_DIR.parent == Path(medusa.__file__).parent
+    names = sorted(p.stem for p in TREES_DIR.glob("*.json"))
+    assert {"smollm2-135m-cpu", "smollm2-135m-cpu-bf16", "smollm2-135m-h100-bf16"} <= set(names)
+    monkeypatch.chdir(tmp_path)
+    for name in names:
+        assert load_tree(name) == load_tree(TREES_DIR / f"{name}.json"), name
+    (tmp_path / "mine.json").write_text('{"paths": [[0], [1], [0, 0]]}')
+    assert load_tree("mine.json") == load_tree(tmp_path / "mine.json") == [[0], [1], [0, 0]]
+
+
 def test_unknown_tree_name_lists_alternatives():
     with pytest.raises(FileNotFoundError, match="not found"):
         load_tree("no-such-tree")
+
+
+# ------------------------------------------------------------------ trees from a parent array (per-step trees)
+# root 0; 1 and 2 under the root; 3 under 1; 4 under 3
+HAND_PARENT = [0, 0, 0, 1, 3]
+HAND_DEPTH = [0, 1, 1, 2, 3]
+HAND_VISIBLE = [[1, 0, 0, 0, 0],
+                [1, 1, 0, 0, 0],
+                [1, 0, 1, 0, 0],
+                [1, 1, 0, 1, 0],
+                [1, 1, 0, 1, 1]]
+HAND_LEAF_PATHS = [[0, 2, 5, 5], [0, 1, 3, 4]]  # leaves in node order, padded with N = 5
+
+
+def test_buffers_from_parents_hand_drawn_tree():
+    tree = buffers_from_parents(torch.tensor(HAND_PARENT), torch.tensor(HAND_DEPTH))
+    assert tree.num_nodes == 5
+    assert tree.visible.long().tolist() == HAND_VISIBLE
+    assert tree.leaf_paths.tolist() == HAND_LEAF_PATHS
+    assert tree.max_depth == 3
+    assert tree.parent.tolist() == HAND_PARENT and tree.depth.tolist() == HAND_DEPTH
+
+
+def test_buffers_from_parents_root_only():
+    tree = buffers_from_parents(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+    assert tree.num_nodes == 1 and tree.leaf_paths.tolist() == [[0]] and tree.visible.tolist() == [[True]]
+
+
+@pytest.mark.parametrize("paths", [chain(3), [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]],
+                                   [[0], [1], [0, 0], [0, 1], [1, 0], [1, 1], [0, 0, 0], [1, 0, 0]]])
+def test_buffers_from_parents_match_the_static_builder(paths):
+    static = build_buffers(TreeSpec(paths))
+    dynamic = buffers_from_parents(static.parent, static.depth)
+    assert dynamic.num_nodes == static.num_nodes
+    for name in ("visible", "depth", "parent", "leaf_paths"):
+        assert torch.equal(getattr(dynamic, name), getattr(static, name)), name

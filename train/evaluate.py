@@ -8,7 +8,7 @@ import torch
 
 from medusa.fileio import write_directory
 from medusa.loading import resolve_dtype
-from medusa.model import save_heads
+from medusa.heads_io import save_heads
 from train.config import DataConfig, TrainingConfig
 from train.losses import TOPK
 from train.trainer import HeadTrainer

@@ -12,7 +12,7 @@ from torch import nn
 
 from medusa.config import WEIGHTS_NAME, MedusaConfig
 from medusa.heads import MedusaHeads
-from medusa.model import load_heads_weights
+from medusa.heads_io import load_heads_weights
 from train.batches import Conversation, base_fingerprint, data_fingerprint
 from train.config import FILLED_IN, HeadsConfig, TrainingConfig
 from train.data import collate

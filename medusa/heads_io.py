@@ -1,5 +1,9 @@
-"""Other engines' layouts for Medusa heads: export to them, and import from them.
+"""Heads on disk, in every layout medusa reads or writes. The one place that opens heads files.
 
+medusa's own (native), written by `save_heads` and read by `load_heads`:
+    medusa_config.json          MedusaConfig (format_version, base_model_name_or_path, tree, ...)
+    medusa_heads.safetensors    the heads' state dict; shared-projection heads store only their blocks
+    adapter_config.json + adapter_model.safetensors   Medusa-2 only: a LoRA adapter merged into the base
 Official Medusa (FasterDecoding), also read by TGI and TensorRT-LLM:
     config.json                 medusa_num_heads, medusa_num_layers, base_model_name_or_path (+ hidden_size, vocab_size)
     medusa_lm_head.safetensors  {head}.{layer}.linear.weight (H, H), {head}.{layer}.linear.bias (H,),
@@ -10,10 +14,10 @@ vLLM (`vllm/transformers_utils/configs/medusa.py`, `vllm/model_executor/models/m
     model.safetensors           blocks.{head}.layers.{layer}.weight / .bias, lm_heads.{head}.weight (V, H),
                                 and token_map (V',) when candidates come from a vocabulary subset
 
-Both layouts give every head a full (V, H) projection, so heads that share the base `lm_head` export K copies of
-it. Imported heads therefore always have `projection="own"`. A vocabulary subset (MedusaConfig.vocab_subset_size)
+The foreign layouts give every head a full (V, H) projection, so heads that share the base `lm_head` export K copies
+of it. Imported heads therefore always have `projection="own"`. A vocabulary subset (MedusaConfig.vocab_subset_size)
 maps to vLLM's token_map + truncated_vocab_size; the official layout has none, so engines reading it rank the full
-vocabulary. Pickles (`medusa_lm_head.pt`) are never read.
+vocabulary. Pickles (`medusa_lm_head.pt`, `adapter_model.bin`) are never read.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from safetensors.torch import load_file, save_file
 from medusa.config import CONFIG_NAME, WEIGHTS_NAME, MedusaConfig
 from medusa.fileio import atomic_write_text, write_directory
 from medusa.heads import MedusaHeads, storage_state
+from medusa.loading import load_base
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +43,8 @@ FOREIGN_CONFIG = "config.json"
 OFFICIAL_WEIGHTS = "medusa_lm_head.safetensors"
 OFFICIAL_PICKLE = "medusa_lm_head.pt"
 VLLM_WEIGHTS = "model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"  # Medusa-2: a LoRA adapter of the base, saved by peft beside the heads
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _OFFICIAL_PREFIX = "medusa_head."  # some conversions keep the official module name in front of every key
 _VLLM_PREFIX = "medusa_heads."  # vLLM strips this prefix when it loads, so accept it too
 
@@ -47,6 +54,70 @@ _PICKLE_HELP = (
     "sd = torch.load('{pt}', map_location='cpu', weights_only=True); "
     "save_file({{k: v.contiguous() for k, v in sd.items()}}, '{st}', metadata={{'format': 'pt'}})\""
 )
+
+
+# ---------------------------------------------------------------------------------------------- native
+def save_heads(heads: MedusaHeads, directory: Path, tree=None, extra: dict | None = None,
+               dtype: torch.dtype | None = None) -> None:
+    """Write config + safetensors into an existing directory. Shared-projection heads save only their blocks.
+
+    `dtype` (e.g. bfloat16) stores the weights in that precision; loading casts them to the base's dtype.
+    """
+    config = heads.config
+    if tree is not None:
+        config.tree = [list(p) for p in tree]
+    if extra:
+        config.extra = {**config.extra, **extra}
+    state = storage_state(heads.state_dict(), dtype)
+    save_file(state, str(directory / WEIGHTS_NAME), metadata={"format": "pt", "medusa_format_version": str(config.format_version)})
+    config.save(directory)
+
+
+def load_heads_weights(heads: MedusaHeads, path: Path) -> None:
+    """Load safetensors weights into `heads`, naming any missing, unexpected or mis-shaped tensor."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: a heads directory needs {WEIGHTS_NAME} beside {CONFIG_NAME}")
+    state, config = _read_safetensors(path), heads.config
+    expected = heads.state_dict()
+    what = f"{config.num_heads} heads x {config.num_layers} layers, projection={config.projection!r}"
+    _check_keys(state, set(expected), path, what)
+    _check_shapes(state, expected, path, config)
+    heads.load_state_dict(state)
+
+
+def has_adapter(directory: Path) -> bool:
+    """Whether a Medusa-2 LoRA adapter lies beside the heads (see `merge_adapter`); a pickled one is refused."""
+    if not (directory / ADAPTER_CONFIG).is_file():
+        return False
+    if not (directory / ADAPTER_WEIGHTS).is_file():
+        raise ValueError(
+            f"{directory} holds a Medusa-2 adapter without {ADAPTER_WEIGHTS} (a pickled adapter_model.bin is "
+            "never loaded): convert it once where you trust the file, e.g. `from safetensors.torch import "
+            "save_file; save_file(torch.load('adapter_model.bin', weights_only=True), "
+            "'adapter_model.safetensors')`")
+    return True
+
+
+def merge_adapter(base, directory: Path):
+    """The base with the Medusa-2 LoRA adapter saved in `directory` merged into its weights."""
+    from peft import PeftModel  # an optional dependency (medusa-spec[train]): only Medusa-2 heads need it
+
+    return PeftModel.from_pretrained(base, str(directory), use_safetensors=True).merge_and_unload().eval()
+
+
+def load_heads(directory: str | os.PathLike) -> MedusaHeads:
+    """Heads from a directory in any layout: native (medusa_config.json), official Medusa or vLLM."""
+    directory = Path(directory)
+    if (directory / CONFIG_NAME).is_file():
+        heads = MedusaHeads(MedusaConfig.load(directory))
+        load_heads_weights(heads, directory / WEIGHTS_NAME)
+        return heads
+    if foreign_layout(directory) is not None:
+        return import_heads(directory)
+    raise FileNotFoundError(
+        f"{directory / CONFIG_NAME} is missing: not a medusa heads directory (expected {CONFIG_NAME} + "
+        f"{WEIGHTS_NAME}), nor an official Medusa or vLLM export ({FOREIGN_CONFIG} with medusa_num_heads or "
+        f"model_type 'medusa', beside {OFFICIAL_WEIGHTS} or *.safetensors)")
 
 
 # ---------------------------------------------------------------------------------------------- export
@@ -201,8 +272,6 @@ def export_directory(heads_dir: str | os.PathLike, out_dir: str | os.PathLike, f
                        "MedusaModel.from_pretrained(dir).base.save_pretrained(path) and pass --base-name path", heads_dir)
     lm_head_weight = None
     if heads.projections is None:
-        from medusa.loading import load_base
-
         source = base if base is not None else heads.config.base_model_name_or_path
         logger.warning("heads share the base lm_head: loading base %r to copy it into every head", source)
         model, _ = load_base(source)
@@ -249,18 +318,6 @@ def foreign_layout(directory: str | os.PathLike) -> str | None:
     if cfg.get("model_type") == "medusa":
         return "vllm"
     return None
-
-
-def load_heads(directory: str | os.PathLike) -> MedusaHeads:
-    """Heads from a directory in any layout: native (medusa_config.json), official Medusa or vLLM."""
-    directory = Path(directory)
-    if (directory / CONFIG_NAME).is_file():
-        from medusa.model import load_heads_weights
-
-        heads = MedusaHeads(MedusaConfig.load(directory))
-        load_heads_weights(heads, directory / WEIGHTS_NAME)
-        return heads
-    return import_heads(directory)
 
 
 def import_heads(directory: str | os.PathLike) -> MedusaHeads:
@@ -372,11 +429,7 @@ def _build_heads(config: MedusaConfig, native: dict[str, torch.Tensor], where: P
     """Assign checked tensors to heads built on the meta device (skips initialising K random (V, H) matrices)."""
     with torch.device("meta"):
         heads = MedusaHeads(config)
-    expected = heads.state_dict()
-    for name, tensor in native.items():
-        if tensor.shape != expected[name].shape:
-            raise ValueError(f"{where}: tensor for {name} has shape {tuple(tensor.shape)}, expected "
-                             f"{tuple(expected[name].shape)} (hidden {config.hidden_size}, vocab {config.vocab_size})")
+    _check_shapes(native, heads.state_dict(), where, config)
     heads.load_state_dict(native, assign=True)
     return heads
 
@@ -396,7 +449,7 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError) as err:
         raise ValueError(f"{path} is not a readable safetensors file ({err}): the heads file is corrupt; "
-                         "re-export it") from err
+                         "re-save or re-export it") from err
 
 
 def _strip_prefix(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
@@ -411,9 +464,19 @@ def _positive_int(cfg: dict, key: str, path: Path) -> int:
 
 
 def _check_keys(state: dict, expected: set[str], path: Path, what: str) -> None:
+    """The tensor names the config implies, in the file's own naming (`what` describes the config)."""
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
         raise ValueError(f"{path} does not match its config ({what}): missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+
+def _check_shapes(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], path: Path,
+                  config: MedusaConfig) -> None:
+    """Every tensor (native names, keys already checked) has the shape the config implies."""
+    for name, tensor in state.items():
+        if tensor.shape != expected[name].shape:
+            raise ValueError(f"{path}: tensor {name} has shape {tuple(tensor.shape)}, the config implies "
+                             f"{tuple(expected[name].shape)} (hidden {config.hidden_size}, vocab {config.vocab_size})")
 
 
 def _check_declared_sizes(cfg: dict, config: MedusaConfig, path: Path) -> None:

@@ -1,4 +1,5 @@
-"""Official Medusa / vLLM layouts: exact file contents, round trips, and named errors for broken directories."""
+"""Heads on disk in other layouts (official Medusa / vLLM): exact file contents, round trips, and named errors for broken
+directories; one loader for every layout (medusa.heads_io). The native layout is tested in test_model_io.py."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from medusa import MedusaModel
-from medusa.export import (OFFICIAL_PICKLE, OFFICIAL_WEIGHTS, VLLM_WEIGHTS, export_directory, export_heads,
-                           export_model, foreign_layout, import_heads, load_heads)
+from medusa.heads_io import (OFFICIAL_PICKLE, OFFICIAL_WEIGHTS, VLLM_WEIGHTS, export_directory, export_heads,
+                             export_model, foreign_layout, import_heads, load_heads)
 from tests.conftest import HIDDEN, VOCAB, make_heads, make_tiny_model
 
 K, L = 3, 2
@@ -136,12 +137,12 @@ def test_export_is_atomic_and_refuses_non_empty_directory(tmp_path, monkeypatch)
     assert (out / VLLM_WEIGHTS).stat().st_mode & 0o777 == 0o666 & ~mask  # not the temporary file's owner-only mode
     assert out.stat().st_mode & 0o777 == 0o777 & ~mask
 
-    import medusa.export
+    import medusa.heads_io
 
     def broken(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(medusa.export, "save_file", broken)
+    monkeypatch.setattr(medusa.heads_io, "save_file", broken)
     with pytest.raises(OSError, match="disk full"):
         export_model(model, tmp_path / "y", "medusa")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x"]  # no half directory, no temporary left behind
@@ -235,7 +236,29 @@ def test_copy_guess_is_named_when_it_does_not_travel(tmp_path, caplog):
     """copy_ngram is a ranking rule of medusa's: exporting says the other engine's heads will guess without it."""
     model = medusa_model("own")
     model.heads.config = dataclasses.replace(model.config, copy_ngram=4)
-    with caplog.at_level(logging.WARNING, logger="medusa.export"):
+    with caplog.at_level(logging.WARNING, logger="medusa.heads_io"):
         out = export_model(model, tmp_path / "vllm", "vllm")
     assert "copy_ngram 4" in caplog.text
     assert MedusaModel.from_pretrained(out, base=make_tiny_model("llama"), tokenizer=_TOKENIZER).config.copy_ngram == 0
+
+
+def test_one_loader_for_every_layout_and_one_base_check(tmp_path):
+    """load_heads reads native, official and vLLM directories alike; heads of any layout that name no base model are
+    refused without base= (imported ones took the embedded SmolLM2 silently before)."""
+    model = medusa_model("own")
+    model.save_pretrained(tmp_path / "native")
+    for directory in (tmp_path / "native", export_model(model, tmp_path / "official", "medusa"),
+                      export_model(model, tmp_path / "vllm", "vllm")):
+        loaded = load_heads(directory).state_dict()
+        assert loaded.keys() == model.heads.state_dict().keys(), directory.name
+        for name, tensor in model.heads.state_dict().items():
+            assert torch.equal(tensor, loaded[name]), (directory.name, name)
+    with pytest.raises(FileNotFoundError, match=r"(?s)not a medusa heads directory.*nor an official Medusa or vLLM"):
+        load_heads(tmp_path / "empty")
+
+    config = json.loads((tmp_path / "official" / "config.json").read_text())
+    (tmp_path / "official" / "config.json").write_text(json.dumps({**config, "base_model_name_or_path": None}))
+    with pytest.raises(ValueError, match="do not name their base model"):
+        MedusaModel.from_pretrained(tmp_path / "official")
+    loaded = MedusaModel.from_pretrained(tmp_path / "official", base=make_tiny_model("llama"), tokenizer=_TOKENIZER)
+    assert loaded.config.num_heads == K

@@ -1,0 +1,129 @@
+"""medusa/'s import graph: every import of medusa.* (at the top of a module or inside a function) goes down the
+layers below, and no chain of imports comes back to where it started. A lazy import inside a function is an edge
+like any other: it may not dodge a cycle.
+
+Tiers, bottom to top (a module imports its own tier or lower ones):
+  low   data structures, files and the machine: no model code
+  mid   one decoding step and its parts: heads, proposing, verifying, accepting, the engines and the decode loop
+  high  whole models and their files: loading heads in every layout, planning, the draft model, MedusaModel
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "medusa"
+INIT = "__init__"  # the package itself: `from medusa import X` for a name that is not a module
+
+TIERS = {
+    "low": {"tree", "sampling", "fileio", "hardware", "ngram", "prepack", "kv_cache", "config", "loading",
+            "data"},  # data.py is training-only (moving to train/)
+    "mid": {"heads", "propose", "verify", "acceptance", "engine", "decode", "guard", "dynamic_tree", "prompt_lookup",
+            "proposers", "evaluation",
+            "losses"},  # losses.py is training-only (moving to train/)
+    "high": {"heads_io", "tree_builder", "plan", "draft", "model", INIT},
+}
+RANK = {module: rank for rank, tier in enumerate(TIERS.values()) for module in tier}
+
+
+def imported_modules(source: str, modules: set[str]) -> set[str]:
+    """The medusa modules `source` imports anywhere in its body (top level, functions, methods, branches)."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[1] for alias in node.names if alias.name.startswith("medusa.")}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module == "medusa":  # `from medusa import kv_cache` is a module; any other name is the package
+                found |= {alias.name if alias.name in modules else INIT for alias in node.names}
+            elif node.module.startswith("medusa."):
+                found.add(node.module.split(".")[1])
+        elif isinstance(node, ast.ImportFrom) and node.level:
+            raise AssertionError(f"relative import `from {'.' * node.level}{node.module or ''} import ...`: "
+                                 "medusa/ imports by absolute name (medusa.x)")
+        elif _is_import_module(node) and node.args and isinstance(node.args[0], ast.Constant) \
+                and str(node.args[0].value).startswith("medusa."):  # an import by string is an edge too
+            found.add(str(node.args[0].value).split(":")[0].split(".")[1])
+    return found
+
+
+def _is_import_module(node: ast.AST) -> bool:
+    return isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the medusa modules it imports."""
+    files = {path.stem: path for path in PACKAGE.glob("*.py")}
+    return {name: imported_modules(path.read_text(), set(files)) - {name} for name, path in files.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle as its modules in import order, first repeated at the end ([a, b, a]), or None."""
+    done, path = set(), []
+
+    def visit(module: str) -> list[str] | None:
+        if module in path:
+            return path[path.index(module):] + [module]
+        if module in done:
+            return None
+        path.append(module)
+        for imported in sorted(graph.get(module, ())):
+            cycle = visit(imported)
+            if cycle:
+                return cycle
+        path.pop()
+        done.add(module)
+        return None
+
+    for module in sorted(graph):
+        cycle = visit(module)
+        if cycle:
+            return cycle
+    return None
+
+
+def test_no_import_cycle_in_medusa():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, f"import cycle in medusa/: {' -> '.join(cycle)}"
+
+
+def test_every_module_has_a_tier():
+    unplaced = sorted(set(import_graph()) - set(RANK))
+    assert not unplaced, f"medusa modules {unplaced} have no tier: add each to TIERS in {Path(__file__).name}"
+
+
+def test_imports_go_down_the_tiers():
+    tier_of = {module: name for name, tier in TIERS.items() for module in tier}
+    upward = [f"{module} ({tier_of[module]}) imports {imported} ({tier_of[imported]})"
+              for module, imports in sorted(import_graph().items()) for imported in sorted(imports)
+              if module in RANK and imported in RANK and RANK[imported] > RANK[module]]
+    assert not upward, "upward imports in medusa/: " + "; ".join(upward)
+
+
+# ------------------------------------------------------------------ the checks can fail
+def test_a_lazy_import_inside_a_function_is_an_edge():
+    source = "import torch\nfrom medusa.config import X\n\ndef f():\n    from medusa.model import load_heads_weights\n"
+    assert imported_modules(source, {"config", "model"}) == {"config", "model"}
+    assert imported_modules("from medusa import kv_cache, MedusaModel\n", {"kv_cache"}) == {"kv_cache", INIT}
+
+
+def test_the_former_export_model_cycle_is_caught():
+    """export.py imported medusa.model inside load_heads, and model.py imported medusa.export inside _load."""
+    export = "def load_heads(d):\n    from medusa.model import load_heads_weights\n"
+    model = "from medusa.config import CONFIG_NAME\n\ndef _load(p):\n    from medusa.export import import_heads\n"
+    modules = {"export", "model", "config"}
+    graph = {"export": imported_modules(export, modules), "model": imported_modules(model, modules), "config": set()}
+    assert find_cycle(graph) == ["export", "model", "export"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_no_imports_by_string_in_medusa():
+    """importlib.import_module hides an edge from readers (and from tools); medusa/ imports modules by name."""
+    users = sorted(path.name for path in PACKAGE.glob("*.py")
+                   if any(_is_import_module(node) for node in ast.walk(ast.parse(path.read_text()))))
+    assert not users, f"importlib.import_module in {users}: import the module by name instead"
+
+
+def test_an_import_by_string_is_an_edge():
+    source = "import importlib\n\ndef f():\n    return importlib.import_module('medusa.dynamic_tree')\n"
+    assert imported_modules(source, {"dynamic_tree"}) == {"dynamic_tree"}
