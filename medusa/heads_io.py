@@ -105,6 +105,37 @@ def merge_adapter(base, directory: Path):
     return PeftModel.from_pretrained(base, str(directory), use_safetensors=True).merge_and_unload().eval()
 
 
+def adapter_files(directory: Path) -> dict[str, bytes]:
+    """The Medusa-2 adapter's files as they lie beside the heads (kept so a re-save carries the adapter on)."""
+    return {name: (directory / name).read_bytes() for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS)}
+
+
+CARD_NAME = "README.md"
+
+
+def model_card(config: MedusaConfig, datasets: list[str] = ()) -> str:
+    """A model card for trained heads: YAML front matter the Hub reads (base_model, library_name, tags, datasets,
+    metrics) from the config and the provenance training records in `config.extra`, then what the heads are."""
+    from huggingface_hub import ModelCardData
+
+    training = config.extra.get("training", {})
+    evaluation = {k: v for k, v in config.extra.get("eval", {}).items() if isinstance(v, dict)}
+    data = ModelCardData(base_model=config.base_model_name_or_path, library_name="medusa", datasets=list(datasets) or None,
+                         tags=["medusa", "speculative-decoding", training.get("method", "medusa-1")],
+                         metrics=["accuracy"] if evaluation else None)
+    rows = "\n".join(f"| {head} | " + " | ".join(f"{values.get(f'top{j}', float('nan')):.3f}" for j in (1, 5)) + " |"
+                     for head, values in sorted(evaluation.items()))
+    facts = ", ".join(f"{key} {value}" for key, value in training.items() if key in (
+        "steps", "epochs", "train_response_tokens", "wall_time_s", "processes", "mixed_precision"))
+    return (f"---\n{data.to_yaml()}\n---\n\n# Medusa heads for {config.base_model_name_or_path}\n\n"
+            f"{config.num_heads} heads ({training.get('method', 'medusa-1')}) that propose the next tokens of "
+            f"`{config.base_model_name_or_path}` for lossless speculative decoding with "
+            "[medusa](https://github.com/): `MedusaModel.from_pretrained(<this repo or directory>)`.\n\n"
+            + (f"Training: {facts}.\n\n" if facts else "")
+            + (f"Held-out accuracy (top-1 / top-5 per head):\n\n| head | top-1 | top-5 |\n|---|---|---|\n{rows}\n"
+               if rows else ""))
+
+
 def load_heads(directory: str | os.PathLike) -> MedusaHeads:
     """Heads from a directory in any layout: native (medusa_config.json), official Medusa or vLLM."""
     directory = Path(directory)

@@ -116,11 +116,14 @@ def load_base(
     device: str | torch.device | None = None,
     tokenizer: PreTrainedTokenizerBase | None = None,
     attn_implementation: str = "sdpa",
+    revision: str | None = None,
+    device_map=None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Return `(model, tokenizer)` in eval mode for any supported source.
 
     `source`: None (embedded SmolLM2), a `.gguf` path, a model directory, a Hub id, or a loaded model (then the
-    tokenizer is read from its `name_or_path` unless given).
+    tokenizer is read from its `name_or_path` unless given). `revision` (a Hub id's branch, tag or commit) and
+    `device_map` go to transformers' `from_pretrained`.
     """
     if isinstance(source, PreTrainedModel):
         model = source
@@ -137,16 +140,17 @@ def load_base(
     path = resolve_base_path(source)
     try:
         # trust_remote_code stays off, so a base with custom code is refused instead of asking "[y/N]" on a terminal
+        hub = {"revision": revision} if revision is not None else {}
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation, trust_remote_code=False
-        )
+            path, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation, trust_remote_code=False,
+            device_map=device_map, **hub)
     except OSError as err:
         raise OSError(
             f"could not load base model {source!r}: not a local directory or GGUF file, and the Hub "
             f"could not serve it ({err}). Pass a local path, a .gguf file or a loaded model."
         ) from err
-    if device is not None:
+    if device is not None and device_map is None:
         model = model.to(device)
     if tokenizer is None:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False, **hub)
     return model.eval(), tokenizer

@@ -17,7 +17,8 @@ from medusa.guard import GuardedProposer
 from medusa.fileio import write_directory
 from medusa.hardware import native_bf16
 from medusa.heads import MedusaHeads
-from medusa.heads_io import has_adapter, load_heads, merge_adapter, save_heads
+from medusa.heads_io import adapter_files, has_adapter, load_heads, merge_adapter, save_heads
+from medusa.hub import push_to_hub, resolve_heads
 from medusa.loading import DEFAULT_BASE, BaseSource, load_base, resolve_dtype
 from medusa.plan import Plan, load_accuracy, load_or_calibrate, save_accuracy
 from medusa.prepack import can_prepack, prepacked_copy
@@ -70,6 +71,7 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         self.accuracy: list[list[float]] | None = None  # acc_given_prefix per head and rank (medusa.plan)
         self.plan: Plan | None = None  # what generate uses by default (medusa.plan); None: eager, the heads' tree
         self.engine_override: str | None = None  # from_pretrained(engine=...): wins over the plan
+        self.adapter: dict[str, bytes] | None = None  # Medusa-2: the adapter files loaded, saved again with the heads
 
     @property
     def default_engine(self) -> str:
@@ -120,11 +122,16 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike | None = None, *, base: BaseSource = None, dtype=None,
                         device=None, tokenizer=None, tree=None, plan: str | None = None,
-                        engine: str | None = None) -> "MedusaModel":
-        """Load heads from a directory (default: the shipped SmolLM2 heads) onto their base, or onto `base`.
+                        engine: str | None = None, revision: str | None = None,
+                        device_map=None) -> "MedusaModel":
+        """Load heads from a directory or a Hub repo id (default: the shipped SmolLM2 heads) onto their base, or onto
+        `base`.
 
         The directory holds `medusa_config.json` + `medusa_heads.safetensors` (and `adapter_*` for Medusa-2), or is
-        an official Medusa / vLLM export (`config.json` + safetensors; see medusa.heads_io).
+        an official Medusa / vLLM export (`config.json` + safetensors; see medusa.heads_io). A Hub id ("org/name",
+        `revision=` a branch, tag or commit) is fetched once and cached by huggingface_hub (`HF_HUB_OFFLINE=1`: the
+        cache only); the base the heads name is loaded at the revision their config records. `device_map` goes to
+        transformers with the base.
 
         plan: "auto" (default; `$MEDUSA_PLAN` changes it) measures this machine once and chooses the engine, tree
         and proposer generate uses (medusa.plan; cached, see `model.plan`); "off" keeps the eager engine and the
@@ -132,7 +139,8 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         dtype "auto": bf16 where the hardware computes it natively (a GPU from Ampere on, a CPU with AVX512-BF16 or
         AMX), else float32.
         """
-        model = cls._load(path, base=base, dtype=dtype, device=device, tokenizer=tokenizer, tree=tree)
+        model = cls._load(path, base=base, dtype=dtype, device=device, tokenizer=tokenizer, tree=tree,
+                          revision=revision, device_map=device_map)
         if engine is not None and engine not in ENGINES:
             raise ValueError(f"unknown engine {engine!r}: use one of {list(ENGINES)}")
         model.engine_override = engine
@@ -144,7 +152,7 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         return model
 
     @classmethod
-    def _load(cls, path, *, base, dtype, device, tokenizer, tree) -> "MedusaModel":
+    def _load(cls, path, *, base, dtype, device, tokenizer, tree, revision=None, device_map=None) -> "MedusaModel":
         if dtype == "auto":
             dtype = torch.bfloat16 if native_bf16(device or "cpu") else torch.float32
         if path is None:
@@ -152,17 +160,20 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
                 logger.warning("no shipped heads found in %s: using untrained heads", DEFAULT_HEADS_DIR)
                 return cls.from_base(base, dtype=dtype, device=device, tokenizer=tokenizer, tree=tree)
             path = DEFAULT_HEADS_DIR
-        path = Path(path)
+        path = resolve_heads(path, revision)
         heads = load_heads(path)  # any layout, checked before the (slow) base load
         if base is None and heads.config.base_model_name_or_path is None:
             raise ValueError(f"the heads in {path} do not name their base model (base_model_name_or_path is null): "
                              "pass base= (a Hub id, directory, .gguf file or loaded model)")
         adapter = has_adapter(path)
-        model, tokenizer = load_base(base if base is not None else heads.config.base_model_name_or_path,
-                                     dtype=dtype, device=device, tokenizer=tokenizer)
+        named = base is None  # the heads' own base: at the revision they were trained on, when recorded
+        model, tokenizer = load_base(heads.config.base_model_name_or_path if named else base, dtype=dtype,
+                                     device=device, tokenizer=tokenizer, device_map=device_map,
+                                     revision=heads.config.revision if named else None)
         if adapter:  # Medusa-2: LoRA-adapted base
             model = merge_adapter(model, path)
         medusa = cls(model, heads, tokenizer, tree=_tree_arg(tree))
+        medusa.adapter = adapter_files(path) if adapter else None
         medusa.accuracy = load_accuracy(path)
         return medusa
 
@@ -177,17 +188,27 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
                                device=device, tokenizer=tokenizer, draft_tokenizer=draft_tokenizer)
 
     def save_pretrained(self, directory: str | os.PathLike, dtype: str | torch.dtype | None = None) -> None:
-        """Write `medusa_config.json` + `medusa_heads.safetensors` atomically (temporary folder, then rename).
+        """Write `medusa_config.json` + `medusa_heads.safetensors` atomically (temporary folder, then rename), with
+        the Medusa-2 adapter the heads were loaded with (the heads pair with the base before it was merged).
 
         `dtype` (e.g. "bfloat16") stores the weights in that precision: half the file of fp32 heads.
         """
         dtype = resolve_dtype(dtype) if dtype is not None else None
+
         def write(tmp: Path) -> None:
             save_heads(self.heads, tmp, tree=self.tree, dtype=dtype)
             if self.accuracy is not None:
                 save_accuracy(tmp, self.accuracy, source="saved with the heads")
+            for name, content in (self.adapter or {}).items():
+                (tmp / name).write_bytes(content)
 
         write_directory(Path(directory), write)
+
+    def push_to_hub(self, repo_id: str, *, private: bool | None = None, revision: str | None = None,
+                    commit_message: str = "Upload Medusa heads", token: str | None = None) -> str:
+        """Upload the heads directory `save_pretrained` writes to the Hub as one commit; returns the commit URL."""
+        return push_to_hub(self.save_pretrained, repo_id, private=private, revision=revision,
+                           commit_message=commit_message, token=token)
 
     # ---------------------------------------------------------------- generation
     def _make_proposer(self, proposer: str | None, tree, sampling: SamplingConfig, generator):

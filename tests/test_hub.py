@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from medusa import MedusaModel
-from medusa.hub import is_repo_id, push_to_hub, resolve_heads
+from medusa.hub import is_repo_id, resolve_heads
 from tests.conftest import save_tiny_checkpoint
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -99,7 +99,7 @@ def test_push_uploads_the_saved_directory_as_one_commit(monkeypatch, checkpoint)
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
     base_dir, heads_dir = checkpoint
     model = MedusaModel.from_pretrained(heads_dir, base=base_dir)
-    assert push_to_hub(model.save_pretrained, "me/heads", private=True) == "https://hub/commit/1"
+    assert model.push_to_hub("me/heads", private=True) == "https://hub/commit/1"
     assert calls["repo"] == ("me/heads", True, True)
     assert {"medusa_config.json", "medusa_heads.safetensors"} <= set(calls["files"])
     assert calls["config"]["num_heads"] == model.config.num_heads

@@ -6,6 +6,7 @@ Tiers, bottom to top (a module imports its own tier or lower ones):
   low   data structures, files and the machine: no model code
   mid   one decoding step and its parts: heads, proposing, verifying, accepting, the engines and the decode loop
   high  whole models and their files: loading heads in every layout, planning, the draft model, MedusaModel
+  apps  the `medusa` command (medusa/cli/, one node of the graph)
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ INIT = "__init__"  # the package itself: `from medusa import X` for a name that 
 
 TIERS = {
     "low": {"tree", "sampling", "fileio", "hardware", "ngram", "prepack", "kv_cache", "config", "loading",
-            "data"},  # data.py is training-only (moving to train/)
+            "generate_args", "hub"},
     "mid": {"heads", "propose", "verify", "acceptance", "engine", "decode", "guard", "dynamic_tree", "prompt_lookup",
-            "proposers", "evaluation",
-            "losses"},  # losses.py is training-only (moving to train/)
+            "proposers", "evaluation"},
     "high": {"heads_io", "tree_builder", "plan", "draft", "model", INIT},
+    "apps": {"cli", "__main__"},
 }
 RANK = {module: rank for rank, tier in enumerate(TIERS.values()) for module in tier}
 
@@ -51,10 +52,19 @@ def _is_import_module(node: ast.AST) -> bool:
     return isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
 
 
+def sources() -> dict[str, list[Path]]:
+    """module -> its files: a subpackage (medusa/cli/) is one module."""
+    files = {path.stem: [path] for path in PACKAGE.glob("*.py")}
+    files.update({package.name: sorted(package.glob("*.py")) for package in PACKAGE.iterdir()
+                  if (package / "__init__.py").is_file()})
+    return files
+
+
 def import_graph() -> dict[str, set[str]]:
     """module -> the medusa modules it imports."""
-    files = {path.stem: path for path in PACKAGE.glob("*.py")}
-    return {name: imported_modules(path.read_text(), set(files)) - {name} for name, path in files.items()}
+    files = sources()
+    return {name: set().union(*(imported_modules(path.read_text(), set(files)) for path in paths)) - {name}
+            for name, paths in files.items()}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -119,7 +129,7 @@ def test_the_former_export_model_cycle_is_caught():
 
 def test_no_imports_by_string_in_medusa():
     """importlib.import_module hides an edge from readers (and from tools); medusa/ imports modules by name."""
-    users = sorted(path.name for path in PACKAGE.glob("*.py")
+    users = sorted(path.name for path in PACKAGE.rglob("*.py")
                    if any(_is_import_module(node) for node in ast.walk(ast.parse(path.read_text()))))
     assert not users, f"importlib.import_module in {users}: import the module by name instead"
 

@@ -364,7 +364,10 @@ def test_medusa2_trains_adapter_and_heads_and_loads_merged(tmp_path, tiny_base, 
     result = run(raw)
     out = result.output_dir
     assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
-    assert not (out / "README.md").exists()  # peft's placeholder model card is dropped
+    card = (out / "README.md").read_text()  # ours, not peft's placeholder template
+    front = yaml.safe_load(card.split("---")[1])
+    assert front["library_name"] == "medusa" and "medusa-2" in front["tags"]
+    assert front["base_model"] == str(tiny_base) and "| head0 |" in card
     assert "eval/kl" in result.eval_history[-1] and result.eval_history[0]["eval/kl"] == pytest.approx(0, abs=1e-6)
     assert result.eval_history[-1]["eval/kl"] > 0  # the adapter moved the base (and the KL term measures it)
     assert top1(result.eval_history[-1], 0) > top1(result.eval_history[0], 0)
@@ -388,6 +391,12 @@ def test_medusa2_trains_adapter_and_heads_and_loads_merged(tmp_path, tiny_base, 
     prompt = torch.tensor([[3, 4, 5] + CYCLE[:4]])
     expected = loaded.base.generate(prompt, max_new_tokens=12, do_sample=False, min_new_tokens=12)
     assert torch.equal(loaded.generate(prompt, max_new_tokens=12, tree=[[0], [1], [0, 0]]).sequences, expected)
+    # saved again, the heads keep their adapter: loading that directory gives the same adapted base
+    loaded.save_pretrained(tmp_path / "resaved")
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        assert (tmp_path / "resaved" / name).read_bytes() == (out / name).read_bytes()
+    with torch.no_grad():
+        torch.testing.assert_close(MedusaModel.from_pretrained(tmp_path / "resaved").base(ids).logits, merged)
 
 
 def test_medusa1_output_replaces_a_stale_adapter(tmp_path, tiny_base, tiny_data):

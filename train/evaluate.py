@@ -8,7 +8,8 @@ import torch
 
 from medusa.fileio import write_directory
 from medusa.loading import resolve_dtype
-from medusa.heads_io import save_heads
+from medusa.config import MedusaConfig
+from medusa.heads_io import CARD_NAME, model_card, save_heads
 from train.config import DataConfig, TrainingConfig
 from train.losses import TOPK
 from train.trainer import HeadTrainer
@@ -65,15 +66,17 @@ def format_eval(metrics: dict, num_heads: int) -> str:
     return " | ".join(parts)
 
 
-def save_output(trainer: HeadTrainer, output_dir: Path, extra: dict) -> None:
-    """Heads (+ the LoRA adapter for Medusa-2) into `output_dir`, via a temporary folder moved into place."""
+def save_output(trainer: HeadTrainer, output_dir: Path, extra: dict, datasets: list[str] = ()) -> None:
+    """Heads (+ the LoRA adapter for Medusa-2) and their model card into `output_dir`, via a temporary folder moved
+    into place."""
 
     def write(tmp: Path) -> None:
         save_dtype = resolve_dtype(trainer.cfg.save_dtype) if trainer.cfg.save_dtype else None
         save_heads(trainer.heads, tmp, extra=extra, dtype=save_dtype)
         if trainer.cfg.medusa2:
             trainer.base.save_pretrained(str(tmp))  # adapter_config.json + adapter_model.safetensors
-            (tmp / "README.md").unlink(missing_ok=True)  # peft's model card template: placeholders only
+        # ours replaces peft's card template (placeholders only)
+        (tmp / CARD_NAME).write_text(model_card(MedusaConfig.load(tmp), datasets))
 
     # without Medusa-2, a stale adapter left in output_dir would be merged into the base at load time
     write_directory(output_dir, write, stale=() if trainer.cfg.medusa2 else ADAPTER_FILES)

@@ -223,7 +223,8 @@ def train(cfg: Config, *, resume: bool = False, stop_after_steps: int | None = N
     if main:
         extra = provenance(tcfg, cfg.data, data_key, train_idx, eval_idx, train_tokens, run_state, total_steps, wall,
                            world, mixed, final, num_heads)
-        save_output(accelerator.unwrap_model(trainer), output_dir, extra)
+        save_output(accelerator.unwrap_model(trainer), output_dir, extra,
+                    datasets=sorted({source.split(":")[-1] for source in cfg.data.sources}))
         log(f"heads written to {output_dir} (load with MedusaModel.from_pretrained({str(output_dir)!r}))")
     accelerator.wait_for_everyone()
     del trainer, optimizer

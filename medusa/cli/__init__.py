@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
-import importlib
 import sys
 
-# command -> (module with main(argv), what it does); imported only when run, so `medusa --help` stays fast
-COMMANDS = {
-    "chat": ("medusa.cli.chat", "streaming chat in the terminal (or from a pipe), tokens/s and tau per answer"),
-    "calibrate": ("medusa.cli.calibrate", "measure this machine and choose the decoding plan (cached)"),
+
+# Each command's module is imported only when it runs, so `medusa --help` does not load torch.
+def _chat(argv):
+    from medusa.cli import chat
+
+    chat.main(argv)
+
+
+def _calibrate(argv):
+    from medusa.cli import calibrate
+
+    calibrate.main(argv)
+
+
+COMMANDS = {  # command -> (its main(argv), what it does)
+    "chat": (_chat, "streaming chat in the terminal (or from a pipe), tokens/s and tau per answer"),
+    "calibrate": (_calibrate, "measure this machine and choose the decoding plan (cached)"),
 }
 
 
@@ -21,5 +33,5 @@ def main(argv=None) -> None:
             sys.exit(f"{usage}\nmedusa: unknown command {argv[0]!r}")
         print(usage)
         return
-    module, _ = COMMANDS[argv[0]]
-    importlib.import_module(module).main(argv[1:])
+    run, _ = COMMANDS[argv[0]]
+    run(argv[1:])
