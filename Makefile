@@ -6,7 +6,7 @@ BIN      := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP    := $(VENV)/.installed
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo test test-fast lint format bench clean
 
 install: $(STAMP)
 
@@ -21,11 +21,19 @@ $(STAMP): pyproject.toml Makefile
 demo: install
 	$(BIN)/python scripts/demo.py
 
-test: install
+test: install lint
 	$(BIN)/python -m pytest tests -q
+
+lint: install
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
 
 test-fast: install
 	$(BIN)/python -m pytest tests -q -m "not slow"
+
+format: install
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
 
 clean:
 	rm -rf $(VENV)
