@@ -2,8 +2,9 @@
 
     medusa export <heads-dir> <out-dir> --format medusa|vllm [--base BASE] [--base-name NAME] [--dtype fp16]
 
---format medusa: the official Medusa layout (config.json + medusa_lm_head.safetensors, read by TGI and
-                 TensorRT-LLM, + medusa_lm_head.pt, the same tensors for the official medusa-llm package). --format vllm: config.json + model.safetensors for vLLM's Medusa drafter.
+--format medusa: the official Medusa layout: config.json + medusa_lm_head.safetensors (read by TGI and
+                 TensorRT-LLM) + medusa_lm_head.pt (the same tensors, for the official medusa-llm package).
+--format vllm:   config.json + model.safetensors for vLLM's Medusa drafter. See docs/serving.md.
 <heads-dir> may be a native, official or vLLM directory. Heads that share the base lm_head need the base model
 (--base, else the one their config names) to copy it into every head. --base-name is what config.json tells the
 serving engine to load as the base (a Hub id or a path it can reach).
