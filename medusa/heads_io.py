@@ -8,6 +8,8 @@ Official Medusa (FasterDecoding), also read by TGI and TensorRT-LLM:
     config.json                 medusa_num_heads, medusa_num_layers, base_model_name_or_path (+ hidden_size, vocab_size)
     medusa_lm_head.safetensors  {head}.{layer}.linear.weight (H, H), {head}.{layer}.linear.bias (H,),
                                 {head}.{num_layers}.weight (V, H): the head's projection
+    medusa_lm_head.pt           the same tensors, torch.save'd: all the official `medusa-llm` package reads. Written
+                                for it, never read here
 vLLM (`vllm/transformers_utils/configs/medusa.py`, `vllm/model_executor/models/medusa.py`):
     config.json                 model_type "medusa", architectures ["MedusaModel"], hidden_size, vocab_size,
                                 num_heads, num_hidden_layers, medusa_fc_bias, truncated_vocab_size
@@ -17,7 +19,7 @@ vLLM (`vllm/transformers_utils/configs/medusa.py`, `vllm/model_executor/models/m
 The foreign layouts give every head a full (V, H) projection, so heads that share the base `lm_head` export K copies
 of it. Imported heads therefore always have `projection="own"`. A vocabulary subset (MedusaConfig.vocab_subset_size)
 maps to vLLM's token_map + truncated_vocab_size; the official layout has none, so engines reading it rank the full
-vocabulary. Pickles (`medusa_lm_head.pt`, `adapter_model.bin`) are never read.
+vocabulary. Pickles (`medusa_lm_head.pt`, `adapter_model.bin`) are never read (loading one can run code).
 """
 
 from __future__ import annotations
@@ -223,6 +225,28 @@ def vllm_config(config: MedusaConfig, base_model_name_or_path: str | None = None
     }
 
 
+EXPORTABLE_FLAGS = ("--heads.context_window 0 --heads.feature_layers '[]' --heads.condition_on_next_token false "
+                    "--heads.condition_on_path false")
+
+
+def check_exportable(config: MedusaConfig) -> None:
+    """Raise naming every input of these heads that the foreign layouts (plain Medusa-1 heads) cannot express."""
+    inputs = []
+    if config.context_window:
+        inputs.append(f"a context layer over the last {config.context_window} positions (context_window)")
+    if config.feature_layers:
+        inputs.append(f"the hidden states of layers {config.feature_layers} (feature_layers)")
+    if config.condition_on_next_token:
+        inputs.append("the next token's embedding (condition_on_next_token)")
+    if config.condition_on_path:
+        inputs.append("for head k, the k path tokens after it (condition_on_path)")
+    if inputs:
+        raise ValueError(
+            "these heads read " + "; ".join(inputs) + ", which the official Medusa, TGI, TensorRT-LLM and vLLM Medusa "
+            "layouts cannot express (they hold plain Medusa-1 heads over the last hidden state): serve them with "
+            f"medusa, or train exportable heads with {EXPORTABLE_FLAGS}")
+
+
 def export_heads(heads: MedusaHeads, out_dir: str | os.PathLike, format: str, *,
                  lm_head_weight: torch.Tensor | None = None, base_model_name_or_path: str | None = None,
                  dtype: torch.dtype | None = None, overwrite: bool = False) -> Path:
@@ -234,13 +258,7 @@ def export_heads(heads: MedusaHeads, out_dir: str | os.PathLike, format: str, *,
     if format not in FORMATS:
         raise ValueError(f"unknown export format {format!r}: use one of {FORMATS}")
     config = heads.config
-    if config.condition_on_next_token:
-        raise ValueError(
-            "these heads read the next token's embedding (condition_on_next_token"
-            + (" and, for head k, the k path tokens after it: condition_on_path" if config.condition_on_path else "")
-            + "), which the official Medusa, TGI, TensorRT-LLM and vLLM Medusa layouts cannot express: serve them with "
-            "medusa, or export heads trained with heads.condition_on_next_token: false and condition_on_path: false"
-        )
+    check_exportable(config)
     _check_out_dir(Path(out_dir), overwrite)
     if format == "medusa" and config.vocab_subset_size:
         logger.warning("the official layout cannot carry the %d-token candidate subset: engines will rank the full "
@@ -271,6 +289,8 @@ def export_heads(heads: MedusaHeads, out_dir: str | os.PathLike, format: str, *,
 
     def write(tmp: Path) -> None:
         save_file(state, str(tmp / weights_name), metadata={"format": "pt"})
+        if format == "medusa":  # the official FasterDecoding loader reads only this torch.save file (we never read it)
+            torch.save(state, tmp / OFFICIAL_PICKLE)
         atomic_write_text(tmp / FOREIGN_CONFIG, json.dumps(cfg, indent=2))
 
     return _write_directory(Path(out_dir), write, overwrite)
@@ -298,6 +318,7 @@ def export_directory(heads_dir: str | os.PathLike, out_dir: str | os.PathLike, f
         raise ValueError(f"export into a different directory than the source ({heads_dir})")
     _check_out_dir(out_dir, overwrite)  # before the (possibly slow) base model load
     heads = load_heads(heads_dir)
+    check_exportable(heads.config)  # before the base model load
     if (heads_dir / "adapter_config.json").is_file():
         logger.warning("%s carries a LoRA adapter (Medusa-2): other engines need the merged base too; save it with "
                        "MedusaModel.from_pretrained(dir).base.save_pretrained(path) and pass --base-name path", heads_dir)

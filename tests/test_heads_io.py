@@ -7,15 +7,24 @@ import dataclasses
 import json
 import logging
 import os
+import shlex
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from medusa import MedusaModel
-from medusa.heads_io import (OFFICIAL_PICKLE, OFFICIAL_WEIGHTS, VLLM_WEIGHTS, export_directory, export_heads,
-                             export_model, foreign_layout, import_heads, load_heads)
-from tests.conftest import HIDDEN, VOCAB, make_heads, make_tiny_model
+from medusa.cli import main
+from medusa.heads_io import (EXPORTABLE_FLAGS, FORMATS, OFFICIAL_PICKLE, OFFICIAL_WEIGHTS, VLLM_WEIGHTS,
+                             export_directory, export_heads, export_model, foreign_layout, import_heads, load_heads,
+                             save_heads)
+from medusa.model import DEFAULT_HEADS_DIR
+from tests.conftest import HIDDEN, VOCAB, make_heads, make_tiny_model, save_tiny_checkpoint, tiny_tokenizer
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+sys.path.insert(0, str(README.parent))  # train/ is not part of the package (as in test_train.py)
 
 K, L = 3, 2
 _TOKENIZER = object()  # tiny models have no tokenizer; from_pretrained only stores it
@@ -44,6 +53,8 @@ def test_official_export_layout_and_import_round_trip(tmp_path, projection):
     assert cfg["medusa_num_heads"] == K and cfg["medusa_num_layers"] == L
     assert cfg["base_model_name_or_path"] == "org/tiny-llama"
     state = load_file(str(out / OFFICIAL_WEIGHTS))
+    pickled = torch.load(out / OFFICIAL_PICKLE, weights_only=True)  # our own file: plain tensors, the same ones
+    assert pickled.keys() == state.keys() and all(torch.equal(pickled[k], state[k]) for k in state)
     expected = {f"{h}.{l}.linear.{p}" for h in range(K) for l in range(L) for p in ("weight", "bias")}
     expected |= {f"{h}.{L}.weight" for h in range(K)}
     assert set(state) == expected
@@ -177,7 +188,10 @@ def test_broken_official_directories_give_named_errors(tmp_path):
     weights.write_bytes(good_weights[: len(good_weights) // 2])
     with pytest.raises(ValueError, match="medusa_lm_head.safetensors is not a readable safetensors file"):
         import_heads(out)
-    weights.unlink()
+    weights.unlink()  # the export's own medusa_lm_head.pt (for the official package) is never read instead
+    with pytest.raises(ValueError, match="medusa_lm_head.pt is a pickle .*never unpickles"):
+        import_heads(out)
+    (out / OFFICIAL_PICKLE).unlink()
     with pytest.raises(FileNotFoundError, match="medusa_lm_head.safetensors is missing"):
         import_heads(out)
     weights.write_bytes(good_weights)
@@ -262,3 +276,62 @@ def test_one_loader_for_every_layout_and_one_base_check(tmp_path):
         MedusaModel.from_pretrained(tmp_path / "official")
     loaded = MedusaModel.from_pretrained(tmp_path / "official", base=make_tiny_model("llama"), tokenizer=_TOKENIZER)
     assert loaded.config.num_heads == K
+
+
+def test_medusa_export_command_writes_both_layouts_and_refuses_the_shipped_heads(tmp_path, capsys):
+    """`medusa export` (medusa.cli) on a tiny model's plain heads; the shipped heads are refused before any base load,
+    naming each input the foreign layouts lack and the training flags that avoid it."""
+    base_dir, heads_dir = save_tiny_checkpoint(tmp_path)
+    ours = load_heads(heads_dir)
+    lm_head = load_file(str(base_dir / "model.safetensors"))["lm_head.weight"]
+    main(["export", str(heads_dir), str(tmp_path / "official"), "--format", "medusa", "--base", str(base_dir)])
+    main(["export", str(heads_dir), str(tmp_path / "vllm"), "--format", "vllm", "--base", str(base_dir)])
+    official, vllm = load_file(str(tmp_path / "official" / OFFICIAL_WEIGHTS)), load_file(str(tmp_path / "vllm" / VLLM_WEIGHTS))
+    assert torch.equal(official["2.0.linear.weight"], ours.blocks[2][0].linear.weight)
+    assert torch.equal(vllm["blocks.2.layers.0.bias"], ours.blocks[2][0].linear.bias)
+    assert torch.equal(official["3.1.weight"], lm_head) and torch.equal(vllm["lm_heads.3.weight"], lm_head)
+    assert json.loads((tmp_path / "official" / "config.json").read_text())["base_model_name_or_path"] == str(base_dir)
+    assert "wrote vllm layout" in capsys.readouterr().out
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["export", str(DEFAULT_HEADS_DIR), str(tmp_path / "shipped"), "--format", "vllm"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1 and not (tmp_path / "shipped").exists()
+    for named in ("context layer over the last 64 positions", "layers [2, 15, 27]", "next token's embedding",
+                  "path tokens", EXPORTABLE_FLAGS):
+        assert named in err, named
+
+
+def test_readme_recipe_for_exportable_heads_parses_trains_and_exports(tmp_path, monkeypatch):
+    """README's step 5, read from the README itself: its overrides parse against configs/smollm2-135m.yaml (they
+    failed once with "heads.context_window needs heads.condition_on_next_token"), heads built from that section (tiny
+    sizes) are exportable, and its `medusa export` line writes both layouts. The flags are the ones the export error
+    advises (EXPORTABLE_FLAGS), also given in the shipped heads' README."""
+    from train.config import parse_args
+    from train.trainer import build_heads
+
+    step = README.read_text().split("# 5. serve the heads elsewhere")[1].split("```")[0].replace("\\\n", " ")
+    (train_line,) = [line for line in step.splitlines() if line.startswith("accelerate launch train/train.py")]
+    (export_line,) = [line for line in step.splitlines() if line.startswith("medusa export")]
+    monkeypatch.chdir(README.parent)  # the command's --config is relative to the repository
+    _, cfg = parse_args("train", shlex.split(train_line)[3:])
+    assert cfg.heads.context_window == 0 and cfg.heads.feature_layers == [] and not cfg.heads.condition_on_next_token
+    assert EXPORTABLE_FLAGS in " ".join(train_line.split())
+    assert EXPORTABLE_FLAGS in (DEFAULT_HEADS_DIR / "README.md").read_text()
+
+    base_dir = tmp_path / "base"
+    make_tiny_model("llama").save_pretrained(base_dir)
+    tiny_tokenizer().save_pretrained(base_dir)  # export loads the base (shared projection) with its tokenizer
+    section = dataclasses.replace(cfg.heads, vocab_subset_size=32)  # the config's 8192 exceeds the tiny vocabulary
+    heads = build_heads(section, HIDDEN, VOCAB, torch.nn.Linear(HIDDEN, VOCAB, bias=False), str(base_dir))
+    monkeypatch.chdir(tmp_path)
+    (heads_dir := tmp_path / cfg.training.output_dir).mkdir(parents=True)
+    save_heads(heads, heads_dir)
+    argv = shlex.split(export_line)[1:]
+    assert argv[:4] == ["export", "runs/heads-plain", "runs/export-vllm", "--format"] and argv[4] == "vllm"
+    for fmt in FORMATS:
+        main([*argv[:2], f"runs/export-{fmt}", "--format", fmt, *argv[5:]])
+        out = tmp_path / "runs" / f"export-{fmt}"
+        assert foreign_layout(out) == fmt
+        assert json.loads((out / "config.json").read_text())["base_model_name_or_path"] == argv[-1]
+        assert load_heads(out).config.num_heads == cfg.heads.num_heads

@@ -18,9 +18,16 @@ def _calibrate(argv):
     calibrate.main(argv)
 
 
+def _export(argv):
+    from medusa.cli import export
+
+    export.main(argv)
+
+
 COMMANDS = {  # command -> (its main(argv), what it does)
     "chat": (_chat, "streaming chat in the terminal (or from a pipe), tokens/s and tau per answer"),
     "calibrate": (_calibrate, "measure this machine and choose the decoding plan (cached)"),
+    "export": (_export, "write heads in the official Medusa / TGI / TensorRT-LLM or the vLLM layout"),
 }
 
 

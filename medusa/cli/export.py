@@ -1,9 +1,10 @@
 """Export Medusa heads for other engines.
 
-    python scripts/export.py <heads-dir> --format medusa|vllm <out-dir> [--base BASE] [--base-name NAME] [--dtype fp16]
+    medusa export <heads-dir> <out-dir> --format medusa|vllm [--base BASE] [--base-name NAME] [--dtype fp16]
 
---format medusa: the official Medusa layout (config.json + medusa_lm_head.safetensors), read by TGI and
-                 TensorRT-LLM. --format vllm: config.json + model.safetensors for vLLM's Medusa drafter.
+--format medusa: the official Medusa layout: config.json + medusa_lm_head.safetensors (read by TGI and
+                 TensorRT-LLM) + medusa_lm_head.pt (the same tensors, for the official medusa-llm package).
+--format vllm:   config.json + model.safetensors for vLLM's Medusa drafter. See docs/serving.md.
 <heads-dir> may be a native, official or vLLM directory. Heads that share the base lm_head need the base model
 (--base, else the one their config names) to copy it into every head. --base-name is what config.json tells the
 serving engine to load as the base (a Hub id or a path it can reach).
@@ -13,16 +14,15 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from medusa.heads_io import FORMATS, export_directory  # noqa: E402
-from medusa.loading import DTYPES  # noqa: E402
+from medusa.heads_io import FORMATS, export_directory
+from medusa.loading import DTYPES
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> Path:
+    parser = argparse.ArgumentParser(prog="medusa export", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("heads_dir", help="heads directory to export")
     parser.add_argument("out_dir", help="directory to write (must not exist or be empty, unless --overwrite)")
     parser.add_argument("--format", required=True, choices=FORMATS)
@@ -40,7 +40,4 @@ def main(argv=None) -> None:
     except (FileExistsError, FileNotFoundError, ValueError) as err:  # named, user-fixable problems: no traceback
         parser.exit(1, f"error: {err}\n")
     print(f"wrote {args.format} layout to {out}: " + ", ".join(sorted(p.name for p in out.iterdir())))
-
-
-if __name__ == "__main__":
-    main()
+    return out
