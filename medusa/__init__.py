@@ -9,7 +9,16 @@ from medusa.sampling import SamplingConfig
 from medusa.tree import TreeSpec, build_buffers, load_tree
 
 __all__ = [
-    "MedusaConfig", "MedusaHeads", "MedusaModel", "DecodeStats", "GenerateOutput", "SamplingConfig", "TreeSpec",
-    "build_buffers", "head_target_offset", "load_base", "load_tree",
+    "MedusaConfig",
+    "MedusaHeads",
+    "MedusaModel",
+    "DecodeStats",
+    "GenerateOutput",
+    "SamplingConfig",
+    "TreeSpec",
+    "build_buffers",
+    "head_target_offset",
+    "load_base",
+    "load_tree",
 ]
 __version__ = "0.1.0"

@@ -6,8 +6,8 @@ then one token from the target (the next root, "bonus"), so every step commits a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -36,7 +36,7 @@ def _finish(candidates: Candidates, length: torch.Tensor, path: torch.Tensor, bo
     """Accepted depth (0-dim), its leaf path (D + 1,) and the bonus token (1,) -> Acceptance, with one host sync."""
     packed = torch.cat([length.view(1), _with_sentinel(candidates.tokens)[path], bonus.view(1)]).tolist()
     accepted, path_tokens = packed[0], packed[1:-1]
-    return Acceptance(nodes=path[: accepted + 1], tokens=path_tokens[1: accepted + 1] + [packed[-1]])
+    return Acceptance(nodes=path[: accepted + 1], tokens=path_tokens[1 : accepted + 1] + [packed[-1]])
 
 
 def _row(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -73,8 +73,12 @@ def rejection(candidates: Candidates, verified: VerifyOutput, sampling: Sampling
     probs = target_probs(verified.logits, sampling)  # (N, V): p at every node
     node = torch.arange(tree.num_nodes, device=tokens.device)
     is_child = node > 0  # the root's parent is itself: exclude it
-    earlier = ((tree.parent[:, None] == tree.parent[None, :]) & (node[None, :] < node[:, None])
-               & is_child[:, None] & is_child[None, :])  # (N, N): node k is an earlier sibling of node i
+    earlier = (
+        (tree.parent[:, None] == tree.parent[None, :])
+        & (node[None, :] < node[:, None])
+        & is_child[:, None]
+        & is_child[None, :]
+    )  # (N, N): node k is an earlier sibling of node i
     mass = probs[tree.parent, tokens] * is_child  # (N,) p_parent(x_i)
     mass = mass.masked_fill((earlier & (tokens[:, None] == tokens[None, :])).any(1), 0.0)  # duplicate: already p = 0
     removed = (earlier.float() @ mass[:, None])[:, 0]  # (N,) mass zeroed by the earlier (rejected) siblings
@@ -104,11 +108,15 @@ def speculative(candidates: Candidates, verified: VerifyOutput, sampling: Sampli
         return greedy(candidates, verified, sampling, generator)
     tree, tokens, q = candidates.tree, candidates.tokens, candidates.draft_probs
     if q is None:
-        raise ValueError("acceptance='speculative' needs the draft model's probabilities (Candidates.draft_probs): "
-                         "use it with MedusaModel.from_draft_model, or use acceptance='rejection' for other proposers")
+        raise ValueError(
+            "acceptance='speculative' needs the draft model's probabilities (Candidates.draft_probs): "
+            "use it with MedusaModel.from_draft_model, or use acceptance='rejection' for other proposers"
+        )
     if tree.num_nodes != tree.max_depth + 1:
-        raise ValueError(f"acceptance='speculative' takes a chain (a tree of width 1), got a tree of {tree.num_nodes} "
-                         f"nodes and depth {tree.max_depth}: use acceptance='rejection' for trees")
+        raise ValueError(
+            f"acceptance='speculative' takes a chain (a tree of width 1), got a tree of {tree.num_nodes} "
+            f"nodes and depth {tree.max_depth}: use acceptance='rejection' for trees"
+        )
     p = target_probs(verified.logits, sampling)  # (N, V): row i = target's p after node i
     q = q.float()
     drafts = tokens[1:, None]  # (gamma, 1)
@@ -116,7 +124,9 @@ def speculative(candidates: Candidates, verified: VerifyOutput, sampling: Sampli
     u = torch.rand(p_x.shape, device=p.device, generator=generator)
     ok = torch.cat([torch.ones_like(p_x[:1], dtype=torch.bool), u * q_x < p_x])  # u < p/q without dividing by q
     lengths = _accepted_depths(tree, ok)  # (1,)
-    residuals = torch.cat([(p[:-1] - q[1:]).clamp_min(0.0), p[-1:]])  # (N, V): what the bonus is drawn from after a accepted
+    residuals = torch.cat(
+        [(p[:-1] - q[1:]).clamp_min(0.0), p[-1:]]
+    )  # (N, V): what the bonus is drawn from after a accepted
     residual, p_next = _row(residuals, lengths[0]), _row(p, lengths[0])
     residual = torch.where(residual.sum() > 0, residual, p_next)  # float round-off only: p <= q everywhere means p == q
     return _finish(candidates, lengths[0], tree.leaf_paths[0], torch.multinomial(residual, 1, generator=generator))
@@ -153,7 +163,10 @@ AcceptanceRule = Callable[[Candidates, VerifyOutput, SamplingConfig, "torch.Gene
 # greedy: T = 0, exact. rejection: exact sampling on any tree (the default for do_sample=True). speculative: exact
 # sampling on a draft model's chain (uses q). typical: lossy, faster.
 ACCEPTANCE_RULES: dict[str, AcceptanceRule] = {
-    "greedy": greedy, "rejection": rejection, "speculative": speculative, "typical": typical,
+    "greedy": greedy,
+    "rejection": rejection,
+    "speculative": speculative,
+    "typical": typical,
 }
 
 

@@ -24,7 +24,7 @@ def _is_int(value) -> bool:
 
 @dataclass
 class MedusaConfig:
-    # Errors name a field "MedusaConfig.x"; the training config's heads section (train.config.HeadsConfig) says "heads.x".
+    # Errors name a field "MedusaConfig.x"; the training config's heads section says "heads.x".
     _section: ClassVar[str] = ""
     # The base's sizes. None only while the training config's heads section is read: training fills them in from the
     # base (a saved medusa_config.json always holds both).
@@ -85,33 +85,54 @@ class MedusaConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{self._name(name)} must be true or false, got {getattr(self, name)!r}")
         if self.condition_on_path and not self.condition_on_next_token:
-            raise ValueError(f"{self._name('condition_on_path')} needs {self._ref('condition_on_next_token')}: a path "
-                             "starts at the root token (set both)")
+            raise ValueError(
+                f"{self._name('condition_on_path')} needs {self._ref('condition_on_next_token')}: a path "
+                "starts at the root token (set both)"
+            )
         if not _is_int(self.context_window) or self.context_window < 0:
             raise ValueError(f"{self._name('context_window')} must be an integer >= 0, got {self.context_window!r}")
         if self.context_window and not self.condition_on_next_token:
-            raise ValueError(f"{self._name('context_window')} needs {self._ref('condition_on_next_token')}: the context "
-                             "layer reads each position's next token (set both)")
-        if not isinstance(self.feature_layers, list) or any(
-                not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in self.feature_layers) \
-                or len(set(self.feature_layers)) != len(self.feature_layers):
-            raise ValueError(f"{self._name('feature_layers')} must be a list of distinct layer indices >= 0, got "
-                             f"{self.feature_layers!r}")
+            raise ValueError(
+                f"{self._name('context_window')} needs {self._ref('condition_on_next_token')}: the context "
+                "layer reads each position's next token (set both)"
+            )
+        if (
+            not isinstance(self.feature_layers, list)
+            or any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in self.feature_layers)
+            or len(set(self.feature_layers)) != len(self.feature_layers)
+        ):
+            raise ValueError(
+                f"{self._name('feature_layers')} must be a list of distinct layer indices >= 0, got "
+                f"{self.feature_layers!r}"
+            )
         if self.feature_layers and not self.context_window:
-            raise ValueError(f"{self._name('feature_layers')} needs {self._ref('context_window')} > 0: the context layer "
-                             "is what reads the extra layers' features")
-        if not isinstance(self.copy_ngram, int) or isinstance(self.copy_ngram, bool) or \
-                not (self.copy_ngram == 0 or self.copy_ngram >= COPY_MIN_NGRAM):
-            raise ValueError(f"{self._name('copy_ngram')} must be 0 (off) or an integer >= {COPY_MIN_NGRAM} (the longest "
-                             f"suffix matched), got {self.copy_ngram!r}")
+            raise ValueError(
+                f"{self._name('feature_layers')} needs {self._ref('context_window')} > 0: the context layer "
+                "is what reads the extra layers' features"
+            )
+        if (
+            not isinstance(self.copy_ngram, int)
+            or isinstance(self.copy_ngram, bool)
+            or not (self.copy_ngram == 0 or self.copy_ngram >= COPY_MIN_NGRAM)
+        ):
+            raise ValueError(
+                f"{self._name('copy_ngram')} must be 0 (off) or an integer >= {COPY_MIN_NGRAM} (the longest "
+                f"suffix matched), got {self.copy_ngram!r}"
+            )
         if self.projection not in PROJECTIONS:
             raise ValueError(f"{self._name('projection')} must be one of {PROJECTIONS}, got {self.projection!r}")
-        if self.vocab_subset_size is not None and (not _is_int(self.vocab_subset_size) or self.vocab_subset_size < 1 or
-                                                   (self.vocab_size is not None and self.vocab_subset_size > self.vocab_size)):
-            raise ValueError(f"{self._name('vocab_subset_size')} must lie in [1, vocab_size], got {self.vocab_subset_size}")
+        if self.vocab_subset_size is not None and (
+            not _is_int(self.vocab_subset_size)
+            or self.vocab_subset_size < 1
+            or (self.vocab_size is not None and self.vocab_subset_size > self.vocab_size)
+        ):
+            raise ValueError(
+                f"{self._name('vocab_subset_size')} must lie in [1, vocab_size], got {self.vocab_subset_size}"
+            )
         if self.format_version > FORMAT_VERSION:
             raise ValueError(
-                f"heads format_version {self.format_version} is newer than this medusa ({FORMAT_VERSION}): upgrade medusa"
+                f"heads format_version {self.format_version} is newer than this medusa ({FORMAT_VERSION}): "
+                "upgrade medusa"
             )
         if self.tree is not None:
             from medusa.tree import TreeSpec  # validates ranks and depth against num_heads
@@ -122,17 +143,21 @@ class MedusaConfig:
         atomic_write_text(Path(directory) / CONFIG_NAME, json.dumps(asdict(self), indent=2))
 
     @classmethod
-    def load(cls, directory: str | os.PathLike) -> "MedusaConfig":
+    def load(cls, directory: str | os.PathLike) -> MedusaConfig:
         path = Path(directory) / CONFIG_NAME
         if not path.is_file():
-            raise FileNotFoundError(f"{path} is missing: not a medusa heads directory (expected {CONFIG_NAME} + {WEIGHTS_NAME})")
+            raise FileNotFoundError(
+                f"{path} is missing: not a medusa heads directory (expected {CONFIG_NAME} + {WEIGHTS_NAME})"
+            )
         try:
             raw = json.loads(path.read_text())
         except json.JSONDecodeError as err:
             raise ValueError(f"{path} is not valid JSON ({err}): the heads config is corrupt") from err
         if not isinstance(raw, dict):
-            raise ValueError(f"{path} holds {type(raw).__name__} {raw!r}, not an object of heads settings: the heads "
-                             "config is corrupt; re-save the heads")
+            raise ValueError(
+                f"{path} holds {type(raw).__name__} {raw!r}, not an object of heads settings: the heads "
+                "config is corrupt; re-save the heads"
+            )
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(raw) - known)
         if unknown:

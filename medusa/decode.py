@@ -35,7 +35,9 @@ class DecodeStats:
     steps: int = 0  # target forwards, prefill included
     new_tokens: int = 0
     accepted_lengths: list[int] = field(default_factory=list)  # tokens committed by each verify step (bonus included)
-    proposed_lengths: list[int] = field(default_factory=list)  # depth of each verify step's candidates (gamma for a draft chain)
+    proposed_lengths: list[int] = field(
+        default_factory=list
+    )  # depth of each verify step's candidates (gamma for a draft chain)
     timings: dict[str, float] = field(default_factory=dict)  # seconds per phase, when profiling
 
     @property
@@ -90,8 +92,16 @@ class _PhaseTimer:
 
 
 @torch.inference_mode()
-def prefill(model, input_ids: torch.Tensor, sampling: SamplingConfig, generator=None, feature_layers=(), *,
-            engine=None, max_length: int | None = None) -> DecodeState:
+def prefill(
+    model,
+    input_ids: torch.Tensor,
+    sampling: SamplingConfig,
+    generator=None,
+    feature_layers=(),
+    *,
+    engine=None,
+    max_length: int | None = None,
+) -> DecodeState:
     """One ordinary forward over the prompt (1, T): fills the cache and chooses the first new token. The state's
     hidden states are what the heads read (with `feature_layers`, see medusa.heads.base_features). `engine` runs the
     forward (default: eager, on `model`); `max_length`: the most rows its cache will hold (default: the prompt)."""
@@ -116,23 +126,34 @@ def prepare_input_ids(input_ids, device, vocab_size: int | None = None, attentio
         input_ids = input_ids["input_ids"]
     if isinstance(input_ids, torch.Tensor):
         if input_ids.dtype == torch.bool or input_ids.is_floating_point() or input_ids.is_complex():
-            raise TypeError(f"input_ids must hold integer token ids, got a {input_ids.dtype} tensor: pass the ids "
-                            "the tokenizer returns (e.g. tokenizer(text, return_tensors='pt')['input_ids'])")
+            raise TypeError(
+                f"input_ids must hold integer token ids, got a {input_ids.dtype} tensor: pass the ids "
+                "the tokenizer returns (e.g. tokenizer(text, return_tensors='pt')['input_ids'])"
+            )
     elif isinstance(input_ids, (list, tuple)):
         flat = input_ids[0] if input_ids and isinstance(input_ids[0], (list, tuple)) else input_ids
         bad = next((x for x in flat if isinstance(x, bool) or not isinstance(x, int)), None)
         if bad is not None:
             raise TypeError(f"input_ids must be integer token ids, got {type(bad).__name__} {bad!r}")
     else:
-        raise TypeError(f"input_ids must be a tensor, a list of ids or the tokenizer's output, got "
-                        f"{type(input_ids).__name__}")
+        raise TypeError(
+            f"input_ids must be a tensor, a list of ids or the tokenizer's output, got {type(input_ids).__name__}"
+        )
     input_ids = torch.as_tensor(input_ids, dtype=torch.long)
     if attention_mask is not None and not bool(torch.as_tensor(attention_mask).bool().all()):
-        raise ValueError("the attention_mask pads the prompt (it holds zeros): generate takes one unpadded sequence; "
-                         "drop the padding (or the batch) before calling it")
-    if input_ids.numel() and vocab_size is not None and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size):
-        raise ValueError(f"input_ids hold ids outside the model's vocabulary [0, {vocab_size}): min "
-                         f"{int(input_ids.min())}, max {int(input_ids.max())}; encode the prompt with the model's tokenizer")
+        raise ValueError(
+            "the attention_mask pads the prompt (it holds zeros): generate takes one unpadded sequence; "
+            "drop the padding (or the batch) before calling it"
+        )
+    if (
+        input_ids.numel()
+        and vocab_size is not None
+        and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab_size)
+    ):
+        raise ValueError(
+            f"input_ids hold ids outside the model's vocabulary [0, {vocab_size}): min "
+            f"{int(input_ids.min())}, max {int(input_ids.max())}; encode the prompt with the model's tokenizer"
+        )
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
@@ -154,8 +175,10 @@ def stop_token_ids(base, tokenizer, eos_token_id) -> set[int]:
         eos_token_id = eos_token_id.flatten().tolist()
     ids = [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
     if not isinstance(ids, (list, tuple, set)) or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
-        raise TypeError(f"eos_token_id must be a token id, a list of ids or a tensor of ids, got {eos_token_id!r} "
-                        "(a string? use tokenizer.convert_tokens_to_ids)")
+        raise TypeError(
+            f"eos_token_id must be a token id, a list of ids or a tensor of ids, got {eos_token_id!r} "
+            "(a string? use tokenizer.convert_tokens_to_ids)"
+        )
     return set(ids)
 
 
@@ -178,7 +201,9 @@ class SpeculativeGenerator:
     """
 
     default_sampling_rule = "rejection"
-    feature_layers: tuple | list = ()  # base layers the proposer reads besides the last (see medusa.heads.base_features)
+    feature_layers: (
+        tuple | list
+    ) = ()  # base layers the proposer reads besides the last (see medusa.heads.base_features)
     default_engine = "eager"  # how the target runs (medusa.engine); `engine=` in generate overrides it
 
     def engine(self, name: str | None = None):
@@ -234,24 +259,46 @@ class SpeculativeGenerator:
         """
         generate_args.refuse_unknown(transformers_kwargs)
         if input_ids is None:
-            raise ValueError("generate needs input_ids: the prompt's token ids (or **tokenizer(text, return_tensors='pt'))")
+            raise ValueError(
+                "generate needs input_ids: the prompt's token ids (or **tokenizer(text, return_tensors='pt'))"
+            )
         vocab = self.base.get_input_embeddings().num_embeddings
         input_ids = prepare_input_ids(input_ids, self.device, vocab_size=vocab, attention_mask=attention_mask)
         settings = generate_args.resolve(
-            self.base, input_ids.shape[1], generation_config,
-            dict(max_new_tokens=max_new_tokens, max_length=max_length, do_sample=do_sample, temperature=temperature,
-                 top_k=top_k, top_p=top_p, eos_token_id=eos_token_id, stop_strings=stop_strings,
-                 return_dict_in_generate=return_dict_in_generate, **transformers_kwargs),
-            posterior_threshold, posterior_alpha)
+            self.base,
+            input_ids.shape[1],
+            generation_config,
+            dict(
+                max_new_tokens=max_new_tokens,
+                max_length=max_length,
+                do_sample=do_sample,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                eos_token_id=eos_token_id,
+                stop_strings=stop_strings,
+                return_dict_in_generate=return_dict_in_generate,
+                **transformers_kwargs,
+            ),
+            posterior_threshold,
+            posterior_alpha,
+        )
         self._check_lengths(input_ids.shape[1], settings.max_new_tokens)
         sampling = settings.sampling
         rule = get_rule(acceptance or (self.default_sampling_rule if sampling.do_sample else "greedy"))
         out = decode(
-            self.base, self._make_proposer(proposer, tree, sampling, generator), rule, input_ids,
-            max_new_tokens=settings.max_new_tokens, sampling=sampling,
+            self.base,
+            self._make_proposer(proposer, tree, sampling, generator),
+            rule,
+            input_ids,
+            max_new_tokens=settings.max_new_tokens,
+            sampling=sampling,
             stop_ids=stop_token_ids(self.base, self.tokenizer, settings.eos_token_id),
             stop_when=generate_args.stopping(stopping_criteria, settings.stop_strings, self.tokenizer),
-            streamer=streamer, generator=generator, profile=profile, feature_layers=self.feature_layers,
+            streamer=streamer,
+            generator=generator,
+            profile=profile,
+            feature_layers=self.feature_layers,
             engine=self.engine(engine),
         )
         return out.sequences if settings.return_dict_in_generate is False else out
@@ -301,8 +348,7 @@ def decode(
         kept = tokens[: room if stop is None else stop + 1]
         if stop_when is not None:
             prompt = input_ids[0].tolist()
-            first = next((i for i in range(len(kept)) if stop_when(torch.tensor([prompt + new + kept[: i + 1]]))),
-                         None)
+            first = next((i for i in range(len(kept)) if stop_when(torch.tensor([prompt + new + kept[: i + 1]]))), None)
             if first is not None:
                 kept, stop = kept[: first + 1], first
         new.extend(kept)

@@ -26,8 +26,14 @@ class DraftProposer:
     to the tokens the target committed, so the draft never recomputes the shared prefix.
     """
 
-    def __init__(self, draft, num_speculative_tokens: int, sampling: SamplingConfig, vocab_size: int,
-                 generator: torch.Generator | None = None):
+    def __init__(
+        self,
+        draft,
+        num_speculative_tokens: int,
+        sampling: SamplingConfig,
+        vocab_size: int,
+        generator: torch.Generator | None = None,
+    ):
         self.draft, self.gamma, self.sampling, self.generator = draft, num_speculative_tokens, sampling, generator
         self.max_nodes = num_speculative_tokens + 1
         self.vocab_size = vocab_size  # the target's: q is cut or padded to it (same tokenizer, padded output layers)
@@ -50,7 +56,9 @@ class DraftProposer:
 
     @torch.inference_mode()
     def propose(self, state) -> Candidates:
-        fresh = torch.tensor([state.tokens[self.seen:]], device=self.draft.device)  # (1, P): committed, unseen, root last
+        fresh = torch.tensor(
+            [state.tokens[self.seen :]], device=self.draft.device
+        )  # (1, P): committed, unseen, root last
         self.seen = len(state.tokens)
         tokens, probs = [], []
         for _ in range(self.gamma):
@@ -62,13 +70,16 @@ class DraftProposer:
             fresh = token.view(1, 1)  # stays on the device: no host sync per draft token
         self.drafted = torch.stack(tokens)  # (gamma,)
         draft_probs = torch.stack([torch.zeros_like(probs[0])] + probs)  # (N, V); the root row is unused
-        return Candidates(tokens=torch.cat([state.root_token.view(1).to(self.drafted.device), self.drafted]),
-                          tree=self.tree, draft_probs=draft_probs)
+        return Candidates(
+            tokens=torch.cat([state.root_token.view(1).to(self.drafted.device), self.drafted]),
+            tree=self.tree,
+            draft_probs=draft_probs,
+        )
 
     def observe(self, state, accepted_tokens: list[int]) -> None:
         """Keep the cached draft tokens the target committed; drop the rest (state.tokens already holds the step)."""
         cached = self.drafted[:-1].tolist()  # the acceptance rule has synced already: this copy waits on nothing
-        committed = state.tokens[self.seen:]
+        committed = state.tokens[self.seen :]
         keep = 0
         # The last committed token is always fed again (its logits were not kept), even when the draft guessed it:
         # a lossy rule (typical) may emit a rejected draft token as its bonus.
@@ -94,8 +105,9 @@ def early_exit_draft(target, num_layers: int):
     if not isinstance(layers, nn.ModuleList):
         raise ValueError(f"{type(target).__name__} keeps no `layers` list in its decoder: early exit needs one")
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers < len(layers):
-        raise ValueError(f"an early-exit draft needs 1 <= num_layers < {len(layers)} (the target's layers), "
-                         f"got {num_layers!r}")
+        raise ValueError(
+            f"an early-exit draft needs 1 <= num_layers < {len(layers)} (the target's layers), got {num_layers!r}"
+        )
     config = copy.deepcopy(target.config)
     text_config = config.get_text_config()
     text_config.num_hidden_layers = num_layers
@@ -132,16 +144,19 @@ def check_same_vocabulary(tokenizer, draft_tokenizer, target, draft) -> None:
                 "share one tokenizer. Use a smaller model of the target's family as the draft (same tokenizer), or "
                 "pass draft_tokenizer= if the draft's own tokenizer files are wrong"
             )
-    rows = {name: model.get_output_embeddings().weight.shape[0] for name, model in (("target", target), ("draft", draft))}
+    rows = {
+        name: model.get_output_embeddings().weight.shape[0] for name, model in (("target", target), ("draft", draft))
+    }
     if rows["target"] != rows["draft"] and min(rows.values()) < len(tokenizer):
         raise ValueError(
-            f"the target's output layer has {rows['target']} rows and the draft's {rows['draft']}, but the tokenizer has "
+            f"the target's output layer has {rows['target']} rows and the draft's {rows['draft']}, "
+            f"but the tokenizer has "
             f"{len(tokenizer)} tokens: one model cannot score every token; use a draft with the target's vocabulary"
         )
 
 
 class DraftModel(SpeculativeGenerator, nn.Module):
-    """A target and a draft model behind `MedusaModel`'s `generate` signature (build with `MedusaModel.from_draft_model`).
+    """A target and a draft model behind `MedusaModel`'s `generate` (build with `MedusaModel.from_draft_model`).
 
     `generate(do_sample=True)` samples exactly from the target's distribution (acceptance "speculative");
     greedy output is token-for-token the target's greedy output.
@@ -151,31 +166,53 @@ class DraftModel(SpeculativeGenerator, nn.Module):
 
     def __init__(self, target, draft, tokenizer=None, num_speculative_tokens: int = 5):
         super().__init__()
-        if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be a positive integer (gamma), got {num_speculative_tokens!r}")
+        if (
+            isinstance(num_speculative_tokens, bool)
+            or not isinstance(num_speculative_tokens, int)
+            or num_speculative_tokens < 1
+        ):
+            raise ValueError(
+                f"num_speculative_tokens must be a positive integer (gamma), got {num_speculative_tokens!r}"
+            )
         if draft.device != target.device:
-            raise ValueError(f"the draft model is on {draft.device} and the target on {target.device}: put both on one device")
+            raise ValueError(
+                f"the draft model is on {draft.device} and the target on {target.device}: put both on one device"
+            )
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
         self.num_speculative_tokens = num_speculative_tokens
         self.vocab_size = target.get_output_embeddings().weight.shape[0]
 
     @classmethod
-    def load(cls, target: BaseSource = None, draft: BaseSource = None, *, num_speculative_tokens: int = 5, dtype=None,
-             device=None, tokenizer=None, draft_tokenizer=None) -> "DraftModel":
-        """Load both models (Hub id, directory, .gguf or model object, see `medusa.loading.load_base`) and check them."""
+    def load(
+        cls,
+        target: BaseSource = None,
+        draft: BaseSource = None,
+        *,
+        num_speculative_tokens: int = 5,
+        dtype=None,
+        device=None,
+        tokenizer=None,
+        draft_tokenizer=None,
+    ) -> DraftModel:
+        """Load both models (Hub id, directory, .gguf or model object: `medusa.loading.load_base`) and check them."""
         if draft is None:
-            raise ValueError("no draft model given: pass draft=<Hub id, directory, .gguf file or model> sharing the "
-                             f"target's tokenizer (e.g. a smaller model of the same family), or '{EARLY_EXIT_PREFIX}N' "
-                             "for the target's own first N layers")
+            raise ValueError(
+                "no draft model given: pass draft=<Hub id, directory, .gguf file or model> sharing the "
+                f"target's tokenizer (e.g. a smaller model of the same family), or '{EARLY_EXIT_PREFIX}N' "
+                "for the target's own first N layers"
+            )
         target_model, tokenizer = load_base(target, dtype=dtype, device=device, tokenizer=tokenizer)
         if isinstance(draft, str) and draft.startswith(EARLY_EXIT_PREFIX):
-            count = draft[len(EARLY_EXIT_PREFIX):]
+            count = draft[len(EARLY_EXIT_PREFIX) :]
             if not count.isdigit():
-                raise ValueError(f"draft={draft!r}: write '{EARLY_EXIT_PREFIX}N' with N the number of layers, e.g. "
-                                 f"'{EARLY_EXIT_PREFIX}8'")
+                raise ValueError(
+                    f"draft={draft!r}: write '{EARLY_EXIT_PREFIX}N' with N the number of layers, e.g. "
+                    f"'{EARLY_EXIT_PREFIX}8'"
+                )
             return cls(target_model, early_exit_draft(target_model, int(count)), tokenizer, num_speculative_tokens)
-        draft_model, draft_tokenizer = load_base(draft, dtype=dtype, device=device or target_model.device,
-                                                 tokenizer=draft_tokenizer)
+        draft_model, draft_tokenizer = load_base(
+            draft, dtype=dtype, device=device or target_model.device, tokenizer=draft_tokenizer
+        )
         check_same_vocabulary(tokenizer, draft_tokenizer, target_model, draft_model)
         return cls(target_model, draft_model, tokenizer, num_speculative_tokens)
 
@@ -202,6 +239,8 @@ class DraftModel(SpeculativeGenerator, nn.Module):
         if proposer not in (None, "draft"):
             raise ValueError(f"a DraftModel proposes with its draft model, got proposer={proposer!r}: leave it unset")
         if tree is not None:
-            raise ValueError("a draft model proposes a chain; tree= applies to Medusa heads: set num_speculative_tokens "
-                             "in MedusaModel.from_draft_model instead")
+            raise ValueError(
+                "a draft model proposes a chain; tree= applies to Medusa heads: set num_speculative_tokens "
+                "in MedusaModel.from_draft_model instead"
+            )
         return DraftProposer(self.draft, self.num_speculative_tokens, sampling, self.vocab_size, generator)

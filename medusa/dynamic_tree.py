@@ -20,21 +20,23 @@ DEFAULT_TOPK = 10  # children tried per node: the widest static Medusa trees use
 COPY_PROBABILITY = 0.75
 
 
-def copy_first_logp(tokens: torch.Tensor, logp: torch.Tensor, guesses: torch.Tensor,
-                    probability: float = COPY_PROBABILITY) -> tuple[torch.Tensor, torch.Tensor]:
+def copy_first_logp(
+    tokens: torch.Tensor, logp: torch.Tensor, guesses: torch.Tensor, probability: float = COPY_PROBABILITY
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A head's top guesses tokens, logp (P, W) with its copy guesses (P,) (-1: none) ranked first -> (tokens, logp)
     (P, W) scored as the mixture `probability` * copy + (1 - probability) * head; rows without a copy are unchanged."""
     merged = put_first(tokens, guesses)
     same = merged[:, :, None] == tokens[:, None, :]  # (P, W, W): where each kept token sat among the head's guesses
     own = torch.where(same.any(-1), logp.gather(1, same.int().argmax(-1)), torch.full_like(logp, -float("inf")))
     is_copy = merged == guesses[:, None]
-    mixed = torch.where(is_copy, torch.log(probability + (1 - probability) * own.exp()),
-                        own + torch.log1p(torch.tensor(-probability)))
+    mixed = torch.where(
+        is_copy, torch.log(probability + (1 - probability) * own.exp()), own + torch.log1p(torch.tensor(-probability))
+    )
     return merged, torch.where((guesses >= 0)[:, None], mixed, own)
 
 
 class DynamicTreeProposer:
-    """Each step: the best `num_nodes - 1` paths by the product of head probabilities, as a tree rooted at the root token.
+    """Each step: the best `num_nodes - 1` paths by the product of head probabilities, a tree rooted at the root token.
 
     A node at depth d holds one of the top-`topk` tokens of head d-1 (its copy guess first, scored by
     `copy_first_logp`, for heads with `copy_ngram`). Log-probabilities are <= 0, so a path never
@@ -44,7 +46,9 @@ class DynamicTreeProposer:
 
     def __init__(self, medusa, num_nodes: int, depth: int, topk: int = DEFAULT_TOPK):
         if num_nodes < 1 or depth < 0 or topk < 1:
-            raise ValueError(f"dynamic tree needs num_nodes >= 1, depth >= 0, topk >= 1; got {num_nodes}, {depth}, {topk}")
+            raise ValueError(
+                f"dynamic tree needs num_nodes >= 1, depth >= 0, topk >= 1; got {num_nodes}, {depth}, {topk}"
+            )
         self.medusa = medusa  # a MedusaProposer over a chain of `depth` heads: only its head logits are used
         self.num_nodes, self.depth, self.topk = num_nodes, depth, topk
         self.max_nodes = num_nodes
@@ -61,19 +65,21 @@ class DynamicTreeProposer:
 
         # Level d keeps its best `budget` candidates, sorted; children of those are level d+1's candidates.
         level_scores, level_parents, level_tokens = [], [], []
-        beam = root.new_zeros(1, dtype=torch.float32)  # (B,) scores of the previous level's kept nodes (the root: log 1)
+        beam = root.new_zeros(
+            1, dtype=torch.float32
+        )  # (B,) scores of the previous level's kept nodes (the root: log 1)
         paths = root.new_zeros(1, 0)  # (B, d) tokens of the kept nodes' paths after the root
         for d in range(self.depth):
             # (B, V') when each kept node's children depend on its path, else (1, V') shared by all
-            level_logits = self.medusa.path_logits(hidden, state.root_token, d, paths) if by_path \
-                else logits[d:d + 1]
+            level_logits = self.medusa.path_logits(hidden, state.root_token, d, paths) if by_path else logits[d : d + 1]
             width = min(self.topk, budget, level_logits.shape[-1])  # the same at every level
             top_logp, top_index = level_logits.float().log_softmax(-1).clamp(max=0).topk(width, dim=-1)
             top_tokens = self.medusa.projection.token(top_index).expand(beam.shape[0], width)  # (B, s)
             if copies:
                 guesses = copy_guesses(copies, d, paths if by_path else None).to(top_tokens.device)
-                top_tokens, top_logp = copy_first_logp(top_tokens, top_logp.expand(beam.shape[0], width),
-                                                       guesses.expand(beam.shape[0]))
+                top_tokens, top_logp = copy_first_logp(
+                    top_tokens, top_logp.expand(beam.shape[0], width), guesses.expand(beam.shape[0])
+                )
             scores = (beam[:, None] + top_logp).flatten()  # (B * s,) ordered by parent, then rank
             order = torch.sort(scores, descending=True, stable=True).indices[:budget]
             level_scores.append(scores[order])

@@ -44,8 +44,7 @@ class PrefillOutput:
 @torch.inference_mode()
 def run_prefill(model, cache, input_ids: torch.Tensor, feature_layers=()) -> PrefillOutput:
     """One ordinary forward over the prompt (1, T) into `cache`, logits kept for its last position only."""
-    out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, output_hidden_states=True,
-                logits_to_keep=1)
+    out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, output_hidden_states=True, logits_to_keep=1)
     return PrefillOutput(out.logits[0, -1], base_features(out.hidden_states, feature_layers)[0])
 
 
@@ -113,25 +112,34 @@ class CompiledEngine:
         self.model = model
         self.torch_compile = model.device.type == "cuda" if torch_compile is None else torch_compile
         # inductor packs weights itself (freezing) and cannot lower ours
-        self.prepacked = (can_prepack(model.device, model.dtype) and not self.torch_compile) if prepack is None \
-            else prepack
+        self.prepacked = (
+            (can_prepack(model.device, model.dtype) and not self.torch_compile) if prepack is None else prepack
+        )
         self.runner = prepacked_copy(model) if self.prepacked else model
         self.verify_runner = self.runner
         if self.torch_compile:
             cuda = model.device.type == "cuda"
-            self.verify_runner = torch.compile(self.runner, mode="reduce-overhead" if cuda else None, dynamic=False,
-                                               options=None if cuda else {"freezing": True})
+            self.verify_runner = torch.compile(
+                self.runner,
+                mode="reduce-overhead" if cuda else None,
+                dynamic=False,
+                options=None if cuda else {"freezing": True},
+            )
         self._cache: StaticCache | None = None
         self.setup_seconds = time.perf_counter() - start  # packing; compiling happens at the first call per length
         text = model.config.get_text_config()
-        self.window = getattr(text, "sliding_window", None) if "sliding_attention" in (
-            getattr(text, "layer_types", None) or ()) else None
+        self.window = (
+            getattr(text, "sliding_window", None)
+            if "sliding_attention" in (getattr(text, "layer_types", None) or ())
+            else None
+        )
 
     def new_cache(self, max_length: int) -> StaticCache:
         if self.window is not None and max_length > self.window:
             raise ValueError(
                 f"the compiled engine keeps sliding-window layers only inside their window ({self.window} tokens); "
-                f"this call needs {max_length}: lower max_new_tokens or use engine='eager'")
+                f"this call needs {max_length}: lower max_new_tokens or use engine='eager'"
+            )
         rows = -(-max_length // CACHE_ROUNDING) * CACHE_ROUNDING
         if self.window is not None:
             rows = min(rows, self.window)
@@ -173,8 +181,11 @@ class CompiledEngine:
         except Exception as err:  # noqa: BLE001 - a compiler failure must not end generation: run uncompiled
             if self.verify_runner is self.runner:
                 raise
-            logger.warning("torch.compile failed (%s: %s); the compiled engine runs uncompiled from now on",
-                           type(err).__name__, err)
+            logger.warning(
+                "torch.compile failed (%s: %s); the compiled engine runs uncompiled from now on",
+                type(err).__name__,
+                err,
+            )
             self.verify_runner = self.runner
             self._set_length(cache, past_length)
             return verify(self.runner, cache, candidates, past_length, feature_layers, mask_rows)

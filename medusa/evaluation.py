@@ -29,7 +29,6 @@ from medusa.heads import base_features, following_tokens, head_target_offset, to
 from medusa.ngram import copy_chain, copy_guesses, put_first
 from medusa.propose import CandidateProjection
 
-
 CONFIDENCE_EDGES = (0.3, 0.5, 0.7, 0.9)  # bins of the target's probability of the emitted token: [0, .3), ... [.9, 1]
 
 
@@ -83,12 +82,20 @@ class RankAccuracy:
         """(K,) cumulative top-n accuracy: the emitted token is among head k's n best."""
         return self.acc[:, :n].sum(1)
 
-    def __add__(self, other: "RankAccuracy") -> "RankAccuracy":
+    def __add__(self, other: RankAccuracy) -> RankAccuracy:
         return RankAccuracy(*(mine + theirs for mine, theirs in zip(self._tensors(), other._tensors())))
 
     def _tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.hits, self.counts, self.prefix_hits, self.prefix_counts, self.confidence_hits,
-                self.confidence_counts, self.copy_counts, self.copy_hits)
+        return (
+            self.hits,
+            self.counts,
+            self.prefix_hits,
+            self.prefix_counts,
+            self.confidence_hits,
+            self.confidence_counts,
+            self.copy_counts,
+            self.copy_hits,
+        )
 
 
 @torch.inference_mode()
@@ -104,7 +111,8 @@ def head_rank_hits(model, input_ids, response_start: int, ranks: int = 10, chunk
     embed = model.base.get_input_embeddings() if heads.config.condition_on_next_token else None
     num_heads = heads.config.num_heads
     projection = getattr(model, "candidate_projection", None) or CandidateProjection.build(
-        heads, lm_head, lm_head.weight.dtype)
+        heads, lm_head, lm_head.weight.dtype
+    )
     candidates = projection.weight.shape[-2]
     if not 1 <= ranks <= candidates:
         raise ValueError(f"ranks must lie in [1, {candidates}] (the candidate vocabulary size), got {ranks}")
@@ -119,15 +127,18 @@ def head_rank_hits(model, input_ids, response_start: int, ranks: int = 10, chunk
     first = max(response_start - 1, 0)  # the heads' first read: the last prompt position, after prefill
     last = total - 1 - head_target_offset(0)  # the nearest head's last source position with a target
     if last < first:
-        return RankAccuracy(hits, counts, prefix_hits, prefix_counts, confidence_hits, confidence_counts,
-                            copy_counts, copy_hits)
+        return RankAccuracy(
+            hits, counts, prefix_hits, prefix_counts, confidence_hits, confidence_counts, copy_counts, copy_hits
+        )
     device = model.base.device
     out = model.base(input_ids=ids[None].to(device), output_hidden_states=True)
     hidden = base_features(out.hidden_states, heads.config.feature_layers)[0]  # (T, H), or (T, H * (1 + layers))
     # bin of the target's probability of each token where it emitted it (position j's token comes from j - 1's logits)
     emitted_p = out.logits[0, :-1].float().log_softmax(-1).gather(-1, ids[1:, None].to(device))[:, 0].exp()
     confidence_bin = torch.bucketize(torch.cat([emitted_p.new_ones(1), emitted_p]).double().cpu(), edges, right=True)
-    if heads.context is not None:  # what the heads read: the context layer over every position, each with its next token
+    if (
+        heads.context is not None
+    ):  # what the heads read: the context layer over every position, each with its next token
         hidden = heads.contextualise(hidden[None], embed(following_tokens(ids, 1)[:, 0].to(device))[None])[0][0]
     offsets = torch.tensor([head_target_offset(k) for k in range(num_heads)])  # (K,)
     reads = torch.arange(1, tokens_read(heads.config, num_heads - 1) + 1)  # offsets of the tokens heads read
@@ -135,8 +146,9 @@ def head_rank_hits(model, input_ids, response_start: int, ranks: int = 10, chunk
         src = torch.arange(start, min(start + chunk, last + 1))  # (n,) positions whose hidden state the heads read
         # the tokens each position's heads read: its root, then (path heads) the target's tokens after it
         following = None if embed is None else ids[(src[:, None] + reads).clamp(max=total - 1)].to(device)  # (n, R)
-        head_hidden = torch.stack([heads.run_head_on_tokens(k, hidden[src.to(device)], following, embed)
-                                   for k in range(num_heads)])
+        head_hidden = torch.stack(
+            [heads.run_head_on_tokens(k, hidden[src.to(device)], following, embed) for k in range(num_heads)]
+        )
         logits = candidate_logits(projection, head_hidden)  # (K, n, V')
         top = projection.token(logits.topk(ranks, dim=-1).indices).cpu()  # (K, n, R) token ids
         dst = src[None, :] + offsets[:, None]  # (K, n) positions of the tokens each head predicts
@@ -157,8 +169,9 @@ def head_rank_hits(model, input_ids, response_start: int, ranks: int = 10, chunk
         bins = confidence_bin[dst.clamp(max=total - 1)]  # (K, n)
         confidence_counts.scatter_add_(1, bins, valid.long())
         confidence_hits.scatter_add_(1, bins, right[..., 0].long())
-    return RankAccuracy(hits, counts, prefix_hits, prefix_counts, confidence_hits, confidence_counts, copy_counts,
-                        copy_hits)
+    return RankAccuracy(
+        hits, counts, prefix_hits, prefix_counts, confidence_hits, confidence_counts, copy_counts, copy_hits
+    )
 
 
 def copy_guesses_along(ids: torch.Tensor, sources: torch.Tensor, config) -> torch.Tensor:
@@ -168,7 +181,7 @@ def copy_guesses_along(ids: torch.Tensor, sources: torch.Tensor, config) -> torc
     for i, t in enumerate(sources.tolist()):
         chain = copy_chain(ids[: t + 2], config.copy_ngram, config.num_heads)
         for k in range(len(chain)):
-            path = ids[t + 2: t + 2 + k][None] if config.condition_on_path else None
+            path = ids[t + 2 : t + 2 + k][None] if config.condition_on_path else None
             if path is None or path.shape[1] == k:  # the target's path may run out before the chain does
                 guesses[k, i] = copy_guesses(chain, k, path)[0]
     return guesses
@@ -183,7 +196,7 @@ def candidate_logits(projection: CandidateProjection, head_hidden: torch.Tensor)
 
 
 def head_rank_accuracy(model, sequences, response_starts, ranks: int = 10) -> RankAccuracy:
-    """Pooled rank hits over many sequences: `sequences[i]` (T_i,) ids, `response_starts[i]` where its response begins."""
+    """Pooled rank hits over sequences: `sequences[i]` (T_i,) ids, `response_starts[i]` where its response begins."""
     return head_rank_accuracy_by_group(model, sequences, response_starts, [None] * len(sequences), ranks)[0]
 
 
@@ -221,8 +234,12 @@ def load_questions(path: str | Path) -> list[dict]:
             raise ValueError(f"{path}:{number} is not valid JSON ({err})") from err
         turns = row.get("turns") if isinstance(row, dict) else None
         if not turns or not isinstance(turns[0], str):
-            raise ValueError(f"{path}:{number}: expected {{question_id, category, turns: [str, ...]}}, got {line[:80]!r}")
-        questions.append({"question_id": row.get("question_id", number), "category": row.get("category"), "turns": turns})
+            raise ValueError(
+                f"{path}:{number}: expected {{question_id, category, turns: [str, ...]}}, got {line[:80]!r}"
+            )
+        questions.append(
+            {"question_id": row.get("question_id", number), "category": row.get("category"), "turns": turns}
+        )
     if not questions:
         raise ValueError(f"{path} holds no questions")
     return questions

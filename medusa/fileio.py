@@ -7,8 +7,8 @@ import errno
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 
 def _umask_modes(path: Path, is_dir: bool) -> None:

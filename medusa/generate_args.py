@@ -19,14 +19,42 @@ DEFAULT_MAX_NEW_TOKENS = 128
 READ = ("max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "top_p", "eos_token_id")
 # Fields that change which token is chosen in ways a tree verify does not reproduce (yet): refused by name, with
 # the value that leaves them off. Fields not named here (pad_token_id, bos_token_id, use_cache...) do not matter.
-UNSUPPORTED = dict(num_beams=1, num_return_sequences=1, repetition_penalty=1.0, no_repeat_ngram_size=0,
-                   min_length=0, min_new_tokens=None, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0,
-                   min_p=None, bad_words_ids=None, suppress_tokens=None, begin_suppress_tokens=None,
-                   forced_bos_token_id=None, forced_eos_token_id=None, sequence_bias=None, penalty_alpha=None,
-                   guidance_scale=None, output_scores=False, output_logits=False, output_attentions=False,
-                   output_hidden_states=False, watermarking_config=None, prompt_lookup_num_tokens=None)
-ACCEPTED = {"pad_token_id", "bos_token_id", "use_cache", "return_dict_in_generate", "stop_strings",
-            "cache_implementation", "attention_mask", "token_type_ids"}
+UNSUPPORTED = dict(
+    num_beams=1,
+    num_return_sequences=1,
+    repetition_penalty=1.0,
+    no_repeat_ngram_size=0,
+    min_length=0,
+    min_new_tokens=None,
+    typical_p=1.0,
+    epsilon_cutoff=0.0,
+    eta_cutoff=0.0,
+    min_p=None,
+    bad_words_ids=None,
+    suppress_tokens=None,
+    begin_suppress_tokens=None,
+    forced_bos_token_id=None,
+    forced_eos_token_id=None,
+    sequence_bias=None,
+    penalty_alpha=None,
+    guidance_scale=None,
+    output_scores=False,
+    output_logits=False,
+    output_attentions=False,
+    output_hidden_states=False,
+    watermarking_config=None,
+    prompt_lookup_num_tokens=None,
+)
+ACCEPTED = {
+    "pad_token_id",
+    "bos_token_id",
+    "use_cache",
+    "return_dict_in_generate",
+    "stop_strings",
+    "cache_implementation",
+    "attention_mask",
+    "token_type_ids",
+}
 
 
 @dataclass
@@ -38,49 +66,73 @@ class GenerateSettings:
     return_dict_in_generate: bool | None  # None: not asked for either way (generate returns its GenerateOutput)
 
 
-def resolve(base, prompt_length: int, generation_config: GenerationConfig | None, arguments: dict,
-            posterior_threshold: float, posterior_alpha: float) -> GenerateSettings:
+def resolve(
+    base,
+    prompt_length: int,
+    generation_config: GenerationConfig | None,
+    arguments: dict,
+    posterior_threshold: float,
+    posterior_alpha: float,
+) -> GenerateSettings:
     """`arguments`: generate's keyword arguments as given (None: not given)."""
     if generation_config is not None and not isinstance(generation_config, GenerationConfig):
-        raise TypeError(f"generation_config must be a transformers GenerationConfig, got "
-                        f"{type(generation_config).__name__} {generation_config!r}: build one with GenerationConfig(max_new_tokens=...), "
-                        "or pass settings by keyword (generate(ids, max_new_tokens=64), as in transformers)")
+        raise TypeError(
+            f"generation_config must be a transformers GenerationConfig, got "
+            f"{type(generation_config).__name__} {generation_config!r}: build one with "
+            "GenerationConfig(max_new_tokens=...), "
+            "or pass settings by keyword (generate(ids, max_new_tokens=64), as in transformers)"
+        )
     layers = [{k: v for k, v in arguments.items() if v is not None}]
     for config in (generation_config, getattr(base, "generation_config", None)):
         if config is not None:
             layers.append({k: v for k, v in config.to_dict().items() if v is not None})
 
-    def value(name, default=None, depth=len(layers)):
+    def value(name, default=None, depth=None):  # depth: read only the first `depth` layers
         return next((layer[name] for layer in layers[:depth] if name in layer), default)
 
     for name, off in UNSUPPORTED.items():
         if value(name, off) not in (off, None):
-            raise ValueError(f"generate does not support {name}={value(name)!r} (a transformers generation setting that "
-                             f"the tree verify does not reproduce exactly): pass {name}={off!r}, or call "
-                             "model.base.generate for it")
+            raise ValueError(
+                f"generate does not support {name}={value(name)!r} (a transformers generation setting that "
+                f"the tree verify does not reproduce exactly): pass {name}={off!r}, or call "
+                "model.base.generate for it"
+            )
     max_new_tokens = value("max_new_tokens")
     if max_new_tokens is None and value("max_length") is not None:
         max_length = value("max_length")
         if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length <= prompt_length:
-            raise ValueError(f"max_length={max_length!r} leaves no room after the {prompt_length}-token prompt: "
-                             "pass a larger max_length or max_new_tokens")
+            raise ValueError(
+                f"max_length={max_length!r} leaves no room after the {prompt_length}-token prompt: "
+                "pass a larger max_length or max_new_tokens"
+            )
         max_new_tokens = max_length - prompt_length
     top_k, top_p = value("top_k", DEFAULTS["top_k"]), value("top_p", DEFAULTS["top_p"])
-    sampling = SamplingConfig(do_sample=value("do_sample", DEFAULTS["do_sample"]),
-                              temperature=value("temperature", DEFAULTS["temperature"]),
-                              top_k=None if top_k == 0 else top_k,  # transformers: 0 turns top-k off
-                              top_p=None if top_p == 1.0 else top_p,
-                              posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha)
-    return GenerateSettings(max_new_tokens=DEFAULT_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens,
-                            sampling=sampling, eos_token_id=value("eos_token_id"), stop_strings=value("stop_strings"),
-                            # the call and its generation_config only: a model's default does not change our type
-                            return_dict_in_generate=value("return_dict_in_generate", depth=2))
+    sampling = SamplingConfig(
+        do_sample=value("do_sample", DEFAULTS["do_sample"]),
+        temperature=value("temperature", DEFAULTS["temperature"]),
+        top_k=None if top_k == 0 else top_k,  # transformers: 0 turns top-k off
+        top_p=None if top_p == 1.0 else top_p,
+        posterior_threshold=posterior_threshold,
+        posterior_alpha=posterior_alpha,
+    )
+    return GenerateSettings(
+        max_new_tokens=DEFAULT_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens,
+        sampling=sampling,
+        eos_token_id=value("eos_token_id"),
+        stop_strings=value("stop_strings"),
+        # the call and its generation_config only: a model's default does not change our type
+        return_dict_in_generate=value("return_dict_in_generate", depth=2),
+    )
 
 
 # generate arguments of transformers that are not generation settings, refused with what they are
-UNSUPPORTED_ARGUMENTS = {"logits_processor": "logits processors", "prefix_allowed_tokens_fn": "constrained decoding",
-                         "synced_gpus": "synced GPUs", "negative_prompt_ids": "guidance",
-                         "assistant_model": "an assistant model; MedusaModel.from_pretrained(draft=...) runs one"}
+UNSUPPORTED_ARGUMENTS = {
+    "logits_processor": "logits processors",
+    "prefix_allowed_tokens_fn": "constrained decoding",
+    "synced_gpus": "synced GPUs",
+    "negative_prompt_ids": "guidance",
+    "assistant_model": "an assistant model; MedusaModel.from_pretrained(draft=...) runs one",
+}
 
 
 def refuse_unknown(unknown: dict) -> None:

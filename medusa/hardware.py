@@ -69,7 +69,11 @@ def describe(device: torch.device | str = "cpu") -> dict:
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     else:
-        info.update(cpu=_cpuinfo()[0], isa=sorted(cpu_flags()), threads=torch.get_num_threads(),
-                    capability=torch.backends.cpu.get_cpu_capability())
+        info.update(
+            cpu=_cpuinfo()[0],
+            isa=sorted(cpu_flags()),
+            threads=torch.get_num_threads(),
+            capability=torch.backends.cpu.get_cpu_capability(),
+        )
     info["native_bf16"] = native_bf16(device)
     return info

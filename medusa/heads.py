@@ -19,8 +19,10 @@ def head_target_offset(head: int) -> int:
 def storage_state(state: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """CPU, contiguous tensors for a safetensors file: floating ones cast to `dtype` when given, integer ones (the
     candidate token ids) never, since a half-precision float cannot hold every id of a large vocabulary."""
-    return {k: v.detach().to(device="cpu", dtype=dtype if dtype and v.is_floating_point() else v.dtype).contiguous()
-            for k, v in state.items()}
+    return {
+        k: v.detach().to(device="cpu", dtype=dtype if dtype and v.is_floating_point() else v.dtype).contiguous()
+        for k, v in state.items()
+    }
 
 
 def base_features(hidden_states: tuple[torch.Tensor, ...], feature_layers=()) -> torch.Tensor:
@@ -32,8 +34,10 @@ def base_features(hidden_states: tuple[torch.Tensor, ...], feature_layers=()) ->
     layers = len(hidden_states) - 1
     for layer in feature_layers:
         if layer >= layers:
-            raise ValueError(f"the heads read the base's layer {layer} (feature_layers) but the base has {layers} "
-                             f"layers (0 = embeddings .. {layers - 1}): use heads trained for this base")
+            raise ValueError(
+                f"the heads read the base's layer {layer} (feature_layers) but the base has {layers} "
+                f"layers (0 = embeddings .. {layers - 1}): use heads trained for this base"
+            )
     return torch.cat([hidden_states[-1], *(hidden_states[layer] for layer in feature_layers)], dim=-1)
 
 
@@ -46,7 +50,7 @@ def following_tokens(input_ids: torch.Tensor, count: int) -> torch.Tensor:
     out = input_ids.new_zeros((*input_ids.shape, count))
     for j in range(count):
         if j + 1 < length:
-            out[..., : length - j - 1, j] = input_ids[..., j + 1:]
+            out[..., : length - j - 1, j] = input_ids[..., j + 1 :]
     return out
 
 
@@ -127,9 +131,11 @@ class ContextLayer(nn.Module):
         """
         size = next_embedding.shape[-1]
         if hidden.shape[-1] != size * (1 + self.feature_layers):
-            raise ValueError(f"the context layer reads the last hidden state and {self.feature_layers} feature layers "
-                             f"({size * (1 + self.feature_layers)} values per position), got {hidden.shape[-1]}: "
-                             "take the base's hidden states with medusa.heads.base_features(..., feature_layers)")
+            raise ValueError(
+                f"the context layer reads the last hidden state and {self.feature_layers} feature layers "
+                f"({size * (1 + self.feature_layers)} values per position), got {hidden.shape[-1]}: "
+                "take the base's hidden states with medusa.heads.base_features(..., feature_layers)"
+            )
         hidden, extra = hidden[..., :size], hidden[..., size:]
         batch, length, _ = hidden.shape
         keys, values, seen = past if past is not None else (None, None, 0)
@@ -137,8 +143,11 @@ class ContextLayer(nn.Module):
         if self.feature_layers:
             extra = nn.functional.rms_norm(extra.unflatten(-1, (self.feature_layers, size)), (size,), eps=1e-6)
             x = x + self.feature_map((extra * self.feature_norm_weight).flatten(-2))
-        q, k, v = self.qkv(self.attention_norm(x)).view(batch, length, 3, self.num_attention_heads, self.head_dim) \
-            .permute(2, 0, 3, 1, 4)  # each (B, heads, T, D)
+        q, k, v = (
+            self.qkv(self.attention_norm(x))
+            .view(batch, length, 3, self.num_attention_heads, self.head_dim)
+            .permute(2, 0, 3, 1, 4)
+        )  # each (B, heads, T, D)
         positions = torch.arange(seen, seen + length, device=hidden.device)
         q, k = self._rotate(q, positions), self._rotate(k, positions)
         if keys is not None:
@@ -150,7 +159,7 @@ class ContextLayer(nn.Module):
         x = x + self.attention_out(attended.transpose(1, 2).reshape(batch, length, size))
         x = x + self.mlp_out(nn.functional.silu(self.mlp_in(self.mlp_norm(x))))
         keep = min(self.window - 1, k.shape[2])  # a later position sees at most window - 1 earlier ones
-        return x, (k[:, :, k.shape[2] - keep:], v[:, :, v.shape[2] - keep:], seen + length)
+        return x, (k[:, :, k.shape[2] - keep :], v[:, :, v.shape[2] - keep :], seen + length)
 
 
 class MedusaHeads(nn.Module):
@@ -167,8 +176,10 @@ class MedusaHeads(nn.Module):
     def __init__(self, config: MedusaConfig, base_lm_head: nn.Linear | None = None):
         super().__init__()
         if config.hidden_size is None or config.vocab_size is None:
-            raise ValueError("MedusaConfig.hidden_size and vocab_size are unset: fill them in from the base "
-                             "(its hidden size and lm_head rows) before building heads")
+            raise ValueError(
+                "MedusaConfig.hidden_size and vocab_size are unset: fill them in from the base "
+                "(its hidden size and lm_head rows) before building heads"
+            )
         self.config = config
         # Distinct ResBlock instances per head and layer (repeating one instance would tie their weights).
         self.blocks = nn.ModuleList(
@@ -193,8 +204,11 @@ class MedusaHeads(nn.Module):
                     nn.init.zeros_(linear.weight)
         else:
             self.path_token_maps = None
-        self.context = ContextLayer(config.hidden_size, config.context_window, len(config.feature_layers)) \
-            if config.context_window else None
+        self.context = (
+            ContextLayer(config.hidden_size, config.context_window, len(config.feature_layers))
+            if config.context_window
+            else None
+        )
         if config.projection == "own":
             self.projections = nn.ModuleList(
                 nn.Linear(config.hidden_size, config.vocab_size, bias=False) for _ in range(config.num_heads)
@@ -229,12 +243,19 @@ class MedusaHeads(nn.Module):
         if self.context is None:
             return hidden, None
         if next_embedding is None:
-            raise ValueError("these heads have a context layer: pass next_embedding, the base's input embeddings of "
-                             "the token after each position")
+            raise ValueError(
+                "these heads have a context layer: pass next_embedding, the base's input embeddings of "
+                "the token after each position"
+            )
         return self.context(hidden, next_embedding, past)
 
-    def run_head(self, head: int, hidden: torch.Tensor, next_embedding: torch.Tensor | None = None,
-                 path_embeddings: torch.Tensor | None = None) -> torch.Tensor:
+    def run_head(
+        self,
+        head: int,
+        hidden: torch.Tensor,
+        next_embedding: torch.Tensor | None = None,
+        path_embeddings: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """hidden (..., H) -> (..., H): head `head`'s transformed hidden state before projection.
 
         next_embedding (..., H): the base's input embedding of the token after each position; required when the
@@ -244,32 +265,42 @@ class MedusaHeads(nn.Module):
         """
         if self.next_token_maps is not None:
             if next_embedding is None:
-                raise ValueError("these heads read the next token (condition_on_next_token): pass next_embedding, the "
-                                 "base's input embedding of the token after each position")
+                raise ValueError(
+                    "these heads read the next token (condition_on_next_token): pass next_embedding, the "
+                    "base's input embedding of the token after each position"
+                )
             hidden = hidden + self.next_token_maps[head](next_embedding.to(hidden.dtype))
         if self.path_token_maps is not None and head > 0:
             if path_embeddings is None or path_embeddings.shape[-2] < head:
-                raise ValueError(f"head {head} reads the {head} path token(s) after the root (condition_on_path): pass "
-                                 "path_embeddings (..., >= head, H), the embeddings of the tokens after the next one")
+                raise ValueError(
+                    f"head {head} reads the {head} path token(s) after the root (condition_on_path): pass "
+                    "path_embeddings (..., >= head, H), the embeddings of the tokens after the next one"
+                )
             for j, linear in enumerate(self.path_token_maps[head]):
                 hidden = hidden + linear(path_embeddings[..., j, :].to(hidden.dtype))
         return self.blocks[head](hidden)
 
-    def run_head_on_tokens(self, head: int, hidden: torch.Tensor, following: torch.Tensor | None,
-                           embed_tokens: nn.Module | None) -> torch.Tensor:
+    def run_head_on_tokens(
+        self, head: int, hidden: torch.Tensor, following: torch.Tensor | None, embed_tokens: nn.Module | None
+    ) -> torch.Tensor:
         """`run_head` given token ids: following (..., >= tokens_read, long) ids after each position (see
         `following_tokens`; None for plain heads), embedded with `embed_tokens` (the base's input embeddings)."""
         count = tokens_read(self.config, head)
         if not count:
             return self.run_head(head, hidden)
         if embed_tokens is None:
-            raise ValueError("these heads read the tokens after each position: pass embed_tokens (the base's input "
-                             "embeddings)")
+            raise ValueError(
+                "these heads read the tokens after each position: pass embed_tokens (the base's input embeddings)"
+            )
         embedded = embed_tokens(following[..., :count])  # (..., count, H)
         return self.run_head(head, hidden, embedded[..., 0, :], embedded[..., 1:, :])
 
-    def head_hidden(self, hidden: torch.Tensor, next_embedding: torch.Tensor | None = None,
-                    path_embeddings: torch.Tensor | None = None) -> torch.Tensor:
+    def head_hidden(
+        self,
+        hidden: torch.Tensor,
+        next_embedding: torch.Tensor | None = None,
+        path_embeddings: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """hidden (..., H) -> (K, ..., H): every head's `run_head`."""
         return torch.stack([self.run_head(k, hidden, next_embedding, path_embeddings) for k in range(len(self.blocks))])
 
@@ -279,7 +310,12 @@ class MedusaHeads(nn.Module):
             return lm_head(head_hidden)
         return torch.stack([proj(h) for proj, h in zip(self.projections, head_hidden)])
 
-    def forward(self, hidden: torch.Tensor, lm_head: nn.Module, next_embedding: torch.Tensor | None = None,
-                path_embeddings: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        lm_head: nn.Module,
+        next_embedding: torch.Tensor | None = None,
+        path_embeddings: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """hidden (..., H) -> logits (K, ..., V)."""
         return self.project(self.head_hidden(hidden, next_embedding, path_embeddings), lm_head)

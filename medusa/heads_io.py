@@ -52,15 +52,16 @@ _VLLM_PREFIX = "medusa_heads."  # vLLM strips this prefix when it loads, so acce
 
 _PICKLE_HELP = (
     "medusa never unpickles (loading a pickle can run arbitrary code). Convert it once, in an environment you "
-    "trust, with:\n  python -c \"import torch; from safetensors.torch import save_file; "
+    'trust, with:\n  python -c "import torch; from safetensors.torch import save_file; '
     "sd = torch.load('{pt}', map_location='cpu', weights_only=True); "
     "save_file({{k: v.contiguous() for k, v in sd.items()}}, '{st}', metadata={{'format': 'pt'}})\""
 )
 
 
 # ---------------------------------------------------------------------------------------------- native
-def save_heads(heads: MedusaHeads, directory: Path, tree=None, extra: dict | None = None,
-               dtype: torch.dtype | None = None) -> None:
+def save_heads(
+    heads: MedusaHeads, directory: Path, tree=None, extra: dict | None = None, dtype: torch.dtype | None = None
+) -> None:
     """Write config + safetensors into an existing directory. Shared-projection heads save only their blocks.
 
     `dtype` (e.g. bfloat16) stores the weights in that precision; loading casts them to the base's dtype.
@@ -71,7 +72,11 @@ def save_heads(heads: MedusaHeads, directory: Path, tree=None, extra: dict | Non
     if extra:
         config.extra = {**config.extra, **extra}
     state = storage_state(heads.state_dict(), dtype)
-    save_file(state, str(directory / WEIGHTS_NAME), metadata={"format": "pt", "medusa_format_version": str(config.format_version)})
+    save_file(
+        state,
+        str(directory / WEIGHTS_NAME),
+        metadata={"format": "pt", "medusa_format_version": str(config.format_version)},
+    )
     config.save(directory)
 
 
@@ -96,7 +101,8 @@ def has_adapter(directory: Path) -> bool:
             f"{directory} holds a Medusa-2 adapter without {ADAPTER_WEIGHTS} (a pickled adapter_model.bin is "
             "never loaded): convert it once where you trust the file, e.g. `from safetensors.torch import "
             "save_file; save_file(torch.load('adapter_model.bin', weights_only=True), "
-            "'adapter_model.safetensors')`")
+            "'adapter_model.safetensors')`"
+        )
     return True
 
 
@@ -122,20 +128,34 @@ def model_card(config: MedusaConfig, datasets: list[str] = ()) -> str:
 
     training = config.extra.get("training", {})
     evaluation = {k: v for k, v in config.extra.get("eval", {}).items() if isinstance(v, dict)}
-    data = ModelCardData(base_model=config.base_model_name_or_path, library_name="medusa", datasets=list(datasets) or None,
-                         tags=["medusa", "speculative-decoding", training.get("method", "medusa-1")],
-                         metrics=["accuracy"] if evaluation else None)
-    rows = "\n".join(f"| {head} | " + " | ".join(f"{values.get(f'top{j}', float('nan')):.3f}" for j in (1, 5)) + " |"
-                     for head, values in sorted(evaluation.items()))
-    facts = ", ".join(f"{key} {value}" for key, value in training.items() if key in (
-        "steps", "epochs", "train_response_tokens", "wall_time_s", "processes", "mixed_precision"))
-    return (f"---\n{data.to_yaml()}\n---\n\n# Medusa heads for {config.base_model_name_or_path}\n\n"
-            f"{config.num_heads} heads ({training.get('method', 'medusa-1')}) that propose the next tokens of "
-            f"`{config.base_model_name_or_path}` for lossless speculative decoding with "
-            "[medusa](https://github.com/): `MedusaModel.from_pretrained(<this repo or directory>)`.\n\n"
-            + (f"Training: {facts}.\n\n" if facts else "")
-            + (f"Held-out accuracy (top-1 / top-5 per head):\n\n| head | top-1 | top-5 |\n|---|---|---|\n{rows}\n"
-               if rows else ""))
+    data = ModelCardData(
+        base_model=config.base_model_name_or_path,
+        library_name="medusa",
+        datasets=list(datasets) or None,
+        tags=["medusa", "speculative-decoding", training.get("method", "medusa-1")],
+        metrics=["accuracy"] if evaluation else None,
+    )
+    rows = "\n".join(
+        f"| {head} | " + " | ".join(f"{values.get(f'top{j}', float('nan')):.3f}" for j in (1, 5)) + " |"
+        for head, values in sorted(evaluation.items())
+    )
+    facts = ", ".join(
+        f"{key} {value}"
+        for key, value in training.items()
+        if key in ("steps", "epochs", "train_response_tokens", "wall_time_s", "processes", "mixed_precision")
+    )
+    return (
+        f"---\n{data.to_yaml()}\n---\n\n# Medusa heads for {config.base_model_name_or_path}\n\n"
+        f"{config.num_heads} heads ({training.get('method', 'medusa-1')}) that propose the next tokens of "
+        f"`{config.base_model_name_or_path}` for lossless speculative decoding with "
+        "[medusa](https://github.com/): `MedusaModel.from_pretrained(<this repo or directory>)`.\n\n"
+        + (f"Training: {facts}.\n\n" if facts else "")
+        + (
+            f"Held-out accuracy (top-1 / top-5 per head):\n\n| head | top-1 | top-5 |\n|---|---|---|\n{rows}\n"
+            if rows
+            else ""
+        )
+    )
 
 
 def load_heads(directory: str | os.PathLike) -> MedusaHeads:
@@ -150,7 +170,8 @@ def load_heads(directory: str | os.PathLike) -> MedusaHeads:
     raise FileNotFoundError(
         f"{directory / CONFIG_NAME} is missing: not a medusa heads directory (expected {CONFIG_NAME} + "
         f"{WEIGHTS_NAME}), nor an official Medusa or vLLM export ({FOREIGN_CONFIG} with medusa_num_heads or "
-        f"model_type 'medusa', beside {OFFICIAL_WEIGHTS} or *.safetensors)")
+        f"model_type 'medusa', beside {OFFICIAL_WEIGHTS} or *.safetensors)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------- export
@@ -173,24 +194,24 @@ def projection_weights(heads: MedusaHeads, lm_head_weight: torch.Tensor | None =
 
 
 def official_state_dict(heads: MedusaHeads, lm_head_weight: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """Heads -> official Medusa tensors: `{h}.{l}.linear.weight/bias` (H, H)/(H,), `{h}.{L}.weight` (V, H)."""
+    """Heads -> official Medusa tensors: `{h}.{layer}.linear.weight/bias` (H, H)/(H,), `{h}.{L}.weight` (V, H)."""
     num_layers = heads.config.num_layers
     state = {}
     for h, (blocks, proj) in enumerate(zip(heads.blocks, projection_weights(heads, lm_head_weight))):
-        for l, block in enumerate(blocks):
-            state[f"{h}.{l}.linear.weight"] = block.linear.weight
-            state[f"{h}.{l}.linear.bias"] = block.linear.bias
+        for layer, block in enumerate(blocks):
+            state[f"{h}.{layer}.linear.weight"] = block.linear.weight
+            state[f"{h}.{layer}.linear.bias"] = block.linear.bias
         state[f"{h}.{num_layers}.weight"] = proj
     return state
 
 
 def vllm_state_dict(heads: MedusaHeads, lm_head_weight: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """Heads -> vLLM tensors: `blocks.{h}.layers.{l}.weight/bias` (H, H)/(H,), `lm_heads.{h}.weight` (V, H)."""
+    """Heads -> vLLM tensors: `blocks.{h}.layers.{layer}.weight/bias` (H, H)/(H,), `lm_heads.{h}.weight` (V, H)."""
     state = {}
     for h, (blocks, proj) in enumerate(zip(heads.blocks, projection_weights(heads, lm_head_weight))):
-        for l, block in enumerate(blocks):
-            state[f"blocks.{h}.layers.{l}.weight"] = block.linear.weight
-            state[f"blocks.{h}.layers.{l}.bias"] = block.linear.bias
+        for layer, block in enumerate(blocks):
+            state[f"blocks.{h}.layers.{layer}.weight"] = block.linear.weight
+            state[f"blocks.{h}.layers.{layer}.bias"] = block.linear.bias
         state[f"lm_heads.{h}.weight"] = proj
     subset = getattr(heads, "vocab_subset", None)
     if subset is not None:  # vLLM slices the full lm_heads to these rows itself
@@ -225,8 +246,10 @@ def vllm_config(config: MedusaConfig, base_model_name_or_path: str | None = None
     }
 
 
-EXPORTABLE_FLAGS = ("--heads.context_window 0 --heads.feature_layers '[]' --heads.condition_on_next_token false "
-                    "--heads.condition_on_path false")
+EXPORTABLE_FLAGS = (
+    "--heads.context_window 0 --heads.feature_layers '[]' --heads.condition_on_next_token false "
+    "--heads.condition_on_path false"
+)
 
 
 def check_exportable(config: MedusaConfig) -> None:
@@ -244,12 +267,20 @@ def check_exportable(config: MedusaConfig) -> None:
         raise ValueError(
             "these heads read " + "; ".join(inputs) + ", which the official Medusa, TGI, TensorRT-LLM and vLLM Medusa "
             "layouts cannot express (they hold plain Medusa-1 heads over the last hidden state): serve them with "
-            f"medusa, or train exportable heads with {EXPORTABLE_FLAGS}")
+            f"medusa, or train exportable heads with {EXPORTABLE_FLAGS}"
+        )
 
 
-def export_heads(heads: MedusaHeads, out_dir: str | os.PathLike, format: str, *,
-                 lm_head_weight: torch.Tensor | None = None, base_model_name_or_path: str | None = None,
-                 dtype: torch.dtype | None = None, overwrite: bool = False) -> Path:
+def export_heads(
+    heads: MedusaHeads,
+    out_dir: str | os.PathLike,
+    format: str,
+    *,
+    lm_head_weight: torch.Tensor | None = None,
+    base_model_name_or_path: str | None = None,
+    dtype: torch.dtype | None = None,
+    overwrite: bool = False,
+) -> Path:
     """Write `heads` in another engine's layout (`format` in FORMATS) into `out_dir`, atomically.
 
     `lm_head_weight` (V, H): the base model's output projection, needed when the heads share it.
@@ -261,21 +292,36 @@ def export_heads(heads: MedusaHeads, out_dir: str | os.PathLike, format: str, *,
     check_exportable(config)
     _check_out_dir(Path(out_dir), overwrite)
     if format == "medusa" and config.vocab_subset_size:
-        logger.warning("the official layout cannot carry the %d-token candidate subset: engines will rank the full "
-                       "vocabulary (vLLM's layout keeps it as token_map)", config.vocab_subset_size)
+        logger.warning(
+            "the official layout cannot carry the %d-token candidate subset: engines will rank the full "
+            "vocabulary (vLLM's layout keeps it as token_map)",
+            config.vocab_subset_size,
+        )
     if config.copy_ngram:
-        logger.warning("copy_ngram %d is a medusa ranking rule, not weights: the exported heads guess without it (vLLM "
-                       "and TGI have n-gram speculators of their own)", config.copy_ngram)
+        logger.warning(
+            "copy_ngram %d is a medusa ranking rule, not weights: the exported heads guess without it (vLLM "
+            "and TGI have n-gram speculators of their own)",
+            config.copy_ngram,
+        )
     if format == "medusa" and config.num_layers > 1:
-        logger.warning("the official Medusa code repeats one ResBlock instance per head, so it ties the %d layers "
-                       "exported here; TGI and vLLM build distinct layers", config.num_layers)
+        logger.warning(
+            "the official Medusa code repeats one ResBlock instance per head, so it ties the %d layers "
+            "exported here; TGI and vLLM build distinct layers",
+            config.num_layers,
+        )
     base_name = base_model_name_or_path or config.base_model_name_or_path
     if base_name is None or str(base_name).startswith("embedded:"):
-        logger.warning("config.json names base %r, which other engines cannot resolve: pass the Hub id or path "
-                       "of the base model (base_model_name_or_path / --base-name)", base_name)
+        logger.warning(
+            "config.json names base %r, which other engines cannot resolve: pass the Hub id or path "
+            "of the base model (base_model_name_or_path / --base-name)",
+            base_name,
+        )
     if format == "medusa":
-        state, cfg, weights_name = official_state_dict(heads, lm_head_weight), official_config(config, base_name), \
-            OFFICIAL_WEIGHTS
+        state, cfg, weights_name = (
+            official_state_dict(heads, lm_head_weight),
+            official_config(config, base_name),
+            OFFICIAL_WEIGHTS,
+        )
     else:
         state, cfg, weights_name = vllm_state_dict(heads, lm_head_weight), vllm_config(config, base_name), VLLM_WEIGHTS
     params = list(heads.parameters())
@@ -304,9 +350,16 @@ def export_model(model, out_dir: str | os.PathLike, format: str, **kwargs) -> Pa
     return export_heads(model.heads, out_dir, format, lm_head_weight=lm_head.weight, **kwargs)
 
 
-def export_directory(heads_dir: str | os.PathLike, out_dir: str | os.PathLike, format: str, *, base=None,
-                     base_model_name_or_path: str | None = None, dtype: torch.dtype | None = None,
-                     overwrite: bool = False) -> Path:
+def export_directory(
+    heads_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    format: str,
+    *,
+    base=None,
+    base_model_name_or_path: str | None = None,
+    dtype: torch.dtype | None = None,
+    overwrite: bool = False,
+) -> Path:
     """Export a heads directory (native, official or vLLM layout) to `format` in `out_dir`.
 
     The base model (`base`, else the one the heads name) is loaded only when the heads share its lm_head.
@@ -320,8 +373,11 @@ def export_directory(heads_dir: str | os.PathLike, out_dir: str | os.PathLike, f
     heads = load_heads(heads_dir)
     check_exportable(heads.config)  # before the base model load
     if (heads_dir / "adapter_config.json").is_file():
-        logger.warning("%s carries a LoRA adapter (Medusa-2): other engines need the merged base too; save it with "
-                       "MedusaModel.from_pretrained(dir).base.save_pretrained(path) and pass --base-name path", heads_dir)
+        logger.warning(
+            "%s carries a LoRA adapter (Medusa-2): other engines need the merged base too; save it with "
+            "MedusaModel.from_pretrained(dir).base.save_pretrained(path) and pass --base-name path",
+            heads_dir,
+        )
     lm_head_weight = None
     if heads.projections is None:
         source = base if base is not None else heads.config.base_model_name_or_path
@@ -332,22 +388,32 @@ def export_directory(heads_dir: str | os.PathLike, out_dir: str | os.PathLike, f
         lm_head_weight = lm_head.weight
     if base_model_name_or_path is None and isinstance(base, (str, os.PathLike)):
         base_model_name_or_path = str(base)
-    return export_heads(heads, out_dir, format, lm_head_weight=lm_head_weight,
-                        base_model_name_or_path=base_model_name_or_path, dtype=dtype, overwrite=overwrite)
+    return export_heads(
+        heads,
+        out_dir,
+        format,
+        lm_head_weight=lm_head_weight,
+        base_model_name_or_path=base_model_name_or_path,
+        dtype=dtype,
+        overwrite=overwrite,
+    )
 
 
 def _check_no_bias(lm_head) -> None:
     if getattr(lm_head, "bias", None) is not None:
-        raise ValueError("the base lm_head has a bias, which the official and vLLM layouts cannot carry: "
-                         "these heads cannot be exported with a shared projection")
+        raise ValueError(
+            "the base lm_head has a bias, which the official and vLLM layouts cannot carry: "
+            "these heads cannot be exported with a shared projection"
+        )
 
 
 def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
     if out_dir.exists() and not out_dir.is_dir():
         raise FileExistsError(f"{out_dir} is a file: choose a directory path for the export")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out_dir} exists and is not empty: choose another directory or pass "
-                              "overwrite=True (--overwrite)")
+        raise FileExistsError(
+            f"{out_dir} exists and is not empty: choose another directory or pass overwrite=True (--overwrite)"
+        )
 
 
 def _write_directory(out_dir: Path, write, overwrite: bool) -> Path:
@@ -392,12 +458,16 @@ def _import_official(directory: Path) -> MedusaHeads:
     if not weights.is_file():
         pt = directory / OFFICIAL_PICKLE
         if pt.is_file():
-            raise ValueError(f"{pt} is a pickle and {weights.name} is missing: " + _PICKLE_HELP.format(pt=pt, st=weights))
+            raise ValueError(
+                f"{pt} is a pickle and {weights.name} is missing: " + _PICKLE_HELP.format(pt=pt, st=weights)
+            )
         raise FileNotFoundError(f"{weights} is missing: an official Medusa directory needs it beside {FOREIGN_CONFIG}")
     config_path = directory / FOREIGN_CONFIG
     if not config_path.is_file():
-        raise FileNotFoundError(f"{config_path} is missing: official Medusa heads need it (medusa_num_heads, "
-                                "medusa_num_layers, base_model_name_or_path)")
+        raise FileNotFoundError(
+            f"{config_path} is missing: official Medusa heads need it (medusa_num_heads, "
+            "medusa_num_layers, base_model_name_or_path)"
+        )
     cfg = _read_json(config_path)
     num_heads, num_layers = _positive_int(cfg, "medusa_num_heads", config_path), cfg.get("medusa_num_layers", 1)
     if not isinstance(num_layers, int) or num_layers < 0:
@@ -405,15 +475,21 @@ def _import_official(directory: Path) -> MedusaHeads:
     state = _strip_prefix(_read_safetensors(weights), _OFFICIAL_PREFIX)
     renames = {}  # official key -> native key
     for h in range(num_heads):
-        for l in range(num_layers):
-            renames[f"{h}.{l}.linear.weight"] = f"blocks.{h}.{l}.linear.weight"
-            renames[f"{h}.{l}.linear.bias"] = f"blocks.{h}.{l}.linear.bias"
+        for layer in range(num_layers):
+            renames[f"{h}.{layer}.linear.weight"] = f"blocks.{h}.{layer}.linear.weight"
+            renames[f"{h}.{layer}.linear.bias"] = f"blocks.{h}.{layer}.linear.bias"
         renames[f"{h}.{num_layers}.weight"] = f"projections.{h}.weight"
     _check_keys(state, set(renames), weights, f"{num_heads} heads x {num_layers} layers ({config_path.name})")
     vocab, hidden = state[f"0.{num_layers}.weight"].shape
-    config = MedusaConfig(hidden_size=hidden, vocab_size=vocab, num_heads=num_heads, num_layers=num_layers,
-                          projection="own", base_model_name_or_path=cfg.get("base_model_name_or_path"),
-                          extra={"imported_from": "official medusa", "source": str(directory)})
+    config = MedusaConfig(
+        hidden_size=hidden,
+        vocab_size=vocab,
+        num_heads=num_heads,
+        num_layers=num_layers,
+        projection="own",
+        base_model_name_or_path=cfg.get("base_model_name_or_path"),
+        extra={"imported_from": "official medusa", "source": str(directory)},
+    )
     _check_declared_sizes(cfg, config, config_path)
     return _build_heads(config, {renames[k]: v for k, v in state.items()}, weights)
 
@@ -428,7 +504,9 @@ def _import_vllm(directory: Path) -> MedusaHeads:
     hidden, vocab = _positive_int(cfg, "hidden_size", config_path), _positive_int(cfg, "vocab_size", config_path)
     subset_size = cfg.get("truncated_vocab_size") or vocab
     if not isinstance(subset_size, int) or not 0 < subset_size <= vocab:
-        raise ValueError(f"{config_path}: truncated_vocab_size must lie in [1, vocab_size={vocab}], got {subset_size!r}")
+        raise ValueError(
+            f"{config_path}: truncated_vocab_size must lie in [1, vocab_size={vocab}], got {subset_size!r}"
+        )
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {directory}: a vLLM Medusa directory needs {VLLM_WEIGHTS}")
@@ -437,43 +515,62 @@ def _import_vllm(directory: Path) -> MedusaHeads:
         state.update(_strip_prefix(_read_safetensors(f), _VLLM_PREFIX))
     token_map = state.pop("token_map", None)  # (V',) candidate token ids, used only with a truncated vocabulary
     if subset_size < vocab and token_map is None:
-        raise ValueError(f"{config_path}: truncated_vocab_size {subset_size} < vocab_size {vocab} needs a token_map "
-                         f"tensor in the weights, and none was found in {directory}")
+        raise ValueError(
+            f"{config_path}: truncated_vocab_size {subset_size} < vocab_size {vocab} needs a token_map "
+            f"tensor in the weights, and none was found in {directory}"
+        )
     bias = bool(cfg.get("medusa_fc_bias", False))
     shared = bool(cfg.get("original_lm_head", False))
     renames = {}
     for h in range(num_heads):
-        for l in range(num_layers):
-            renames[f"blocks.{h}.layers.{l}.weight"] = f"blocks.{h}.{l}.linear.weight"
+        for layer in range(num_layers):
+            renames[f"blocks.{h}.layers.{layer}.weight"] = f"blocks.{h}.{layer}.linear.weight"
             if bias:
-                renames[f"blocks.{h}.layers.{l}.bias"] = f"blocks.{h}.{l}.linear.bias"
+                renames[f"blocks.{h}.layers.{layer}.bias"] = f"blocks.{h}.{layer}.linear.bias"
         if h == 0 or not shared:
             renames[f"lm_heads.{h}.weight"] = f"projections.{h}.weight"
     if shared:  # vLLM reads only lm_heads.0 then; copies for the other heads are allowed and ignored
         state = {k: v for k, v in state.items() if not (k.startswith("lm_heads.") and k != "lm_heads.0.weight")}
     where = files[0] if len(files) == 1 else directory
-    _check_keys(state, set(renames), where,
-                f"{num_heads} heads x {num_layers} layers, medusa_fc_bias={bias} ({config_path.name})")
-    config = MedusaConfig(hidden_size=hidden, vocab_size=vocab, num_heads=num_heads, num_layers=num_layers,
-                          projection="own", base_model_name_or_path=cfg.get("base_model_name_or_path"),
-                          vocab_subset_size=subset_size if subset_size < vocab else None,
-                          extra={"imported_from": "vllm", "source": str(directory)})
+    _check_keys(
+        state,
+        set(renames),
+        where,
+        f"{num_heads} heads x {num_layers} layers, medusa_fc_bias={bias} ({config_path.name})",
+    )
+    config = MedusaConfig(
+        hidden_size=hidden,
+        vocab_size=vocab,
+        num_heads=num_heads,
+        num_layers=num_layers,
+        projection="own",
+        base_model_name_or_path=cfg.get("base_model_name_or_path"),
+        vocab_subset_size=subset_size if subset_size < vocab else None,
+        extra={"imported_from": "vllm", "source": str(directory)},
+    )
     native = {renames[k]: v for k, v in state.items()}
     if config.vocab_subset_size:
         if state["lm_heads.0.weight"].shape[0] != vocab:  # truncated rows cannot be scored against the full vocabulary
-            raise ValueError(f"{where}: lm_heads hold {state['lm_heads.0.weight'].shape[0]} rows, not the full "
-                             f"vocabulary of {vocab}: only full projections (plus token_map) can be imported")
+            raise ValueError(
+                f"{where}: lm_heads hold {state['lm_heads.0.weight'].shape[0]} rows, not the full "
+                f"vocabulary of {vocab}: only full projections (plus token_map) can be imported"
+            )
         native["vocab_subset"] = token_map.to(torch.long).flatten()
-        if native["vocab_subset"].numel() != subset_size or not 0 <= int(native["vocab_subset"].min()) \
-                or int(native["vocab_subset"].max()) >= vocab:
-            raise ValueError(f"{where}: token_map must hold truncated_vocab_size={subset_size} token ids in [0, {vocab})")
+        if (
+            native["vocab_subset"].numel() != subset_size
+            or not 0 <= int(native["vocab_subset"].min())
+            or int(native["vocab_subset"].max()) >= vocab
+        ):
+            raise ValueError(
+                f"{where}: token_map must hold truncated_vocab_size={subset_size} token ids in [0, {vocab})"
+            )
     for h in range(num_heads):
         if shared and h:  # own copies: untied, like any imported heads
             native[f"projections.{h}.weight"] = native["projections.0.weight"].clone()
-        for l in range(num_layers):
+        for layer in range(num_layers):
             if not bias:  # vLLM blocks without bias are ours with a zero bias
-                w = native[f"blocks.{h}.{l}.linear.weight"]
-                native[f"blocks.{h}.{l}.linear.bias"] = torch.zeros(hidden, dtype=w.dtype)
+                w = native[f"blocks.{h}.{layer}.linear.weight"]
+                native[f"blocks.{h}.{layer}.linear.bias"] = torch.zeros(hidden, dtype=w.dtype)
     return _build_heads(config, native, where)
 
 
@@ -500,12 +597,13 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError) as err:
-        raise ValueError(f"{path} is not a readable safetensors file ({err}): the heads file is corrupt; "
-                         "re-save or re-export it") from err
+        raise ValueError(
+            f"{path} is not a readable safetensors file ({err}): the heads file is corrupt; re-save or re-export it"
+        ) from err
 
 
 def _strip_prefix(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
-    return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state.items()}
+    return {k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in state.items()}
 
 
 def _positive_int(cfg: dict, key: str, path: Path) -> int:
@@ -519,16 +617,21 @@ def _check_keys(state: dict, expected: set[str], path: Path, what: str) -> None:
     """The tensor names the config implies, in the file's own naming (`what` describes the config)."""
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
-        raise ValueError(f"{path} does not match its config ({what}): missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise ValueError(
+            f"{path} does not match its config ({what}): missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
 
 
-def _check_shapes(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], path: Path,
-                  config: MedusaConfig) -> None:
+def _check_shapes(
+    state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], path: Path, config: MedusaConfig
+) -> None:
     """Every tensor (native names, keys already checked) has the shape the config implies."""
     for name, tensor in state.items():
         if tensor.shape != expected[name].shape:
-            raise ValueError(f"{path}: tensor {name} has shape {tuple(tensor.shape)}, the config implies "
-                             f"{tuple(expected[name].shape)} (hidden {config.hidden_size}, vocab {config.vocab_size})")
+            raise ValueError(
+                f"{path}: tensor {name} has shape {tuple(tensor.shape)}, the config implies "
+                f"{tuple(expected[name].shape)} (hidden {config.hidden_size}, vocab {config.vocab_size})"
+            )
 
 
 def _check_declared_sizes(cfg: dict, config: MedusaConfig, path: Path) -> None:

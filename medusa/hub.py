@@ -15,8 +15,12 @@ HEADS_FILES = ["*.json", "*.safetensors", "README.md"]
 def is_repo_id(reference) -> bool:
     """'org/name' that is not an existing path (a Hub id); anything else is a local path."""
     text = str(reference)
-    return (not Path(text).expanduser().exists() and text.count("/") == 1 and not text.startswith((".", "/", "~"))
-            and all(text.split("/")))
+    return (
+        not Path(text).expanduser().exists()
+        and text.count("/") == 1
+        and not text.startswith((".", "/", "~"))
+        and all(text.split("/"))
+    )
 
 
 def resolve_heads(reference, revision: str | None = None) -> Path:
@@ -34,13 +38,21 @@ def resolve_heads(reference, revision: str | None = None) -> Path:
         raise FileNotFoundError(
             f"heads {reference!r} (revision {revision or 'main'}) are not in the local Hugging Face cache and the Hub "
             f"cannot be reached{' (HF_HUB_OFFLINE is set)' if os.environ.get('HF_HUB_OFFLINE') else ''}: download "
-            "them once with network access, or pass a local directory") from err
+            "them once with network access, or pass a local directory"
+        ) from err
     except (RepositoryNotFoundError, RevisionNotFoundError) as err:
         raise FileNotFoundError(f"no heads at {reference!r} (revision {revision or 'main'}) on the Hub: {err}") from err
 
 
-def push_to_hub(save_pretrained, repo_id: str, *, private: bool | None = None, revision: str | None = None,
-                commit_message: str = "Upload Medusa heads", token: str | None = None) -> str:
+def push_to_hub(
+    save_pretrained,
+    repo_id: str,
+    *,
+    private: bool | None = None,
+    revision: str | None = None,
+    commit_message: str = "Upload Medusa heads",
+    token: str | None = None,
+) -> str:
     """`save_pretrained(directory)` into a temporary folder, then upload it as one commit; returns the commit URL."""
     from huggingface_hub import HfApi
 
@@ -49,6 +61,7 @@ def push_to_hub(save_pretrained, repo_id: str, *, private: bool | None = None, r
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch) / "heads"
         save_pretrained(folder)
-        info = api.upload_folder(repo_id=repo_id, folder_path=str(folder), revision=revision,
-                                 commit_message=commit_message)
+        info = api.upload_folder(
+            repo_id=repo_id, folder_path=str(folder), revision=revision, commit_message=commit_message
+        )
     return str(getattr(info, "commit_url", info))

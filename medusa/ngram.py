@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 
 
-def ngram_continuation(tokens: torch.Tensor, max_ngram: int, num_tokens: int, min_ngram: int = 1,
-                       latest: bool = False) -> list[int]:
+def ngram_continuation(
+    tokens: torch.Tensor, max_ngram: int, num_tokens: int, min_ngram: int = 1, latest: bool = False
+) -> list[int]:
     """tokens (T,) long -> up to `num_tokens` ids: what followed an earlier occurrence of the last n tokens.
 
     Tries n = max_ngram down to min_ngram and returns the first match's continuation; [] if none. `latest` picks the
@@ -21,10 +22,10 @@ def ngram_continuation(tokens: torch.Tensor, max_ngram: int, num_tokens: int, mi
     length = tokens.numel()
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
         windows = tokens[: length - 1].unfold(0, n, 1)  # (T - n, n): windows with at least one token after them
-        hits = (windows == tokens[length - n:]).all(1).nonzero()
+        hits = (windows == tokens[length - n :]).all(1).nonzero()
         if hits.numel():
             start = int(hits[-1 if latest else 0]) + n
-            return tokens[start: start + num_tokens].tolist()
+            return tokens[start : start + num_tokens].tolist()
     return []
 
 
@@ -51,8 +52,11 @@ def copy_guesses(chain: list[int], head: int, paths: torch.Tensor | None) -> tor
     device = None if paths is None else paths.device
     guesses = torch.full((rows,), -1, dtype=torch.long, device=device)
     if len(chain) > head:
-        follows = torch.ones(rows, dtype=torch.bool, device=device) if paths is None else \
-            (paths == torch.tensor(chain[:head], dtype=torch.long, device=device)).all(1)
+        follows = (
+            torch.ones(rows, dtype=torch.bool, device=device)
+            if paths is None
+            else (paths == torch.tensor(chain[:head], dtype=torch.long, device=device)).all(1)
+        )
         guesses[follows] = chain[head]
     return guesses
 

@@ -85,12 +85,16 @@ class Plan:
     calibration_s: float = 0.0
 
     def describe(self) -> str:
-        lines = [f"plan: {self.proposer} on the {self.engine} engine, {len(self.tree) + 1 if self.tree else 1} nodes, "
-                 f"expected {self.expected_speedup:.2f}x over plain decoding ({self.reason})",
-                 f"{'engine':<9} {'proposer':<8} {'nodes':>5} {'exp. tau':>8} {'step ms':>8} {'exp. speedup':>12}"]
+        lines = [
+            f"plan: {self.proposer} on the {self.engine} engine, {len(self.tree) + 1 if self.tree else 1} nodes, "
+            f"expected {self.expected_speedup:.2f}x over plain decoding ({self.reason})",
+            f"{'engine':<9} {'proposer':<8} {'nodes':>5} {'exp. tau':>8} {'step ms':>8} {'exp. speedup':>12}",
+        ]
         for o in sorted(self.options, key=lambda o: -o["speedup"])[:12]:
-            lines.append(f"{o['engine']:<9} {o['proposer']:<8} {o['num_nodes']:>5} {o['tau']:>8.2f} "
-                         f"{o['step_ms']:>8.1f} {o['speedup']:>11.2f}x")
+            lines.append(
+                f"{o['engine']:<9} {o['proposer']:<8} {o['num_nodes']:>5} {o['tau']:>8.2f} "
+                f"{o['step_ms']:>8.1f} {o['speedup']:>11.2f}x"
+            )
         return "\n".join(lines)
 
 
@@ -103,13 +107,17 @@ def load_accuracy(directory) -> list[list[float]] | None:
         data = json.loads(path.read_text())
         return check_accuracy(data["acc_given_prefix"])
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
-        raise ValueError(f"{path} is not a valid accuracy table ({err}): regenerate it with scripts/head_accuracy.py "
-                         f"--heads-dir, or delete it to plan without one") from err
+        raise ValueError(
+            f"{path} is not a valid accuracy table ({err}): regenerate it with scripts/head_accuracy.py "
+            f"--heads-dir, or delete it to plan without one"
+        ) from err
 
 
 def save_accuracy(directory, acc: list[list[float]], source: str = "") -> None:
-    atomic_write_text(Path(directory) / ACCURACY_NAME,
-                      json.dumps({"acc_given_prefix": check_accuracy(acc), "source": source}, indent=2))
+    atomic_write_text(
+        Path(directory) / ACCURACY_NAME,
+        json.dumps({"acc_given_prefix": check_accuracy(acc), "source": source}, indent=2),
+    )
 
 
 def heads_fingerprint(model) -> str:
@@ -121,9 +129,15 @@ def heads_fingerprint(model) -> str:
 
 def plan_key(model) -> dict:
     base = model.base
-    return {"version": PLAN_VERSION, **describe(model.device), "base": str(base.config.name_or_path),
-            "base_parameters": sum(p.numel() for p in base.parameters()), "heads": heads_fingerprint(model),
-            "dtype": str(base.dtype).replace("torch.", ""), "has_accuracy": model.accuracy is not None}
+    return {
+        "version": PLAN_VERSION,
+        **describe(model.device),
+        "base": str(base.config.name_or_path),
+        "base_parameters": sum(p.numel() for p in base.parameters()),
+        "heads": heads_fingerprint(model),
+        "dtype": str(base.dtype).replace("torch.", ""),
+        "has_accuracy": model.accuracy is not None,
+    }
 
 
 def plan_path(key: dict) -> Path:
@@ -149,13 +163,21 @@ def measure(model, engines=ENGINES, sizes=SIZES, repeats: int = 4, context: int 
     plain_ms, states = {}, {}  # per engine: its plain step, and the prefilled state every step starts from
     for name in engines:  # plain steps first: engines far slower than the fastest are not timed further
         engine = engine_for(model.base, name)
-        states[name] = prefill(model.base, prompt, sampling, feature_layers=model.feature_layers, engine=engine,
-                               max_length=context + max(sizes) + HYBRID_CHAIN + 1)
+        states[name] = prefill(
+            model.base,
+            prompt,
+            sampling,
+            feature_layers=model.feature_layers,
+            engine=engine,
+            max_length=context + max(sizes) + HYBRID_CHAIN + 1,
+        )
         plain_ms[name] = _plain_ms(model, engine, states[name], repeats + 1)
     fastest = min(plain_ms.values())
     engines = [name for name in engines if plain_ms[name] <= SLOW_ENGINE * fastest]
-    proposers = {(p, n): model._make_proposer(p, [list(path) for path in order[: n - 1]] or None, sampling, None)
-                 for p, n in jobs}  # the same for every engine
+    proposers = {
+        (p, n): model._make_proposer(p, [list(path) for path in order[: n - 1]] or None, sampling, None)
+        for p, n in jobs
+    }  # the same for every engine
     results = {}
     total = len(engines) * (repeats + 1) * len(jobs)
     done, start = 0, time.perf_counter()
@@ -163,15 +185,19 @@ def measure(model, engines=ENGINES, sizes=SIZES, repeats: int = 4, context: int 
         engine = engine_for(model.base, name)
         samples, state = {job: ([], []) for job in jobs}, states[name]
         for rep in range(repeats + 1):  # the first round warms up
-            for job in jobs[rep % len(jobs):] + jobs[: rep % len(jobs)]:
+            for job in jobs[rep % len(jobs) :] + jobs[: rep % len(jobs)]:
                 propose_ms, verify_ms, accept_ms = time_step(model, engine, proposers[job], state, sampling)
                 if rep:
                     samples[job][0].append(propose_ms)
                     samples[job][1].append(verify_ms + accept_ms)
                 done += 1
             if progress:
-                print(f"\rcalibrating: {done}/{total} steps timed, {time.perf_counter() - start:.0f} s",
-                      end="", file=sys.stderr, flush=True)
+                print(
+                    f"\rcalibrating: {done}/{total} steps timed, {time.perf_counter() - start:.0f} s",
+                    end="",
+                    file=sys.stderr,
+                    flush=True,
+                )
         results[name] = {job: tuple(statistics.median(s) for s in samples[job]) for job in jobs}
     if progress:
         print(file=sys.stderr)
@@ -207,8 +233,9 @@ def choose(measured: dict, order, acc) -> tuple[Option, list[Option], Option]:
     return best, options, plain
 
 
-def calibrate(model, engines=ENGINES, sizes=SIZES, repeats: int = 4, progress: bool = True,
-              key: dict | None = None) -> Plan:
+def calibrate(
+    model, engines=ENGINES, sizes=SIZES, repeats: int = 4, progress: bool = True, key: dict | None = None
+) -> Plan:
     """Measure on this machine and choose (nothing is read from or written to the cache). `key`: the model's
     plan_key when the caller has it already (it sums every heads tensor)."""
     start = time.perf_counter()
@@ -228,15 +255,30 @@ def decide(measured: dict, order, acc) -> Plan:
         best = Option(plain.engine, "medusa", 0, 0.0, 0.0, speedup=1.0)
         reason = "the heads have no accuracy table to predict acceptance from: their own tree, guarded online"
     elif best.speedup < MIN_GAIN:
-        best, reason = plain, (f"no speculative option is expected to beat plain decoding by {MIN_GAIN - 1:.0%} "
-                               f"here (best {max(o.speedup for o in options if o.proposer != 'plain'):.2f}x)")
+        best, reason = (
+            plain,
+            (
+                f"no speculative option is expected to beat plain decoding by {MIN_GAIN - 1:.0%} "
+                f"here (best {max(o.speedup for o in options if o.proposer != 'plain'):.2f}x)"
+            ),
+        )
     else:
         reason = f"the most expected tokens per second of {len(options)} options measured here"
-    latency = {e: {str(n): round(v[1], 3) for (p, n), v in jobs.items() if p in ("plain", "medusa")}
-               for e, jobs in measured.items()}
+    latency = {
+        e: {str(n): round(v[1], 3) for (p, n), v in jobs.items() if p in ("plain", "medusa")}
+        for e, jobs in measured.items()
+    }
     tree = [list(p) for p in order[: best.num_nodes - 1]] if best.proposer != "plain" else []
-    return Plan(engine=best.engine, proposer=best.proposer, tree=tree, expected_speedup=best.speedup,
-                plain_ms=plain.step_ms, reason=reason, options=[asdict(o) for o in options], latency_ms=latency)
+    return Plan(
+        engine=best.engine,
+        proposer=best.proposer,
+        tree=tree,
+        expected_speedup=best.speedup,
+        plain_ms=plain.step_ms,
+        reason=reason,
+        options=[asdict(o) for o in options],
+        latency_ms=latency,
+    )
 
 
 def load_or_calibrate(model, recalibrate: bool = False, progress: bool = True) -> Plan:
@@ -253,8 +295,9 @@ def load_or_calibrate(model, recalibrate: bool = False, progress: bool = True) -
         except (json.JSONDecodeError, TypeError) as err:
             logger.warning("cached plan %s is unreadable (%s): calibrating again", path, err)
     if progress:
-        print("calibrating a decoding plan for this machine (once; cached in "
-              f"{path.parent})", file=sys.stderr, flush=True)
+        print(
+            f"calibrating a decoding plan for this machine (once; cached in {path.parent})", file=sys.stderr, flush=True
+        )
     plan = calibrate(model, progress=progress, key=key)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(asdict(plan), indent=1))

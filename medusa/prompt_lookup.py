@@ -38,8 +38,11 @@ def graft_chain(candidates: Candidates, chain_tokens: list[int]) -> Candidates:
     new_parents = torch.tensor([node] + list(range(n, n + len(new) - 1)), dtype=torch.long, device=device)
     new_depths = torch.arange(base_depth + 1, base_depth + 1 + len(new), dtype=torch.long, device=device)
     merged = buffers_from_parents(torch.cat([tree.parent, new_parents]), torch.cat([tree.depth, new_depths]))
-    return Candidates(tokens=torch.cat([candidates.tokens, torch.tensor(new, dtype=torch.long, device=device)]),
-                      tree=merged, draft_probs=candidates.draft_probs)
+    return Candidates(
+        tokens=torch.cat([candidates.tokens, torch.tensor(new, dtype=torch.long, device=device)]),
+        tree=merged,
+        draft_probs=candidates.draft_probs,
+    )
 
 
 class PromptLookupProposer:

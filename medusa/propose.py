@@ -44,7 +44,7 @@ class CandidateProjection:
     packed: torch.Tensor | None = None  # a shared weight pre-packed for oneDNN (CPU; medusa.prepack), else None
 
     @classmethod
-    def build(cls, heads, lm_head, dtype: torch.dtype) -> "CandidateProjection":
+    def build(cls, heads, lm_head, dtype: torch.dtype) -> CandidateProjection:
         weight = heads.candidate_weight(lm_head).detach().to(dtype).contiguous()
         packed = pack(weight) if weight.dim() == 2 and can_prepack(weight.device, dtype) else None
         return cls(weight, getattr(heads, "vocab_subset", None), packed)
@@ -94,8 +94,15 @@ def tree_levels(tree: TreeBuffers) -> list[TreeLevel]:
             paths.append(path[::-1])
         ranks = [index[i] - head_start[d - 1] for i in nodes]
         as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=tree.parent.device)  # noqa: E731
-        levels.append(TreeLevel(as_tensor(nodes), as_tensor(ranks), as_tensor([parents.index(parent[i]) for i in nodes]),
-                                as_tensor(paths).reshape(len(parents), d - 1), max(ranks) + 1))
+        levels.append(
+            TreeLevel(
+                as_tensor(nodes),
+                as_tensor(ranks),
+                as_tensor([parents.index(parent[i]) for i in nodes]),
+                as_tensor(paths).reshape(len(parents), d - 1),
+                max(ranks) + 1,
+            )
+        )
     return levels
 
 
@@ -110,11 +117,15 @@ class MedusaProposer:
         if len(tree.topk_per_head) > heads.config.num_heads:
             raise ValueError(f"tree needs {len(tree.topk_per_head)} heads, the model has {heads.config.num_heads}")
         if heads.config.condition_on_next_token and embed_tokens is None:
-            raise ValueError("these heads read the next token's embedding: pass embed_tokens (the base's input embeddings)")
+            raise ValueError(
+                "these heads read the next token's embedding: pass embed_tokens (the base's input embeddings)"
+            )
         width = max(tree.topk_per_head, default=0)
         if width > projection.weight.shape[-2]:
-            raise ValueError(f"the tree asks for rank {width - 1} of a head, but the heads rank only "
-                             f"{projection.weight.shape[-2]} candidate tokens: use ranks below that")
+            raise ValueError(
+                f"the tree asks for rank {width - 1} of a head, but the heads rank only "
+                f"{projection.weight.shape[-2]} candidate tokens: use ranks below that"
+            )
         self.heads, self.projection, self.tree, self.embed_tokens = heads, projection, tree, embed_tokens
         self.max_nodes = tree.num_nodes
         self.used_heads = max((k + 1 for k, s in enumerate(tree.topk_per_head) if s), default=0)
@@ -130,18 +141,23 @@ class MedusaProposer:
         if self.heads.context is None:
             return state.last_hidden
         if state.new_hidden is None:
-            raise ValueError("these heads have a context layer: the decode state must carry new_hidden, the hidden "
-                             "states of the positions each step commits")
+            raise ValueError(
+                "these heads have a context layer: the decode state must carry new_hidden, the hidden "
+                "states of the positions each step commits"
+            )
         seen = 0 if self._context is None else self._context[2]  # positions the layer has read
         if seen == state.length:  # already read this step
             return self._context_read
         rows = state.new_hidden.shape[0]
         if seen + rows != state.length:
-            raise RuntimeError(f"the context layer has read {seen} positions, the cache holds {state.length} and the "
-                               f"last step added {rows}: call read once per step")
+            raise RuntimeError(
+                f"the context layer has read {seen} positions, the cache holds {state.length} and the "
+                f"last step added {rows}: call read once per step"
+            )
         following = torch.tensor(state.tokens[-rows:], dtype=torch.long, device=state.new_hidden.device)
-        features, self._context = self.heads.contextualise(state.new_hidden[None], self.embed_tokens(following)[None],
-                                                           self._context)
+        features, self._context = self.heads.contextualise(
+            state.new_hidden[None], self.embed_tokens(following)[None], self._context
+        )
         self._context_read = features[0, -1]
         return self._context_read
 

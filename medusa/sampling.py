@@ -25,15 +25,19 @@ class SamplingConfig:
             _check_number(name, getattr(self, name))
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature} (greedy decoding: do_sample=False)")
-        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
-                                       or self.top_k <= 0):
+        if self.top_k is not None and (
+            isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k <= 0
+        ):
             raise ValueError(f"top_k must be a positive integer or None (no top-k), got {self.top_k!r}")
         if self.top_p is not None:
             _check_number("top_p", self.top_p)
             if not 0.0 < self.top_p <= 1.0:
                 raise ValueError(f"top_p must lie in (0, 1] (1 or None: no top-p), got {self.top_p!r}")
         if not 0.0 <= self.posterior_threshold <= 1.0:
-            raise ValueError(f"posterior_threshold (typical acceptance's epsilon) must lie in [0, 1], got {self.posterior_threshold!r}")
+            raise ValueError(
+                "posterior_threshold (typical acceptance's epsilon) must lie in [0, 1], got "
+                f"{self.posterior_threshold!r}"
+            )
         if not self.posterior_alpha >= 0.0:
             raise ValueError(f"posterior_alpha (typical acceptance's alpha) must be >= 0, got {self.posterior_alpha!r}")
 
@@ -67,7 +71,9 @@ def target_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor
     return shape_logits(logits, sampling).softmax(-1)
 
 
-def select_token(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None = None) -> torch.Tensor:
+def select_token(
+    logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """logits (V,) -> one token (0-dim long): argmax when greedy, else a draw from the shaped distribution."""
     if not sampling.do_sample:
         return logits.argmax(-1)

@@ -82,10 +82,15 @@ class TreeBuffers:
             self._bias_cache[key] = bias.to(device)
         return self._bias_cache[key]
 
-    def to(self, device) -> "TreeBuffers":
+    def to(self, device) -> TreeBuffers:
         return TreeBuffers(
-            self.num_nodes, self.visible.to(device), self.depth.to(device), self.parent.to(device),
-            self.candidate_index.to(device), self.topk_per_head, self.leaf_paths.to(device),
+            self.num_nodes,
+            self.visible.to(device),
+            self.depth.to(device),
+            self.parent.to(device),
+            self.candidate_index.to(device),
+            self.topk_per_head,
+            self.leaf_paths.to(device),
         )
 
 
@@ -154,8 +159,9 @@ def buffers_from_parents(parent: torch.Tensor, depth: torch.Tensor) -> TreeBuffe
         live = column >= 0
         leaf_paths[rows[live], column[live]] = node[live]
         node, column = parent[node], column - 1
-    return TreeBuffers(n, visible, depth.clone(), parent.clone(), torch.zeros(n, dtype=torch.long, device=device), (),
-                       leaf_paths)
+    return TreeBuffers(
+        n, visible, depth.clone(), parent.clone(), torch.zeros(n, dtype=torch.long, device=device), (), leaf_paths
+    )
 
 
 def load_tree(name_or_path: str | Path) -> list[list[int]]:
@@ -170,11 +176,14 @@ def load_tree(name_or_path: str | Path) -> list[list[int]]:
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as err:
-        raise ValueError(f"tree file {path} is not valid JSON ({err}): expected a list of rank paths or "
-                         '{"paths": [...]}') from err
+        raise ValueError(
+            f'tree file {path} is not valid JSON ({err}): expected a list of rank paths or {{"paths": [...]}}'
+        ) from err
     if isinstance(data, dict) and "paths" not in data:
-        raise ValueError(f"tree file {path} has no 'paths' key: expected a list of rank paths or "
-                         f'{{"paths": [...]}}, got keys {sorted(data)}')
+        raise ValueError(
+            f"tree file {path} has no 'paths' key: expected a list of rank paths or "
+            f'{{"paths": [...]}}, got keys {sorted(data)}'
+        )
     paths = data["paths"] if isinstance(data, dict) else data
     TreeSpec(paths)  # validate now, with a clear error
     if not paths:

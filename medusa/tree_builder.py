@@ -30,8 +30,10 @@ DEFAULT_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)  # nod
 def check_accuracy(acc) -> list[list[float]]:
     """Validate acc[k][r] (K heads, each with at least one rank), probabilities in [0, 1]."""
     if not isinstance(acc, (list, tuple)) or not acc:
-        raise ValueError("accuracy table must be a non-empty list (one list of rank accuracies per head), "
-                         "as scripts/head_accuracy.py writes under the key 'acc'")
+        raise ValueError(
+            "accuracy table must be a non-empty list (one list of rank accuracies per head), "
+            "as scripts/head_accuracy.py writes under the key 'acc'"
+        )
     table = []
     for k, row in enumerate(acc):
         if not isinstance(row, (list, tuple)) or not row:
@@ -118,8 +120,9 @@ def time_step(model, engine, proposer, state, sampling: SamplingConfig) -> tuple
 
 
 @torch.inference_mode()
-def measure_step_latency(model, trees: dict[int, list[RankPath]], kv_length: int = 512, repeats: int = 10,
-                         warmup: int = 2, seed: int = 0) -> dict[int, StepLatency]:
+def measure_step_latency(
+    model, trees: dict[int, list[RankPath]], kv_length: int = 512, repeats: int = 10, warmup: int = 2, seed: int = 0
+) -> dict[int, StepLatency]:
     """Time propose -> verify -> accept for each tree on `model` (a MedusaModel) after a `kv_length`-token prefill.
 
     trees: num_nodes -> paths. The cache is cropped back after every step, so all sizes see the same KV length.
@@ -132,13 +135,15 @@ def measure_step_latency(model, trees: dict[int, list[RankPath]], kv_length: int
     sampling = SamplingConfig()
     state = prefill(model.base, prompt, sampling, feature_layers=model.config.feature_layers)
     num_heads = model.config.num_heads
-    proposers = {n: build_medusa_proposer(model, build_buffers(TreeSpec(paths, num_heads), num_heads).to(device))
-                 for n, paths in trees.items()}
+    proposers = {
+        n: build_medusa_proposer(model, build_buffers(TreeSpec(paths, num_heads), num_heads).to(device))
+        for n, paths in trees.items()
+    }
     samples = {n: ([], [], []) for n in trees}
     sizes = sorted(trees)
     engine = EagerEngine(model.base)
     for rep in range(warmup + repeats):
-        for n in sizes[rep % len(sizes):] + sizes[: rep % len(sizes)]:
+        for n in sizes[rep % len(sizes) :] + sizes[: rep % len(sizes)]:
             times = time_step(model, engine, proposers[n], state, sampling)
             if rep >= warmup:
                 for bucket, ms in zip(samples[n], times):

@@ -16,8 +16,9 @@ class VerifyOutput:
     hidden: torch.Tensor  # (N, H): the last (post-norm) hidden state at every node (and feature layers: base_features)
 
 
-def tree_attention_mask(candidates: Candidates, past_length: int, dtype: torch.dtype,
-                        rows: int | None = None) -> torch.Tensor:
+def tree_attention_mask(
+    candidates: Candidates, past_length: int, dtype: torch.dtype, rows: int | None = None
+) -> torch.Tensor:
     """(1, 1, N, rows) additive mask, rows = past + N by default: the whole past is visible, the tree part follows
     ancestry, and rows beyond past + N (a static cache's unwritten allocation) are hidden."""
     tree = candidates.tree
@@ -25,14 +26,21 @@ def tree_attention_mask(candidates: Candidates, past_length: int, dtype: torch.d
     past = torch.zeros((tree.num_nodes, past_length), dtype=dtype, device=bias.device)
     parts = [past, bias]
     if rows is not None and rows > past_length + tree.num_nodes:
-        parts.append(torch.full((tree.num_nodes, rows - past_length - tree.num_nodes), torch.finfo(dtype).min,
-                                dtype=dtype, device=bias.device))
+        parts.append(
+            torch.full(
+                (tree.num_nodes, rows - past_length - tree.num_nodes),
+                torch.finfo(dtype).min,
+                dtype=dtype,
+                device=bias.device,
+            )
+        )
     return torch.cat(parts, dim=1)[None, None]
 
 
 @torch.inference_mode()
-def verify(model, cache, candidates: Candidates, past_length: int, feature_layers=(),
-           mask_rows: int | None = None) -> VerifyOutput:
+def verify(
+    model, cache, candidates: Candidates, past_length: int, feature_layers=(), mask_rows: int | None = None
+) -> VerifyOutput:
     """Run the target once over the N candidate tokens; the cache grows by N rows (commit keeps the accepted ones).
 
     One token sees the whole past: it goes without a mask (transformers' one-token path, as in its `generate`),

@@ -60,52 +60,103 @@ from transformers import GenerationConfig
 
 from medusa import MedusaModel
 from medusa.config import CONFIG_NAME
-from medusa.fileio import atomic_write_text
 from medusa.decode import DecodeStats
 from medusa.engine import ENGINES
 from medusa.evaluation import load_questions as read_questions
+from medusa.fileio import atomic_write_text
 from medusa.hardware import describe
 from medusa.model import DEFAULT_HEADS_DIR
 from medusa.tree import load_tree
 
-MT_BENCH_CATEGORIES = frozenset({"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"})
-METHODS = ("baseline", "baseline_compiled", "plain", "planned", "prompt_lookup", "assisted", "medusa", "medusa_dynamic",
-           "hybrid", "lookup", "medusa_typical",
-           "draft")
+MT_BENCH_CATEGORIES = frozenset(
+    {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
+)
+METHODS = (
+    "baseline",
+    "baseline_compiled",
+    "plain",
+    "planned",
+    "prompt_lookup",
+    "assisted",
+    "medusa",
+    "medusa_dynamic",
+    "hybrid",
+    "lookup",
+    "medusa_typical",
+    "draft",
+)
 MODEL_FREE = frozenset({"prompt_lookup"})  # transformers' n-gram proposals: c = 0 (ours are timed by the profiler)
 PLAIN = frozenset({"baseline", "baseline_compiled", "plain"})  # one token a step: no guesses to analyse
 PROMPT_LOOKUP_TOKENS = 10
 WARMUP_TOKENS = 16
-RESUME_KEYS = ("questions", "base", "heads", "tree", "dtype", "device", "max_new_tokens", "temperature", "draft",
-               "gamma", "threads", "seed", "profile", "engine")
+RESUME_KEYS = (
+    "questions",
+    "base",
+    "heads",
+    "tree",
+    "dtype",
+    "device",
+    "max_new_tokens",
+    "temperature",
+    "draft",
+    "gamma",
+    "threads",
+    "seed",
+    "profile",
+    "engine",
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
     parser.add_argument("--questions", required=True, help="Spec-Bench format jsonl")
     parser.add_argument("--limit", type=int, default=None, help="questions per category (default: all)")
-    parser.add_argument("--methods", default="baseline,prompt_lookup,medusa,medusa_dynamic,hybrid",
-                        help=f"comma-separated, from {', '.join(METHODS)}")
+    parser.add_argument(
+        "--methods",
+        default="baseline,prompt_lookup,medusa,medusa_dynamic,hybrid",
+        help=f"comma-separated, from {', '.join(METHODS)}",
+    )
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--heads", default=None, help="heads directory (default: the shipped heads)")
-    parser.add_argument("--base", default=None, help="base model: directory, .gguf or Hub id (default: the heads' base)")
-    parser.add_argument("--tree", default=None, help="shipped tree name (medusa/trees/) or JSON path (default: the heads')")
+    parser.add_argument(
+        "--base", default=None, help="base model: directory, .gguf or Hub id (default: the heads' base)"
+    )
+    parser.add_argument(
+        "--tree", default=None, help="shipped tree name (medusa/trees/) or JSON path (default: the heads')"
+    )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--plan", default="auto", choices=["auto", "off"],
-                        help="calibrate (or load the cached) decoding plan for this machine: the 'planned' method")
-    parser.add_argument("--engine", default="compiled", choices=list(ENGINES),
-                        help="how this library's methods run the target (medusa.engine; default: compiled)")
+    parser.add_argument(
+        "--plan",
+        default="auto",
+        choices=["auto", "off"],
+        help="calibrate (or load the cached) decoding plan for this machine: the 'planned' method",
+    )
+    parser.add_argument(
+        "--engine",
+        default="compiled",
+        choices=list(ENGINES),
+        help="how this library's methods run the target (medusa.engine; default: compiled)",
+    )
     parser.add_argument("--device", default=None, help="e.g. cuda (default: CPU)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampling variants")
-    parser.add_argument("--draft", default=None, help="draft model for 'assisted' and 'draft' (same tokenizer), "
-                        "or early-exit:N for the target's own first N layers")
+    parser.add_argument(
+        "--draft",
+        default=None,
+        help="draft model for 'assisted' and 'draft' (same tokenizer), "
+        "or early-exit:N for the target's own first N layers",
+    )
     parser.add_argument("--gamma", type=int, default=5, help="tokens the draft model proposes per step")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-profile", dest="profile", action="store_false",
-                        help="skip per-phase timing (on a GPU it adds synchronisations; the analysis then has no c)")
+    parser.add_argument(
+        "--no-profile",
+        dest="profile",
+        action="store_false",
+        help="skip per-phase timing (on a GPU it adds synchronisations; the analysis then has no c)",
+    )
     parser.add_argument("--overwrite", action="store_true", help="discard earlier results in --out instead of resuming")
     args = parser.parse_args(argv)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -119,20 +170,25 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # ----------------------------------------------------------------------------------------------------- questions
 def load_questions(path: str, limit: int | None) -> list[dict]:
-    """Spec-Bench jsonl -> questions with a reporting `group` (MT-bench's categories -> 'mt_bench'), `limit` per group."""
+    """Spec-Bench jsonl -> questions with a reporting `group` (MT-bench's categories: 'mt_bench'), `limit` per group."""
     groups: dict[str, list[dict]] = defaultdict(list)
     for q in read_questions(path):
         category = q["category"] or "all"
         group = "mt_bench" if category in MT_BENCH_CATEGORIES else category
         groups[group].append({**q, "category": category, "group": group})
     selected = []
-    for group, questions in groups.items():
+    for questions in groups.values():
         by_category: dict[str, list[dict]] = defaultdict(list)
         for q in questions:
             by_category[q["category"]].append(q)
         # round-robin across fine categories, so a small limit still samples all of MT-bench's kinds
-        mixed = [q for rank in range(max(map(len, by_category.values())))
-                 for qs in by_category.values() if rank < len(qs) for q in [qs[rank]]]
+        mixed = [
+            q
+            for rank in range(max(map(len, by_category.values())))
+            for qs in by_category.values()
+            if rank < len(qs)
+            for q in [qs[rank]]
+        ]
         selected += mixed[:limit] if limit else mixed
     return selected
 
@@ -204,35 +260,60 @@ def build_methods(names: list[str], args, model, stop_ids: list[int]) -> tuple[d
     runs, skipped = {}, {}
     draft_model = draft_hf = None
     if args.draft and {"assisted", "draft"} & set(names):
-        draft_model = MedusaModel.from_draft_model(base, args.draft, dtype=args.dtype, tokenizer=tokenizer,
-                                                   num_speculative_tokens=args.gamma)
+        draft_model = MedusaModel.from_draft_model(
+            base, args.draft, dtype=args.dtype, tokenizer=tokenizer, num_speculative_tokens=args.gamma
+        )
         draft_hf = draft_model.draft
 
     def hf(assistant_model=None, **options):
         """transformers' generate; `options` go into its GenerationConfig (e.g. prompt_lookup_num_tokens)."""
+
         def run(input_ids, max_new_tokens, seed):
             # A fresh config, so nothing from the model's generation_config.json (e.g. top_k=50) sneaks in.
             config = GenerationConfig(
-                max_new_tokens=max_new_tokens, do_sample=sampling, temperature=args.temperature if sampling else None,
-                top_k=0 if sampling else None, top_p=1.0 if sampling else None, num_beams=1,
-                eos_token_id=stop_ids or None, pad_token_id=pad, **options)
+                max_new_tokens=max_new_tokens,
+                do_sample=sampling,
+                temperature=args.temperature if sampling else None,
+                top_k=0 if sampling else None,
+                top_p=1.0 if sampling else None,
+                num_beams=1,
+                eos_token_id=stop_ids or None,
+                pad_token_id=pad,
+                **options,
+            )
             torch.manual_seed(seed)
-            out = base.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config,
-                                assistant_model=assistant_model)
-            return {"output_ids": out[0, input_ids.shape[1]:].tolist()}
+            out = base.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                generation_config=config,
+                assistant_model=assistant_model,
+            )
+            return {"output_ids": out[0, input_ids.shape[1] :].tolist()}
+
         return run
 
     def ours(target, engine=args.engine, **kwargs):
         def run(input_ids, max_new_tokens, seed):
             generator = torch.Generator(base.device).manual_seed(seed) if sampling else None
-            out = target.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=sampling, temperature=args.temperature or 1.0,
-                                  eos_token_id=stop_ids or None, generator=generator, profile=args.profile,
-                                  engine=engine, **kwargs)
+            out = target.generate(
+                input_ids,
+                max_new_tokens=max_new_tokens,
+                do_sample=sampling,
+                temperature=args.temperature or 1.0,
+                eos_token_id=stop_ids or None,
+                generator=generator,
+                profile=args.profile,
+                engine=engine,
+                **kwargs,
+            )
             stats = out.stats
-            return {"output_ids": out.sequences[0, input_ids.shape[1]:].tolist(),
-                    "accepted_lengths": list(stats.accepted_lengths),
-                    "proposed_lengths": list(stats.proposed_lengths),
-                    "propose_s": stats.timings.get("propose") if args.profile else None}
+            return {
+                "output_ids": out.sequences[0, input_ids.shape[1] :].tolist(),
+                "accepted_lengths": list(stats.accepted_lengths),
+                "proposed_lengths": list(stats.proposed_lengths),
+                "propose_s": stats.timings.get("propose") if args.profile else None,
+            }
+
         return run
 
     tree = args.tree
@@ -252,8 +333,9 @@ def build_methods(names: list[str], args, model, stop_ids: list[int]) -> tuple[d
             if draft_hf is None:
                 skipped[name] = "needs --draft PATH (a smaller model with the target's tokenizer)"
             else:
-                runs[name] = hf(assistant_model=draft_hf, num_assistant_tokens=args.gamma,
-                                num_assistant_tokens_schedule="constant")
+                runs[name] = hf(
+                    assistant_model=draft_hf, num_assistant_tokens=args.gamma, num_assistant_tokens_schedule="constant"
+                )
         elif name == "draft":
             if draft_model is None:
                 skipped[name] = "needs --draft PATH (a smaller model with the target's tokenizer)"
@@ -262,8 +344,13 @@ def build_methods(names: list[str], args, model, stop_ids: list[int]) -> tuple[d
         elif name == "medusa_typical":
             runs[name] = ours(model, proposer="medusa", tree=tree, acceptance="typical")
         else:
-            proposer = {"medusa": "medusa", "medusa_dynamic": "dynamic", "hybrid": "hybrid", "lookup": "prompt_lookup",
-                        "plain": "plain"}[name]
+            proposer = {
+                "medusa": "medusa",
+                "medusa_dynamic": "dynamic",
+                "hybrid": "hybrid",
+                "lookup": "prompt_lookup",
+                "plain": "plain",
+            }[name]
             runs[name] = ours(model, proposer=proposer, tree=tree)
     return runs, skipped, draft_hf
 
@@ -280,8 +367,13 @@ def run_turn(run, recorders: dict, input_ids: torch.Tensor, max_new_tokens: int,
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     calls = recorders["target"].take()
-    record = {"new_tokens": len(result["output_ids"]), "time_s": seconds, "forwards": len(calls),
-              "verify_s": sum(c[2] for c in calls[1:]), **result}
+    record = {
+        "new_tokens": len(result["output_ids"]),
+        "time_s": seconds,
+        "forwards": len(calls),
+        "verify_s": sum(c[2] for c in calls[1:]),
+        **result,
+    }
     if "accepted_lengths" not in record:  # transformers' methods: read the steps off the cache lengths
         record["accepted_lengths"], record["proposed_lengths"] = steps_from_calls(calls)
         record["propose_s"] = sum(c[2] for c in recorders["draft"].take()) if "draft" in recorders else None
@@ -303,11 +395,16 @@ def aggregate(turns: list[dict], method: str, has_profile: bool) -> dict:
     steps = sum(max(t["forwards"] - 1, 0) for t in turns)
     accepted = [n for t in turns for n in t["accepted_lengths"]]
     proposed = [n for t in turns for n in t["proposed_lengths"]]
-    out = {"new_tokens": new_tokens, "time_s": seconds, "tokens_per_s": new_tokens / seconds if seconds else 0.0,
-           # steps that proposed nothing: the plan's online guard decoding plainly (medusa.guard)
-           "plain_step_share": sum(d == 0 for d in proposed) / len(proposed) if proposed else None,
-           "tau": new_tokens / forwards if forwards else 0.0, "forwards": forwards,
-           "verify_ms_per_step": 1000 * sum(t["verify_s"] for t in turns) / steps if steps else None}
+    out = {
+        "new_tokens": new_tokens,
+        "time_s": seconds,
+        "tokens_per_s": new_tokens / seconds if seconds else 0.0,
+        # steps that proposed nothing: the plan's online guard decoding plainly (medusa.guard)
+        "plain_step_share": sum(d == 0 for d in proposed) / len(proposed) if proposed else None,
+        "tau": new_tokens / forwards if forwards else 0.0,
+        "forwards": forwards,
+        "verify_ms_per_step": 1000 * sum(t["verify_s"] for t in turns) / steps if steps else None,
+    }
     if method in PLAIN:
         out.update(alpha=None, gamma=0.0, c=None)
         return out
@@ -329,15 +426,24 @@ def aggregate(turns: list[dict], method: str, has_profile: bool) -> dict:
 def summarize(records: dict, questions: list[dict], methods: list[str], settings: dict) -> dict:
     """records: (question_id, method) -> raw record. Speedups against 'baseline' when it was run."""
     groups = sorted({q["group"] for q in questions})
-    outputs = {reference: {(r["question_id"], i): turn["output_ids"] for (qid, m), r in records.items()
-                           if m == reference for i, turn in enumerate(r["turns"])}
-               for reference in ("baseline", "baseline_compiled")}
+    outputs = {
+        reference: {
+            (r["question_id"], i): turn["output_ids"]
+            for (qid, m), r in records.items()
+            if m == reference
+            for i, turn in enumerate(r["turns"])
+        }
+        for reference in ("baseline", "baseline_compiled")
+    }
     baseline_ids = outputs["baseline"]
     sampling = settings["temperature"] > 0
 
     def identical_share(mine: list[dict], reference: str) -> float | None:
-        pairs = [(outputs[reference].get((r["question_id"], i)), t["output_ids"])
-                 for r in mine for i, t in enumerate(r["turns"])]
+        pairs = [
+            (outputs[reference].get((r["question_id"], i)), t["output_ids"])
+            for r in mine
+            for i, t in enumerate(r["turns"])
+        ]
         pairs = [(a, b) for a, b in pairs if a is not None]
         return sum(a == b for a, b in pairs) / len(pairs) if pairs and not sampling else None
 
@@ -351,8 +457,11 @@ def summarize(records: dict, questions: list[dict], methods: list[str], settings
             turns = [t for r in mine for t in r["turns"]]
             stats = aggregate(turns, method, settings["profile"])
             if baseline_ids and not sampling:
-                stats["identical"] = all(baseline_ids.get((r["question_id"], i)) == t["output_ids"]
-                                         for r in mine for i, t in enumerate(r["turns"]))
+                stats["identical"] = all(
+                    baseline_ids.get((r["question_id"], i)) == t["output_ids"]
+                    for r in mine
+                    for i, t in enumerate(r["turns"])
+                )
             else:
                 stats["identical"] = None
             stats["identical_share"] = identical_share(mine, "baseline")
@@ -361,8 +470,9 @@ def summarize(records: dict, questions: list[dict], methods: list[str], settings
         base, compiled = result.get("baseline"), result.get("baseline_compiled")
         for method, stats in result.items():
             stats["speedup"] = stats["tokens_per_s"] / base["tokens_per_s"] if base and base["tokens_per_s"] else None
-            stats["speedup_vs_compiled"] = (stats["tokens_per_s"] / compiled["tokens_per_s"]
-                                            if compiled and compiled["tokens_per_s"] else None)
+            stats["speedup_vs_compiled"] = (
+                stats["tokens_per_s"] / compiled["tokens_per_s"] if compiled and compiled["tokens_per_s"] else None
+            )
             if base and base["verify_ms_per_step"] and stats["verify_ms_per_step"]:
                 stats["verify_cost"] = stats["verify_ms_per_step"] / base["verify_ms_per_step"]
             else:
@@ -372,7 +482,8 @@ def summarize(records: dict, questions: list[dict], methods: list[str], settings
             elif stats["alpha"] is not None and stats["c"] is not None:
                 stats["predicted_speedup"] = predicted_speedup(stats["alpha"], stats["gamma"], stats["c"])
                 stats["predicted_speedup_with_verify_cost"] = (
-                    stats["predicted_speedup"] / stats["verify_cost"] if stats["verify_cost"] else None)
+                    stats["predicted_speedup"] / stats["verify_cost"] if stats["verify_cost"] else None
+                )
             else:
                 stats["predicted_speedup"] = stats["predicted_speedup_with_verify_cost"] = None
         return result
@@ -395,43 +506,60 @@ def _fmt(x, digits=2) -> str:
 def write_markdown(summary: dict, path: Path) -> None:
     s = summary["settings"]
     methods = list(summary["overall"])
-    lines = [f"# Speed benchmark: {Path(s['questions']).name}", "",
-             f"base `{s['base']}`, heads `{s['heads']}`, tree `{s['tree']}`, {s['dtype']} on {s['device']}, "
-             f"{s['threads']} threads, max {s['max_new_tokens']} new tokens, temperature {s['temperature']}, "
-             f"{s['num_questions']} questions. Speedup = tokens/s over baseline tokens/s (total tokens / total time).",
-             ""]
+    lines = [
+        f"# Speed benchmark: {Path(s['questions']).name}",
+        "",
+        f"base `{s['base']}`, heads `{s['heads']}`, tree `{s['tree']}`, {s['dtype']} on {s['device']}, "
+        f"{s['threads']} threads, max {s['max_new_tokens']} new tokens, temperature {s['temperature']}, "
+        f"{s['num_questions']} questions. Speedup = tokens/s over baseline tokens/s (total tokens / total time).",
+        "",
+    ]
     if s.get("skipped"):
         lines += ["Skipped: " + "; ".join(f"`{m}`: {why}" for m, why in s["skipped"].items()), ""]
-    lines += ["## Overall", "", "| method | speedup | vs compiled | tokens/s | tau | identical | same as baseline / "
-              "compiled | alpha | gamma | c | predicted | verify cost | predicted / verify cost |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "## Overall",
+        "",
+        "| method | speedup | vs compiled | tokens/s | tau | identical | same as baseline / "
+        "compiled | alpha | gamma | c | predicted | verify cost | predicted / verify cost |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for m, st in summary["overall"].items():
-        lines.append(f"| {m} | {_fmt(st['speedup'])} | {_fmt(st.get('speedup_vs_compiled'))} | "
-                     f"{_fmt(st['tokens_per_s'])} | {_fmt(st['tau'])} | {_fmt(st['identical'])} | "
-                     f"{_fmt(st.get('identical_share'))} / {_fmt(st.get('identical_share_vs_compiled'))} | "
-                     f"{_fmt(st['alpha'])} | {_fmt(st['gamma'])} | {_fmt(st['c'], 3)} | "
-                     f"{_fmt(st['predicted_speedup'])} | {_fmt(st['verify_cost'])} | "
-                     f"{_fmt(st['predicted_speedup_with_verify_cost'])} |")
-    for title, key in (("Speedup per category", "speedup"), ("Speedup over baseline_compiled per category",
-                                                            "speedup_vs_compiled"),
-                       ("tau (tokens per target forward) per category", "tau")):
-        lines += ["", f"## {title}", "", "| category | " + " | ".join(methods) + " |",
-                  "|---|" + "---|" * len(methods)]
+        lines.append(
+            f"| {m} | {_fmt(st['speedup'])} | {_fmt(st.get('speedup_vs_compiled'))} | "
+            f"{_fmt(st['tokens_per_s'])} | {_fmt(st['tau'])} | {_fmt(st['identical'])} | "
+            f"{_fmt(st.get('identical_share'))} / {_fmt(st.get('identical_share_vs_compiled'))} | "
+            f"{_fmt(st['alpha'])} | {_fmt(st['gamma'])} | {_fmt(st['c'], 3)} | "
+            f"{_fmt(st['predicted_speedup'])} | {_fmt(st['verify_cost'])} | "
+            f"{_fmt(st['predicted_speedup_with_verify_cost'])} |"
+        )
+    for title, key in (
+        ("Speedup per category", "speedup"),
+        ("Speedup over baseline_compiled per category", "speedup_vs_compiled"),
+        ("tau (tokens per target forward) per category", "tau"),
+    ):
+        lines += ["", f"## {title}", "", "| category | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
         for group, block in summary["per_category"].items():
             lines.append(f"| {group} | " + " | ".join(_fmt(block.get(m, {}).get(key)) for m in methods) + " |")
-    lines += ["", "## Analysis per category (Leviathan et al.; DESIGN section 6)", "",
-              "alpha: accepted guesses / guesses reached; gamma: mean guesses per step; c: proposal time per guess / "
-              "verify forward time; predicted = (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1)); verify cost: a "
-              "verify forward / a baseline forward (the formula assumes 1).", "",
-              "| category | method | alpha | gamma | c | tau | predicted | predicted / verify cost | measured |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "## Analysis per category (Leviathan et al.; DESIGN section 6)",
+        "",
+        "alpha: accepted guesses / guesses reached; gamma: mean guesses per step; c: proposal time per guess / "
+        "verify forward time; predicted = (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1)); verify cost: a "
+        "verify forward / a baseline forward (the formula assumes 1).",
+        "",
+        "| category | method | alpha | gamma | c | tau | predicted | predicted / verify cost | measured |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for group, block in summary["per_category"].items():
         for m, st in block.items():
             if m in PLAIN:
                 continue
-            lines.append(f"| {group} | {m} | {_fmt(st['alpha'])} | {_fmt(st['gamma'])} | {_fmt(st['c'], 3)} | "
-                         f"{_fmt(st['tau'])} | {_fmt(st['predicted_speedup'])} | "
-                         f"{_fmt(st['predicted_speedup_with_verify_cost'])} | {_fmt(st['speedup'])} |")
+            lines.append(
+                f"| {group} | {m} | {_fmt(st['alpha'])} | {_fmt(st['gamma'])} | {_fmt(st['c'], 3)} | "
+                f"{_fmt(st['tau'])} | {_fmt(st['predicted_speedup'])} | "
+                f"{_fmt(st['predicted_speedup_with_verify_cost'])} | {_fmt(st['speedup'])} |"
+            )
     atomic_write_text(path, "\n".join(lines) + "\n")
 
 
@@ -478,8 +606,10 @@ def load_raw(path: Path) -> dict:
             try:
                 r = json.loads(line)
             except json.JSONDecodeError:
-                print(f"warning: {path}:{line_no} is not valid JSON (an interrupted write?); that result is rerun",
-                      file=sys.stderr)
+                print(
+                    f"warning: {path}:{line_no} is not valid JSON (an interrupted write?); that result is rerun",
+                    file=sys.stderr,
+                )
                 continue
             records[(r["question_id"], r["method"])] = r
     return records
@@ -495,8 +625,9 @@ def main(argv=None) -> dict:
     if not questions:
         raise ValueError(f"{args.questions} holds no questions")
 
-    model = MedusaModel.from_pretrained(args.heads, base=args.base, dtype=args.dtype, device=args.device,
-                                        plan=args.plan)
+    model = MedusaModel.from_pretrained(
+        args.heads, base=args.base, dtype=args.dtype, device=args.device, plan=args.plan
+    )
     tokenizer = model.tokenizer
     if tokenizer is None:
         raise ValueError("the benchmark needs the base model's tokenizer (chat template): load a base that has one")
@@ -506,20 +637,41 @@ def main(argv=None) -> dict:
     sync = args.profile and model.device.type == "cuda"
 
     settings = {
-        "questions": str(args.questions), "limit": args.limit, "methods": args.methods,
-        "base": str(args.base or model.config.base_model_name_or_path), "heads": heads_label(args.heads),
-        "tree": args.tree or "heads' default", "tree_paths": load_tree(args.tree) if args.tree else model.tree,
-        "dtype": args.dtype, "device": str(model.device), "engine": args.engine,
+        "questions": str(args.questions),
+        "limit": args.limit,
+        "methods": args.methods,
+        "base": str(args.base or model.config.base_model_name_or_path),
+        "heads": heads_label(args.heads),
+        "tree": args.tree or "heads' default",
+        "tree_paths": load_tree(args.tree) if args.tree else model.tree,
+        "dtype": args.dtype,
+        "device": str(model.device),
+        "engine": args.engine,
         "baseline_compiled": "this library's plain decoding (proposer 'plain') on the compiled engine: StaticCache, "
-                             + ("torch.compile with CUDA graphs" if model.device.type == "cuda" else
-                                "linear weights pre-packed for oneDNN, no torch.compile (slower here, see medusa.engine)"),
+        + (
+            "torch.compile with CUDA graphs"
+            if model.device.type == "cuda"
+            else "linear weights pre-packed for oneDNN, no torch.compile (slower here, see medusa.engine)"
+        ),
         "hardware": describe(model.device),
-        "plan": None if model.plan is None else {k: getattr(model.plan, k) for k in (
-            "engine", "proposer", "tree", "expected_speedup", "plain_ms", "reason", "calibration_s")},
-        "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "draft": args.draft,
-        "gamma": args.gamma, "threads": torch.get_num_threads(), "seed": args.seed, "profile": args.profile,
-        "num_questions": len(questions), "torch": torch.__version__, "transformers": transformers.__version__,
-        "machine": platform.machine(), "processor": platform.processor(),
+        "plan": None
+        if model.plan is None
+        else {
+            k: getattr(model.plan, k)
+            for k in ("engine", "proposer", "tree", "expected_speedup", "plain_ms", "reason", "calibration_s")
+        },
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "draft": args.draft,
+        "gamma": args.gamma,
+        "threads": torch.get_num_threads(),
+        "seed": args.seed,
+        "profile": args.profile,
+        "num_questions": len(questions),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "machine": platform.machine(),
+        "processor": platform.processor(),
     }
     settings_path, raw_path = out / "settings.json", out / "raw.jsonl"
     if args.overwrite:
@@ -528,8 +680,10 @@ def main(argv=None) -> dict:
         old = json.loads(settings_path.read_text())
         changed = {k: (old.get(k), settings[k]) for k in RESUME_KEYS if old.get(k) != settings[k]}
         if changed:
-            raise ValueError(f"{out} holds results made with other settings {changed}: resume with the same settings, "
-                             "or pass --overwrite, or choose another --out")
+            raise ValueError(
+                f"{out} holds results made with other settings {changed}: resume with the same settings, "
+                "or pass --overwrite, or choose another --out"
+            )
     atomic_write_text(settings_path, json.dumps(settings, indent=2))
     records = load_raw(raw_path)
 
@@ -572,14 +726,25 @@ def main(argv=None) -> dict:
                 for m in order:
                     conversations[m].append({"role": "user", "content": text})
                     ids = prompt_ids(conversations[m])
-                    record = run_turn(runs[m], recorders, ids, args.max_new_tokens,
-                                      args.seed + 1000 * q["question_id"] + turn_index, sync)
+                    record = run_turn(
+                        runs[m],
+                        recorders,
+                        ids,
+                        args.max_new_tokens,
+                        args.seed + 1000 * q["question_id"] + turn_index,
+                        sync,
+                    )
                     record["prompt_tokens"] = ids.shape[1]
                     turns[m].append(record)
                     conversations[m].append(answer_message(tokenizer, record["output_ids"]))
             for m in order:
-                r = {"question_id": q["question_id"], "category": q["category"], "group": q["group"], "method": m,
-                     "turns": turns[m]}
+                r = {
+                    "question_id": q["question_id"],
+                    "category": q["category"],
+                    "group": q["group"],
+                    "method": m,
+                    "turns": turns[m],
+                }
                 raw.write(json.dumps(r) + "\n")
                 raw.flush()
                 records[(q["question_id"], m)] = r

@@ -31,8 +31,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--accuracy", required=True, help="JSON from scripts/head_accuracy.py (key 'acc')")
     parser.add_argument("--out", required=True, help="tree JSON to write, e.g. medusa/trees/smollm2-135m-cpu.json")
     parser.add_argument("--max-nodes", type=int, default=64, help="largest tree to consider, root included")
-    parser.add_argument("--sizes", default=None, help="comma-separated node counts to time (default: a ladder up to --max-nodes)")
-    parser.add_argument("--heads", default=None, help="heads directory (default: the shipped heads); only their cost matters")
+    parser.add_argument(
+        "--sizes", default=None, help="comma-separated node counts to time (default: a ladder up to --max-nodes)"
+    )
+    parser.add_argument(
+        "--heads", default=None, help="heads directory (default: the shipped heads); only their cost matters"
+    )
     parser.add_argument("--base", default=None, help="base model (default: the heads' base)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default=None, help="e.g. cuda; default: CPU")
@@ -56,8 +60,11 @@ def main(argv=None) -> dict:
     acc = load_accuracy(args.accuracy)
     model = MedusaModel.from_pretrained(args.heads, base=args.base, dtype=args.dtype, device=args.device, plan="off")
     if len(acc) > model.config.num_heads:
-        print(f"note: {args.accuracy} covers {len(acc)} heads, the model has {model.config.num_heads}; using the first "
-              f"{model.config.num_heads}", file=sys.stderr)
+        print(
+            f"note: {args.accuracy} covers {len(acc)} heads, the model has {model.config.num_heads}; using the first "
+            f"{model.config.num_heads}",
+            file=sys.stderr,
+        )
         acc = acc[: model.config.num_heads]
 
     order = grow_tree(acc, args.max_nodes)  # paths, best first
@@ -69,18 +76,25 @@ def main(argv=None) -> dict:
     step_ms = {n: latency[n].step_ms for n in sizes}
     best = best_size(taus, step_ms)
 
-    print(f"{'nodes':>5} {'depth':>5} {'exp. tau':>8} {'heads ms':>8} {'verify ms':>9} {'step ms':>8} {'exp. tok/s':>10}")
+    print(
+        f"{'nodes':>5} {'depth':>5} {'exp. tau':>8} {'heads ms':>8} {'verify ms':>9} {'step ms':>8} {'exp. tok/s':>10}"
+    )
     for n in sizes:
         lat = latency[n]
         depth = max((len(p) for p in trees[n]), default=0)
         mark = "  <- best" if n == best else ("  (plain decoding)" if n == 1 else "")
-        print(f"{n:5d} {depth:5d} {taus[n]:8.3f} {lat.heads_ms:8.2f} {lat.verify_ms:9.2f} {lat.step_ms:8.2f} "
-              f"{1000 * taus[n] / lat.step_ms:10.2f}{mark}")
+        print(
+            f"{n:5d} {depth:5d} {taus[n]:8.3f} {lat.heads_ms:8.2f} {lat.verify_ms:9.2f} {lat.step_ms:8.2f} "
+            f"{1000 * taus[n] / lat.step_ms:10.2f}{mark}"
+        )
     plain = 1000 / step_ms[1]
     predicted = 1000 * taus[best] / step_ms[best]
     if predicted <= plain:
-        print(f"warning: no tree beats plain decoding on this machine by this model ({predicted:.2f} vs {plain:.2f} "
-              "tok/s): better heads (higher accuracies) or a cheaper head projection are needed", file=sys.stderr)
+        print(
+            f"warning: no tree beats plain decoding on this machine by this model ({predicted:.2f} vs {plain:.2f} "
+            "tok/s): better heads (higher accuracies) or a cheaper head projection are needed",
+            file=sys.stderr,
+        )
 
     result = {
         "paths": TreeSpec(trees[best]).to_list(),
@@ -92,16 +106,26 @@ def main(argv=None) -> dict:
         "expected_tau_by_size": {str(n): taus[n] for n in sizes},
         "expected_tokens_per_s": {str(n): 1000 * taus[n] / step_ms[n] for n in sizes},
         "settings": {
-            "accuracy": str(args.accuracy), "heads": args.heads, "base": model.config.base_model_name_or_path
-            if args.base is None else str(args.base), "dtype": args.dtype, "device": str(model.device),
-            "threads": torch.get_num_threads(), "kv_length": args.kv_length, "repeats": args.repeats,
-            "max_nodes": args.max_nodes, "machine": platform.machine(), "processor": platform.processor(),
-            "torch": torch.__version__, "transformers": transformers.__version__,
+            "accuracy": str(args.accuracy),
+            "heads": args.heads,
+            "base": model.config.base_model_name_or_path if args.base is None else str(args.base),
+            "dtype": args.dtype,
+            "device": str(model.device),
+            "threads": torch.get_num_threads(),
+            "kv_length": args.kv_length,
+            "repeats": args.repeats,
+            "max_nodes": args.max_nodes,
+            "machine": platform.machine(),
+            "processor": platform.processor(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
         },
     }
     atomic_write_text(Path(args.out), json.dumps(result, indent=2))
-    print(f"wrote {args.out}: {best} nodes, expected tau {taus[best]:.3f}, {predicted:.2f} expected tok/s "
-          f"(plain decoding {plain:.2f})")
+    print(
+        f"wrote {args.out}: {best} nodes, expected tau {taus[best]:.3f}, {predicted:.2f} expected tok/s "
+        f"(plain decoding {plain:.2f})"
+    )
     return result
 
 

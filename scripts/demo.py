@@ -45,38 +45,49 @@ def main() -> None:
 
     start = time.perf_counter()
     model = MedusaModel.from_pretrained(args.heads, dtype=args.dtype, plan="off")
-    print(f"loaded {model.config.base_model_name_or_path} + {model.config.num_heads} heads "
-          f"({str(model.base.dtype).replace('torch.', '')}) in {time.perf_counter() - start:.1f} s")
+    print(
+        f"loaded {model.config.base_model_name_or_path} + {model.config.num_heads} heads "
+        f"({str(model.base.dtype).replace('torch.', '')}) in {time.perf_counter() - start:.1f} s"
+    )
     if args.plan == "auto":
         start = time.perf_counter()
         plan = model.calibrate(recalibrate=args.recalibrate)
         took = time.perf_counter() - start
-        print(f"{'calibrated' if plan.calibration_s and took > 1 else 'cached plan loaded'} in {took:.1f} s "
-              f"(measured in {plan.calibration_s:.1f} s)\n{plan.describe()}")
+        print(
+            f"{'calibrated' if plan.calibration_s and took > 1 else 'cached plan loaded'} in {took:.1f} s "
+            f"(measured in {plan.calibration_s:.1f} s)\n{plan.describe()}"
+        )
     setup = model.engine("compiled").setup_seconds
     print(f"compiled engine set up in {setup:.1f} s (weights pre-packed once; see medusa.engine)")
     chat = lambda text: model.tokenizer.apply_chat_template(  # noqa: E731
-        [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt")["input_ids"]
+        [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt"
+    )["input_ids"]
     warm = chat("Hi")
     model.base.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=8, do_sample=False)
     model.generate(warm, max_new_tokens=8, proposer="plain", engine="compiled")
     model.generate(warm, max_new_tokens=8)
 
     ratios, over_engine, taus, identical, near_ties = [], [], [], [], 0
-    print(f"\n{'prompt':<40} {'transformers':>12} {'engine plain':>12} {'medusa':>7} {'speedup':>7} "
-          f"{'vs plain':>8} {'tau':>5} same")
+    print(
+        f"\n{'prompt':<40} {'transformers':>12} {'engine plain':>12} {'medusa':>7} {'speedup':>7} "
+        f"{'vs plain':>8} {'tau':>5} same"
+    )
     for text in PROMPTS[: args.prompts]:
         ids = chat(text)
         t0 = time.perf_counter()
-        plain = model.base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
-                                    do_sample=False)
+        plain = model.base.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens, do_sample=False
+        )
         t1 = time.perf_counter()
         engine_plain = model.generate(ids, max_new_tokens=args.max_new_tokens, proposer="plain", engine="compiled")
         t2 = time.perf_counter()
         fast = model.generate(ids, max_new_tokens=args.max_new_tokens)
         t3 = time.perf_counter()
-        rates = [(plain.shape[1] - ids.shape[1]) / (t1 - t0), engine_plain.stats.new_tokens / (t2 - t1),
-                 fast.stats.new_tokens / (t3 - t2)]
+        rates = [
+            (plain.shape[1] - ids.shape[1]) / (t1 - t0),
+            engine_plain.stats.new_tokens / (t2 - t1),
+            fast.stats.new_tokens / (t3 - t2),
+        ]
         same = torch.equal(plain, fast.sequences)
         if not same:  # where did they part, and was it a near-tie for the target itself?
             a, b = plain[0].tolist(), fast.sequences[0].tolist()
@@ -87,14 +98,21 @@ def main() -> None:
         over_engine.append(rates[2] / rates[1])
         taus.append(fast.stats.mean_accepted_tokens)
         identical.append(same)
-        print(f"{text[:39]:<40} {rates[0]:>9.1f}t/s {rates[1]:>9.1f}t/s {rates[2]:>6.1f} {ratios[-1]:>6.2f}x "
-              f"{over_engine[-1]:>7.2f}x {taus[-1]:>5.2f} {same}")
-    print(f"\nmedian speedup {statistics.median(ratios):.2f}x over transformers' generate (lowest "
-          f"{min(ratios):.2f}x), {statistics.median(over_engine):.2f}x over plain decoding on the compiled engine; "
-          f"mean tau {statistics.mean(taus):.2f}; identical outputs {sum(identical)}/{len(identical)}"
-          + (f" (the others part at a near-tie: {near_ties}/{len(identical) - sum(identical)})"
-             if not all(identical) else ""))
-    print("\nsample output:\n" + model.tokenizer.decode(fast.sequences[0, ids.shape[1]:], skip_special_tokens=True))
+        print(
+            f"{text[:39]:<40} {rates[0]:>9.1f}t/s {rates[1]:>9.1f}t/s {rates[2]:>6.1f} {ratios[-1]:>6.2f}x "
+            f"{over_engine[-1]:>7.2f}x {taus[-1]:>5.2f} {same}"
+        )
+    print(
+        f"\nmedian speedup {statistics.median(ratios):.2f}x over transformers' generate (lowest "
+        f"{min(ratios):.2f}x), {statistics.median(over_engine):.2f}x over plain decoding on the compiled engine; "
+        f"mean tau {statistics.mean(taus):.2f}; identical outputs {sum(identical)}/{len(identical)}"
+        + (
+            f" (the others part at a near-tie: {near_ties}/{len(identical) - sum(identical)})"
+            if not all(identical)
+            else ""
+        )
+    )
+    print("\nsample output:\n" + model.tokenizer.decode(fast.sequences[0, ids.shape[1] :], skip_special_tokens=True))
 
 
 if __name__ == "__main__":

@@ -53,10 +53,19 @@ def divergences(records: list[dict], questions: dict) -> list[dict]:
                 continue
             if position >= min(len(mine["output_ids"]), len(ref["output_ids"])):
                 break  # one output is a prefix of the other (a stop token kept by one): nothing to score
-            found.append({"question_id": r["question_id"], "method": r["method"], "turn": turn, "position": position,
-                          "baseline_token": ref["output_ids"][position], "method_token": mine["output_ids"][position],
-                          "earlier_turns": [t["output_ids"] for t in base["turns"][:turn]],
-                          "prefix": ref["output_ids"][:position], "turns": questions[r["question_id"]]["turns"]})
+            found.append(
+                {
+                    "question_id": r["question_id"],
+                    "method": r["method"],
+                    "turn": turn,
+                    "position": position,
+                    "baseline_token": ref["output_ids"][position],
+                    "method_token": mine["output_ids"][position],
+                    "earlier_turns": [t["output_ids"] for t in base["turns"][:turn]],
+                    "prefix": ref["output_ids"][:position],
+                    "turns": questions[r["question_id"]]["turns"],
+                }
+            )
             break  # later turns build on a different conversation
     return found
 
@@ -81,10 +90,18 @@ def score(case: dict, exact, half, tokenizer) -> dict:
     b, m = case["baseline_token"], case["method_token"]
     gap = float(reference[b] - reference[m])  # > 0: float32 prefers the baseline's token
     error = float(max(abs(rounded[b] - reference[b]), abs(rounded[m] - reference[m])))
-    return {"question_id": case["question_id"], "method": case["method"], "turn": case["turn"],
-            "position": case["position"], "baseline_token": tokenizer.decode([b]), "method_token": tokenizer.decode([m]),
-            "float32_gap": gap, "half_error": error, "float32_prefers": "baseline" if gap > 0 else "method",
-            "near_tie": abs(gap) <= max(2 * error, NEAR_TIE_LOGITS)}
+    return {
+        "question_id": case["question_id"],
+        "method": case["method"],
+        "turn": case["turn"],
+        "position": case["position"],
+        "baseline_token": tokenizer.decode([b]),
+        "method_token": tokenizer.decode([m]),
+        "float32_gap": gap,
+        "half_error": error,
+        "float32_prefers": "baseline" if gap > 0 else "method",
+        "near_tie": abs(gap) <= max(2 * error, NEAR_TIE_LOGITS),
+    }
 
 
 def main(argv=None) -> dict:
@@ -106,21 +123,31 @@ def main(argv=None) -> dict:
     summary = {}
     for m, n in outputs.items():
         mine = [c for c in cases if c["method"] == m]
-        summary[m] = {"outputs": n, "differ": len(mine), "near_ties": sum(c["near_tie"] for c in mine),
-                      "float32_prefers_method": sum(c["float32_prefers"] == "method" for c in mine),
-                      "max_abs_float32_gap": max((abs(c["float32_gap"]) for c in mine), default=0.0)}
+        summary[m] = {
+            "outputs": n,
+            "differ": len(mine),
+            "near_ties": sum(c["near_tie"] for c in mine),
+            "float32_prefers_method": sum(c["float32_prefers"] == "method" for c in mine),
+            "max_abs_float32_gap": max((abs(c["float32_gap"]) for c in mine), default=0.0),
+        }
     result = {"run": str(run), "dtype": settings["dtype"], "summary": summary, "cases": cases}
     atomic_write_text(run / "divergence.json", json.dumps(result, indent=2))
-    print("| method | outputs | differ from baseline | near-ties | suspects | float32 sides with the method | "
-          "largest float32 gap |\n|---|---|---|---|---|---|---|")
+    print(
+        "| method | outputs | differ from baseline | near-ties | suspects | float32 sides with the method | "
+        "largest float32 gap |\n|---|---|---|---|---|---|---|"
+    )
     for m, s in summary.items():
-        print(f"| {m} | {s['outputs']} | {s['differ']} | {s['near_ties']} | {s['differ'] - s['near_ties']} | "
-              f"{s['float32_prefers_method']} | {s['max_abs_float32_gap']:.3f} |")
+        print(
+            f"| {m} | {s['outputs']} | {s['differ']} | {s['near_ties']} | {s['differ'] - s['near_ties']} | "
+            f"{s['float32_prefers_method']} | {s['max_abs_float32_gap']:.3f} |"
+        )
     for c in cases:
         if not c["near_tie"]:
-            print(f"suspect: q{c['question_id']} {c['method']} turn {c['turn']} token {c['position']}: "
-                  f"{c['baseline_token']!r} vs {c['method_token']!r}, float32 gap {c['float32_gap']:.3f}, "
-                  f"{settings['dtype']} error {c['half_error']:.3f}")
+            print(
+                f"suspect: q{c['question_id']} {c['method']} turn {c['turn']} token {c['position']}: "
+                f"{c['baseline_token']!r} vs {c['method_token']!r}, float32 gap {c['float32_gap']:.3f}, "
+                f"{settings['dtype']} error {c['half_error']:.3f}"
+            )
     return result
 
 

@@ -30,15 +30,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from medusa import MedusaModel  # noqa: E402
+from medusa.evaluation import (
+    CONFIDENCE_EDGES,
+    RankAccuracy,
+    head_rank_accuracy_by_group,
+    load_questions,  # noqa: E402
+    spread,
+)
 from medusa.fileio import atomic_write_text  # noqa: E402
-from train.data import bench_data_dir  # noqa: E402
-from medusa.evaluation import (CONFIDENCE_EDGES, RankAccuracy, head_rank_accuracy_by_group, load_questions,  # noqa: E402
-                               spread)
 from medusa.heads import head_target_offset  # noqa: E402
 from medusa.loading import DTYPES  # noqa: E402
 from medusa.model import DEFAULT_HEADS_DIR  # noqa: E402
 from medusa.plan import ACCURACY_NAME, save_accuracy  # noqa: E402
 from train.config import DataConfig  # noqa: E402
+from train.data import bench_data_dir  # noqa: E402
 from train.generate_data import answer_batch, stop_and_pad_ids, tokenize_prompts  # noqa: E402
 
 
@@ -52,7 +57,7 @@ def answer_questions(model: MedusaModel, questions: list[dict], max_new_tokens: 
     items.sort(key=lambda x: len(x["prompt_ids"]))  # less padding per batch
     sequences, starts, answered = [], [], []
     for b in range(0, len(items), batch_size):
-        batch = items[b:b + batch_size]
+        batch = items[b : b + batch_size]
         responses = answer_batch(model.base, [x["prompt_ids"] for x in batch], pad_id, eos_ids, cfg, greedy=True)
         for item, response in zip(batch, responses):
             sequences.append(item["prompt_ids"] + response)
@@ -69,18 +74,25 @@ def print_table(result: RankAccuracy, shown: int = 5) -> None:
     given, chain = result.acc_given_prefix, result.chain
     print(f"{'head':>4} {'offset':>6} {'scored':>7} {'top1':>6} {'top5':>6}  {ranks}  {'top1|prefix':>11} {'chain':>6}")
     for k in range(acc.shape[0]):
-        print(f"{k:>4} {'+' + str(head_target_offset(k)):>6} {int(result.counts[k]):>7} {float(acc[k, 0]):6.3f} "
-              f"{float(result.top(5)[k]):6.3f}  " + " ".join(f"{float(a):6.3f}" for a in acc[k, :shown])
-              + f"  {float(given[k, 0]):11.3f} {float(chain[k]):6.3f}")
-    print("top1|prefix: top-1 accuracy where heads 0..k-1 were right (what a step that reached head k sees); "
-          "chain: share of positions where heads 0..k all were right")
+        print(
+            f"{k:>4} {'+' + str(head_target_offset(k)):>6} {int(result.counts[k]):>7} {float(acc[k, 0]):6.3f} "
+            f"{float(result.top(5)[k]):6.3f}  "
+            + " ".join(f"{float(a):6.3f}" for a in acc[k, :shown])
+            + f"  {float(given[k, 0]):11.3f} {float(chain[k]):6.3f}"
+        )
+    print(
+        "top1|prefix: top-1 accuracy where heads 0..k-1 were right (what a step that reached head k sees); "
+        "chain: share of positions where heads 0..k all were right"
+    )
 
 
 def print_categories(by_category: dict[str, RankAccuracy], categories: list[str]) -> None:
     print(f"{'category':>14} {'questions':>9} {'scored':>7}  top-1 per head")
     for cat, part in sorted(by_category.items()):
-        print(f"{cat:>14} {categories.count(cat):>9} {int(part.counts[0]):>7}  "
-              + " ".join(f"{float(a):6.3f}" for a in part.top(1)))
+        print(
+            f"{cat:>14} {categories.count(cat):>9} {int(part.counts[0]):>7}  "
+            + " ".join(f"{float(a):6.3f}" for a in part.top(1))
+        )
 
 
 def confidence_bins() -> list[str]:
@@ -89,23 +101,31 @@ def confidence_bins() -> list[str]:
 
 
 def print_copy(result: RankAccuracy, ngram: int) -> None:
-    print(f"\ncopy guesses (last {ngram}..2 tokens seen before; ranked first where they exist): share of positions "
-          + " ".join(f"{float(x):.3f}" for x in result.copy_share) + ", right "
-          + " ".join(f"{float(x):.3f}" for x in result.copy_precision))
+    print(
+        f"\ncopy guesses (last {ngram}..2 tokens seen before; ranked first where they exist): share of positions "
+        + " ".join(f"{float(x):.3f}" for x in result.copy_share)
+        + ", right "
+        + " ".join(f"{float(x):.3f}" for x in result.copy_precision)
+    )
 
 
 def print_confidence(result: RankAccuracy) -> None:
     """Top-1 per head split by the target's own probability of the token it emitted."""
     print(f"{'target p':>10} {'share':>6}  top-1 per head")
     for b, name in enumerate(confidence_bins()):
-        print(f"{name:>10} {float(result.confidence_share[0, b]):6.3f}  "
-              + " ".join(f"{float(a):6.3f}" for a in result.by_confidence[:, b]))
+        print(
+            f"{name:>10} {float(result.confidence_share[0, b]):6.3f}  "
+            + " ".join(f"{float(a):6.3f}" for a in result.by_confidence[:, b])
+        )
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--questions", default=str(bench_data_dir() / "spec_bench_question.jsonl"),
-                        help="JSONL of {question_id, category, turns} (default: Spec-Bench)")
+    parser.add_argument(
+        "--questions",
+        default=str(bench_data_dir() / "spec_bench_question.jsonl"),
+        help="JSONL of {question_id, category, turns} (default: Spec-Bench)",
+    )
     parser.add_argument("--limit", type=int, help="questions to use, evenly spread through the file (default: all)")
     parser.add_argument("--out", required=True, help="JSON file to write")
     parser.add_argument("--heads", help="heads directory (default: the shipped heads)")
@@ -115,11 +135,18 @@ def main(argv=None) -> None:
     parser.add_argument("--device", help="e.g. cuda (default: cpu)")
     parser.add_argument("--ranks", type=int, default=10, help="ranks per head to score")
     parser.add_argument("--batch-size", type=int, default=8, help="questions answered per generate call")
-    parser.add_argument("--copy-ngram", type=int, help="override the heads' copy_ngram (0: score the network's own "
-                        "guesses alone, without the copy guess ranked first)")
-    parser.add_argument("--heads-dir", action="store_true",
-                        help="also write the conditional accuracy table into the heads directory as "
-                             "medusa_accuracy.json, where the calibrated plan (medusa.plan) reads it")
+    parser.add_argument(
+        "--copy-ngram",
+        type=int,
+        help="override the heads' copy_ngram (0: score the network's own "
+        "guesses alone, without the copy guess ranked first)",
+    )
+    parser.add_argument(
+        "--heads-dir",
+        action="store_true",
+        help="also write the conditional accuracy table into the heads directory as "
+        "medusa_accuracy.json, where the calibrated plan (medusa.plan) reads it",
+    )
     args = parser.parse_args(argv)
 
     started = time.time()
@@ -129,8 +156,9 @@ def main(argv=None) -> None:
     questions = spread(load_questions(args.questions), args.limit)
     sequences, starts, answered = answer_questions(model, questions, args.max_new_tokens, args.batch_size)
     if not sequences:
-        parser.exit(1, f"error: no question of {args.questions} fits the context window with "
-                       f"{args.max_new_tokens} new tokens\n")
+        parser.exit(
+            1, f"error: no question of {args.questions} fits the context window with {args.max_new_tokens} new tokens\n"
+        )
     categories = [q.get("category", "none") for q in answered]
     result, by_category = head_rank_accuracy_by_group(model, sequences, starts, categories, ranks=args.ranks)
     print_table(result)
@@ -150,24 +178,37 @@ def main(argv=None) -> None:
         "counts": result.counts.tolist(),  # positions scored per head
         "questions": len(answered),
         # where the heads miss: top-1 per head and scored positions for each question category
-        "by_category": {cat: {"questions": categories.count(cat), "top1": part.top(1).tolist(),
-                              "counts": part.counts.tolist()} for cat, part in sorted(by_category.items())},
+        "by_category": {
+            cat: {"questions": categories.count(cat), "top1": part.top(1).tolist(), "counts": part.counts.tolist()}
+            for cat, part in sorted(by_category.items())
+        },
         # where the heads miss, by how sure the target was of the token: its probability bins, the share of head 0's
         # scored positions in each, top-1 per head in each (greedy answers: the target's top probability)
-        "by_target_confidence": {"bins": confidence_bins(),
-                                 "share": result.confidence_share[0].tolist(),
-                                 "top1": result.by_confidence.T.tolist(), "counts": result.confidence_counts.T.tolist()},
+        "by_target_confidence": {
+            "bins": confidence_bins(),
+            "share": result.confidence_share[0].tolist(),
+            "top1": result.by_confidence.T.tolist(),
+            "counts": result.confidence_counts.T.tolist(),
+        },
         # copy guesses (heads with copy_ngram): share of each head's positions with one, and how often it was right
         "copy": {"share": result.copy_share.tolist(), "precision": result.copy_precision.tolist()},
         "settings": {
-            "heads": args.heads or "default", "base": model.config.base_model_name_or_path,
-            "questions_file": args.questions, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
-            "dtype": args.dtype, "ranks": args.ranks, "greedy": True, "num_heads": model.config.num_heads,
+            "heads": args.heads or "default",
+            "base": model.config.base_model_name_or_path,
+            "questions_file": args.questions,
+            "limit": args.limit,
+            "max_new_tokens": args.max_new_tokens,
+            "dtype": args.dtype,
+            "ranks": args.ranks,
+            "greedy": True,
+            "num_heads": model.config.num_heads,
             "copy_ngram": model.config.copy_ngram,
-            "projection": model.config.projection, "vocab_subset_size": model.config.vocab_subset_size,
+            "projection": model.config.projection,
+            "vocab_subset_size": model.config.vocab_subset_size,
             "candidate_dtype": str(model.candidate_projection.weight.dtype).removeprefix("torch."),
             "head_target_offsets": [head_target_offset(k) for k in range(model.config.num_heads)],
-            "question_ids": [q["question_id"] for q in answered], "torch": torch.__version__,
+            "question_ids": [q["question_id"] for q in answered],
+            "torch": torch.__version__,
             "seconds": round(time.time() - started, 1),
         },
     }
@@ -175,8 +216,12 @@ def main(argv=None) -> None:
     print(f"{len(answered)} questions, {positions} response tokens -> {args.out}")
     if args.heads_dir:
         directory = Path(args.heads) if args.heads else DEFAULT_HEADS_DIR
-        save_accuracy(directory, report["acc_given_prefix"], source=f"scripts/head_accuracy.py --questions "
-                      f"{args.questions} --limit {args.limit}: {len(answered)} questions, {positions} tokens")
+        save_accuracy(
+            directory,
+            report["acc_given_prefix"],
+            source=f"scripts/head_accuracy.py --questions "
+            f"{args.questions} --limit {args.limit}: {len(answered)} questions, {positions} tokens",
+        )
         print(f"accuracy table -> {directory / ACCURACY_NAME}")
 
 

@@ -21,22 +21,31 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from medusa import MedusaModel, load_tree  # noqa: E402
 
-PROMPTS = ["Write a short story about a robot learning to paint.", "Explain how a hash table works.",
-           "What are the health benefits of green tea?"]
+PROMPTS = [
+    "Write a short story about a robot learning to paint.",
+    "Explain how a hash table works.",
+    "What are the health benefits of green tea?",
+]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--heads", default=None, help="'untrained' (fresh heads), a heads directory, or the shipped default")
+    parser.add_argument(
+        "--heads", default=None, help="'untrained' (fresh heads), a heads directory, or the shipped default"
+    )
     parser.add_argument("--trees", nargs="+", default=[None], help="tree names, JSON files or JSON path lists")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--dtype", default="float32")
     args = parser.parse_args()
 
-    model = MedusaModel.from_base(dtype=args.dtype) if args.heads == "untrained" else \
-        MedusaModel.from_pretrained(args.heads, dtype=args.dtype, plan="off")
+    model = (
+        MedusaModel.from_base(dtype=args.dtype)
+        if args.heads == "untrained"
+        else MedusaModel.from_pretrained(args.heads, dtype=args.dtype, plan="off")
+    )
     chat = lambda text: model.tokenizer.apply_chat_template(  # noqa: E731
-        [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt")
+        [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt"
+    )
     model.generate(chat("Hi"), max_new_tokens=8)
     model.base.generate(**chat("Hi"), max_new_tokens=8, do_sample=False)
     for tree in args.trees:
@@ -58,8 +67,11 @@ def main() -> None:
             for phase, seconds in out.stats.timings.items():
                 per_step.setdefault(phase, []).append(seconds / out.stats.steps * 1000)
         phases = ", ".join(f"{k} {statistics.mean(v):.1f}" for k, v in per_step.items())
-        print(f"{len(paths) + 1:>3}-node tree: median speedup {statistics.median(ratios):.2f}x, tau {statistics.mean(taus):.2f}; "
-              f"ms per step: {phases}; plain generate {plain_s / plain_tokens * 1000:.1f} ms/token")
+        print(
+            f"{len(paths) + 1:>3}-node tree: median speedup {statistics.median(ratios):.2f}x, "
+            f"tau {statistics.mean(taus):.2f}; "
+            f"ms per step: {phases}; plain generate {plain_s / plain_tokens * 1000:.1f} ms/token"
+        )
 
 
 if __name__ == "__main__":

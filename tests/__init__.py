@@ -1,1 +1,1 @@
-"""medusa's tests. A regular package: a dependency's top-level `tests` package (draccus ships one) must not shadow it."""
+"""medusa's tests, a regular package: a dependency's top-level `tests` package (draccus's) must not shadow it."""

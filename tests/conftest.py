@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from tokenizers import Tokenizer, decoders, models
 from transformers import AutoModelForCausalLM, GemmaConfig, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
 
@@ -18,8 +17,18 @@ from medusa import MedusaConfig, MedusaHeads, MedusaModel
 os.environ.setdefault("MEDUSA_PLAN", "off")
 
 VOCAB, HIDDEN = 96, 64
-_COMMON = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=512, eos_token_id=None, bos_token_id=None, pad_token_id=0)
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=HIDDEN,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    eos_token_id=None,
+    bos_token_id=None,
+    pad_token_id=0,
+)
 TINY_CONFIGS = {
     "llama": lambda: LlamaConfig(**_COMMON),
     "qwen2": lambda: Qwen2Config(**_COMMON),
@@ -35,15 +44,30 @@ def make_tiny_model(family: str, seed: int = 0, dtype=torch.float32):
     return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
 
 
-def make_heads(num_heads: int = 4, random: bool = False, projection: str = "shared", seed: int = 1,
-               num_layers: int = 1, hidden: int = HIDDEN, vocab: int = VOCAB,
-               condition_on_next_token: bool = False, condition_on_path: bool = False) -> MedusaHeads:
+def make_heads(
+    num_heads: int = 4,
+    random: bool = False,
+    projection: str = "shared",
+    seed: int = 1,
+    num_layers: int = 1,
+    hidden: int = HIDDEN,
+    vocab: int = VOCAB,
+    condition_on_next_token: bool = False,
+    condition_on_path: bool = False,
+) -> MedusaHeads:
     """Untrained heads (identity blocks), or random ones whose guesses are often wrong (exercise rejection paths)."""
     torch.manual_seed(seed)
-    heads = MedusaHeads(MedusaConfig(hidden_size=hidden, vocab_size=vocab, num_heads=num_heads,
-                                     num_layers=num_layers, projection=projection,
-                                     condition_on_next_token=condition_on_next_token or condition_on_path,
-                                     condition_on_path=condition_on_path))
+    heads = MedusaHeads(
+        MedusaConfig(
+            hidden_size=hidden,
+            vocab_size=vocab,
+            num_heads=num_heads,
+            num_layers=num_layers,
+            projection=projection,
+            condition_on_next_token=condition_on_next_token or condition_on_path,
+            condition_on_path=condition_on_path,
+        )
+    )
     if random:
         for p in heads.parameters():
             torch.nn.init.normal_(p, std=0.3)
@@ -58,8 +82,10 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<pad>"))
     backend.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<pad>")
-    tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} | {% endfor %}"
-                               "{% if add_generation_prompt %}assistant:{% endif %}")
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} | {% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
     return tokenizer
 
 

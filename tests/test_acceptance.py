@@ -21,8 +21,10 @@ def step(paths, tokens, logits, draft_probs=None):
     """Candidates + VerifyOutput for a tree given in canonical order (depth, then ranks); tokens (N,), logits (N, V)."""
     tree = build_buffers(TreeSpec(paths), max((len(p) for p in paths), default=1))
     assert tree.num_nodes == len(tokens) == logits.shape[0]
-    return (Candidates(tokens=torch.tensor(tokens), tree=tree, draft_probs=draft_probs),
-            VerifyOutput(logits=logits, hidden=torch.zeros(len(tokens), 4)))
+    return (
+        Candidates(tokens=torch.tensor(tokens), tree=tree, draft_probs=draft_probs),
+        VerifyOutput(logits=logits, hidden=torch.zeros(len(tokens), 4)),
+    )
 
 
 def random_logits(n, v, seed, scale=1.5):
@@ -73,7 +75,11 @@ def test_rejection_one_step_is_exact_and_never_accepts_a_duplicate():
             assert out.tokens[0] not in (3, 5)  # every child was rejected: the bonus avoids their tokens
         else:
             after[nodes[1]][out.tokens[1]] += 1
-    for name, counts, want in (("first", first, p[0]), ("after node 1", after[1], p[1]), ("after node 3", after[3], p[3])):
+    for name, counts, want in (
+        ("first", first, p[0]),
+        ("after node 1", after[1], p[1]),
+        ("after node 3", after[3], p[3]),
+    ):
         result = chi_square(counts, want)
         assert result["p_value"] > SIGNIFICANCE, (name, result)
     assert after[1].sum() > 1000 and after[3].sum() > 1000  # both branches were really exercised
@@ -85,8 +91,9 @@ def test_rejection_one_step_control_bonus_from_p_is_detected():
     logits[0, 3], logits[0, 5] = 1.5, 1.0
     candidates, verified = step(DUP_TREE, DUP_TOKENS, logits)
     wrong, generator = bonus_from_p(rejection), torch.Generator().manual_seed(0)
-    first = torch.bincount(torch.tensor([wrong(candidates, verified, SAMPLE, generator).tokens[0] for _ in range(4000)]),
-                           minlength=8)
+    first = torch.bincount(
+        torch.tensor([wrong(candidates, verified, SAMPLE, generator).tokens[0] for _ in range(4000)]), minlength=8
+    )
     assert chi_square(first, target_probs(logits[0], SAMPLE))["p_value"] < DETECTED
 
 
@@ -108,8 +115,9 @@ def test_rejection_root_only_tree_samples_from_p():
     logits = random_logits(1, 5, seed=2)
     candidates, verified = step([], [3], logits)
     generator = torch.Generator().manual_seed(0)
-    counts = torch.bincount(torch.tensor([rejection(candidates, verified, SAMPLE, generator).tokens[0]
-                                          for _ in range(3000)]), minlength=5)
+    counts = torch.bincount(
+        torch.tensor([rejection(candidates, verified, SAMPLE, generator).tokens[0] for _ in range(3000)]), minlength=5
+    )
     assert chi_square(counts, target_probs(logits[0], SAMPLE))["p_value"] > SIGNIFICANCE
 
 
@@ -145,8 +153,10 @@ def test_speculative_one_step_control_resample_from_p_is_detected():
     p_logits = random_logits(3, v, seed=3)
     q = torch.cat([torch.zeros(1, v), random_logits(2, v, seed=4).softmax(-1)])
     wrong, generator = bonus_from_p(speculative), torch.Generator().manual_seed(0)
-    first = torch.bincount(torch.tensor([wrong(*draft_step(p_logits, q, generator), SAMPLE, generator).tokens[0]
-                                         for _ in range(4000)]), minlength=v)
+    first = torch.bincount(
+        torch.tensor([wrong(*draft_step(p_logits, q, generator), SAMPLE, generator).tokens[0] for _ in range(4000)]),
+        minlength=v,
+    )
     assert chi_square(first, target_probs(p_logits[0], SAMPLE))["p_value"] < DETECTED
 
 

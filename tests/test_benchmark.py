@@ -34,8 +34,11 @@ def test_load_questions_groups_mt_bench_and_limits_per_group(tmp_path):
     path = tmp_path / "q.jsonl"
     path.write_text("\n".join(json.dumps(q) for q in QUESTIONS) + "\n")
     selected = benchmark.load_questions(str(path), limit=2)
-    assert [(q["question_id"], q["group"]) for q in selected] == [(81, "mt_bench"), (82, "mt_bench"),
-                                                                   (161, "translation")]
+    assert [(q["question_id"], q["group"]) for q in selected] == [
+        (81, "mt_bench"),
+        (82, "mt_bench"),
+        (161, "translation"),
+    ]
     assert len(benchmark.load_questions(str(path), limit=None)) == 4
     path.write_text(json.dumps({"question_id": 1, "category": "x"}) + "\n")
     with pytest.raises(ValueError, match="turns"):
@@ -62,8 +65,22 @@ def test_benchmark_smoke(tmp_path):
     questions = tmp_path / "q.jsonl"
     questions.write_text("\n".join(json.dumps(q) for q in (QUESTIONS[0], QUESTIONS[3])) + "\n")
     methods = "baseline,prompt_lookup,medusa,medusa_dynamic,hybrid,lookup,assisted"
-    argv = ["--questions", str(questions), "--methods", methods, "--out", str(tmp_path / "run"), "--base",
-            str(base_dir), "--heads", str(heads_dir), "--max-new-tokens", "12", "--threads", "1"]
+    argv = [
+        "--questions",
+        str(questions),
+        "--methods",
+        methods,
+        "--out",
+        str(tmp_path / "run"),
+        "--base",
+        str(base_dir),
+        "--heads",
+        str(heads_dir),
+        "--max-new-tokens",
+        "12",
+        "--threads",
+        "1",
+    ]
     summary = benchmark.main(argv)
 
     ran = methods.split(",")[:-1]  # 'assisted' is skipped without --draft
@@ -101,16 +118,39 @@ def test_benchmark_draft_rows_greedy_and_sampled(tmp_path):
     base_dir, heads_dir = save_tiny_checkpoint(tmp_path)
     questions = tmp_path / "q.jsonl"
     questions.write_text(json.dumps(QUESTIONS[3]) + "\n")
-    common = ["--questions", str(questions), "--base", str(base_dir), "--heads", str(heads_dir), "--max-new-tokens",
-              "10", "--threads", "1", "--draft", "early-exit:1", "--gamma", "2"]
+    common = [
+        "--questions",
+        str(questions),
+        "--base",
+        str(base_dir),
+        "--heads",
+        str(heads_dir),
+        "--max-new-tokens",
+        "10",
+        "--threads",
+        "1",
+        "--draft",
+        "early-exit:1",
+        "--gamma",
+        "2",
+    ]
     greedy = benchmark.main(common + ["--methods", "baseline,assisted,draft", "--out", str(tmp_path / "greedy")])
     for method in ("assisted", "draft"):
         assert greedy["overall"][method]["identical"] is True, method
     draft = greedy["overall"]["draft"]
     assert draft["gamma"] == pytest.approx(2.0) and 0.0 <= draft["alpha"] <= 1.0 and draft["c"] > 0
     assert greedy["settings"]["gamma"] == 2
-    sampled = benchmark.main(common + ["--methods", "baseline,medusa,medusa_typical,draft", "--temperature", "0.7",
-                                       "--out", str(tmp_path / "sampled")])
+    sampled = benchmark.main(
+        common
+        + [
+            "--methods",
+            "baseline,medusa,medusa_typical,draft",
+            "--temperature",
+            "0.7",
+            "--out",
+            str(tmp_path / "sampled"),
+        ]
+    )
     assert set(sampled["overall"]) == {"baseline", "medusa", "medusa_typical", "draft"}
     assert sampled["settings"]["temperature"] == 0.7
     assert all(stats["tau"] >= 1.0 and 1 <= stats["new_tokens"] <= 10 for stats in sampled["overall"].values())
@@ -122,13 +162,17 @@ def test_divergence_finds_the_first_differing_token():
     assert divergence.first_difference([1, 2, 3], [1, 5, 3]) == 1
     assert divergence.first_difference([1, 2], [1, 2, 3]) == 2
     turns = lambda *outs: [{"output_ids": o} for o in outs]  # noqa: E731
-    records = [{"question_id": 1, "method": "baseline", "turns": turns([4, 5, 6], [7, 8])},
-               {"question_id": 1, "method": "medusa", "turns": turns([4, 5, 6], [7, 9])},   # turn 1, token 1
-               {"question_id": 1, "method": "hybrid", "turns": turns([4, 6, 6], [1, 1])},   # turn 0, token 1 (only)
-               {"question_id": 1, "method": "lookup", "turns": turns([4, 5], [7, 8])}]      # a prefix: not scored
+    records = [
+        {"question_id": 1, "method": "baseline", "turns": turns([4, 5, 6], [7, 8])},
+        {"question_id": 1, "method": "medusa", "turns": turns([4, 5, 6], [7, 9])},  # turn 1, token 1
+        {"question_id": 1, "method": "hybrid", "turns": turns([4, 6, 6], [1, 1])},  # turn 0, token 1 (only)
+        {"question_id": 1, "method": "lookup", "turns": turns([4, 5], [7, 8])},
+    ]  # a prefix: not scored
     found = divergence.divergences(records, {1: {"turns": ["a", "b"]}})
     assert [(d["method"], d["turn"], d["position"], d["baseline_token"], d["method_token"]) for d in found] == [
-        ("medusa", 1, 1, 8, 9), ("hybrid", 0, 1, 5, 6)]
+        ("medusa", 1, 1, 8, 9),
+        ("hybrid", 0, 1, 5, 6),
+    ]
     assert found[0]["earlier_turns"] == [[4, 5, 6]] and found[0]["prefix"] == [7]
 
 
@@ -137,12 +181,29 @@ def test_divergence_report_on_a_half_precision_run(tmp_path):
     questions = tmp_path / "q.jsonl"
     questions.write_text("\n".join(json.dumps(q) for q in QUESTIONS[:3]) + "\n")
     run = tmp_path / "run"
-    benchmark.main(["--questions", str(questions), "--methods", "baseline,medusa,hybrid", "--out", str(run), "--base",
-                    str(base_dir), "--heads", str(heads_dir), "--max-new-tokens", "24", "--threads", "1",
-                    "--dtype", "bfloat16"])
+    benchmark.main(
+        [
+            "--questions",
+            str(questions),
+            "--methods",
+            "baseline,medusa,hybrid",
+            "--out",
+            str(run),
+            "--base",
+            str(base_dir),
+            "--heads",
+            str(heads_dir),
+            "--max-new-tokens",
+            "24",
+            "--threads",
+            "1",
+            "--dtype",
+            "bfloat16",
+        ]
+    )
     result = load_script("divergence").main([str(run)])
     assert set(result["summary"]) == {"medusa", "hybrid"}
-    for method, counts in result["summary"].items():
+    for counts in result["summary"].values():
         assert counts["outputs"] == 3 and 0 <= counts["near_ties"] <= counts["differ"] <= 3
     assert json.loads((run / "divergence.json").read_text())["summary"] == result["summary"]
     for case in result["cases"]:
@@ -150,11 +211,23 @@ def test_divergence_report_on_a_half_precision_run(tmp_path):
     # Scoring one case by hand: the float32 gap is the difference of the two tokens' float32 logits.
     divergence = load_script("divergence")
     from medusa.loading import load_base
+
     exact, tokenizer = load_base(str(base_dir), dtype=torch.float32)
     half, _ = load_base(str(base_dir), dtype=torch.bfloat16, tokenizer=tokenizer)
-    case = {"question_id": 1, "method": "medusa", "turn": 0, "position": 2, "baseline_token": 40, "method_token": 41,
-            "earlier_turns": [], "prefix": [50, 51], "turns": ["hello"]}
+    case = {
+        "question_id": 1,
+        "method": "medusa",
+        "turn": 0,
+        "position": 2,
+        "baseline_token": 40,
+        "method_token": 41,
+        "earlier_turns": [],
+        "prefix": [50, 51],
+        "turns": ["hello"],
+    }
     scored = divergence.score(case, exact, half, tokenizer)
     logits = divergence.last_logits(exact, divergence.context_ids(tokenizer, case))
     assert scored["float32_gap"] == pytest.approx(float(logits[40] - logits[41]))
-    assert scored["near_tie"] == (abs(scored["float32_gap"]) <= max(2 * scored["half_error"], divergence.NEAR_TIE_LOGITS))
+    assert scored["near_tie"] == (
+        abs(scored["float32_gap"]) <= max(2 * scored["half_error"], divergence.NEAR_TIE_LOGITS)
+    )

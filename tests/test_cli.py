@@ -26,23 +26,30 @@ def _chat(monkeypatch, capsys, argv, lines):
 
 def test_chat_from_a_pipe_streams_each_answer_with_its_rate_and_tau(monkeypatch, capsys, checkpoint):
     base_dir, heads_dir = checkpoint
-    out = _chat(monkeypatch, capsys, ["--heads", str(heads_dir), "--base", str(base_dir), "--max-new-tokens", "10"],
-                ["hello", "", "and then"])
+    out = _chat(
+        monkeypatch,
+        capsys,
+        ["--heads", str(heads_dir), "--base", str(base_dir), "--max-new-tokens", "10"],
+        ["hello", "", "and then"],
+    )
     reports = [line for line in out.err.splitlines() if line.startswith("[")]
     assert len(reports) == 2 and all("tok/s" in r and "tau" in r for r in reports)
     model = MedusaModel.from_pretrained(heads_dir, base=base_dir)
-    ids = model.tokenizer.apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True,
-                                              return_tensors="pt")
-    first = model.tokenizer.decode(model.generate(ids, max_new_tokens=10).sequences[0, ids["input_ids"].shape[1]:],
-                                   skip_special_tokens=True)
+    ids = model.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hello"}], add_generation_prompt=True, return_tensors="pt"
+    )
+    first = model.tokenizer.decode(
+        model.generate(ids, max_new_tokens=10).sequences[0, ids["input_ids"].shape[1] :], skip_special_tokens=True
+    )
     assert out.out.startswith(first)  # greedy: the same answer as generate, streamed
 
 
 def test_steady_stream_emits_fixed_chunks_and_hides_the_accepted_lengths():
     log = chat.EmissionLog()
     sink = []
-    streamer = chat.SteadyStreamer(type("Sink", (), {"put": lambda s, v: sink.append(v), "end": lambda s: None})(),
-                                   log, chunk=3, interval=0.002)
+    streamer = chat.SteadyStreamer(
+        type("Sink", (), {"put": lambda s, v: sink.append(v), "end": lambda s: None})(), log, chunk=3, interval=0.002
+    )
     streamer.put(torch.tensor([[1, 2]]))  # the prompt
     accepted = [1, 4, 2, 5, 1, 3]
     for n in [1] + accepted:

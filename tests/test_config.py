@@ -27,19 +27,42 @@ def test_the_heads_section_is_medusa_config():
 
 
 def test_build_heads_keeps_every_field_of_the_section():
-    cfg = load_config(None, ["--heads.num_heads", "2", "--heads.copy_ngram", "3", "--heads.vocab_subset_size", "7",
-                             "--heads.condition_on_next_token", "true", "--heads.tree", "[[0], [1], [0, 0]]"])
+    cfg = load_config(
+        None,
+        [
+            "--heads.num_heads",
+            "2",
+            "--heads.copy_ngram",
+            "3",
+            "--heads.vocab_subset_size",
+            "7",
+            "--heads.condition_on_next_token",
+            "true",
+            "--heads.tree",
+            "[[0], [1], [0, 0]]",
+        ],
+    )
     heads = build_heads(cfg.heads, HIDDEN, VOCAB, torch.nn.Linear(HIDDEN, VOCAB, bias=False), "a/base")
     for f in dataclasses.fields(MedusaConfig):
         if f.name not in FILLED_IN:
             assert getattr(heads.config, f.name) == getattr(cfg.heads, f.name), f.name
-    assert (heads.config.hidden_size, heads.config.vocab_size, heads.config.base_model_name_or_path) == \
-        (HIDDEN, VOCAB, "a/base")
+    assert (heads.config.hidden_size, heads.config.vocab_size, heads.config.base_model_name_or_path) == (
+        HIDDEN,
+        VOCAB,
+        "a/base",
+    )
 
 
 def test_init_from_supplies_what_the_section_does_not_name(tmp_path):
-    saved = MedusaConfig(hidden_size=HIDDEN, vocab_size=VOCAB, num_heads=2, condition_on_next_token=True,
-                         context_window=4, copy_ngram=3, tree=[[0], [0, 0]])
+    saved = MedusaConfig(
+        hidden_size=HIDDEN,
+        vocab_size=VOCAB,
+        num_heads=2,
+        condition_on_next_token=True,
+        context_window=4,
+        copy_ngram=3,
+        tree=[[0], [0, 0]],
+    )
     save_heads(MedusaHeads(saved), tmp_path)
     cfg = load_config(None, ["--heads.init_from", str(tmp_path)])
     for name in ("num_heads", "condition_on_next_token", "context_window", "copy_ngram", "tree"):
@@ -58,11 +81,15 @@ def test_help_lists_every_option_with_its_text(capsys):
     with pytest.raises(SystemExit):
         parse_args("description", ["--help"])
     shown = capsys.readouterr().out
-    actions = [a for a in draccus.argparsing.ArgumentParser(Config).parser._actions
-               if any("." in s for s in a.option_strings)]
+    actions = [
+        a for a in draccus.argparsing.ArgumentParser(Config).parser._actions if any("." in s for s in a.option_strings)
+    ]
     options = {s for a in actions for s in a.option_strings}
-    expected = {f"--{section.name}.{f.name}" for section in dataclasses.fields(Config)
-                for f in dataclasses.fields(section.default_factory())}
+    expected = {
+        f"--{section.name}.{f.name}"
+        for section in dataclasses.fields(Config)
+        for f in dataclasses.fields(section.default_factory())
+    }
     assert options == expected
     for action in actions:
         assert action.option_strings[0] in shown
@@ -70,9 +97,19 @@ def test_help_lists_every_option_with_its_text(capsys):
 
 
 def test_overrides_win_over_the_file_and_read_as_yaml():
-    cfg = load_config(str(REPO / "configs" / "smollm2-135m-cpu.yaml"),
-                      ["--training.lr", "2e-3", "--training.max_steps", "null",
-                       "--training.lora_target_modules", "[q_proj, v_proj]", "--data.sources", "{bench:gsm8k: '0:10'}"])
+    cfg = load_config(
+        str(REPO / "configs" / "smollm2-135m-cpu.yaml"),
+        [
+            "--training.lr",
+            "2e-3",
+            "--training.max_steps",
+            "null",
+            "--training.lora_target_modules",
+            "[q_proj, v_proj]",
+            "--data.sources",
+            "{bench:gsm8k: '0:10'}",
+        ],
+    )
     assert cfg.training.lr == 2e-3 and cfg.training.max_steps is None
     assert cfg.training.lora_target_modules == ["q_proj", "v_proj"] and cfg.data.sources == {"bench:gsm8k": "0:10"}
     assert cfg.training.epochs == 3  # the file's, untouched

@@ -8,16 +8,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from tests.conftest import FAMILIES, HIDDEN, VOCAB, make_tiny_model
 
 from medusa import MedusaConfig, MedusaHeads, MedusaModel
-from medusa.evaluation import head_rank_hits
 from medusa.decode import prefill
+from medusa.evaluation import head_rank_hits
 from medusa.heads import ContextLayer, base_features, head_target_offset
-from train.losses import medusa_heads_loss
 from medusa.propose import build_medusa_proposer
 from medusa.sampling import SamplingConfig
 from medusa.tree import TreeSpec, build_buffers
+from tests.conftest import FAMILIES, HIDDEN, VOCAB, make_tiny_model
+from train.losses import medusa_heads_loss
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from train.batches import Conversation  # noqa: E402
@@ -29,8 +29,17 @@ WINDOW = 5
 def context_heads(window: int = WINDOW, path: bool = True, seed: int = 1, feature_layers=()) -> MedusaHeads:
     """Random heads and context layer (every map non-zero, so the layer is far from the identity)."""
     torch.manual_seed(seed)
-    heads = MedusaHeads(MedusaConfig(hidden_size=HIDDEN, vocab_size=VOCAB, num_heads=3, condition_on_next_token=True,
-                                     condition_on_path=path, context_window=window, feature_layers=list(feature_layers)))
+    heads = MedusaHeads(
+        MedusaConfig(
+            hidden_size=HIDDEN,
+            vocab_size=VOCAB,
+            num_heads=3,
+            condition_on_next_token=True,
+            condition_on_path=path,
+            context_window=window,
+            feature_layers=list(feature_layers),
+        )
+    )
     for name, p in heads.named_parameters():
         if "norm" not in name:  # the context layer's smaller, so that its attention does not saturate
             torch.nn.init.normal_(p, std=0.05 if name.startswith("context.") else 0.3)
@@ -42,8 +51,9 @@ def test_fresh_context_layer_is_the_identity_and_needs_the_next_token():
     hidden = torch.randn(2, 7, HIDDEN)
     features, _ = layer(hidden, torch.randn(2, 7, HIDDEN))
     torch.testing.assert_close(features, hidden)
-    heads = MedusaHeads(MedusaConfig(hidden_size=HIDDEN, vocab_size=VOCAB, condition_on_next_token=True,
-                                     context_window=WINDOW))
+    heads = MedusaHeads(
+        MedusaConfig(hidden_size=HIDDEN, vocab_size=VOCAB, condition_on_next_token=True, context_window=WINDOW)
+    )
     with pytest.raises(ValueError, match="next_embedding"):
         heads.contextualise(hidden, None)
     with pytest.raises(ValueError, match="needs condition_on_next_token"):
@@ -59,8 +69,10 @@ def test_feature_layers_start_as_the_plain_context_layer_and_are_checked():
     plain, fused = ContextLayer(HIDDEN, WINDOW), ContextLayer(HIDDEN, WINDOW, feature_layers=2)
     for p in plain.parameters():
         torch.nn.init.normal_(p, std=0.05)
-    assert set(fused.load_state_dict(plain.state_dict(), strict=False).missing_keys) == {"feature_map.weight",
-                                                                                         "feature_norm_weight"}
+    assert set(fused.load_state_dict(plain.state_dict(), strict=False).missing_keys) == {
+        "feature_map.weight",
+        "feature_norm_weight",
+    }
     hidden, extra, following = torch.randn(1, 9, HIDDEN), 5 * torch.randn(1, 9, 2 * HIDDEN), torch.randn(1, 9, HIDDEN)
     both = torch.cat([hidden, extra], dim=-1)
     with torch.no_grad():
@@ -73,8 +85,9 @@ def test_feature_layers_start_as_the_plain_context_layer_and_are_checked():
         MedusaConfig(hidden_size=HIDDEN, vocab_size=VOCAB, condition_on_next_token=True, feature_layers=[1])
     for bad in ([1, 1], [-1], "1"):
         with pytest.raises(ValueError, match="distinct layer indices"):
-            MedusaConfig(hidden_size=HIDDEN, vocab_size=VOCAB, condition_on_next_token=True, context_window=4,
-                         feature_layers=bad)
+            MedusaConfig(
+                hidden_size=HIDDEN, vocab_size=VOCAB, condition_on_next_token=True, context_window=4, feature_layers=bad
+            )
     states = tuple(torch.randn(1, 3, HIDDEN) for _ in range(3))  # embeddings, layer 1, layer 2 (post-norm)
     assert base_features(states) is states[-1]
     assert torch.equal(base_features(states, [1, 0]), torch.cat([states[2], states[1], states[0]], dim=-1))
@@ -107,8 +120,7 @@ def test_cached_spans_hold_the_whole_window():
     """Training on cached spans computes the loss of the whole conversations; one position less of lookback does not."""
     torch.manual_seed(0)
     base, heads = make_tiny_model("llama"), context_heads()
-    convs = [Conversation(torch.randint(2, VOCAB, (n,)).tolist(), start)
-             for n, start in ((30, 12), (26, 9), (22, 15))]
+    convs = [Conversation(torch.randint(2, VOCAB, (n,)).tolist(), start) for n, start in ((30, 12), (26, 9), (22, 15))]
     embed, lm_head = base.get_input_embeddings(), base.get_output_embeddings()
 
     def loss(hidden, ids, mask):
@@ -120,13 +132,13 @@ def test_cached_spans_hold_the_whole_window():
         ids = torch.zeros(len(convs), width, dtype=torch.long)
         mask, hidden = torch.zeros_like(ids), torch.zeros(len(convs), width, HIDDEN)
         for j, (c, h) in enumerate(zip(convs, full)):
-            ids[j, :len(c.ids)], mask[j, c.response_start:len(c.ids)] = torch.tensor(c.ids), 1
-            hidden[j, :len(c.ids)] = h.to(torch.bfloat16).float()  # what the cache stores
+            ids[j, : len(c.ids)], mask[j, c.response_start : len(c.ids)] = torch.tensor(c.ids), 1
+            hidden[j, : len(c.ids)] = h.to(torch.bfloat16).float()  # what the cache stores
         expected = loss(hidden, ids, mask)
         lookback = cache_lookback(heads.config)
         assert lookback == head_target_offset(2) + WINDOW - 1
         for back, same in ((lookback, True), (lookback - 1, False)):
-            spans = {r: h[span_start(c, back):].to(torch.bfloat16) for r, (c, h) in enumerate(zip(convs, full))}
+            spans = {r: h[span_start(c, back) :].to(torch.bfloat16) for r, (c, h) in enumerate(zip(convs, full))}
             batch = HiddenCache.assemble(convs, spans, back).batch(list(range(len(convs))))
             got = loss(batch["hidden"].float(), batch["input_ids"], batch["loss_mask"])
             assert torch.allclose(got, expected, atol=1e-5) == same, (back, got, expected)
@@ -136,8 +148,9 @@ def test_cached_spans_hold_the_whole_window():
 def test_proposer_reads_what_evaluation_scores(layers):
     """The decode-time read (context layer fed step by step) equals the whole-sequence features head_rank_hits uses."""
     torch.manual_seed(0)
-    model = MedusaModel(make_tiny_model("qwen2"), context_heads(path=False, feature_layers=layers),
-                        tree=[[0], [0, 0], [0, 0, 0]])
+    model = MedusaModel(
+        make_tiny_model("qwen2"), context_heads(path=False, feature_layers=layers), tree=[[0], [0, 0], [0, 0, 0]]
+    )
     proposer = build_medusa_proposer(model, build_buffers(TreeSpec(model.tree), 3))
     ids = torch.randint(2, VOCAB, (20,))
     embed = model.base.get_input_embeddings()
@@ -145,14 +158,16 @@ def test_proposer_reads_what_evaluation_scores(layers):
         hidden = base_features(model.base(ids[None], output_hidden_states=True).hidden_states, layers)[0]
         assert hidden.shape[-1] == HIDDEN * (1 + len(layers))
         # what decoding carries: prefill's hidden states are these features
-        torch.testing.assert_close(prefill(model.base, ids[None, :8], SamplingConfig(), feature_layers=layers).new_hidden,
-                                   hidden[:8])
+        torch.testing.assert_close(
+            prefill(model.base, ids[None, :8], SamplingConfig(), feature_layers=layers).new_hidden, hidden[:8]
+        )
         following = torch.cat([ids[1:], ids.new_zeros(1)])
         whole = model.heads.contextualise(hidden[None], embed(following)[None])[0][0]
         start = 0
         for end in (8, 9, 12, 14, 19):  # prefill 8 positions, then steps that commit 1, 3, 2, 5
-            state = SimpleNamespace(new_hidden=hidden[start:end], length=end, tokens=ids[:end + 1].tolist(),
-                                    last_hidden=hidden[end - 1])
+            state = SimpleNamespace(
+                new_hidden=hidden[start:end], length=end, tokens=ids[: end + 1].tolist(), last_hidden=hidden[end - 1]
+            )
             torch.testing.assert_close(proposer.read(state), whole[end - 1])
             torch.testing.assert_close(proposer.read(state), whole[end - 1])  # a second read of one step: no change
             start = end
@@ -170,8 +185,11 @@ def test_proposer_reads_what_evaluation_scores(layers):
 @pytest.mark.parametrize("layers", [[], [0, 1]], ids=["last", "fused"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_context_heads_keep_greedy_identity_and_round_trip(tmp_path, family, layers):
-    model = MedusaModel(make_tiny_model(family), context_heads(feature_layers=layers),
-                        tree=[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+    model = MedusaModel(
+        make_tiny_model(family),
+        context_heads(feature_layers=layers),
+        tree=[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]],
+    )
     prompt = torch.tensor([[5, 17, 33, 2, 8, 41, 9, 60]])
     expected = model.base.generate(prompt, max_new_tokens=30, do_sample=False, min_new_tokens=30)
     for proposer in ("medusa", "dynamic", "hybrid"):

@@ -7,7 +7,6 @@ import itertools
 
 import pytest
 import torch
-from tests.conftest import FAMILIES, HIDDEN, VOCAB, make_heads, make_tiny_model
 
 from medusa import MedusaModel
 from medusa.config import MedusaConfig
@@ -17,6 +16,7 @@ from medusa.heads import head_target_offset
 from medusa.ngram import copy_chain, copy_guesses, ngram_continuation, put_first
 from medusa.propose import build_medusa_proposer
 from medusa.tree import TreeSpec, build_buffers, chain
+from tests.conftest import FAMILIES, HIDDEN, VOCAB, make_heads, make_tiny_model
 
 
 def copying(heads, ngram=4):
@@ -35,8 +35,8 @@ def slow_copy_chain(tokens: list[int], max_ngram: int, length: int) -> list[int]
         if len(tokens) <= n:
             continue
         for start in range(len(tokens) - n - 1, -1, -1):
-            if tokens[start: start + n] == tokens[-n:]:
-                return tokens[start + n: start + n + length]
+            if tokens[start : start + n] == tokens[-n:]:
+                return tokens[start + n : start + n + length]
     return []
 
 
@@ -71,8 +71,10 @@ def test_put_first_matches_a_list_reference():
         rows, width = 5, int(torch.randint(1, 6, (1,), generator=generator))
         tokens = torch.stack([torch.randperm(9, generator=generator)[:width] for _ in range(rows)])
         first = torch.randint(-1, 9, (rows,), generator=generator)
-        want = [row if f < 0 else ([f] + [t for t in row if t != f])[:width]
-                for row, f in zip(tokens.tolist(), first.tolist())]
+        want = [
+            row if f < 0 else ([f] + [t for t in row if t != f])[:width]
+            for row, f in zip(tokens.tolist(), first.tolist())
+        ]
         assert put_first(tokens, first).tolist() == want
 
 
@@ -98,14 +100,20 @@ def test_static_proposer_ranks_the_copy_first():
     model = MedusaModel(make_tiny_model("llama"), copying(make_heads(3, random=True)), tree=[[0], [1], [0, 0], [1, 0]])
     proposer = build_medusa_proposer(model, build_buffers(TreeSpec(model.tree), 3))
     hidden = torch.randn(HIDDEN)
-    plain = build_medusa_proposer(MedusaModel(model.base, make_heads(3, random=True)),
-                                  build_buffers(TreeSpec(model.tree), 3)).propose(State(hidden, REPEATING)).tokens
+    plain = (
+        build_medusa_proposer(
+            MedusaModel(model.base, make_heads(3, random=True)), build_buffers(TreeSpec(model.tree), 3)
+        )
+        .propose(State(hidden, REPEATING))
+        .tokens
+    )
     tokens = proposer.propose(State(hidden, REPEATING)).tokens.tolist()
     # node order: root, [0], [1], [0, 0], [1, 0]: head 0 rank 0 = 23, head 1 rank 0 = 41 (shared by both parents)
     assert tokens[1] == 23 and tokens[3] == tokens[4] == 41
     assert tokens[2] == (plain[1] if int(plain[1]) != 23 else plain[2])  # head 0's own best comes next
-    plain_no_match = build_medusa_proposer(MedusaModel(model.base, make_heads(3, random=True)),
-                                           build_buffers(TreeSpec(model.tree), 3)).propose(State(hidden, [1, 2, 3, 4]))
+    plain_no_match = build_medusa_proposer(
+        MedusaModel(model.base, make_heads(3, random=True)), build_buffers(TreeSpec(model.tree), 3)
+    ).propose(State(hidden, [1, 2, 3, 4]))
     assert torch.equal(proposer.propose(State(hidden, [1, 2, 3, 4])).tokens, plain_no_match.tokens)  # nothing to copy
 
 
@@ -123,8 +131,9 @@ def test_path_proposer_copies_along_the_chain_only():
 def test_dynamic_proposer_scores_copies_as_the_mixture():
     heads = copying(make_heads(3, random=True, condition_on_path=True))
     model = MedusaModel(make_tiny_model("gemma"), heads)
-    dynamic = DynamicTreeProposer(build_medusa_proposer(model, build_buffers(TreeSpec(chain(3)), 3)),
-                                  num_nodes=4, depth=3, topk=3)
+    dynamic = DynamicTreeProposer(
+        build_medusa_proposer(model, build_buffers(TreeSpec(chain(3)), 3)), num_nodes=4, depth=3, topk=3
+    )
     got = dynamic.propose(State(torch.randn(HIDDEN), REPEATING))
     # random heads are unsure (each token ~1/96): the copy chain (0.75 each) beats every other path
     assert got.tokens.tolist() == [REPEATING[-1], 23, 41, 3] and got.tree.parent.tolist() == [0, 0, 1, 2]
@@ -137,8 +146,9 @@ def test_copying_heads_keep_greedy_identity(family, path_heads):
     heads = copying(make_heads(3, random=True, condition_on_path=path_heads), ngram=3)
     model = MedusaModel(base, heads, tree=[[0], [1], [0, 0], [0, 0, 0]])
     prompt = torch.tensor([REPEATING * 2])
-    expected = base.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=30, do_sample=False,
-                             min_new_tokens=30)
+    expected = base.generate(
+        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=30, do_sample=False, min_new_tokens=30
+    )
     for proposer in ("medusa", "dynamic", "hybrid"):
         out = model.generate(prompt, max_new_tokens=30, proposer=proposer)
         assert torch.equal(out.sequences, expected), (family, proposer)
@@ -163,10 +173,10 @@ def test_rank_accuracy_scores_the_copy_as_the_proposer_ranks_it(path_heads):
                 j = t + head_target_offset(k)
                 if j >= len(ids):
                     continue
-                following = ids[t + 1: t + 2 + k]
+                following = ids[t + 1 : t + 2 + k]
                 x = heads.run_head(k, hidden[t], embed(following[0]), embed(following[1:]) if path_heads else None)
                 top = model.candidate_projection.head_logits(k, x[None])[0].topk(ranks).indices.tolist()
-                follows = not path_heads or ids[t + 2: t + 2 + k].tolist() == chain_tokens[:k]
+                follows = not path_heads or ids[t + 2 : t + 2 + k].tolist() == chain_tokens[:k]
                 if len(chain_tokens) > k and follows:
                     copy_counts[k] += 1
                     top = ([chain_tokens[k]] + [x for x in top if x != chain_tokens[k]])[:ranks]
@@ -174,7 +184,11 @@ def test_rank_accuracy_scores_the_copy_as_the_proposer_ranks_it(path_heads):
                     hits[k, top.index(int(ids[j]))] += 1
     assert torch.equal(got.hits, hits) and torch.equal(got.copy_counts, copy_counts)
     assert got.copy_hits.sum() > 0 and got.copy_precision.max() <= 1
-    plain = head_rank_hits(MedusaModel(model.base, copying(heads, 0), tokenizer=object(),
-                                       projection_dtype=torch.float32), ids, start, ranks=ranks)
+    plain = head_rank_hits(
+        MedusaModel(model.base, copying(heads, 0), tokenizer=object(), projection_dtype=torch.float32),
+        ids,
+        start,
+        ranks=ranks,
+    )
     assert got.hits[:, 0].sum() > plain.hits[:, 0].sum()  # the text repeats: copying must help
     assert plain.copy_counts.sum() == 0

@@ -16,8 +16,16 @@ import math
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import (AutoModelForCausalLM, LlamaConfig, LogitsProcessorList, PreTrainedTokenizerFast,
-                          Qwen2Config, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LogitsProcessorList,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from medusa import MedusaModel
 from medusa.acceptance import ACCEPTANCE_RULES, Acceptance, rejection, speculative
@@ -91,8 +99,14 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 
             obs[i], exp[i] = obs[i] + pooled_obs, exp[i] + pooled_exp
     stat = float(((obs - exp) ** 2 / exp).sum())
     dof = obs.numel() - 1
-    return dict(stat=stat, dof=dof, p_value=0.0 if impossible else chi2_sf(stat, dof), impossible=impossible,
-                tv=float((counts / n - probs).abs().sum() / 2), samples=int(n))
+    return dict(
+        stat=stat,
+        dof=dof,
+        p_value=0.0 if impossible else chi2_sf(stat, dof),
+        impossible=impossible,
+        tv=float((counts / n - probs).abs().sum() / 2),
+        samples=int(n),
+    )
 
 
 def test_chi2_sf_matches_known_quantiles():
@@ -109,8 +123,9 @@ def test_chi_square_accepts_exact_draws_and_rejects_a_biased_sampler():
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
     exact = torch.bincount(torch.multinomial(probs, 20_000, True, generator=gen), minlength=5)
     assert chi_square(exact, probs)["p_value"] > SIGNIFICANCE
-    biased = torch.bincount(torch.multinomial(torch.tensor([0.48, 0.32, 0.15, 0.05, 0.0]), 20_000, True,
-                                              generator=gen), minlength=5)
+    biased = torch.bincount(
+        torch.multinomial(torch.tensor([0.48, 0.32, 0.15, 0.05, 0.0]), 20_000, True, generator=gen), minlength=5
+    )
     assert chi_square(biased, probs)["p_value"] < SIGNIFICANCE
     assert chi_square(torch.tensor([100, 60, 30, 10, 1]), probs)["p_value"] == 0.0  # an impossible outcome
 
@@ -119,9 +134,19 @@ def test_chi_square_accepts_exact_draws_and_rejects_a_biased_sampler():
 def tiny_lm(config_class, seed: int, init: float = 0.5):
     """1 layer, hidden 16, 12 tokens; a large init range makes the distributions peaked (top-p matters)."""
     torch.manual_seed(seed)
-    config = config_class(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                          eos_token_id=None, bos_token_id=None, pad_token_id=None, initializer_range=init)
+    config = config_class(
+        vocab_size=V,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+        initializer_range=init,
+    )
     config._attn_implementation = "sdpa"
     return AutoModelForCausalLM.from_config(config).eval()
 
@@ -164,9 +189,13 @@ def sample_counts(model, n: int, seed: int, prompt: torch.Tensor = PROMPT, **kwa
     generator = torch.Generator().manual_seed(seed)
     index = torch.empty(n, dtype=torch.long)
     for i in range(n):
-        x1, x2, x3 = model.generate(prompt, max_new_tokens=NEW, do_sample=True, generator=generator, **kwargs).sequences[0, -NEW:].tolist()
+        x1, x2, x3 = (
+            model.generate(prompt, max_new_tokens=NEW, do_sample=True, generator=generator, **kwargs)
+            .sequences[0, -NEW:]
+            .tolist()
+        )
         index[i] = x1 * V * V + x2 * V + x3
-    return torch.bincount(index, minlength=V ** 3)
+    return torch.bincount(index, minlength=V**3)
 
 
 @pytest.fixture(scope="module")
@@ -182,18 +211,30 @@ def medusa(target):
 @pytest.fixture(scope="module")
 def draft_model(target):
     tok = tiny_tokenizer()
-    return MedusaModel.from_draft_model(target=target, draft=tiny_lm(Qwen2Config, seed=1), num_speculative_tokens=2,
-                                        tokenizer=tok, draft_tokenizer=tok)
+    return MedusaModel.from_draft_model(
+        target=target, draft=tiny_lm(Qwen2Config, seed=1), num_speculative_tokens=2, tokenizer=tok, draft_tokenizer=tok
+    )
 
 
 def report(name: str, result: dict) -> None:
-    print(f"\n{name}: n={result['samples']} chi2={result['stat']:.1f} dof={result['dof']} "
-          f"p={result['p_value']:.3g} TV={result['tv']:.4f} impossible={result['impossible']}")
+    print(
+        f"\n{name}: n={result['samples']} chi2={result['stat']:.1f} dof={result['dof']} "
+        f"p={result['p_value']:.3g} TV={result['tv']:.4f} impossible={result['impossible']}"
+    )
 
 
 # ---------------------------------------------------------------- shaping equals transformers'
-@pytest.mark.parametrize("settings", [dict(temperature=0.7), dict(top_k=3), dict(top_p=0.8), dict(top_k=1),
-                                      dict(temperature=1.3, top_k=8, top_p=0.95), dict(temperature=0.5, top_p=0.3)])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(temperature=0.7),
+        dict(top_k=3),
+        dict(top_p=0.8),
+        dict(top_k=1),
+        dict(temperature=1.3, top_k=8, top_p=0.95),
+        dict(temperature=0.5, top_p=0.3),
+    ],
+)
 def test_target_probs_match_transformers_warpers(settings):
     logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(0)) * 3
     logits[0, :5] = 2.0  # ties at the top-k boundary are kept, as transformers keeps them
@@ -202,12 +243,19 @@ def test_target_probs_match_transformers_warpers(settings):
     torch.testing.assert_close(got, want)
 
 
-@pytest.mark.parametrize("settings, message", [
-    (dict(temperature=0.0), "temperature must be > 0"), (dict(temperature=-1.0), "temperature must be > 0"),
-    (dict(top_p=0.0), r"top_p must lie in \(0, 1\]"), (dict(top_p=1.5), r"top_p must lie in \(0, 1\]"),
-    (dict(top_k=2.5), "top_k must be a positive integer"), (dict(top_k=-3), "top_k must be a positive integer"),
-    (dict(posterior_threshold=1.5), "posterior_threshold"), (dict(posterior_alpha=-0.1), "posterior_alpha"),
-])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(temperature=0.0), "temperature must be > 0"),
+        (dict(temperature=-1.0), "temperature must be > 0"),
+        (dict(top_p=0.0), r"top_p must lie in \(0, 1\]"),
+        (dict(top_p=1.5), r"top_p must lie in \(0, 1\]"),
+        (dict(top_k=2.5), "top_k must be a positive integer"),
+        (dict(top_k=-3), "top_k must be a positive integer"),
+        (dict(posterior_threshold=1.5), "posterior_threshold"),
+        (dict(posterior_alpha=-0.1), "posterior_alpha"),
+    ],
+)
 def test_invalid_sampling_settings_are_named(medusa, settings, message):
     with pytest.raises(ValueError, match=message):
         medusa.generate(PROMPT, max_new_tokens=3, do_sample=True, **settings)
@@ -220,8 +268,12 @@ def test_unknown_acceptance_rule_is_named(medusa):
 
 def test_seeded_generator_reproduces_a_sample(medusa, draft_model):
     for model in (medusa, draft_model):
-        runs = [model.generate(PROMPT, max_new_tokens=20, do_sample=True, generator=torch.Generator().manual_seed(7), **MEDUSA_SETTINGS)
-                for _ in range(2)]
+        runs = [
+            model.generate(
+                PROMPT, max_new_tokens=20, do_sample=True, generator=torch.Generator().manual_seed(7), **MEDUSA_SETTINGS
+            )
+            for _ in range(2)
+        ]
         assert torch.equal(runs[0].sequences, runs[1].sequences)
 
 
@@ -288,9 +340,15 @@ def test_draft_model_speculative_sampling_is_exact(target, draft_model):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method, planted", [
-    ("medusa", "always_accept"), ("medusa", "bonus_from_p"), ("draft", "always_accept"), ("draft", "bonus_from_p"),
-])
+@pytest.mark.parametrize(
+    "method, planted",
+    [
+        ("medusa", "always_accept"),
+        ("medusa", "bonus_from_p"),
+        ("draft", "always_accept"),
+        ("draft", "bonus_from_p"),
+    ],
+)
 def test_planted_wrong_rules_are_detected(monkeypatch, target, medusa, draft_model, method, planted):
     model, settings = (medusa, MEDUSA_SETTINGS) if method == "medusa" else (draft_model, DRAFT_SETTINGS)
     exact_rule = rejection if method == "medusa" else speculative

@@ -12,8 +12,12 @@ def test_readme_is_short():
 
 def test_module_table_names_every_module():
     table = "\n".join(line for line in README.splitlines() if line.startswith("| `"))
-    modules = [path for folder in ("medusa", "medusa/cli", "train") for path in (ROOT / folder).glob("*.py")
-               if path.name != "__init__.py"]
+    modules = [
+        path
+        for folder in ("medusa", "medusa/cli", "train")
+        for path in (ROOT / folder).glob("*.py")
+        if path.name != "__init__.py"
+    ]
     missing = sorted(str(path.relative_to(ROOT)) for path in modules if path.name not in table)
     assert not missing, f"README's module table leaves out {missing}"
 

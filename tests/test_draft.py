@@ -20,8 +20,9 @@ TOKENIZER = tiny_tokenizer(VOCAB)
 
 
 def draft_model(target, draft, gamma):
-    return MedusaModel.from_draft_model(target=target, draft=draft, num_speculative_tokens=gamma,
-                                        tokenizer=TOKENIZER, draft_tokenizer=TOKENIZER)
+    return MedusaModel.from_draft_model(
+        target=target, draft=draft, num_speculative_tokens=gamma, tokenizer=TOKENIZER, draft_tokenizer=TOKENIZER
+    )
 
 
 def greedy_reference(base, prompt, max_new_tokens, **kwargs):
@@ -86,18 +87,29 @@ def noisy_copy(model, sigma=0.005, seed=9):
     return draft
 
 
-@pytest.mark.parametrize("rule, sampling", [
-    ("greedy", SamplingConfig()),
-    ("speculative", SamplingConfig(do_sample=True, temperature=0.9, top_k=20)),
-    ("rejection", SamplingConfig(do_sample=True, temperature=0.02)),  # p(x) is the acceptance: peak it
-    ("typical", SamplingConfig(do_sample=True, temperature=0.1)),
-])
+@pytest.mark.parametrize(
+    "rule, sampling",
+    [
+        ("greedy", SamplingConfig()),
+        ("speculative", SamplingConfig(do_sample=True, temperature=0.9, top_k=20)),
+        ("rejection", SamplingConfig(do_sample=True, temperature=0.02)),  # p(x) is the acceptance: peak it
+        ("typical", SamplingConfig(do_sample=True, temperature=0.1)),
+    ],
+)
 def test_draft_cache_follows_what_the_target_commits(rule, sampling):
     target = make_tiny_model("llama")
     generator = torch.Generator().manual_seed(0)
     proposer = CheckedDraftProposer(noisy_copy(target), 3, sampling, VOCAB, generator)
-    out = decode(target, proposer, get_rule(rule), torch.tensor([[4, 5, 6]]), max_new_tokens=40, sampling=sampling,
-                 stop_ids=set(), generator=generator)
+    out = decode(
+        target,
+        proposer,
+        get_rule(rule),
+        torch.tensor([[4, 5, 6]]),
+        max_new_tokens=40,
+        sampling=sampling,
+        stop_ids=set(),
+        generator=generator,
+    )
     assert out.stats.new_tokens == 40 and proposer.checked == out.stats.steps - 1
     assert len(set(out.stats.accepted_lengths)) > 2  # rejections at several depths and full acceptances
 
@@ -130,8 +142,9 @@ def test_draft_with_a_larger_output_layer_is_cut_to_the_target_vocabulary():
 def test_a_draft_with_another_tokenizer_is_refused():
     target, draft = make_tiny_model("llama"), make_tiny_model("llama", seed=1)
     with pytest.raises(ValueError, match="tokenizer differs from the target's.*share one tokenizer"):
-        MedusaModel.from_draft_model(target=target, draft=draft, tokenizer=TOKENIZER,
-                                     draft_tokenizer=tiny_tokenizer(VOCAB, prefix="other"))
+        MedusaModel.from_draft_model(
+            target=target, draft=draft, tokenizer=TOKENIZER, draft_tokenizer=tiny_tokenizer(VOCAB, prefix="other")
+        )
     config = LlamaConfig(**{**target.config.to_dict(), "vocab_size": VOCAB - 6})
     small = AutoModelForCausalLM.from_config(config).eval()
     with pytest.raises(ValueError, match="cannot score every token"):
@@ -142,19 +155,23 @@ def test_from_draft_model_loads_directories(tmp_path):
     for name, seed in (("target", 0), ("draft", 1)):
         make_tiny_model("qwen2", seed=seed).save_pretrained(tmp_path / name)
         TOKENIZER.save_pretrained(tmp_path / name)
-    model = MedusaModel.from_draft_model(target=str(tmp_path / "target"), draft=str(tmp_path / "draft"),
-                                         num_speculative_tokens=2)
+    model = MedusaModel.from_draft_model(
+        target=str(tmp_path / "target"), draft=str(tmp_path / "draft"), num_speculative_tokens=2
+    )
     assert isinstance(model, DraftModel) and model.tokenizer is not None
     prompt = torch.tensor([[1, 2, 3]])
     assert torch.equal(model.generate(prompt, max_new_tokens=12).sequences, greedy_reference(model.base, prompt, 12))
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(tree=[[0]]), "draft model proposes a chain"),
-    (dict(proposer="medusa"), "proposes with its draft model"),
-    (dict(do_sample=True, temperature=0.0), "temperature must be > 0"),
-    (dict(acceptance="nope"), "unknown acceptance rule"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(tree=[[0]]), "draft model proposes a chain"),
+        (dict(proposer="medusa"), "proposes with its draft model"),
+        (dict(do_sample=True, temperature=0.0), "temperature must be > 0"),
+        (dict(acceptance="nope"), "unknown acceptance rule"),
+    ],
+)
 def test_bad_generate_arguments_are_named(kwargs, message):
     target = make_tiny_model("llama")
     with pytest.raises(ValueError, match=message):
@@ -209,13 +226,17 @@ def test_early_exit_draft_shares_the_target_and_keeps_greedy_identity(family):
         hidden = target(ids, output_hidden_states=True).hidden_states[1]  # after the first decoder layer
         expected = target.get_output_embeddings()(target.get_decoder().norm(hidden))
         torch.testing.assert_close(draft(ids).logits, expected, atol=1e-5, rtol=1e-5)
-    model = MedusaModel.from_draft_model(target=target, draft="early-exit:1", num_speculative_tokens=3, tokenizer=TOKENIZER)
+    model = MedusaModel.from_draft_model(
+        target=target, draft="early-exit:1", num_speculative_tokens=3, tokenizer=TOKENIZER
+    )
     prompt = torch.tensor([[5, 17, 33, 2]])
     out = model.generate(prompt, max_new_tokens=20)
     assert torch.equal(out.sequences, greedy_reference(target, prompt, 20, min_new_tokens=20))
 
 
-@pytest.mark.parametrize("spec, message", [("early-exit:2", "1 <= num_layers < 2"), ("early-exit:x", "number of layers")])
+@pytest.mark.parametrize(
+    "spec, message", [("early-exit:2", "1 <= num_layers < 2"), ("early-exit:x", "number of layers")]
+)
 def test_bad_early_exit_drafts_are_named(spec, message):
     with pytest.raises(ValueError, match=message):
         MedusaModel.from_draft_model(target=make_tiny_model("llama"), draft=spec, tokenizer=TOKENIZER)

@@ -12,6 +12,7 @@ from medusa.proposers import get_proposer
 from medusa.tree import TreeSpec, build_buffers, chain
 from tests.conftest import FAMILIES, make_heads, make_tiny_model
 
+
 class FixedHeads:
     """Stands in for a MedusaProposer: fixed head logits (D, V), candidate index = token id."""
 
@@ -72,13 +73,19 @@ def test_dynamic_tree_keeps_the_most_probable_paths(topk):
 
     logp = logits.log_softmax(-1)
     allowed = [logp[d].topk(topk).indices.tolist() for d in range(depth)]
-    scored = {p: sum(logp[d, t].item() for d, t in enumerate(p))
-              for n in range(1, depth + 1) for p in itertools.product(*allowed[:n])}
+    scored = {
+        p: sum(logp[d, t].item() for d, t in enumerate(p))
+        for n in range(1, depth + 1)
+        for p in itertools.product(*allowed[:n])
+    }
     best = sorted(scored, key=scored.get, reverse=True)[: num_nodes - 1]
     assert set(_token_paths(candidates)) == set(best)
     # siblings come most probable first (acceptance rules walk them in node order)
-    tokens, parent, depths = (candidates.tokens.tolist(), candidates.tree.parent.tolist(),
-                              candidates.tree.depth.tolist())
+    tokens, parent, depths = (
+        candidates.tokens.tolist(),
+        candidates.tree.parent.tolist(),
+        candidates.tree.depth.tolist(),
+    )
     for p in set(parent[1:]):
         probs = [logp[depths[i] - 1, tokens[i]].item() for i in range(1, len(tokens)) if parent[i] == p]
         assert probs == sorted(probs, reverse=True)
@@ -131,6 +138,12 @@ def test_dynamic_greedy_identity(family, random_heads):
 
 def test_dynamic_sampling_runs():
     model = MedusaModel(make_tiny_model("llama"), make_heads(random=True))
-    out = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=20, proposer="dynamic", do_sample=True,
-                         temperature=0.8, generator=torch.Generator().manual_seed(0))
+    out = model.generate(
+        torch.tensor([[5, 6, 7]]),
+        max_new_tokens=20,
+        proposer="dynamic",
+        do_sample=True,
+        temperature=0.8,
+        generator=torch.Generator().manual_seed(0),
+    )
     assert out.sequences.shape == (1, 23)

@@ -9,8 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from medusa import MedusaConfig, MedusaHeads, MedusaModel, head_target_offset
-from medusa import evaluation
+from medusa import MedusaConfig, MedusaHeads, MedusaModel, evaluation, head_target_offset
 from medusa.evaluation import head_rank_accuracy, head_rank_accuracy_by_group, head_rank_hits, load_questions, spread
 from tests.conftest import make_heads, make_tiny_model
 
@@ -85,8 +84,11 @@ def test_accuracy_given_prefix_counts_only_positions_where_the_heads_before_were
     for j in sorted(jumps):
         ids[j:] = (ids[j:] + 7) % V  # from j on the run continues, shifted: the token at j is not ids[j-1] + 1
     got = head_rank_hits(model, ids, response_start=start, ranks=2)
-    right = {(k, t): not jumps & set(range(t + 1, t + head_target_offset(k) + 1))
-             for k in range(3) for t in range(start - 1, total - head_target_offset(k))}
+    right = {
+        (k, t): not jumps & set(range(t + 1, t + head_target_offset(k) + 1))
+        for k in range(3)
+        for t in range(start - 1, total - head_target_offset(k))
+    }
     for k in range(3):
         scored = [t for t in range(start - 1, total - head_target_offset(k))]
         reached = [t for t in scored if all(right[j, t] for j in range(k))]
@@ -155,8 +157,9 @@ def test_matches_slow_reference_on_a_tiny_model(projection, subset, monkeypatch)
 def test_accuracy_by_group_splits_the_pooled_counts():
     """Per-category accuracy (scripts/head_accuracy.py's by_category): each group equals scoring its sequences alone,
     and the groups add up to the pooled result."""
-    model = MedusaModel(make_tiny_model("qwen2"), make_heads(3, random=True), tokenizer=object(),
-                        projection_dtype=torch.float32)
+    model = MedusaModel(
+        make_tiny_model("qwen2"), make_heads(3, random=True), tokenizer=object(), projection_dtype=torch.float32
+    )
     torch.manual_seed(7)
     sequences = [torch.randint(0, 96, (n,)) for n in (30, 25, 18, 22)]
     starts, groups = [10, 6, 4, 12], ["writing", "math", "writing", "coding"]

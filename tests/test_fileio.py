@@ -23,6 +23,7 @@ def _writer(files: dict):
     def write(tmp: Path) -> None:
         for name, text in files.items():
             (tmp / name).write_text(text)
+
     return write
 
 

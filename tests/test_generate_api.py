@@ -13,8 +13,12 @@ from tests.conftest import FAMILIES, make_heads, make_tiny_model, tiny_tokenizer
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def model(request):
-    return MedusaModel(make_tiny_model(request.param), make_heads(random=True), tokenizer=tiny_tokenizer(),
-                       projection_dtype=torch.float32)
+    return MedusaModel(
+        make_tiny_model(request.param),
+        make_heads(random=True),
+        tokenizer=tiny_tokenizer(),
+        projection_dtype=torch.float32,
+    )
 
 
 def _inputs(model, text="the cat sat on"):
@@ -36,8 +40,7 @@ def test_max_length_and_a_plain_tensor_return(model):
     inputs = _inputs(model)
     out = model.generate(**inputs, max_length=inputs["input_ids"].shape[1] + 6, return_dict_in_generate=False)
     assert isinstance(out, torch.Tensor)
-    assert torch.equal(out, model.base.generate(**inputs, max_length=inputs["input_ids"].shape[1] + 6,
-                                                do_sample=False))
+    assert torch.equal(out, model.base.generate(**inputs, max_length=inputs["input_ids"].shape[1] + 6, do_sample=False))
 
 
 class StopAfter(StoppingCriteria):
@@ -56,10 +59,11 @@ def test_stopping_criteria_and_stop_strings_stop_where_transformers_stops(model)
     ours = model.generate(**inputs, max_new_tokens=16, stopping_criteria=[StopAfter(stop)]).sequences
     theirs = model.base.generate(**inputs, max_new_tokens=16, do_sample=False, stopping_criteria=[StopAfter(stop)])
     assert torch.equal(ours, theirs) and ours.shape[1] < full.shape[1]
-    text = model.tokenizer.decode(full[0, prompt_length + 3: prompt_length + 5])
+    text = model.tokenizer.decode(full[0, prompt_length + 3 : prompt_length + 5])
     ours = model.generate(**inputs, max_new_tokens=16, stop_strings=[text]).sequences
-    theirs = model.base.generate(**inputs, max_new_tokens=16, do_sample=False, stop_strings=[text],
-                                 tokenizer=model.tokenizer)
+    theirs = model.base.generate(
+        **inputs, max_new_tokens=16, do_sample=False, stop_strings=[text], tokenizer=model.tokenizer
+    )
     assert torch.equal(ours, theirs) and ours.shape[1] < full.shape[1]
 
 

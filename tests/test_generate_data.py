@@ -1,16 +1,15 @@
 """Self-distillation data: evaluation prompts dropped, shards written atomically, a killed run resumes exactly."""
 
 import json
+import random
 import shutil
 
 import pytest
 
-import random
-
-from train.data import build_prompt_mix, drop_evaluation_overlap, normalise
-from train.config import DataConfig
-from train.generate_data import is_greedy_shard, load_shards, main, shard_dirs, shard_groups
 from tests.conftest import make_tiny_model, tiny_tokenizer
+from train.config import DataConfig
+from train.data import build_prompt_mix, drop_evaluation_overlap, normalise
+from train.generate_data import is_greedy_shard, load_shards, main, shard_dirs, shard_groups
 
 PROMPTS = [f"Tell me fact number {i} about owls." for i in range(7)] + ["Prove the Pythagorean theorem."]
 
@@ -22,15 +21,33 @@ def setup(tmp_path, monkeypatch):
     tiny_tokenizer().save_pretrained(base)
     bench = tmp_path / "bench"
     bench.mkdir()
-    (bench / "mt_bench_question.jsonl").write_text(json.dumps({"question_id": 99, "category": "math",
-                                                               "turns": ["Prove the Pythagorean theorem."]}) + "\n")
+    (bench / "mt_bench_question.jsonl").write_text(
+        json.dumps({"question_id": 99, "category": "math", "turns": ["Prove the Pythagorean theorem."]}) + "\n"
+    )
     monkeypatch.setenv("MEDUSA_BENCH_DATA", str(bench))
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     out = tmp_path / "data"
-    args = ["--model.base", str(base), "--model.dtype", "float32", "--data.sources", json.dumps({str(prompts): -1}),
-            "--data.out_dir", str(out), "--data.shard_size", "3", "--data.batch_size", "2",
-            "--data.max_new_tokens", "6", "--data.dtype", "float32", "--data.greedy_fraction", "1.0"]
+    args = [
+        "--model.base",
+        str(base),
+        "--model.dtype",
+        "float32",
+        "--data.sources",
+        json.dumps({str(prompts): -1}),
+        "--data.out_dir",
+        str(out),
+        "--data.shard_size",
+        "3",
+        "--data.batch_size",
+        "2",
+        "--data.max_new_tokens",
+        "6",
+        "--data.dtype",
+        "float32",
+        "--data.greedy_fraction",
+        "1.0",
+    ]
     return args, out
 
 
@@ -143,8 +160,8 @@ def test_second_turns_continue_the_first_answer_and_resume(setup):
     seconds = [(ids, start) for ids, start in first if tiny_tokenizer().decode(ids[:start]).count("user:") == 2]
     assert len(firsts) == 7 and len(seconds) == 3
     for ids, start in seconds:
-        turn = next(f for f in firsts if ids[:len(f)] == f)  # the whole first exchange, answer tokens unchanged
-        between = tiny_tokenizer().decode(ids[len(turn):start])
+        turn = next(f for f in firsts if ids[: len(f)] == f)  # the whole first exchange, answer tokens unchanged
+        between = tiny_tokenizer().decode(ids[len(turn) : start])
         assert between in {f" | user: {f} | assistant:" for f in follow_ups}  # the template's next user turn
         assert len(ids) > start  # and the target answered it
     full = _rows(out)
@@ -205,8 +222,7 @@ def test_evaluation_overlap_filter_equals_the_naive_definition():
             parts.insert(rng.randint(0, len(parts)), turn.upper() if rng.random() < 0.3 else turn)
         prompts.append(("" if rng.random() < 0.5 else "  ").join(parts) if rng.random() < 0.2 else " ".join(parts))
     long_turns = [t for t in turns if len(t) >= 20]
-    naive = [p for p in prompts
-             if normalise(p) not in turns and not any(t in normalise(p) for t in long_turns)]
+    naive = [p for p in prompts if normalise(p) not in turns and not any(t in normalise(p) for t in long_turns)]
     kept = drop_evaluation_overlap(prompts, turns)
     assert kept == naive
     assert 0 < len(kept) < len(prompts)  # the case mixes both outcomes
@@ -265,13 +281,25 @@ def test_sigkill_mid_run_then_rerun_equals_an_uninterrupted_run(setup, tmp_path)
 
     args, out = setup
     prompts = tmp_path / "many.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"Tell me fact number {i} about owls."}) + "\n" for i in range(60)))
-    args = args + ["--data.sources", json.dumps({str(prompts): -1}), "--data.greedy_fraction", "0.5",
-                   "--data.max_new_tokens", "24"]
+    prompts.write_text(
+        "".join(json.dumps({"prompt": f"Tell me fact number {i} about owls."}) + "\n" for i in range(60))
+    )
+    args = args + [
+        "--data.sources",
+        json.dumps({str(prompts): -1}),
+        "--data.greedy_fraction",
+        "0.5",
+        "--data.max_new_tokens",
+        "24",
+    ]
     repo = Path(__file__).resolve().parent.parent
-    proc = subprocess.Popen([sys.executable, str(repo / "train" / "generate_data.py"), *args],
-                            env={**os.environ, "PYTHONPATH": str(repo)}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(repo / "train" / "generate_data.py"), *args],
+        env={**os.environ, "PYTHONPATH": str(repo)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 120
     while not (out / "shard-00001").exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.01)

@@ -43,7 +43,7 @@ class OracleProposer:
 
     def propose(self, state):
         n = len(state.tokens)  # state.tokens ends with the root token
-        guess = self.reference[n:n + self.tree.num_nodes - 1]
+        guess = self.reference[n : n + self.tree.num_nodes - 1]
         guess += [0] * (self.tree.num_nodes - 1 - len(guess))
         if self.wrong_at is not None:
             guess[self.wrong_at - 1] = (guess[self.wrong_at - 1] + 1) % VOCAB
@@ -60,7 +60,9 @@ def test_oracle_chain_accepts_exactly_the_right_prefix(wrong_at, tau_per_step):
     prompt = torch.tensor([[3, 4, 5]])
     reference = _reference(base, prompt, 60)
     proposer = OracleProposer(reference[0].tolist(), depth=4, wrong_at=wrong_at)
-    out = decode(base, proposer, get_rule("greedy"), prompt, max_new_tokens=60, sampling=SamplingConfig(), stop_ids=set())
+    out = decode(
+        base, proposer, get_rule("greedy"), prompt, max_new_tokens=60, sampling=SamplingConfig(), stop_ids=set()
+    )
     assert torch.equal(out.sequences, reference)
     # every full step commits the accepted prefix + the bonus token; the last step may be cut by max_new_tokens
     assert set(out.stats.accepted_lengths[:-1]) == {tau_per_step}

@@ -1,4 +1,4 @@
-"""Heads on disk in other layouts (official Medusa / vLLM): exact file contents, round trips, and named errors for broken
+"""Heads on disk in other layouts (official Medusa / vLLM): exact file contents, round trips, named errors for broken
 directories; one loader for every layout (medusa.heads_io). The native layout is tested in test_model_io.py."""
 
 from __future__ import annotations
@@ -17,9 +17,20 @@ from safetensors.torch import load_file, save_file
 
 from medusa import MedusaModel
 from medusa.cli import main
-from medusa.heads_io import (EXPORTABLE_FLAGS, FORMATS, OFFICIAL_PICKLE, OFFICIAL_WEIGHTS, VLLM_WEIGHTS,
-                             export_directory, export_heads, export_model, foreign_layout, import_heads, load_heads,
-                             save_heads)
+from medusa.heads_io import (
+    EXPORTABLE_FLAGS,
+    FORMATS,
+    OFFICIAL_PICKLE,
+    OFFICIAL_WEIGHTS,
+    VLLM_WEIGHTS,
+    export_directory,
+    export_heads,
+    export_model,
+    foreign_layout,
+    import_heads,
+    load_heads,
+    save_heads,
+)
 from medusa.model import DEFAULT_HEADS_DIR
 from tests.conftest import HIDDEN, VOCAB, make_heads, make_tiny_model, save_tiny_checkpoint, tiny_tokenizer
 
@@ -55,7 +66,7 @@ def test_official_export_layout_and_import_round_trip(tmp_path, projection):
     state = load_file(str(out / OFFICIAL_WEIGHTS))
     pickled = torch.load(out / OFFICIAL_PICKLE, weights_only=True)  # our own file: plain tensors, the same ones
     assert pickled.keys() == state.keys() and all(torch.equal(pickled[k], state[k]) for k in state)
-    expected = {f"{h}.{l}.linear.{p}" for h in range(K) for l in range(L) for p in ("weight", "bias")}
+    expected = {f"{h}.{i}.linear.{p}" for h in range(K) for i in range(L) for p in ("weight", "bias")}
     expected |= {f"{h}.{L}.weight" for h in range(K)}
     assert set(state) == expected
     assert state[f"1.{L}.weight"].shape == (VOCAB, HIDDEN)
@@ -82,7 +93,7 @@ def test_vllm_export_layout_and_load_back(tmp_path, projection):
     assert (cfg["num_heads"], cfg["num_hidden_layers"], cfg["medusa_fc_bias"]) == (K, L, True)
     assert cfg["original_lm_head"] == (projection == "shared")
     state = load_file(str(out / VLLM_WEIGHTS))
-    expected = {f"blocks.{h}.layers.{l}.{p}" for h in range(K) for l in range(L) for p in ("weight", "bias")}
+    expected = {f"blocks.{h}.layers.{i}.{p}" for h in range(K) for i in range(L) for p in ("weight", "bias")}
     expected |= {f"lm_heads.{h}.weight" for h in range(K)}
     assert set(state) == expected
     torch.testing.assert_close(state["blocks.1.layers.0.bias"], model.heads.blocks[1][0].linear.bias, rtol=0, atol=0)
@@ -92,9 +103,9 @@ def test_vllm_export_layout_and_load_back(tmp_path, projection):
     for h in range(K):
         want = lm_head if projection == "shared" else model.heads.projections[h].weight
         torch.testing.assert_close(heads.projections[h].weight, want, rtol=0, atol=0)
-        for l in range(L):
+        for i in range(L):
             for p in ("weight", "bias"):
-                got, ref = getattr(heads.blocks[h][l].linear, p), getattr(model.heads.blocks[h][l].linear, p)
+                got, ref = getattr(heads.blocks[h][i].linear, p), getattr(model.heads.blocks[h][i].linear, p)
                 torch.testing.assert_close(got, ref, rtol=0, atol=0)
     loaded = MedusaModel.from_pretrained(out, base=make_tiny_model("llama"), tokenizer=_TOKENIZER)
     torch.testing.assert_close(head_logits(loaded), head_logits(model), rtol=0, atol=0)
@@ -106,9 +117,19 @@ def test_vllm_import_without_bias_and_with_one_shared_lm_head(tmp_path):
     w = {f"blocks.{h}.layers.0.weight": torch.randn(HIDDEN, HIDDEN) for h in range(2)}
     w["lm_heads.0.weight"] = torch.randn(VOCAB, HIDDEN)
     save_file(w, str(tmp_path / VLLM_WEIGHTS))
-    (tmp_path / "config.json").write_text(json.dumps({
-        "model_type": "medusa", "hidden_size": HIDDEN, "vocab_size": VOCAB, "num_heads": 2, "num_hidden_layers": 1,
-        "medusa_fc_bias": False, "original_lm_head": True}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "medusa",
+                "hidden_size": HIDDEN,
+                "vocab_size": VOCAB,
+                "num_heads": 2,
+                "num_hidden_layers": 1,
+                "medusa_fc_bias": False,
+                "original_lm_head": True,
+            }
+        )
+    )
     heads = import_heads(tmp_path)
     assert torch.equal(heads.blocks[1][0].linear.bias, torch.zeros(HIDDEN))
     assert torch.equal(heads.projections[1].weight, w["lm_heads.0.weight"])
@@ -126,8 +147,14 @@ def test_export_directory_from_native_loads_base_for_shared_projection(tmp_path,
 
     # the tiny base has no tokenizer files, and copying lm_head needs no tokenizer
     monkeypatch.setattr(medusa.loading.AutoTokenizer, "from_pretrained", lambda *a, **k: _TOKENIZER)
-    out = export_directory(tmp_path / "native", tmp_path / "official", "medusa", base=str(base_dir),
-                           base_model_name_or_path="org/tiny-llama", dtype=torch.float16)
+    out = export_directory(
+        tmp_path / "native",
+        tmp_path / "official",
+        "medusa",
+        base=str(base_dir),
+        base_model_name_or_path="org/tiny-llama",
+        dtype=torch.float16,
+    )
     state = load_file(str(out / OFFICIAL_WEIGHTS))
     assert all(t.dtype == torch.float16 for t in state.values())
     assert torch.equal(state[f"0.{L}.weight"], model.base.get_output_embeddings().weight.half())
@@ -228,7 +255,9 @@ def test_vocab_subset_travels_as_vllm_token_map(tmp_path, caplog):
     loaded = MedusaModel.from_pretrained(out, base=make_tiny_model("llama"), tokenizer=_TOKENIZER)
     assert loaded.config.vocab_subset_size == len(subset) and torch.equal(loaded.heads.vocab_subset, subset)
     for k in range(K):  # imported heads own K copies of the shared rows
-        torch.testing.assert_close(loaded.candidate_projection.weight[k], model.candidate_projection.weight, rtol=0, atol=0)
+        torch.testing.assert_close(
+            loaded.candidate_projection.weight[k], model.candidate_projection.weight, rtol=0, atol=0
+        )
     half = load_file(str(export_model(model, tmp_path / "vllm16", "vllm", dtype=torch.float16) / VLLM_WEIGHTS))
     assert half["lm_heads.0.weight"].dtype == torch.float16  # weights cast for serving, token ids kept exact
     assert half["token_map"].dtype == torch.int64 and torch.equal(half["token_map"], subset)
@@ -261,8 +290,11 @@ def test_one_loader_for_every_layout_and_one_base_check(tmp_path):
     refused without base= (imported ones took the embedded SmolLM2 silently before)."""
     model = medusa_model("own")
     model.save_pretrained(tmp_path / "native")
-    for directory in (tmp_path / "native", export_model(model, tmp_path / "official", "medusa"),
-                      export_model(model, tmp_path / "vllm", "vllm")):
+    for directory in (
+        tmp_path / "native",
+        export_model(model, tmp_path / "official", "medusa"),
+        export_model(model, tmp_path / "vllm", "vllm"),
+    ):
         loaded = load_heads(directory).state_dict()
         assert loaded.keys() == model.heads.state_dict().keys(), directory.name
         for name, tensor in model.heads.state_dict().items():
@@ -286,7 +318,10 @@ def test_medusa_export_command_writes_both_layouts_and_refuses_the_shipped_heads
     lm_head = load_file(str(base_dir / "model.safetensors"))["lm_head.weight"]
     main(["export", str(heads_dir), str(tmp_path / "official"), "--format", "medusa", "--base", str(base_dir)])
     main(["export", str(heads_dir), str(tmp_path / "vllm"), "--format", "vllm", "--base", str(base_dir)])
-    official, vllm = load_file(str(tmp_path / "official" / OFFICIAL_WEIGHTS)), load_file(str(tmp_path / "vllm" / VLLM_WEIGHTS))
+    official, vllm = (
+        load_file(str(tmp_path / "official" / OFFICIAL_WEIGHTS)),
+        load_file(str(tmp_path / "vllm" / VLLM_WEIGHTS)),
+    )
     assert torch.equal(official["2.0.linear.weight"], ours.blocks[2][0].linear.weight)
     assert torch.equal(vllm["blocks.2.layers.0.bias"], ours.blocks[2][0].linear.bias)
     assert torch.equal(official["3.1.weight"], lm_head) and torch.equal(vllm["lm_heads.3.weight"], lm_head)
@@ -297,8 +332,13 @@ def test_medusa_export_command_writes_both_layouts_and_refuses_the_shipped_heads
         main(["export", str(DEFAULT_HEADS_DIR), str(tmp_path / "shipped"), "--format", "vllm"])
     err = capsys.readouterr().err
     assert exit_info.value.code == 1 and not (tmp_path / "shipped").exists()
-    for named in ("context layer over the last 64 positions", "layers [2, 15, 27]", "next token's embedding",
-                  "path tokens", EXPORTABLE_FLAGS):
+    for named in (
+        "context layer over the last 64 positions",
+        "layers [2, 15, 27]",
+        "next token's embedding",
+        "path tokens",
+        EXPORTABLE_FLAGS,
+    ):
         assert named in err, named
 
 

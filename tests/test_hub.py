@@ -33,37 +33,49 @@ def checkpoint(tmp_path_factory):
 
 def _offline(cache: Path, code: str) -> subprocess.CompletedProcess:
     env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache), "MEDUSA_PLAN": "off", "PATH": "/usr/bin:/bin"}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env,
-                          cwd=Path(__file__).resolve().parent.parent)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
 
 
 def test_heads_load_from_a_hub_id_offline(tmp_path, checkpoint):
     base_dir, heads_dir = checkpoint
     fake_hub_cache(tmp_path / "hub", "someone/tiny-heads", heads_dir)
-    done = _offline(tmp_path / "hub", f"""
+    done = _offline(
+        tmp_path / "hub",
+        f"""
         import torch
         from medusa import MedusaModel
         from medusa.hub import resolve_heads
         print(resolve_heads("someone/tiny-heads"))
         model = MedusaModel.from_pretrained("someone/tiny-heads", base={str(base_dir)!r})
         local = MedusaModel.from_pretrained({str(heads_dir)!r}, base={str(base_dir)!r})
-        assert all(torch.equal(a, b) for a, b in zip(model.heads.state_dict().values(), local.heads.state_dict().values()))
+        pairs = zip(model.heads.state_dict().values(), local.heads.state_dict().values())
+        assert all(torch.equal(a, b) for a, b in pairs)
         print("loaded", model.config.num_heads)
-    """)
+    """,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert COMMIT in done.stdout and "loaded" in done.stdout
 
 
 def test_a_missing_hub_id_or_revision_is_named_offline(tmp_path, checkpoint):
     fake_hub_cache(tmp_path / "hub", "someone/tiny-heads", checkpoint[1])
-    done = _offline(tmp_path / "hub", """
+    done = _offline(
+        tmp_path / "hub",
+        """
         from medusa.hub import resolve_heads
         for reference, revision in (("someone/other-heads", None), ("someone/tiny-heads", "v2")):
             try:
                 resolve_heads(reference, revision)
             except FileNotFoundError as err:
                 print("refused:", err)
-    """)
+    """,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     refused = [line for line in done.stdout.splitlines() if line.startswith("refused:")]
     assert len(refused) == 2 and "someone/other-heads" in refused[0] and "revision v2" in refused[1]

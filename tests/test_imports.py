@@ -18,10 +18,32 @@ PACKAGE = Path(__file__).resolve().parent.parent / "medusa"
 INIT = "__init__"  # the package itself: `from medusa import X` for a name that is not a module
 
 TIERS = {
-    "low": {"tree", "sampling", "fileio", "hardware", "ngram", "prepack", "kv_cache", "config", "loading",
-            "generate_args", "hub"},
-    "mid": {"heads", "propose", "verify", "acceptance", "engine", "decode", "guard", "dynamic_tree", "prompt_lookup",
-            "proposers", "evaluation"},
+    "low": {
+        "tree",
+        "sampling",
+        "fileio",
+        "hardware",
+        "ngram",
+        "prepack",
+        "kv_cache",
+        "config",
+        "loading",
+        "generate_args",
+        "hub",
+    },
+    "mid": {
+        "heads",
+        "propose",
+        "verify",
+        "acceptance",
+        "engine",
+        "decode",
+        "guard",
+        "dynamic_tree",
+        "prompt_lookup",
+        "proposers",
+        "evaluation",
+    },
     "high": {"heads_io", "tree_builder", "plan", "draft", "model", INIT},
     "apps": {"cli", "__main__"},
 }
@@ -40,10 +62,16 @@ def imported_modules(source: str, modules: set[str]) -> set[str]:
             elif node.module.startswith("medusa."):
                 found.add(node.module.split(".")[1])
         elif isinstance(node, ast.ImportFrom) and node.level:
-            raise AssertionError(f"relative import `from {'.' * node.level}{node.module or ''} import ...`: "
-                                 "medusa/ imports by absolute name (medusa.x)")
-        elif _is_import_module(node) and node.args and isinstance(node.args[0], ast.Constant) \
-                and str(node.args[0].value).startswith("medusa."):  # an import by string is an edge too
+            raise AssertionError(
+                f"relative import `from {'.' * node.level}{node.module or ''} import ...`: "
+                "medusa/ imports by absolute name (medusa.x)"
+            )
+        elif (
+            _is_import_module(node)
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and str(node.args[0].value).startswith("medusa.")
+        ):  # an import by string is an edge too
             found.add(str(node.args[0].value).split(":")[0].split(".")[1])
     return found
 
@@ -55,16 +83,23 @@ def _is_import_module(node: ast.AST) -> bool:
 def sources() -> dict[str, list[Path]]:
     """module -> its files: a subpackage (medusa/cli/) is one module."""
     files = {path.stem: [path] for path in PACKAGE.glob("*.py")}
-    files.update({package.name: sorted(package.glob("*.py")) for package in PACKAGE.iterdir()
-                  if (package / "__init__.py").is_file()})
+    files.update(
+        {
+            package.name: sorted(package.glob("*.py"))
+            for package in PACKAGE.iterdir()
+            if (package / "__init__.py").is_file()
+        }
+    )
     return files
 
 
 def import_graph() -> dict[str, set[str]]:
     """module -> the medusa modules it imports."""
     files = sources()
-    return {name: set().union(*(imported_modules(path.read_text(), set(files)) for path in paths)) - {name}
-            for name, paths in files.items()}
+    return {
+        name: set().union(*(imported_modules(path.read_text(), set(files)) for path in paths)) - {name}
+        for name, paths in files.items()
+    }
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -73,7 +108,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
     def visit(module: str) -> list[str] | None:
         if module in path:
-            return path[path.index(module):] + [module]
+            return path[path.index(module) :] + [module]
         if module in done:
             return None
         path.append(module)
@@ -104,9 +139,12 @@ def test_every_module_has_a_tier():
 
 def test_imports_go_down_the_tiers():
     tier_of = {module: name for name, tier in TIERS.items() for module in tier}
-    upward = [f"{module} ({tier_of[module]}) imports {imported} ({tier_of[imported]})"
-              for module, imports in sorted(import_graph().items()) for imported in sorted(imports)
-              if module in RANK and imported in RANK and RANK[imported] > RANK[module]]
+    upward = [
+        f"{module} ({tier_of[module]}) imports {imported} ({tier_of[imported]})"
+        for module, imports in sorted(import_graph().items())
+        for imported in sorted(imports)
+        if module in RANK and imported in RANK and RANK[imported] > RANK[module]
+    ]
     assert not upward, "upward imports in medusa/: " + "; ".join(upward)
 
 
@@ -129,8 +167,11 @@ def test_the_former_export_model_cycle_is_caught():
 
 def test_no_imports_by_string_in_medusa():
     """importlib.import_module hides an edge from readers (and from tools); medusa/ imports modules by name."""
-    users = sorted(path.name for path in PACKAGE.rglob("*.py")
-                   if any(_is_import_module(node) for node in ast.walk(ast.parse(path.read_text()))))
+    users = sorted(
+        path.name
+        for path in PACKAGE.rglob("*.py")
+        if any(_is_import_module(node) for node in ast.walk(ast.parse(path.read_text())))
+    )
     assert not users, f"importlib.import_module in {users}: import the module by name instead"
 
 

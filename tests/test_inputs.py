@@ -27,9 +27,12 @@ BAD_CALLS = [
     ("float in a list", dict(input_ids=[[1, 2.5]]), TypeError, "integer token ids"),
     ("id = vocabulary size", dict(input_ids=[[1, VOCAB]]), ValueError, "outside the model's vocabulary"),
     ("negative id", dict(input_ids=[[-1, 2]]), ValueError, "outside the model's vocabulary"),
-    ("padded mask in the dict", dict(input_ids={"input_ids": torch.tensor(PROMPT),
-                                                "attention_mask": torch.tensor([[0, 1, 1, 1]])}),
-     ValueError, "pads the prompt"),
+    (
+        "padded mask in the dict",
+        dict(input_ids={"input_ids": torch.tensor(PROMPT), "attention_mask": torch.tensor([[0, 1, 1, 1]])}),
+        ValueError,
+        "pads the prompt",
+    ),
     ("padded attention_mask", dict(attention_mask=torch.tensor([[0, 1, 1, 1]])), ValueError, "pads the prompt"),
     ("a dict without input_ids", dict(input_ids={"ids": PROMPT}), ValueError, "needs 'input_ids'"),
     ("eos as a string", dict(eos_token_id="</s>"), TypeError, "eos_token_id"),
@@ -42,17 +45,30 @@ BAD_CALLS = [
     ("an empty tree", dict(tree=[]), ValueError, "tree=[] holds no paths"),
     ("a tree as a dict", dict(tree={"paths": [[0]]}), TypeError, "tree must be"),
     ("a tree as an int", dict(tree=3), TypeError, "tree must be"),
-    ("a rank above the vocabulary", dict(tree=[[0], [1], [2]] + [[r] for r in range(3, VOCAB + 1)]), ValueError,
-     "rank"),
+    (
+        "a rank above the vocabulary",
+        dict(tree=[[0], [1], [2]] + [[r] for r in range(3, VOCAB + 1)]),
+        ValueError,
+        "rank",
+    ),
     ("an unknown proposer", dict(proposer="beam"), ValueError, "unknown proposer"),
     ("max_new_tokens positionally", dict(generation_config=8), TypeError, "pass settings by keyword"),
     ("repetition_penalty", dict(repetition_penalty=1.2), ValueError, "does not support repetition_penalty=1.2"),
-    ("no_repeat_ngram_size in a GenerationConfig", dict(generation_config=GenerationConfig(no_repeat_ngram_size=3)),
-     ValueError, "does not support no_repeat_ngram_size=3"),
+    (
+        "no_repeat_ngram_size in a GenerationConfig",
+        dict(generation_config=GenerationConfig(no_repeat_ngram_size=3)),
+        ValueError,
+        "does not support no_repeat_ngram_size=3",
+    ),
     ("beam search", dict(num_beams=4), ValueError, "does not support num_beams=4"),
     ("a logits processor", dict(logits_processor=[lambda ids, scores: scores]), ValueError, "logits_processor"),
     ("an unknown argument", dict(temprature=0.7), TypeError, "unexpected arguments ['temprature']"),
-    ("max_length inside the prompt", dict(max_new_tokens=None, max_length=3), ValueError, "max_length=3 leaves no room"),
+    (
+        "max_length inside the prompt",
+        dict(max_new_tokens=None, max_length=3),
+        ValueError,
+        "max_length=3 leaves no room",
+    ),
     ("stop_strings without a tokenizer", dict(stop_strings=["."]), ValueError, "stop_strings needs the tokenizer"),
 ]
 
@@ -96,21 +112,25 @@ def test_trees_shrink_near_the_end_of_a_learned_position_window():
     base = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2)).eval()
     model = MedusaModel(base, make_heads(random=True, hidden=32), projection_dtype=torch.float32)
     prompt = torch.randint(1, VOCAB, (1, 20))
-    reference = base.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12, do_sample=False,
-                              pad_token_id=0)
+    reference = base.generate(
+        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12, do_sample=False, pad_token_id=0
+    )
     for proposer in ("medusa", "dynamic", "hybrid"):
         out = model.generate(prompt, max_new_tokens=12, proposer=proposer, tree=[[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]])
         assert torch.equal(out.sequences, reference), proposer
 
 
-@pytest.mark.parametrize("text, words", [
-    ("[]", "not an object of heads settings"),
-    ("null", "not an object of heads settings"),
-    ('{"hidden_size": 64, "vocab_size": 96, "num_heads": true}', "num_heads must be a positive integer"),
-    ('{"hidden_size": 64, "vocab_size": 96, "vocab_subset_size": "5"}', "vocab_subset_size"),
-    ('{"hidden_size": 64, "vocab_size": 96, "format_version": "1"}', "format_version must be an integer"),
-    ('{"vocab_size": 96}', "lacks ['hidden_size']"),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("[]", "not an object of heads settings"),
+        ("null", "not an object of heads settings"),
+        ('{"hidden_size": 64, "vocab_size": 96, "num_heads": true}', "num_heads must be a positive integer"),
+        ('{"hidden_size": 64, "vocab_size": 96, "vocab_subset_size": "5"}', "vocab_subset_size"),
+        ('{"hidden_size": 64, "vocab_size": 96, "format_version": "1"}', "format_version must be an integer"),
+        ('{"vocab_size": 96}', "lacks ['hidden_size']"),
+    ],
+)
 def test_bad_heads_configs_are_named_with_their_file(tmp_path, text, words):
     from medusa.config import CONFIG_NAME, MedusaConfig
 
@@ -141,7 +161,11 @@ BAD_CONFIGS = [
     ("unknown key", ["--training.learning_rate", "1e-3"], "training.learning_rate"),
     ("a heads field training fills in", ["--heads.hidden_size", "576"], "heads.hidden_size is filled in by training"),
     ("bool as a string", ["--training.medusa2", '"no"'], "training.medusa2 must be true or false"),
-    ("bool as a string", ["--training.precompute_hidden", '"false"'], "training.precompute_hidden must be true or false"),
+    (
+        "bool as a string",
+        ["--training.precompute_hidden", '"false"'],
+        "training.precompute_hidden must be true or false",
+    ),
     ("integer as a string", ["--data.batch_size", '"16"'], "data.batch_size must be an integer"),
     ("integer as a bool", ["--training.max_steps", "true"], "training.max_steps"),
     ("number as a word", ["--training.lr", "fast"], "training.lr must be a number"),
@@ -159,8 +183,11 @@ BAD_CONFIGS = [
     ("unknown batch unit", ["--training.batch_unit", "rows"], "training.batch_unit must be one of"),
     ("unknown projection", ["--heads.projection", "tied"], "heads.projection must be one of"),
     ("no heads", ["--heads.num_heads", "0"], "heads.num_heads must be a positive integer"),
-    ("path heads without the root token", ["--heads.condition_on_path", "true"],
-     "heads.condition_on_path needs heads.condition_on_next_token"),
+    (
+        "path heads without the root token",
+        ["--heads.condition_on_path", "true"],
+        "heads.condition_on_path needs heads.condition_on_next_token",
+    ),
     ("Medusa-2 on cached hidden states", ["--training.medusa2", "true"], "precompute_hidden false for Medusa-2"),
     ("an override without a section", ["--lr", "1e-3"], "must look like --section.key value"),
 ]
@@ -179,10 +206,16 @@ REFUSED_DOC = Path(__file__).resolve().parent.parent / "docs" / "refused_inputs.
 
 def refused_inputs_table(model) -> str:
     """The docs table of refused generate inputs, rendered from BAD_CALLS and the messages they actually raise."""
-    lines = ["# Inputs `generate` refuses, and what it says", "",
-             "Generated from `tests/test_inputs.py::BAD_CALLS` (`UPDATE_DOCS=1 pytest tests/test_inputs.py` rewrites "
-             "it; the test fails when it is out of date). Tiny llama, prompt `[[3, 4, 5, 6]]`, vocabulary of "
-             f"{VOCAB}.", "", "| input | error | message |", "|---|---|---|"]
+    lines = [
+        "# Inputs `generate` refuses, and what it says",
+        "",
+        "Generated from `tests/test_inputs.py::BAD_CALLS` (`UPDATE_DOCS=1 pytest tests/test_inputs.py` rewrites "
+        "it; the test fails when it is out of date). Tiny llama, prompt `[[3, 4, 5, 6]]`, vocabulary of "
+        f"{VOCAB}.",
+        "",
+        "| input | error | message |",
+        "|---|---|---|",
+    ]
     for name, kwargs, error, _ in BAD_CALLS:
         try:
             model.generate(**{"input_ids": PROMPT, "max_new_tokens": 4, **kwargs})
@@ -197,10 +230,16 @@ def refused_config_table() -> str:
     """The docs table of refused training / data-generation config values, from BAD_CONFIGS and their messages."""
     from train.config import load_config
 
-    lines = ["", "## Training and data-generation config values `train/config.py` refuses", "",
-             "From `tests/test_inputs.py::BAD_CONFIGS`: each override on its own (`--section.key value` on the "
-             "command line of train/train.py or train/generate_data.py; a YAML file's keys are read alike).", "",
-             "| case | override | message |", "|---|---|---|"]
+    lines = [
+        "",
+        "## Training and data-generation config values `train/config.py` refuses",
+        "",
+        "From `tests/test_inputs.py::BAD_CONFIGS`: each override on its own (`--section.key value` on the "
+        "command line of train/train.py or train/generate_data.py; a YAML file's keys are read alike).",
+        "",
+        "| case | override | message |",
+        "|---|---|---|",
+    ]
     for name, overrides, _ in BAD_CONFIGS:
         try:
             load_config(None, overrides)
@@ -216,5 +255,6 @@ def test_the_docs_table_of_refused_inputs_is_current(model):
     if os.environ.get("UPDATE_DOCS") == "1":
         REFUSED_DOC.write_text(table)
     assert "(accepted!)" not in table
-    assert REFUSED_DOC.is_file() and REFUSED_DOC.read_text() == table, \
+    assert REFUSED_DOC.is_file() and REFUSED_DOC.read_text() == table, (
         "docs/refused_inputs.md is out of date: rerun with UPDATE_DOCS=1"
+    )

@@ -5,11 +5,21 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.conftest import HIDDEN, VOCAB, make_heads
 
 from medusa.heads import head_target_offset
-from train.losses import (BASE_TARGET_OFFSET, base_kl_loss, head_targets, head_weights, linear_cross_entropy,
-                           linear_kl, medusa_heads_loss, scored_positions, shifted_targets, topk_correct)
+from tests.conftest import HIDDEN, VOCAB, make_heads
+from train.losses import (
+    BASE_TARGET_OFFSET,
+    base_kl_loss,
+    head_targets,
+    head_weights,
+    linear_cross_entropy,
+    linear_kl,
+    medusa_heads_loss,
+    scored_positions,
+    shifted_targets,
+    topk_correct,
+)
 
 
 def test_head_offset_on_a_hand_made_sequence():
@@ -55,9 +65,13 @@ def test_head_weights_decay():
 
 
 def test_topk_correct_on_fixed_logits():
-    logits = torch.tensor([[0.0, 3.0, 2.0, 1.0],   # target 1 is the argmax: top-1
-                           [0.0, 3.0, 2.0, 1.0],   # target 3 ranks third
-                           [5.0, 1.0, 1.0, 0.0]])  # target 2 ties with 1 for second place: counted as second
+    logits = torch.tensor(
+        [
+            [0.0, 3.0, 2.0, 1.0],  # target 1 is the argmax: top-1
+            [0.0, 3.0, 2.0, 1.0],  # target 3 ranks third
+            [5.0, 1.0, 1.0, 0.0],
+        ]
+    )  # target 2 ties with 1 for second place: counted as second
     correct = topk_correct(logits, torch.tensor([1, 3, 2]), topk=4)
     assert correct.tolist() == [1, 2, 3, 3]
 
@@ -105,8 +119,9 @@ def test_fused_kl_matches_torch_with_a_constant_reference():
     ours = [t.grad.clone() for t in (x, w, b)]
     for t in (x, w, b):
         t.grad = None
-    reference = F.kl_div((x @ w.T + b).log_softmax(-1), (ref @ w.T + b).detach().log_softmax(-1), log_target=True,
-                         reduction="sum")
+    reference = F.kl_div(
+        (x @ w.T + b).log_softmax(-1), (ref @ w.T + b).detach().log_softmax(-1), log_target=True, reduction="sum"
+    )
     reference.backward()
     torch.testing.assert_close(kl, reference.detach(), atol=1e-4, rtol=1e-5)
     for got, t in zip(ours, (x, w, b)):
@@ -167,8 +182,12 @@ def test_distilled_heads_loss_is_the_kl_to_the_base_at_the_position_before_the_t
     for k in range(3):
         off = head_target_offset(k)
         rows = [(b, t) for b in range(2) for t in range(12 - off) if mask[b, t + off]]
-        kl = torch.stack([F.kl_div(logits[k, b, t].log_softmax(-1), teacher[b, t + off - 1], log_target=True,
-                                   reduction="sum") for b, t in rows]).mean()
+        kl = torch.stack(
+            [
+                F.kl_div(logits[k, b, t].log_softmax(-1), teacher[b, t + off - 1], log_target=True, reduction="sum")
+                for b, t in rows
+            ]
+        ).mean()
         torch.testing.assert_close(out.ce[k], kl.detach(), atol=1e-5, rtol=1e-5)
         expected = expected + 0.8**k * kl
         hits = sum(int(heads.vocab_subset[logits[k, b, t].argmax()] == ids[b, t + off]) for b, t in rows)
@@ -190,11 +209,17 @@ def test_normalizer_turns_micro_batches_into_one_batch():
         mask[b, start:] = 1
     whole = medusa_heads_loss(heads, hidden, ids, mask, lm_head)
     norm = whole.count.float()
-    parts = [medusa_heads_loss(heads, hidden[i:i + 1], ids[i:i + 1], mask[i:i + 1], lm_head, normalizer=norm)
-             for i in range(4)]
+    parts = [
+        medusa_heads_loss(heads, hidden[i : i + 1], ids[i : i + 1], mask[i : i + 1], lm_head, normalizer=norm)
+        for i in range(4)
+    ]
     torch.testing.assert_close(sum(p.loss for p in parts), whole.loss, atol=1e-5, rtol=1e-5)
-    mean_of_means = sum(medusa_heads_loss(heads, hidden[i:i + 1], ids[i:i + 1], mask[i:i + 1], lm_head).loss
-                        for i in range(4)) / 4
+    mean_of_means = (
+        sum(
+            medusa_heads_loss(heads, hidden[i : i + 1], ids[i : i + 1], mask[i : i + 1], lm_head).loss for i in range(4)
+        )
+        / 4
+    )
     assert abs(mean_of_means.item() - whole.loss.item()) > 1e-3  # the test would notice plain averaging
 
 

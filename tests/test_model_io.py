@@ -20,9 +20,12 @@ def test_save_load_round_trip(tmp_path, projection):
         assert torch.equal(a, b), name
     assert loaded.tree == [[0], [1], [0, 0]]
     prompt = torch.tensor([[3, 1, 4, 1, 5]])
-    assert torch.equal(model.generate(prompt, max_new_tokens=20).sequences, loaded.generate(prompt, max_new_tokens=20).sequences)
+    assert torch.equal(
+        model.generate(prompt, max_new_tokens=20).sequences, loaded.generate(prompt, max_new_tokens=20).sequences
+    )
     # shared projection stores only the blocks: no [V, H] matrix in the file
     from safetensors.torch import load_file
+
     keys = load_file(str(tmp_path / "heads" / WEIGHTS_NAME)).keys()
     assert any("projections" in k for k in keys) == (projection == "own")
 
@@ -40,10 +43,13 @@ def test_fresh_heads_are_identity():
         torch.testing.assert_close(heads.head_hidden(hidden)[k], hidden)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(hidden=32), "hidden size 32"),
-    (dict(vocab=50), "vocabulary of 50"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(hidden=32), "hidden size 32"),
+        (dict(vocab=50), "vocabulary of 50"),
+    ],
+)
 def test_mismatched_heads_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         MedusaModel(make_tiny_model("llama"), make_heads(**kwargs))
@@ -75,13 +81,16 @@ def test_weights_that_disagree_with_config_are_named(tmp_path):
         MedusaModel.from_pretrained(tmp_path / "h", base=base)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(hidden_size=0, vocab_size=10), "hidden_size"),
-    (dict(hidden_size=8, vocab_size=10, projection="tied"), "projection"),
-    (dict(hidden_size=8, vocab_size=10, num_heads=2, tree=[[0, 0, 0]]), "no parent"),
-    (dict(hidden_size=8, vocab_size=10, num_heads=2, tree=[[0], [0, 0], [0, 0, 0]]), "only 2 heads"),
-    (dict(hidden_size=8, vocab_size=10, format_version=99), "newer"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(hidden_size=0, vocab_size=10), "hidden_size"),
+        (dict(hidden_size=8, vocab_size=10, projection="tied"), "projection"),
+        (dict(hidden_size=8, vocab_size=10, num_heads=2, tree=[[0, 0, 0]]), "no parent"),
+        (dict(hidden_size=8, vocab_size=10, num_heads=2, tree=[[0], [0, 0], [0, 0, 0]]), "only 2 heads"),
+        (dict(hidden_size=8, vocab_size=10, format_version=99), "newer"),
+    ],
+)
 def test_config_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):
         MedusaConfig(**kwargs)
@@ -93,14 +102,17 @@ def test_unknown_config_key_is_named(tmp_path):
         MedusaConfig.load(tmp_path)
 
 
-@pytest.mark.parametrize("prompt, max_new_tokens, message", [
-    (torch.zeros((1, 0), dtype=torch.long), 5, "prompt is empty"),
-    (torch.ones((1, 510), dtype=torch.long), 5, "context window of 512"),
-    (torch.ones((1, 600), dtype=torch.long), 1, "context window"),
-    (torch.ones((1, 3), dtype=torch.long), 0, "max_new_tokens must be a positive"),
-    (torch.ones((1, 3), dtype=torch.long), -2, "max_new_tokens must be a positive"),
-    (torch.ones((2, 3), dtype=torch.long), 5, "one sequence"),
-])
+@pytest.mark.parametrize(
+    "prompt, max_new_tokens, message",
+    [
+        (torch.zeros((1, 0), dtype=torch.long), 5, "prompt is empty"),
+        (torch.ones((1, 510), dtype=torch.long), 5, "context window of 512"),
+        (torch.ones((1, 600), dtype=torch.long), 1, "context window"),
+        (torch.ones((1, 3), dtype=torch.long), 0, "max_new_tokens must be a positive"),
+        (torch.ones((1, 3), dtype=torch.long), -2, "max_new_tokens must be a positive"),
+        (torch.ones((2, 3), dtype=torch.long), 5, "one sequence"),
+    ],
+)
 def test_bad_generate_input_is_named(prompt, max_new_tokens, message):
     model = MedusaModel(make_tiny_model("llama"), make_heads())
     with pytest.raises(ValueError, match=message):
@@ -156,5 +168,6 @@ def test_heads_stored_in_bf16_keep_their_token_ids(tmp_path):
         expected = original.to(torch.bfloat16).float() if original.is_floating_point() else original
         assert value.dtype == original.dtype and torch.equal(value, expected), name
     prompt = torch.tensor([[7, 8, 9]])
-    assert torch.equal(loaded.generate(prompt, max_new_tokens=20).sequences,
-                       base.generate(prompt, max_new_tokens=20, do_sample=False))
+    assert torch.equal(
+        loaded.generate(prompt, max_new_tokens=20).sequences, base.generate(prompt, max_new_tokens=20, do_sample=False)
+    )

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.conftest import FAMILIES, HIDDEN, VOCAB, make_heads, make_tiny_model
 
 from medusa import MedusaModel
 from medusa.evaluation import head_rank_hits
-from medusa.heads_io import export_heads
 from medusa.heads import head_target_offset
+from medusa.heads_io import export_heads
+from tests.conftest import FAMILIES, HIDDEN, VOCAB, make_heads, make_tiny_model
 from train.losses import medusa_heads_loss
 
 
@@ -31,8 +31,9 @@ def test_fresh_conditioned_heads_equal_plain_heads_and_need_the_embedding():
 @pytest.mark.parametrize("projection", ["shared", "own"])
 def test_conditioned_loss_equals_the_naive_computation(projection, path):
     torch.manual_seed(0)
-    heads = make_heads(num_heads=3, random=True, projection=projection, condition_on_next_token=True,
-                       condition_on_path=path)
+    heads = make_heads(
+        num_heads=3, random=True, projection=projection, condition_on_next_token=True, condition_on_path=path
+    )
     embed = torch.nn.Embedding(VOCAB, HIDDEN)
     lm_head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
     hidden, ids = torch.randn(2, 10, HIDDEN), torch.randint(0, VOCAB, (2, 10))
@@ -44,7 +45,7 @@ def test_conditioned_loss_equals_the_naive_computation(projection, path):
         rows = [(b, t) for b in range(2) for t in range(10 - off) if mask[b, t + off]]
         ce = []
         for b, t in rows:  # head k reads the root ids[t+1] and, for path heads, the path ids[t+2 .. t+k+1]
-            x = heads.run_head(k, hidden[b, t], embed(ids[b, t + 1]), embed(ids[b, t + 2:t + k + 2]))
+            x = heads.run_head(k, hidden[b, t], embed(ids[b, t + 1]), embed(ids[b, t + 2 : t + k + 2]))
             logits = lm_head(x) if projection == "shared" else heads.projections[k](x)
             ce.append(F.cross_entropy(logits, ids[b, t + off]))
         torch.testing.assert_close(out.ce[k], torch.stack(ce).mean().detach(), atol=1e-5, rtol=1e-5)
@@ -99,7 +100,9 @@ def test_the_proposer_feeds_the_root_token_to_the_heads():
     proposer_input = []
     proposing = model.proposal_heads  # the heads proposing runs (on CPU a pre-packed copy of model.heads)
     original = proposing.run_head
-    proposing.run_head = lambda k, hidden, embedding=None: proposer_input.append(embedding) or original(k, hidden, embedding)
+    proposing.run_head = lambda k, hidden, embedding=None: (
+        proposer_input.append(embedding) or original(k, hidden, embedding)
+    )
     model.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=4)
     embed = model.base.get_input_embeddings()
     assert proposer_input and all(e is not None and e.shape == (HIDDEN,) for e in proposer_input)
@@ -121,8 +124,13 @@ def test_rank_accuracy_of_conditioned_heads_reads_the_next_token():
         for k in range(2):
             off = head_target_offset(k)
             positions = range(3, 14 - off)
-            hits = sum(int(ids[t + off] in heads(hidden[t], base.get_output_embeddings(), embed(ids[t + 1]))[k]
-                           .topk(1).indices.tolist()) for t in positions)
+            hits = sum(
+                int(
+                    ids[t + off]
+                    in heads(hidden[t], base.get_output_embeddings(), embed(ids[t + 1]))[k].topk(1).indices.tolist()
+                )
+                for t in positions
+            )
             assert int(got.hits[k, 0]) == hits and int(got.counts[k]) == len(positions)
 
 

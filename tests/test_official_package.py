@@ -57,7 +57,8 @@ except Exception as err:  # its modeling_llama_kv under transformers 5
     keys = {{"missing": result.missing_keys, "unexpected": result.unexpected_keys}}
 with torch.inference_mode():
     logits = model(input_ids=torch.tensor({IDS}))
-save_file({{**{{k: v.contiguous() for k, v in model.medusa_head.state_dict().items()}}, "logits": logits.contiguous()}}, out)
+heads = {{k: v.contiguous() for k, v in model.medusa_head.state_dict().items()}}
+save_file({{**heads, "logits": logits.contiguous()}}, out)
 print(json.dumps({{"medusa_file": medusa.__file__, "ran": ran, "keys": keys}}))
 """
 
@@ -77,12 +78,15 @@ def test_official_medusa_package_loads_our_export(tmp_path):
 
     venv.EnvBuilder(with_pip=False).create(env)  # the running pip installs into it
     python = env / "bin" / "python"
-    pip = _run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-cache-dir", "-q",
-                PACKAGE], cwd=tmp_path)
+    pip = _run(
+        [sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-cache-dir", "-q", PACKAGE],
+        cwd=tmp_path,
+    )
     if pip.returncode != 0:
         pytest.skip(f"pip could not install {PACKAGE} from PyPI (offline?): {pip.stderr.strip()[-500:]}")
-    env_site = _run([python, "-I", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                    cwd=tmp_path).stdout.strip()
+    env_site = _run(
+        [python, "-I", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=tmp_path
+    ).stdout.strip()
     ours = dict.fromkeys(sysconfig.get_paths()[key] for key in ("purelib", "platlib"))
     (env / env_site / "dependencies.pth").write_text("".join(f"{path}\n" for path in ours))
 

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.conftest import FAMILIES, HIDDEN, VOCAB, make_heads, make_tiny_model
 
 from medusa import MedusaModel
 from medusa.config import MedusaConfig
 from medusa.dynamic_tree import DynamicTreeProposer
 from medusa.evaluation import head_rank_hits
-from medusa.heads_io import export_heads
 from medusa.heads import following_tokens, head_target_offset
+from medusa.heads_io import export_heads
 from medusa.propose import build_medusa_proposer
 from medusa.tree import TreeSpec, build_buffers, chain
+from tests.conftest import FAMILIES, HIDDEN, VOCAB, make_heads, make_tiny_model
 
 
 class State:
@@ -62,7 +62,9 @@ def test_static_tree_children_come_from_their_own_path():
         for i, path in enumerate(paths, start=1):  # node i: rank path[-1] of head len(path)-1 after its parent's path
             parent_tokens = [tokens[1 + paths.index(path[:j])] for j in range(1, len(path))]
             k = len(path) - 1
-            x = heads.run_head(k, hidden, embed(torch.tensor(root)), embed(torch.tensor(parent_tokens, dtype=torch.long)))
+            x = heads.run_head(
+                k, hidden, embed(torch.tensor(root)), embed(torch.tensor(parent_tokens, dtype=torch.long))
+            )
             ranked = model.candidate_projection.head_logits(k, x[None])[0].topk(path[-1] + 1).indices.tolist()
             assert tokens[i] == ranked[path[-1]], (i, path)
     # Siblings' children differ: [0, 0] and [1, 0] are both rank 0 of head 1, after different parents.
@@ -129,6 +131,6 @@ def test_rank_accuracy_of_path_heads_reads_the_targets_path():
             positions = range(3, 14 - off)
             hits = 0
             for t in positions:
-                x = heads.run_head(k, hidden[t], embed(ids[t + 1]), embed(ids[t + 2:t + k + 2]))
+                x = heads.run_head(k, hidden[t], embed(ids[t + 1]), embed(ids[t + 2 : t + k + 2]))
                 hits += int(ids[t + off]) in lm_head(x).topk(2).indices.tolist()
             assert int(got.hits[k, :2].sum()) == hits and int(got.counts[k]) == len(positions)

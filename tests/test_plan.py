@@ -1,4 +1,4 @@
-"""The calibrated plan: choices from synthetic latency curves, the cache and its key, overrides, and the online guard."""
+"""The calibrated plan: choices from synthetic latency curves, the cache and its key, overrides, the online guard."""
 
 import json
 import logging
@@ -44,7 +44,7 @@ def test_a_flat_curve_picks_a_wide_tree():
 
 
 def test_a_steep_curve_with_strong_heads_picks_a_small_tree():
-    plan = decide(curve(lambda n: 10.0 * n ** 0.6), grow_tree(STRONG, 12), STRONG)
+    plan = decide(curve(lambda n: 10.0 * n**0.6), grow_tree(STRONG, 12), STRONG)
     assert plan.proposer != "plain" and len(plan.tree) + 1 < max(SIZES)
     assert plan.plain_ms == pytest.approx(10.0)
 
@@ -116,8 +116,7 @@ def test_planned_generate_is_exact_and_arguments_override_the_plan(tmp_path, mon
     base_dir, heads_dir = _tiny_with_accuracy(tmp_path, family)
     model = MedusaModel.from_pretrained(heads_dir, base=base_dir, plan="auto")
     prompt = torch.tensor([[3, 4, 5, 6, 3, 4]])
-    reference = model.base.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=30,
-                                    do_sample=False)
+    reference = model.base.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=30, do_sample=False)
     assert torch.equal(model.generate(prompt, max_new_tokens=30).sequences, reference)
     assert model.default_engine == model.plan.engine
     eager = MedusaModel.from_pretrained(heads_dir, base=base_dir, plan="auto", engine="eager")
@@ -131,12 +130,19 @@ def test_planned_generate_is_exact_and_arguments_override_the_plan(tmp_path, mon
 def _guarded(plain_ms, family="llama", context=False):
     if context:
         from tests.test_context_layer import context_heads
+
         heads = context_heads()
     else:
         heads = make_heads(random=True, condition_on_path=True)
     model = MedusaModel(make_tiny_model(family), heads, projection_dtype=torch.float32)
-    model.plan = Plan(engine="eager", proposer="medusa", tree=[[0], [1], [0, 0], [0, 0, 0]], expected_speedup=1.5,
-                      plain_ms=plain_ms, reason="test")
+    model.plan = Plan(
+        engine="eager",
+        proposer="medusa",
+        tree=[[0], [1], [0, 0], [0, 0, 0]],
+        expected_speedup=1.5,
+        plain_ms=plain_ms,
+        reason="test",
+    )
     return model
 
 
@@ -144,8 +150,7 @@ def _guarded(plain_ms, family="llama", context=False):
 def test_guard_falls_back_to_plain_decoding_when_guessing_loses_and_stays_exact(context):
     model = _guarded(plain_ms=1e-6, context=context)  # no step can beat a plain step this cheap
     prompt = torch.tensor([[3, 4, 5, 6, 7]])
-    reference = model.base.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=80,
-                                    do_sample=False)
+    reference = model.base.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=80, do_sample=False)
     out = model.generate(prompt, max_new_tokens=80)
     assert torch.equal(out.sequences, reference)
     depths = out.stats.proposed_lengths

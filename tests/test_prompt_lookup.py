@@ -13,14 +13,17 @@ from medusa.tree import TreeSpec, build_buffers
 from tests.conftest import FAMILIES, make_heads, make_tiny_model
 
 
-@pytest.mark.parametrize("tokens, expected", [
-    ([1, 2, 3, 4, 1, 2], [3, 4, 1, 2]),  # bigram [1, 2] seen at the start
-    ([1, 2, 3, 4, 5], []),  # nothing repeats
-    ([7], []),  # too short to match anything
-    ([5, 1, 2, 9, 7, 1, 2, 8, 7, 1, 2], [8, 7, 1, 2]),  # trigram [7, 1, 2] wins over the earlier bigram [1, 2]
-    ([4, 4, 4], [4]),  # the continuation may run into the suffix itself
-    ([3, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 12, 3], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0]),  # capped at num_tokens
-])
+@pytest.mark.parametrize(
+    "tokens, expected",
+    [
+        ([1, 2, 3, 4, 1, 2], [3, 4, 1, 2]),  # bigram [1, 2] seen at the start
+        ([1, 2, 3, 4, 5], []),  # nothing repeats
+        ([7], []),  # too short to match anything
+        ([5, 1, 2, 9, 7, 1, 2, 8, 7, 1, 2], [8, 7, 1, 2]),  # trigram [7, 1, 2] wins over the earlier bigram [1, 2]
+        ([4, 4, 4], [4]),  # the continuation may run into the suffix itself
+        ([3, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 12, 3], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0]),  # capped at num_tokens
+    ],
+)
 def test_ngram_continuation(tokens, expected):
     assert ngram_continuation(torch.tensor(tokens), max_ngram=3, num_tokens=10) == expected
 
@@ -62,7 +65,9 @@ def test_prompt_lookup_proposer_builds_a_chain():
     candidates = PromptLookupProposer(torch.device("cpu"), num_tokens=3).propose(state)
     assert candidates.tokens.tolist() == [2, 3, 4, 1]
     assert candidates.tree.parent.tolist() == [0, 0, 1, 2] and candidates.tree.max_depth == 3
-    alone = PromptLookupProposer(torch.device("cpu")).propose(SimpleNamespace(tokens=[1, 2, 3], root_token=torch.tensor(3)))
+    alone = PromptLookupProposer(torch.device("cpu")).propose(
+        SimpleNamespace(tokens=[1, 2, 3], root_token=torch.tensor(3))
+    )
     assert alone.tokens.tolist() == [3] and alone.tree.num_nodes == 1
 
 
@@ -87,6 +92,12 @@ def test_greedy_identity(family, proposer):
 @pytest.mark.parametrize("proposer", ["prompt_lookup", "hybrid"])
 def test_sampling_runs(proposer):
     model = MedusaModel(make_tiny_model("qwen2"), make_heads(random=True))
-    out = model.generate(torch.tensor([[5, 6, 7, 5, 6]]), max_new_tokens=20, proposer=proposer, do_sample=True,
-                         temperature=0.8, generator=torch.Generator().manual_seed(0))
+    out = model.generate(
+        torch.tensor([[5, 6, 7, 5, 6]]),
+        max_new_tokens=20,
+        proposer=proposer,
+        do_sample=True,
+        temperature=0.8,
+        generator=torch.Generator().manual_seed(0),
+    )
     assert out.sequences.shape == (1, 25)

@@ -21,8 +21,9 @@ PROMPTS = [
 
 
 def _chat(model, text):
-    return model.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                               return_tensors="pt")
+    return model.tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -97,9 +98,12 @@ def test_compiled_engine_and_a_calibrated_plan_on_the_real_model(shipped, tmp_pa
         for text in PROMPTS[:3]:
             ids = _chat(shipped, text)
             reference = shipped.base.generate(**ids, max_new_tokens=96, do_sample=False)
-            for kwargs in (dict(proposer="plain", engine="compiled"), dict(proposer="dynamic", engine="compiled",
-                                                                           tree="smollm2-135m-cpu-bf16"),
-                           dict(proposer="hybrid", engine="compiled"), {}):
+            for kwargs in (
+                dict(proposer="plain", engine="compiled"),
+                dict(proposer="dynamic", engine="compiled", tree="smollm2-135m-cpu-bf16"),
+                dict(proposer="hybrid", engine="compiled"),
+                {},
+            ):
                 out = shipped.generate(ids, max_new_tokens=96, **kwargs)
                 assert torch.equal(out.sequences, reference), (text, kwargs)
     finally:

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from tests.conftest import HIDDEN, VOCAB, make_tiny_model
 from safetensors.torch import load_file
 
 from medusa import MedusaModel
 from medusa.config import WEIGHTS_NAME, MedusaConfig
 from medusa.heads import MedusaHeads, following_tokens
+from tests.conftest import HIDDEN, VOCAB, make_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -61,8 +61,9 @@ def save_tiny_base(directory: Path) -> Path:
     model = make_tiny_model("llama")
     model.save_pretrained(directory)
     vocab = {f"t{i}": i for i in range(VOCAB)}
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t1")),
-                                        pad_token="t0", unk_token="t1")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t1")), pad_token="t0", unk_token="t1"
+    )
     tokenizer.save_pretrained(directory)
     return directory
 
@@ -77,10 +78,12 @@ def write_shards(directory: Path, n: int = 48, response_len: int = 40, seed: int
         prompt = [rng.randrange(2, VOCAB) for _ in range(rng.randrange(3, 9))]
         phase = rng.randrange(len(CYCLE))
         response = [CYCLE[(phase + i) % len(CYCLE)] for i in range(response_len)]
-        rows.append({"input_ids": prompt + response, "response_start": len(prompt), "source": "synthetic", "greedy": True})
+        rows.append(
+            {"input_ids": prompt + response, "response_start": len(prompt), "source": "synthetic", "greedy": True}
+        )
     per = (n + shards - 1) // shards
     for s in range(shards):
-        Dataset.from_list(rows[s * per:(s + 1) * per]).save_to_disk(str(directory / f"shard-{s:05d}"))
+        Dataset.from_list(rows[s * per : (s + 1) * per]).save_to_disk(str(directory / f"shard-{s:05d}"))
     return directory
 
 
@@ -99,10 +102,21 @@ def sections(tmp: Path, base: Path, data: Path, heads: dict | None = None, **tra
         "model": {"base": str(base), "dtype": "float32"},
         "data": {"out_dir": str(data)},
         "heads": {"num_heads": 3, "num_layers": 1, "projection": "shared", **(heads or {})},
-        "training": {"output_dir": str(tmp / "heads"), "checkpoint_dir": str(tmp / "ckpt"),
-                     "cache_dir": str(tmp / "cache"), "lr": 1e-2, "batch_size": 4, "max_steps": 8, "eval_every": 0,
-                     "eval_conversations": 8, "log_every": 2, "save_every": 0, "mixed_precision": "no",
-                     "chunk_tokens": 64, **training},
+        "training": {
+            "output_dir": str(tmp / "heads"),
+            "checkpoint_dir": str(tmp / "ckpt"),
+            "cache_dir": str(tmp / "cache"),
+            "lr": 1e-2,
+            "batch_size": 4,
+            "max_steps": 8,
+            "eval_every": 0,
+            "eval_conversations": 8,
+            "log_every": 2,
+            "save_every": 0,
+            "mixed_precision": "no",
+            "chunk_tokens": 64,
+            **training,
+        },
     }
     return raw
 
@@ -144,8 +158,17 @@ def test_heads_learn_a_repeating_pattern(tmp_path, tiny_base, tiny_data):
 
 
 def test_bf16_tokens_batches_and_own_projection_learn(tmp_path, tiny_base, tiny_data):
-    raw = sections(tmp_path, tiny_base, tiny_data, heads={"projection": "own"}, max_steps=30, batch_unit="tokens",
-                   batch_size=160, mixed_precision="bf16", lr=5e-3)
+    raw = sections(
+        tmp_path,
+        tiny_base,
+        tiny_data,
+        heads={"projection": "own"},
+        max_steps=30,
+        batch_unit="tokens",
+        batch_size=160,
+        mixed_precision="bf16",
+        lr=5e-3,
+    )
     result = run(raw)
     first, last = result.eval_history[0], result.eval_history[-1]
     for k in range(3):
@@ -192,7 +215,7 @@ def test_corrupt_hidden_cache_is_named_and_rebuilt(tmp_path, tiny_base, tiny_dat
     raw = sections(tmp_path, tiny_base, tiny_data, max_steps=2)
     first = load_file(str(run(raw).output_dir / WEIGHTS_NAME))
     (cache,) = (tmp_path / "cache").glob("hidden-*.safetensors")
-    cache.write_bytes(cache.read_bytes()[:cache.stat().st_size // 2])  # truncated, as by a full disk
+    cache.write_bytes(cache.read_bytes()[: cache.stat().st_size // 2])  # truncated, as by a full disk
     with pytest.raises(ValueError, match=f"hidden-state cache {cache} is unreadable .*: delete it"):
         HiddenCache.load(cache, "any key")
     capsys.readouterr()
@@ -232,12 +255,16 @@ def test_an_added_data_dir_computes_only_its_own_hidden_states(tmp_path, tiny_ba
 
 def test_concatenated_part_caches_equal_one_cache_over_everything():
     torch.manual_seed(0)
-    convs = [Conversation(ids=torch.randint(0, 96, (n,)).tolist(), response_start=r)
-             for n, r in [(9, 3), (5, 1), (12, 8), (7, 2)]]
+    convs = [
+        Conversation(ids=torch.randint(0, 96, (n,)).tolist(), response_start=r)
+        for n, r in [(9, 3), (5, 1), (12, 8), (7, 2)]
+    ]
     spans = {i: torch.randn(len(c.ids) - span_start(c, 3), 4).to(torch.bfloat16) for i, c in enumerate(convs)}
     whole = HiddenCache.assemble(convs, spans, 3)
-    parts = [HiddenCache.assemble(convs[:1], {0: spans[0]}, 3),
-             HiddenCache.assemble(convs[1:], {i - 1: spans[i] for i in range(1, 4)}, 3)]
+    parts = [
+        HiddenCache.assemble(convs[:1], {0: spans[0]}, 3),
+        HiddenCache.assemble(convs[1:], {i - 1: spans[i] for i in range(1, 4)}, 3),
+    ]
     joined = HiddenCache.concat(parts)
     for name in ("hidden", "ids", "offsets", "response_start"):
         assert torch.equal(getattr(joined, name), getattr(whole, name)), name
@@ -278,8 +305,10 @@ def test_resume_equals_uninterrupted(tmp_path, tiny_base, tiny_data, mode):
         for name in a:
             torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0, msg=name)
     assert whole.eval_history[-1] == pytest.approx(resumed.eval_history[-1], abs=1e-6)
-    assert MedusaConfig.load(resumed.output_dir).extra["training"]["tokens_seen"] == \
-        MedusaConfig.load(whole.output_dir).extra["training"]["tokens_seen"]
+    assert (
+        MedusaConfig.load(resumed.output_dir).extra["training"]["tokens_seen"]
+        == MedusaConfig.load(whole.output_dir).extra["training"]["tokens_seen"]
+    )
 
 
 def test_sigkill_during_training_then_resume_equals_uninterrupted(tmp_path, tiny_base, tiny_data):
@@ -291,9 +320,13 @@ def test_sigkill_during_training_then_resume_equals_uninterrupted(tmp_path, tiny
     raw = sections(split_dir, tiny_base, tiny_data, **common)
     config = split_dir / "config.yaml"
     config.write_text(yaml.safe_dump(raw))
-    proc = subprocess.Popen([sys.executable, str(REPO / "train" / "train.py"), "--config", str(config)],
-                            env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "train" / "train.py"), "--config", str(config)],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     first = split_dir / "ckpt" / "checkpoints" / "checkpoint_0" / "trainer_state.json"
     deadline = time.time() + 120
     while not first.exists() and proc.poll() is None and time.time() < deadline:
@@ -318,8 +351,11 @@ def test_grad_accumulation_equals_one_large_batch(tmp_path, tiny_base, tiny_data
     outputs = []
     for name, batch, accum in (("large", 4, 1), ("split", 1, 4)):
         (tmp_path / name).mkdir()
-        outputs.append(run(sections(tmp_path / name, tiny_base, tiny_data, max_steps=6, batch_size=batch,
-                                    grad_accum=accum)).output_dir)
+        outputs.append(
+            run(
+                sections(tmp_path / name, tiny_base, tiny_data, max_steps=6, batch_size=batch, grad_accum=accum)
+            ).output_dir
+        )
     a, b = (load_file(str(out / WEIGHTS_NAME)) for out in outputs)
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0, msg=name)
@@ -355,12 +391,30 @@ def test_wandb_logs_offline_without_an_account(tmp_path, tiny_base, tiny_data, m
 
 
 # --------------------------------------------------------------------------- Medusa-2
-@pytest.mark.parametrize("heads", [{}, {"condition_on_next_token": True, "context_window": 4},
-                                   {"condition_on_next_token": True, "context_window": 4, "feature_layers": [0, 1]}],
-                         ids=["plain", "context", "fused"])
+@pytest.mark.parametrize(
+    "heads",
+    [
+        {},
+        {"condition_on_next_token": True, "context_window": 4},
+        {"condition_on_next_token": True, "context_window": 4, "feature_layers": [0, 1]},
+    ],
+    ids=["plain", "context", "fused"],
+)
 def test_medusa2_trains_adapter_and_heads_and_loads_merged(tmp_path, tiny_base, tiny_data, heads):
-    raw = sections(tmp_path, tiny_base, tiny_data, heads=heads, max_steps=10, medusa2=True, precompute_hidden=False,
-                   lora_r=4, lora_alpha=8, lora_lr=1e-2, lora_dropout=0.0, kl_weight=1.0)
+    raw = sections(
+        tmp_path,
+        tiny_base,
+        tiny_data,
+        heads=heads,
+        max_steps=10,
+        medusa2=True,
+        precompute_hidden=False,
+        lora_r=4,
+        lora_alpha=8,
+        lora_lr=1e-2,
+        lora_dropout=0.0,
+        kl_weight=1.0,
+    )
     result = run(raw)
     out = result.output_dir
     assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
@@ -417,12 +471,14 @@ def test_error_empty_dataset(tmp_path, tiny_base):
         run(sections(tmp_path, tiny_base, empty))
     from datasets import Dataset
 
-    Dataset.from_dict({"input_ids": [], "response_start": [], "source": [], "greedy": []}) \
-        .save_to_disk(str(empty / "shard-00000"))  # a shard with no rows
+    Dataset.from_dict({"input_ids": [], "response_start": [], "source": [], "greedy": []}).save_to_disk(
+        str(empty / "shard-00000")
+    )  # a shard with no rows
     with pytest.raises(ValueError, match="is empty .*run train/generate_data.py"):
         run(sections(tmp_path, tiny_base, empty))
-    Dataset.from_list([{"input_ids": [1, 2, 3], "response_start": 3, "source": "x", "greedy": True}]) \
-        .save_to_disk(str(empty / "shard-00001"))  # a prompt whose response is empty
+    Dataset.from_list([{"input_ids": [1, 2, 3], "response_start": 3, "source": "x", "greedy": True}]).save_to_disk(
+        str(empty / "shard-00001")
+    )  # a prompt whose response is empty
     with pytest.raises(ValueError, match="none has a response token"):
         run(sections(tmp_path, tiny_base, empty))
 
@@ -441,17 +497,20 @@ def test_error_unknown_config_key(tmp_path, tiny_base, tiny_data):
         train_mod.main(["--config", str(REPO / "configs" / "smollm2-135m.yaml"), "--heads.num_head", "3"])
 
 
-@pytest.mark.parametrize("bad, message", [
-    ({"heads": {"projection": "tied"}}, "heads.projection must be one of"),
-    ({"heads": {"num_layers": 0}}, "nothing to train"),
-    ({"training": {"batch_unit": "rows"}}, "training.batch_unit"),
-    ({"training": {"medusa2": True}}, "precompute_hidden false for Medusa-2"),
-    ({"training": {"lr": "fast"}}, "training.lr must be a number"),
-    ({"training": {"report_to": "tensorboard"}}, "training.report_to"),
-    ({"heads": {"condition_on_next_token": "yes"}}, "heads.condition_on_next_token must be true or false"),
-    ({"heads": {"condition_on_path": True}}, "condition_on_path needs heads.condition_on_next_token"),
-    ({"heads": {"feature_layers": [1]}}, "feature_layers needs heads.context_window"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"heads": {"projection": "tied"}}, "heads.projection must be one of"),
+        ({"heads": {"num_layers": 0}}, "nothing to train"),
+        ({"training": {"batch_unit": "rows"}}, "training.batch_unit"),
+        ({"training": {"medusa2": True}}, "precompute_hidden false for Medusa-2"),
+        ({"training": {"lr": "fast"}}, "training.lr must be a number"),
+        ({"training": {"report_to": "tensorboard"}}, "training.report_to"),
+        ({"heads": {"condition_on_next_token": "yes"}}, "heads.condition_on_next_token must be true or false"),
+        ({"heads": {"condition_on_path": True}}, "condition_on_path needs heads.condition_on_next_token"),
+        ({"heads": {"feature_layers": [1]}}, "feature_layers needs heads.context_window"),
+    ],
+)
 def test_error_invalid_values(tmp_path, tiny_base, tiny_data, bad, message):
     raw = sections(tmp_path, tiny_base, tiny_data)
     for section, values in bad.items():
@@ -468,8 +527,8 @@ def test_yaml_reads_exponent_learning_rates(tmp_path, tiny_base, tiny_data):
 
 
 def test_error_heads_that_do_not_match_the_base(tmp_path, tiny_base, tiny_data):
-    from tests.conftest import make_heads
     from medusa.heads_io import save_heads
+    from tests.conftest import make_heads
 
     other = tmp_path / "other-heads"
     other.mkdir()
@@ -481,19 +540,37 @@ def test_error_heads_that_do_not_match_the_base(tmp_path, tiny_base, tiny_data):
     with pytest.raises(ValueError, match="num_heads=2 but the heads section asks for 3"):
         run(sections(tmp_path, tiny_base, tiny_data, heads={"init_from": str(other)}))
 
-    save_heads(MedusaHeads(MedusaConfig(hidden_size=HIDDEN, vocab_size=VOCAB, num_heads=3, condition_on_next_token=True,
-                                        context_window=4)), other)  # context heads without feature layers
+    save_heads(
+        MedusaHeads(
+            MedusaConfig(
+                hidden_size=HIDDEN, vocab_size=VOCAB, num_heads=3, condition_on_next_token=True, context_window=4
+            )
+        ),
+        other,
+    )  # context heads without feature layers
     with pytest.raises(ValueError, match=r"feature_layers=\[\] but the heads section asks for \[0, 1\]"):
-        run(sections(tmp_path, tiny_base, tiny_data, heads={"init_from": str(other), "condition_on_next_token": True,
-                                                             "context_window": 4, "feature_layers": [0, 1]}))
+        run(
+            sections(
+                tmp_path,
+                tiny_base,
+                tiny_data,
+                heads={
+                    "init_from": str(other),
+                    "condition_on_next_token": True,
+                    "context_window": 4,
+                    "feature_layers": [0, 1],
+                },
+            )
+        )
 
 
 def test_error_data_from_another_tokenizer(tmp_path, tiny_base):
     from datasets import Dataset
 
     data = tmp_path / "big-vocab"
-    Dataset.from_list([{"input_ids": [1, 2, 500, 7], "response_start": 2, "source": "x", "greedy": True}] * 12) \
-        .save_to_disk(str(data / "shard-00000"))
+    Dataset.from_list(
+        [{"input_ids": [1, 2, 500, 7], "response_start": 2, "source": "x", "greedy": True}] * 12
+    ).save_to_disk(str(data / "shard-00000"))
     with pytest.raises(ValueError, match="token id 500 but the base vocabulary has 96"):
         run(sections(tmp_path, tiny_base, data))
 
@@ -502,11 +579,13 @@ def test_init_from_continues_from_saved_heads(tmp_path, tiny_base, tiny_data):
     (tmp_path / "a").mkdir()
     first = run(sections(tmp_path / "a", tiny_base, tiny_data, max_steps=20))
     (tmp_path / "b").mkdir()
-    second = run(sections(tmp_path / "b", tiny_base, tiny_data, max_steps=1, lr=1e-6,
-                          heads={"init_from": str(first.output_dir)}))
+    second = run(
+        sections(tmp_path / "b", tiny_base, tiny_data, max_steps=1, lr=1e-6, heads={"init_from": str(first.output_dir)})
+    )
     before, after = first.eval_history[-1], second.eval_history[0]  # at steps 20 and 0: the same heads
     assert {k: v for k, v in after.items() if k != "step"} == pytest.approx(
-        {k: v for k, v in before.items() if k != "step"}, abs=1e-5)
+        {k: v for k, v in before.items() if k != "step"}, abs=1e-5
+    )
 
 
 # --------------------------------------------------------------------------- processes
@@ -519,6 +598,8 @@ def test_sharded_launches_are_refused_with_the_reason(kind):
     with pytest.raises(NotImplementedError, match="Use DDP"):
         train_mod.check_distributed_type(SimpleNamespace(distributed_type=DistributedType[kind]))
     train_mod.check_distributed_type(SimpleNamespace(distributed_type=DistributedType.MULTI_CPU))
+
+
 @pytest.mark.slow
 def test_accelerate_launch_two_processes(tmp_path, tiny_base, tiny_data):
     """`accelerate launch --multi_gpu --num_processes 2` on a CPU host (DDP over gloo) trains and writes complete heads
@@ -532,10 +613,30 @@ def test_accelerate_launch_two_processes(tmp_path, tiny_base, tiny_data):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     start = time.time()
-    proc = subprocess.Popen([str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--main_process_port", str(port),
-                             "--mixed_precision", "no", "--dynamo_backend", "no", str(REPO / "train" / "train.py"),
-                             "--config", str(config)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            str(accelerate),
+            "launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--main_process_port",
+            str(port),
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            str(REPO / "train" / "train.py"),
+            "--config",
+            str(config),
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         stdout, stderr = proc.communicate(timeout=90)
     except subprocess.TimeoutExpired:
@@ -578,9 +679,15 @@ def test_vocab_subset_is_taken_from_training_responses(tmp_path, tiny_base, tiny
 
 @pytest.mark.parametrize("path", [False, True], ids=["root", "path"])
 def test_next_token_heads_learn_over_the_candidate_vocabulary(tmp_path, tiny_base, tiny_data, path):
-    """heads.condition_on_next_token (and _on_path) with a vocabulary subset (the loss then runs over the candidates)."""
-    raw = sections(tmp_path, tiny_base, tiny_data, heads={"condition_on_next_token": True, "vocab_subset_size": 12,
-                                                          "condition_on_path": path}, max_steps=30, eval_every=30)
+    """heads.condition_on_next_token (and _on_path) with a vocabulary subset (the loss runs over the candidates)."""
+    raw = sections(
+        tmp_path,
+        tiny_base,
+        tiny_data,
+        heads={"condition_on_next_token": True, "vocab_subset_size": 12, "condition_on_path": path},
+        max_steps=30,
+        eval_every=30,
+    )
     result = run(raw)
     first, last = result.eval_history[0], result.eval_history[-1]
     for k in range(3):
@@ -595,8 +702,9 @@ def test_next_token_heads_learn_over_the_candidate_vocabulary(tmp_path, tiny_bas
     with torch.no_grad():
         hidden = loaded.base(ids, output_hidden_states=True).hidden_states[-1]
         embedded = loaded.base.get_input_embeddings()(following_tokens(ids, 3))  # (1, T, 3, H)
-        guesses = loaded.heads(hidden[:, :-3], loaded.base.get_output_embeddings(), embedded[:, :-3, 0],
-                               embedded[:, :-3, 1:]).argmax(-1)
+        guesses = loaded.heads(
+            hidden[:, :-3], loaded.base.get_output_embeddings(), embedded[:, :-3, 0], embedded[:, :-3, 1:]
+        ).argmax(-1)
     t = 2 + 3  # reads CYCLE[3]; head k predicts CYCLE[3 + k + 2]
     assert [int(guesses[k, 0, t]) for k in range(3)] == [CYCLE[(3 + k + 2) % len(CYCLE)] for k in range(3)]
     prompt = torch.tensor([[5, 9] + CYCLE])
@@ -604,15 +712,22 @@ def test_next_token_heads_learn_over_the_candidate_vocabulary(tmp_path, tiny_bas
     assert torch.equal(loaded.generate(prompt, max_new_tokens=20, tree=[[0], [0, 0], [0, 0, 0]]).sequences, expected)
 
 
-@pytest.mark.parametrize("layers, precompute", [([], True), ([0, 1], True), ([0, 1], False)],
-                         ids=["last", "fused-cached", "fused-live"])
+@pytest.mark.parametrize(
+    "layers, precompute", [([], True), ([0, 1], True), ([0, 1], False)], ids=["last", "fused-cached", "fused-live"]
+)
 def test_context_heads_learn_and_decode_exactly(tmp_path, tiny_base, tiny_data, layers, precompute):
     """heads.context_window: the context layer trains with the heads (cached spans reach back a whole window), is
     saved, and decoding feeds it step by step; with heads.feature_layers it also learns to read those layers."""
-    heads = {"condition_on_next_token": True, "condition_on_path": True, "vocab_subset_size": 12, "context_window": 4,
-             "feature_layers": layers}
-    result = run(sections(tmp_path, tiny_base, tiny_data, heads=heads, max_steps=30, eval_every=30,
-                          precompute_hidden=precompute))
+    heads = {
+        "condition_on_next_token": True,
+        "condition_on_path": True,
+        "vocab_subset_size": 12,
+        "context_window": 4,
+        "feature_layers": layers,
+    }
+    result = run(
+        sections(tmp_path, tiny_base, tiny_data, heads=heads, max_steps=30, eval_every=30, precompute_hidden=precompute)
+    )
     first, last = result.eval_history[0], result.eval_history[-1]
     for k in range(3):
         assert top1(last, k) > 0.9 and top1(last, k) > top1(first, k) + 0.5, (k, first, last)
@@ -634,15 +749,30 @@ def test_distilled_heads_learn_the_base_distribution(tmp_path, tiny_base, tiny_d
     heads = {"condition_on_next_token": True, "context_window": 4}
     result = run(sections(tmp_path, tiny_base, tiny_data, heads=heads, max_steps=30, eval_every=0, distill=True))
     trained = MedusaModel.from_pretrained(result.output_dir)
-    fresh = build_heads(build(sections(tmp_path, tiny_base, tiny_data, heads=heads)).heads, HIDDEN, VOCAB,
-                                  trained.base.get_output_embeddings(), None)
+    fresh = build_heads(
+        build(sections(tmp_path, tiny_base, tiny_data, heads=heads)).heads,
+        HIDDEN,
+        VOCAB,
+        trained.base.get_output_embeddings(),
+        None,
+    )
     ids = torch.tensor([[5, 9, 30, 2] + CYCLE * 2])
     mask = torch.zeros_like(ids)
     mask[:, 4:] = 1
     with torch.no_grad():
         hidden = trained.base(ids, output_hidden_states=True).hidden_states[-1]
-        kl = [medusa_heads_loss(h, hidden, ids, mask, trained.base.get_output_embeddings(), distill=True,
-                                embed_tokens=trained.base.get_input_embeddings()).ce for h in (fresh, trained.heads)]
+        kl = [
+            medusa_heads_loss(
+                h,
+                hidden,
+                ids,
+                mask,
+                trained.base.get_output_embeddings(),
+                distill=True,
+                embed_tokens=trained.base.get_input_embeddings(),
+            ).ce
+            for h in (fresh, trained.heads)
+        ]
     assert (kl[1] < 0.5 * kl[0]).all(), kl
 
 
@@ -676,16 +806,24 @@ def test_prompt_tokens_train_on_whole_conversations_and_prompt_only_data(tmp_pat
         build(sections(tmp_path, tiny_base, tiny_data, heads=heads, prompt_tokens=True))
     results = {}
     for precompute in (True, False):
-        raw = sections(tmp_path / str(precompute), tiny_base, tiny_data, heads=heads, distill=True, prompt_tokens=True,
-                       max_steps=12, eval_every=6, precompute_hidden=precompute)
+        raw = sections(
+            tmp_path / str(precompute),
+            tiny_base,
+            tiny_data,
+            heads=heads,
+            distill=True,
+            prompt_tokens=True,
+            max_steps=12,
+            eval_every=6,
+            precompute_hidden=precompute,
+        )
         raw["data"]["extra_dirs"] = [str(prompts)]
         (tmp_path / str(precompute)).mkdir()
         results[precompute] = run(raw)
     for a, b in zip(results[True].eval_history, results[False].eval_history):
         for key in a:
             assert a[key] == pytest.approx(b[key], abs=2e-2), key  # the cache stores bf16 hidden states
-    convs = load_conversations(tiny_data, 1024, VOCAB) + load_conversations(
-        prompts, 1024, VOCAB, prompt_only=True)
+    convs = load_conversations(tiny_data, 1024, VOCAB) + load_conversations(prompts, 1024, VOCAB, prompt_only=True)
     train_idx, eval_idx = split_eval(convs, 8)
     assert len(eval_idx) == 8 and all(convs[i].response_tokens for i in eval_idx) and len(train_idx) == 40 + 24
     extra = MedusaModel.from_pretrained(results[True].output_dir).config.extra["training"]
@@ -700,8 +838,18 @@ def test_prompt_tokens_train_on_whole_conversations_and_prompt_only_data(tmp_pat
     ids = torch.tensor([convs[-1].ids])  # a prompt-only row
     with torch.no_grad():
         hidden = trained.base(ids, output_hidden_states=True).hidden_states[-1]
-        kl = [medusa_heads_loss(m.heads, hidden, ids, torch.ones_like(ids), m.base.get_output_embeddings(),
-                                distill=True, embed_tokens=m.base.get_input_embeddings()).ce for m in (plain, trained)]
+        kl = [
+            medusa_heads_loss(
+                m.heads,
+                hidden,
+                ids,
+                torch.ones_like(ids),
+                m.base.get_output_embeddings(),
+                distill=True,
+                embed_tokens=m.base.get_input_embeddings(),
+            ).ce
+            for m in (plain, trained)
+        ]
     assert (kl[1] < kl[0]).all(), kl
 
 
@@ -717,8 +865,14 @@ def test_shipped_configs_parse_and_agree_with_the_shipped_heads(name):
     cfg = load_config(str(REPO / "configs" / name))
     shipped = MedusaConfig.load(REPO / "medusa" / "default_heads" / "smollm2-135m-instruct")
     heads = cfg.heads
-    for field in ("num_heads", "num_layers", "projection", "condition_on_next_token", "condition_on_path",
-                  "context_window"):
+    for field in (
+        "num_heads",
+        "num_layers",
+        "projection",
+        "condition_on_next_token",
+        "condition_on_path",
+        "context_window",
+    ):
         assert getattr(heads, field) == getattr(shipped, field), field
     assert list(heads.feature_layers) == ([] if name == "smollm2-135m-cpu.yaml" else shipped.feature_layers)
     assert heads.copy_ngram == (0 if name == "smollm2-135m-cpu.yaml" else shipped.copy_ngram)
@@ -739,12 +893,14 @@ def test_copy_ngram_goes_from_the_heads_section_to_the_saved_heads(tmp_path, tin
 
     (tmp_path / "start").mkdir()
     save_heads(fresh, tmp_path / "start")
-    continued = build(sections(tmp_path, tiny_base, tiny_data, heads={"copy_ngram": 0,
-                                                                      "init_from": str(tmp_path / "start")})).heads
+    continued = build(
+        sections(tmp_path, tiny_base, tiny_data, heads={"copy_ngram": 0, "init_from": str(tmp_path / "start")})
+    ).heads
     assert build_heads(continued, HIDDEN, VOCAB, lm_head, None).config.copy_ngram == 0
     with pytest.raises(ValueError, match="copy_ngram"):
-        build_heads(build(sections(tmp_path, tiny_base, tiny_data, heads={"copy_ngram": 1})).heads,
-                              HIDDEN, VOCAB, lm_head, None)
+        build_heads(
+            build(sections(tmp_path, tiny_base, tiny_data, heads={"copy_ngram": 1})).heads, HIDDEN, VOCAB, lm_head, None
+        )
 
 
 def test_error_unwritable_output_is_found_before_any_step(tmp_path, tiny_base, tiny_data, monkeypatch):
@@ -753,8 +909,14 @@ def test_error_unwritable_output_is_found_before_any_step(tmp_path, tiny_base, t
     blocker = tmp_path / "blocker"
     blocker.write_text("a file, not a directory")
     steps = []
-    monkeypatch.setattr(train_mod, "load_base", lambda *a, **k: steps.append("loaded") or (_ for _ in ()).throw(
-        AssertionError("the base was loaded before the output was checked")))
+    monkeypatch.setattr(
+        train_mod,
+        "load_base",
+        lambda *a, **k: (
+            steps.append("loaded")
+            or (_ for _ in ()).throw(AssertionError("the base was loaded before the output was checked"))
+        ),
+    )
     with pytest.raises(PermissionError, match="cannot write to .*blocker"):
         run(sections(tmp_path, tiny_base, tiny_data, checkpoint_dir=str(blocker / "ckpt")))
     assert steps == []

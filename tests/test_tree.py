@@ -40,15 +40,18 @@ def test_spec_is_reordered_canonically():
     assert TreeSpec(shuffled).to_list() == HAND_TREE
 
 
-@pytest.mark.parametrize("paths, message", [
-    ([[1]], "gap in ranks"),
-    ([[0], [0, 2], [0, 1]], "gap in ranks"),
-    ([[0, 0]], "no parent"),
-    ([[0], [0]], "duplicate"),
-    ([[0], []], "non-empty"),
-    ([[0], [-1]], "non-negative"),
-    ("0,1", "list of rank paths"),
-])
+@pytest.mark.parametrize(
+    "paths, message",
+    [
+        ([[1]], "gap in ranks"),
+        ([[0], [0, 2], [0, 1]], "gap in ranks"),
+        ([[0, 0]], "no parent"),
+        ([[0], [0]], "duplicate"),
+        ([[0], []], "non-empty"),
+        ([[0], [-1]], "non-negative"),
+        ("0,1", "list of rank paths"),
+    ],
+)
 def test_invalid_specs_are_named(paths, message):
     with pytest.raises(ValueError, match=message):
         TreeSpec(paths)
@@ -96,11 +99,7 @@ def test_unknown_tree_name_lists_alternatives():
 # root 0; 1 and 2 under the root; 3 under 1; 4 under 3
 HAND_PARENT = [0, 0, 0, 1, 3]
 HAND_DEPTH = [0, 1, 1, 2, 3]
-HAND_VISIBLE = [[1, 0, 0, 0, 0],
-                [1, 1, 0, 0, 0],
-                [1, 0, 1, 0, 0],
-                [1, 1, 0, 1, 0],
-                [1, 1, 0, 1, 1]]
+HAND_VISIBLE = [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 1, 0, 1, 1]]
 HAND_LEAF_PATHS = [[0, 2, 5, 5], [0, 1, 3, 4]]  # leaves in node order, padded with N = 5
 
 
@@ -118,8 +117,14 @@ def test_buffers_from_parents_root_only():
     assert tree.num_nodes == 1 and tree.leaf_paths.tolist() == [[0]] and tree.visible.tolist() == [[True]]
 
 
-@pytest.mark.parametrize("paths", [chain(3), [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]],
-                                   [[0], [1], [0, 0], [0, 1], [1, 0], [1, 1], [0, 0, 0], [1, 0, 0]]])
+@pytest.mark.parametrize(
+    "paths",
+    [
+        chain(3),
+        [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]],
+        [[0], [1], [0, 0], [0, 1], [1, 0], [1, 1], [0, 0, 0], [1, 0, 0]],
+    ],
+)
 def test_buffers_from_parents_match_the_static_builder(paths):
     static = build_buffers(TreeSpec(paths))
     dynamic = buffers_from_parents(static.parent, static.depth)

@@ -7,8 +7,7 @@ import pytest
 
 from medusa import MedusaModel, TreeSpec, load_tree
 from medusa.tree_builder import best_size, check_accuracy, expected_tau, grow_tree, measure_step_latency, path_value
-from tests.conftest import make_heads, make_tiny_model
-from tests.conftest import save_tiny_checkpoint
+from tests.conftest import make_heads, make_tiny_model, save_tiny_checkpoint
 from tests.test_benchmark import load_script
 
 # falls with rank (as real heads' accuracies do); values chosen so that no two paths tie
@@ -84,9 +83,26 @@ def test_build_tree_script(tmp_path, capsys):
     base_dir, heads_dir = save_tiny_checkpoint(tmp_path)
     acc_path, out = tmp_path / "acc.json", tmp_path / "tree.json"
     acc_path.write_text(json.dumps({"acc": ACC, "num_tokens": 100}))
-    result = load_script("build_tree").main([
-        "--accuracy", str(acc_path), "--out", str(out), "--base", str(base_dir), "--heads", str(heads_dir),
-        "--sizes", "2,4,8", "--repeats", "2", "--kv-length", "16", "--threads", "1"])
+    result = load_script("build_tree").main(
+        [
+            "--accuracy",
+            str(acc_path),
+            "--out",
+            str(out),
+            "--base",
+            str(base_dir),
+            "--heads",
+            str(heads_dir),
+            "--sizes",
+            "2,4,8",
+            "--repeats",
+            "2",
+            "--kv-length",
+            "16",
+            "--threads",
+            "1",
+        ]
+    )
     written = json.loads(out.read_text())
     assert written == json.loads(json.dumps(result))
     assert written["num_nodes"] in (2, 4, 8) and len(written["paths"]) == written["num_nodes"] - 1

@@ -56,4 +56,6 @@ def test_commit_keeps_accepted_rows_and_next_step_matches(tiny_model):
     nxt = torch.tensor([[7]])
     with torch.inference_mode():
         after_commit = tiny_model(input_ids=nxt, past_key_values=cache, use_cache=True).logits[0, -1]
-    torch.testing.assert_close(after_commit, _sequential_logits(tiny_model, committed.tolist() + [7]), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        after_commit, _sequential_logits(tiny_model, committed.tolist() + [7]), atol=1e-4, rtol=1e-4
+    )

@@ -49,7 +49,9 @@ print(json.dumps({{
 
 def _run(args: list, cwd: Path, timeout: int = 300) -> str:
     result = subprocess.run([str(a) for a in args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, f"{' '.join(map(str, args))} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    assert result.returncode == 0, (
+        f"{' '.join(map(str, args))} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    )
     return result.stdout
 
 
@@ -64,16 +66,33 @@ def _source_copy(dst: Path) -> Path:
 
 def test_wheel_installs_and_decodes_outside_the_repository(tmp_path):
     source, wheels, env, elsewhere = (tmp_path / name for name in ("source", "wheels", "env", "elsewhere"))
-    _run([sys.executable, "-m", "pip", "wheel", _source_copy(source), "--no-deps", "--no-build-isolation",
-          "--no-cache-dir", "-q", "-w", wheels], cwd=tmp_path)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            _source_copy(source),
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-cache-dir",
+            "-q",
+            "-w",
+            wheels,
+        ],
+        cwd=tmp_path,
+    )
     (wheel,) = wheels.glob("medusa_spec-*.whl")
 
     venv.EnvBuilder(with_pip=False).create(env)  # the running pip installs into it (faster than ensurepip)
     python = env / "bin" / "python"
-    _run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-cache-dir", "-q", wheel],
-         cwd=tmp_path)
-    env_site = Path(_run([python, "-I", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=tmp_path)
-                    .strip())
+    _run(
+        [sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-cache-dir", "-q", wheel],
+        cwd=tmp_path,
+    )
+    env_site = Path(
+        _run([python, "-I", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=tmp_path).strip()
+    )
     ours = dict.fromkeys(sysconfig.get_paths()[key] for key in ("purelib", "platlib"))  # ordered, no duplicates
     (env_site / "dependencies.pth").write_text("".join(f"{path}\n" for path in ours))
 

@@ -35,8 +35,9 @@ def _shard_has_rows(shard: Path) -> bool:
     return not state.is_file() or bool(json.loads(state.read_text()).get("_data_files", [None]))
 
 
-def load_conversations(data_dir: str | Path, max_length: int, vocab_size: int,
-                       prompt_only: bool = False) -> list[Conversation]:
+def load_conversations(
+    data_dir: str | Path, max_length: int, vocab_size: int, prompt_only: bool = False
+) -> list[Conversation]:
     """Every conversation of the shards in `data_dir`, truncated; those with no response token left are dropped,
     unless `prompt_only` (training on prompt positions: data.answer false writes prompts without responses)."""
     from datasets import concatenate_datasets, load_from_disk
@@ -45,38 +46,51 @@ def load_conversations(data_dir: str | Path, max_length: int, vocab_size: int,
 
     shards = shard_dirs(Path(data_dir))
     if not shards:
-        raise FileNotFoundError(f"no data shards in {data_dir}: run train/generate_data.py first "
-                                "(or point data.out_dir at the directory it wrote)")
+        raise FileNotFoundError(
+            f"no data shards in {data_dir}: run train/generate_data.py first "
+            "(or point data.out_dir at the directory it wrote)"
+        )
     shards = [s for s in shards if _shard_has_rows(s)]
     if not shards:
-        raise ValueError(f"the dataset in {data_dir} is empty (its shards hold no conversations): "
-                         "run train/generate_data.py, or point data.out_dir at the directory it wrote")
+        raise ValueError(
+            f"the dataset in {data_dir} is empty (its shards hold no conversations): "
+            "run train/generate_data.py, or point data.out_dir at the directory it wrote"
+        )
     settings = Path(data_dir) / SETTINGS_NAME  # what generate_data made it with: was the data answered?
     answered = not settings.is_file() or json.loads(settings.read_text()).get("answer", True)
     if not answered and not prompt_only:
-        raise ValueError(f"the dataset in {data_dir} holds prompts without responses (data.answer false): train on it "
-                         "with training.prompt_tokens true (and training.distill true)")
+        raise ValueError(
+            f"the dataset in {data_dir} holds prompts without responses (data.answer false): train on it "
+            "with training.prompt_tokens true (and training.distill true)"
+        )
     data = concatenate_datasets([load_from_disk(str(s)) for s in shards])
     missing = sorted({"input_ids", "response_start"} - set(data.column_names))
     if missing:
         raise ValueError(f"data in {data_dir} lacks column(s) {missing}: regenerate it with train/generate_data.py")
     columns = data.select_columns(["input_ids", "response_start"]).to_dict()
-    convs = [Conversation(list(ids[:max_length]), min(int(rs), max_length))
-             for ids, rs in zip(columns["input_ids"], columns["response_start"])
-             if int(rs) < min(len(ids), max_length) or (prompt_only and len(ids) > 1)]
+    convs = [
+        Conversation(list(ids[:max_length]), min(int(rs), max_length))
+        for ids, rs in zip(columns["input_ids"], columns["response_start"])
+        if int(rs) < min(len(ids), max_length) or (prompt_only and len(ids) > 1)
+    ]
     if not convs:
-        raise ValueError(f"the dataset in {data_dir} has {len(data)} conversations and none has a response token within "
-                         f"training.max_length={max_length}: raise training.max_length or regenerate the data")
+        raise ValueError(
+            f"the dataset in {data_dir} has {len(data)} conversations and none has a response token within "
+            f"training.max_length={max_length}: raise training.max_length or regenerate the data"
+        )
     top = max(max(c.ids) for c in convs)
     if top >= vocab_size:
-        raise ValueError(f"data in {data_dir} holds token id {top} but the base vocabulary has {vocab_size} tokens: the "
-                         "data was generated with another tokenizer; use the base it was made with (model.base)")
+        raise ValueError(
+            f"data in {data_dir} holds token id {top} but the base vocabulary has {vocab_size} tokens: the "
+            "data was generated with another tokenizer; use the base it was made with (model.base)"
+        )
     return convs
 
 
 def _conversation_hash(conv: Conversation) -> bytes:
-    return hashlib.blake2b(torch.tensor(conv.ids).numpy().tobytes() + conv.response_start.to_bytes(8, "little"),
-                           digest_size=16).digest()
+    return hashlib.blake2b(
+        torch.tensor(conv.ids).numpy().tobytes() + conv.response_start.to_bytes(8, "little"), digest_size=16
+    ).digest()
 
 
 def split_eval(convs: list[Conversation], n_eval: int) -> tuple[list[int], list[int]]:
@@ -86,8 +100,10 @@ def split_eval(convs: list[Conversation], n_eval: int) -> tuple[list[int], list[
     """
     answered = [i for i in range(len(convs)) if convs[i].response_tokens]  # prompt-only rows are never held out
     if n_eval >= len(answered):
-        raise ValueError(f"the data has {len(answered)} conversations with responses and training.eval_conversations="
-                         f"{n_eval} leaves none to train on: lower training.eval_conversations or generate more data")
+        raise ValueError(
+            f"the data has {len(answered)} conversations with responses and training.eval_conversations="
+            f"{n_eval} leaves none to train on: lower training.eval_conversations or generate more data"
+        )
     ranked = sorted(answered, key=lambda i: (_conversation_hash(convs[i]), i))
     held_out = set(ranked[:n_eval])
     return [i for i in range(len(convs)) if i not in held_out], sorted(held_out)
@@ -112,7 +128,7 @@ def base_fingerprint(model: nn.Module) -> str:
 def pack(order: list[int], lengths: list[int], batch_size: int, unit: str) -> list[list[int]]:
     """Cut `order` into batches of `batch_size` conversations, or of at most `batch_size` tokens (at least one)."""
     if unit == "sequences":
-        return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+        return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     batches, current, tokens = [], [], 0
     for i in order:
         if current and tokens + lengths[i] > batch_size:
@@ -132,9 +148,11 @@ class StepPlan:
         self._epochs: dict[int, list[list[int]]] = {}
         if self.steps_in_epoch(0) == 0:
             raise ValueError(
-                f"one optimizer step needs {self.per_step} batches ({world} processes x grad_accum {cfg.grad_accum}) but "
+                f"one optimizer step needs {self.per_step} batches ({world} processes x grad_accum "
+                f"{cfg.grad_accum}) but "
                 f"the {len(train_idx)} training conversations make {len(self.epoch_batches(0))}: lower "
-                "training.batch_size or training.grad_accum, or generate more data")
+                "training.batch_size or training.grad_accum, or generate more data"
+            )
 
     def epoch_batches(self, epoch: int) -> list[list[int]]:
         if epoch not in self._epochs:
@@ -174,5 +192,6 @@ class StepPlan:
 def loss_positions(convs: list[Conversation], num_heads: int) -> torch.Tensor:
     """(R, K + 1): positions each conversation contributes to each head's loss and (last) to the base KL."""
     offsets = [head_target_offset(k) for k in range(num_heads)] + [BASE_TARGET_OFFSET]
-    return torch.tensor([[scored_positions(len(c.ids), c.response_start, o) for o in offsets] for c in convs],
-                        dtype=torch.float64)
+    return torch.tensor(
+        [[scored_positions(len(c.ids), c.response_start, o) for o in offsets] for c in convs], dtype=torch.float64
+    )

@@ -22,8 +22,19 @@ from train.config import Config, TrainingConfig
 
 STATE_NAME = "trainer_state.json"  # written last: marks a checkpoint complete
 # Fields that may change between a checkpoint and its resumption; every other setting must match.
-RESUMABLE_CHANGES = {"output_dir", "checkpoint_dir", "cache_dir", "eval_every", "log_every", "save_every",
-                     "keep_checkpoints", "report_to", "wandb_project", "run_name", "precompute_batch_tokens"}
+RESUMABLE_CHANGES = {
+    "output_dir",
+    "checkpoint_dir",
+    "cache_dir",
+    "eval_every",
+    "log_every",
+    "save_every",
+    "keep_checkpoints",
+    "report_to",
+    "wandb_project",
+    "run_name",
+    "precompute_batch_tokens",
+}
 
 
 @dataclass
@@ -49,8 +60,9 @@ def checkpoint_root(cfg: TrainingConfig) -> Path:
 def project_configuration(cfg: TrainingConfig):
     from accelerate.utils import ProjectConfiguration
 
-    return ProjectConfiguration(project_dir=str(checkpoint_root(cfg)), automatic_checkpoint_naming=True,
-                                total_limit=cfg.keep_checkpoints)
+    return ProjectConfiguration(
+        project_dir=str(checkpoint_root(cfg)), automatic_checkpoint_naming=True, total_limit=cfg.keep_checkpoints
+    )
 
 
 def checkpoints(root: Path) -> list[Path]:
@@ -65,8 +77,10 @@ def check_resume(root: Path, resume: bool) -> Path | None:
     if resume and not found:
         raise FileNotFoundError(f"--resume: no checkpoint in {root}; drop --resume to start a fresh run")
     if not resume and found:
-        raise FileExistsError(f"{root} holds checkpoints of an earlier run: pass --resume to continue it, or delete "
-                              "them / set training.checkpoint_dir to start afresh")
+        raise FileExistsError(
+            f"{root} holds checkpoints of an earlier run: pass --resume to continue it, or delete "
+            "them / set training.checkpoint_dir to start afresh"
+        )
     return found[-1] if found else None
 
 
@@ -92,8 +106,10 @@ def check_trainable(trainer):
         with safe_open(str(path), framework="pt") as f:
             saved = set(f.keys())
         if saved != names:
-            raise ValueError(f"checkpoint {input_dir} holds other trainable weights than this run builds (different "
-                             "heads, projection or LoRA settings): resume with the settings it was written with")
+            raise ValueError(
+                f"checkpoint {input_dir} holds other trainable weights than this run builds (different "
+                "heads, projection or LoRA settings): resume with the settings it was written with"
+            )
 
     return hook
 
@@ -130,12 +146,16 @@ def check_snapshot(path: Path, saved: dict, current: dict) -> None:
     for section in current:
         a, b = saved.get(section), current[section]
         if isinstance(b, dict) and isinstance(a, dict):
-            diffs += [f"{section}.{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+            diffs += [
+                f"{section}.{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)
+            ]
         elif a != b:
             diffs.append(f"{section}: {a!r} -> {b!r}")
     if diffs:
-        raise ValueError(f"cannot resume from {path}: the run changed ({'; '.join(diffs)}). Resume with the settings "
-                         "it was written with, or start afresh with another training.checkpoint_dir")
+        raise ValueError(
+            f"cannot resume from {path}: the run changed ({'; '.join(diffs)}). Resume with the settings "
+            "it was written with, or start afresh with another training.checkpoint_dir"
+        )
 
 
 def check_writable(directory: Path) -> None:
@@ -146,5 +166,7 @@ def check_writable(directory: Path) -> None:
         with tempfile.NamedTemporaryFile(dir=directory, prefix=".medusa-write-check-"):
             pass
     except OSError as err:
-        raise PermissionError(f"cannot write to {directory} ({err.strerror or err}): choose a writable "
-                              "training.output_dir / training.checkpoint_dir") from err
+        raise PermissionError(
+            f"cannot write to {directory} ({err.strerror or err}): choose a writable "
+            "training.output_dir / training.checkpoint_dir"
+        ) from err

@@ -106,16 +106,20 @@ class DataConfig:
 
     def __post_init__(self):
         if not self.answer and self.second_turn_fraction:
-            raise ValueError("data.second_turn_fraction needs answers to follow up on: set data.answer true, or "
-                             "second_turn_fraction 0 for prompt-only data")
+            raise ValueError(
+                "data.second_turn_fraction needs answers to follow up on: set data.answer true, or "
+                "second_turn_fraction 0 for prompt-only data"
+            )
         for name in ("second_turn_fraction", "greedy_fraction"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"data.{name} must lie in [0, 1], got {getattr(self, name)}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"data.top_p must lie in (0, 1], got {self.top_p}: 1 keeps every token")
         if self.temperature <= 0:
-            raise ValueError(f"data.temperature must be > 0, got {self.temperature}: greedy shards come from "
-                             "data.greedy_fraction, not a zero temperature")
+            raise ValueError(
+                f"data.temperature must be > 0, got {self.temperature}: greedy shards come from "
+                "data.greedy_fraction, not a zero temperature"
+            )
         if self.follow_ups is not None and (not self.follow_ups or not all(f.strip() for f in self.follow_ups)):
             raise ValueError("data.follow_ups must be a non-empty list of non-empty strings (or null for the defaults)")
         if not self.sources:
@@ -145,8 +149,10 @@ class HeadsConfig(MedusaConfig):
     def __post_init__(self):
         super().__post_init__()
         if self.num_layers == 0 and self.projection == "shared":
-            raise ValueError("heads.num_layers 0 with projection 'shared' leaves nothing to train: "
-                             "use num_layers >= 1 or projection 'own'")
+            raise ValueError(
+                "heads.num_layers 0 with projection 'shared' leaves nothing to train: "
+                "use num_layers >= 1 or projection 'own'"
+            )
 
 
 # MedusaConfig fields training fills in (from the base and the run), so the heads section may not set them. revision:
@@ -214,30 +220,48 @@ class TrainingConfig:
             _check_range(self, name, minimum=0)
         if self.max_grad_norm is not None:
             _check_range(self, "max_grad_norm", minimum=0)
-        for name in ("batch_size", "grad_accum", "max_length", "log_every",
-                     "precompute_batch_tokens", "chunk_tokens", "lora_r", "lora_alpha", "epochs"):
+        for name in (
+            "batch_size",
+            "grad_accum",
+            "max_length",
+            "log_every",
+            "precompute_batch_tokens",
+            "chunk_tokens",
+            "lora_r",
+            "lora_alpha",
+            "epochs",
+        ):
             _check_range(self, name, minimum=1)
         for name in ("warmup_steps", "eval_every", "eval_conversations", "save_every", "seed"):
             _check_range(self, name, minimum=0)
         if self.max_steps is not None:
             _check_range(self, "max_steps", minimum=1)
         if self.keep_checkpoints < 2:  # accelerate prunes before it writes: a kill mid-save must leave one
-            raise ValueError(f"training.keep_checkpoints must be >= 2, got {self.keep_checkpoints}: the oldest is "
-                             "deleted before the next is written, so one alone would not survive a kill during a save")
+            raise ValueError(
+                f"training.keep_checkpoints must be >= 2, got {self.keep_checkpoints}: the oldest is "
+                "deleted before the next is written, so one alone would not survive a kill during a save"
+            )
         if not 0.0 <= self.lora_dropout < 1.0:
             raise ValueError(f"training.lora_dropout must lie in [0, 1), got {self.lora_dropout}")
         if self.lr == 0:
             raise ValueError("training.lr is 0: the heads would not move")
-        for name, choices in (("batch_unit", BATCH_UNITS), ("mixed_precision", MIXED_PRECISION),
-                              ("report_to", REPORT_TO)):
+        for name, choices in (
+            ("batch_unit", BATCH_UNITS),
+            ("mixed_precision", MIXED_PRECISION),
+            ("report_to", REPORT_TO),
+        ):
             if getattr(self, name) not in choices:
                 raise ValueError(f"training.{name} must be one of {choices}, got {getattr(self, name)!r}")
         if self.prompt_tokens and not self.distill:
-            raise ValueError("training.prompt_tokens needs training.distill: true (a prompt's tokens are not the base's "
-                             "own, so the heads learn the base's distribution there, not the prompt's next token)")
+            raise ValueError(
+                "training.prompt_tokens needs training.distill: true (a prompt's tokens are not the base's "
+                "own, so the heads learn the base's distribution there, not the prompt's next token)"
+            )
         if self.medusa2 and self.precompute_hidden:
-            raise ValueError("training.precompute_hidden needs a frozen base, but medusa2 adapts it with LoRA: "
-                             "set training.precompute_hidden false for Medusa-2")
+            raise ValueError(
+                "training.precompute_hidden needs a frozen base, but medusa2 adapts it with LoRA: "
+                "set training.precompute_hidden false for Medusa-2"
+            )
         if self.save_dtype is not None:
             resolve_dtype(self.save_dtype)
         if not self.output_dir:
@@ -268,8 +292,10 @@ def load_config(config_path: str | None, overrides: list[str] = ()) -> Config:
             raise FileNotFoundError(f"config file {path} does not exist")
         raw = yaml.safe_load(path.read_text()) or {}
         if not isinstance(raw, dict):
-            raise ValueError(f"{path} holds {type(raw).__name__}, not sections: write `section:` lines (model, data, "
-                             "heads, training)")
+            raise ValueError(
+                f"{path} holds {type(raw).__name__}, not sections: write `section:` lines (model, data, "
+                "heads, training)"
+            )
     raw = {name: values or {} for name, values in raw.items()}  # an empty section is all defaults
     it = iter(overrides)
     for flag in it:
@@ -318,18 +344,23 @@ def _refuse_unknown(raw: dict, config_path: str | None) -> None:
         known = {f.name for f in dataclasses.fields(sections[name])}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ValueError(f"{where}unknown key(s) {unknown} in section {name!r} ({', '.join(f'{name}.{k}' for k in unknown)}); "
-                             f"known keys: {sorted(known - set(FILLED_IN))}")
+            raise ValueError(
+                f"{where}unknown key(s) {unknown} in section {name!r} ({', '.join(f'{name}.{k}' for k in unknown)}); "
+                f"known keys: {sorted(known - set(FILLED_IN))}"
+            )
         filled = sorted(set(values) & set(FILLED_IN)) if name == "heads" else []
         if filled:
-            raise ValueError(f"{where}heads.{filled[0]} is filled in by training (from the base and the run): drop it "
-                             "from the heads section")
+            raise ValueError(
+                f"{where}heads.{filled[0]} is filled in by training (from the base and the run): drop it "
+                "from the heads section"
+            )
 
 
 def parse_args(description: str, argv: list[str] | None = None, extra=None) -> tuple[argparse.Namespace, Config]:
     """`--config x.yaml` plus overrides -> (namespace, Config). `--help` lists every option with its comment."""
-    parser = argparse.ArgumentParser(description=description, add_help=False,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=description, add_help=False, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", help="YAML file with sections model, data, heads, training")
     parser.add_argument("-h", "--help", action="store_true", help="list every option and exit")
     if extra:
@@ -339,6 +370,6 @@ def parse_args(description: str, argv: list[str] | None = None, extra=None) -> t
         parser.print_help()
         print("\nAny option below overrides the YAML as --section.key value:")
         options = draccus.argparsing.ArgumentParser(Config).parser.format_help()
-        print(options[options.index("\nModelConfig"):] if "\nModelConfig" in options else options)
+        print(options[options.index("\nModelConfig") :] if "\nModelConfig" in options else options)
         sys.exit(0)
     return args, load_config(args.config, rest)

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import torch
 
-from medusa.fileio import write_directory
-from medusa.loading import resolve_dtype
 from medusa.config import MedusaConfig
+from medusa.fileio import write_directory
 from medusa.heads_io import CARD_NAME, model_card, save_heads
+from medusa.loading import resolve_dtype
 from train.config import DataConfig, TrainingConfig
 from train.losses import TOPK
 from train.trainer import HeadTrainer
@@ -18,7 +18,9 @@ ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
 def reduce_sum(accelerator, tensor: torch.Tensor) -> torch.Tensor:
-    return accelerator.reduce(tensor.to(accelerator.device), reduction="sum") if accelerator.num_processes > 1 else tensor
+    return (
+        accelerator.reduce(tensor.to(accelerator.device), reduction="sum") if accelerator.num_processes > 1 else tensor
+    )
 
 
 def summarise(ce_sum, correct, count, kl_sum=None, kl_count=None, num_heads: int = 0, prefix: str = "") -> dict:
@@ -44,7 +46,7 @@ def evaluate(accelerator, trainer: HeadTrainer, batches: list[list[int]], fetch,
     count = torch.zeros(num_heads, dtype=torch.long)
     kl_sum, kl_count = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.long)
     with accelerator.autocast():
-        for rows in batches[accelerator.process_index::accelerator.num_processes]:
+        for rows in batches[accelerator.process_index :: accelerator.num_processes]:
             out = model(**fetch(rows), topk=TOPK, exact=True)
             ce_sum += (out["ce"] * out["count"]).double().cpu()
             correct += out["correct"].cpu()
@@ -59,8 +61,10 @@ def evaluate(accelerator, trainer: HeadTrainer, batches: list[list[int]], fetch,
 
 
 def format_eval(metrics: dict, num_heads: int) -> str:
-    parts = [f"head{k} top1 {metrics[f'eval/head{k}/top1']:.3f} top5 {metrics[f'eval/head{k}/top5']:.3f}"
-             for k in range(num_heads)]
+    parts = [
+        f"head{k} top1 {metrics[f'eval/head{k}/top1']:.3f} top5 {metrics[f'eval/head{k}/top5']:.3f}"
+        for k in range(num_heads)
+    ]
     if "eval/kl" in metrics:
         parts.append(f"base KL {metrics['eval/kl']:.4f}")
     return " | ".join(parts)
@@ -82,20 +86,44 @@ def save_output(trainer: HeadTrainer, output_dir: Path, extra: dict, datasets: l
     write_directory(output_dir, write, stale=() if trainer.cfg.medusa2 else ADAPTER_FILES)
 
 
-def provenance(cfg: TrainingConfig, data_cfg: DataConfig, data_key: str, train_idx, eval_idx,
-               train_tokens: tuple[int, int], run_state, total_steps: int, wall: float, world: int, mixed: str,
-               final: dict, num_heads: int) -> dict:
+def provenance(
+    cfg: TrainingConfig,
+    data_cfg: DataConfig,
+    data_key: str,
+    train_idx,
+    eval_idx,
+    train_tokens: tuple[int, int],
+    run_state,
+    total_steps: int,
+    wall: float,
+    world: int,
+    mixed: str,
+    final: dict,
+    num_heads: int,
+) -> dict:
     """What `config.extra` records about the run: data, steps, time, and held-out accuracy per head."""
     training = {
-        "method": "medusa-2" if cfg.medusa2 else "medusa-1", "data_dirs": [str(d) for d in (data_cfg.out_dir, *data_cfg.extra_dirs)], "data_key": data_key,
-        "train_conversations": len(train_idx), "eval_conversations": len(eval_idx),
-        "train_response_tokens": train_tokens[0], "train_scored_tokens": train_tokens[1],
-        "tokens_seen": run_state.tokens_seen, "steps": total_steps,
-        "epochs": round(run_state.tokens_seen / max(train_tokens[1], 1), 3), "wall_time_s": round(wall, 1),
-        "processes": world, "mixed_precision": mixed, "lr": cfg.lr, "head_decay": cfg.head_decay, "seed": cfg.seed,
+        "method": "medusa-2" if cfg.medusa2 else "medusa-1",
+        "data_dirs": [str(d) for d in (data_cfg.out_dir, *data_cfg.extra_dirs)],
+        "data_key": data_key,
+        "train_conversations": len(train_idx),
+        "eval_conversations": len(eval_idx),
+        "train_response_tokens": train_tokens[0],
+        "train_scored_tokens": train_tokens[1],
+        "tokens_seen": run_state.tokens_seen,
+        "steps": total_steps,
+        "epochs": round(run_state.tokens_seen / max(train_tokens[1], 1), 3),
+        "wall_time_s": round(wall, 1),
+        "processes": world,
+        "mixed_precision": mixed,
+        "lr": cfg.lr,
+        "head_decay": cfg.head_decay,
+        "seed": cfg.seed,
     }
-    evaluation = {f"head{k}": {name.split("/")[-1]: round(v, 4) for name, v in final.items()
-                               if name.startswith(f"eval/head{k}/")} for k in range(num_heads)}
+    evaluation = {
+        f"head{k}": {name.split("/")[-1]: round(v, 4) for name, v in final.items() if name.startswith(f"eval/head{k}/")}
+        for k in range(num_heads)
+    }
     if cfg.medusa2:
         training.update(lora_r=cfg.lora_r, lora_lr=cfg.lora_lr, kl_weight=cfg.kl_weight)
         evaluation["base_kl"] = final.get("eval/kl")

@@ -25,11 +25,11 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from medusa.fileio import atomic_write_text  # noqa: E402
-from train.data import build_prompt_mix, drop_evaluation_overlap, evaluation_prompts  # noqa: E402
-from medusa.loading import load_base  # noqa: E402
 from medusa.decode import stop_token_ids  # noqa: E402
+from medusa.fileio import atomic_write_text  # noqa: E402
+from medusa.loading import load_base  # noqa: E402
 from train.config import DataConfig, parse_args  # noqa: E402
+from train.data import build_prompt_mix, drop_evaluation_overlap, evaluation_prompts  # noqa: E402
 
 # The settings a data directory was made with (read back on resume, and by training: data.answer).
 SETTINGS_NAME = "data_config.json"
@@ -81,8 +81,13 @@ def shard_groups(pending: list[int], cfg: DataConfig) -> list[list[int]]:
     per_group = max(1, cfg.batch_size // cfg.shard_size)
     for shard in pending:
         last = groups[-1] if groups else None
-        if (last and is_greedy_shard(shard, cfg.greedy_fraction) and is_greedy_shard(last[0], cfg.greedy_fraction)
-                and last[-1] == shard - 1 and len(last) < per_group):
+        if (
+            last
+            and is_greedy_shard(shard, cfg.greedy_fraction)
+            and is_greedy_shard(last[0], cfg.greedy_fraction)
+            and last[-1] == shard - 1
+            and len(last) < per_group
+        ):
             last.append(shard)
         else:
             groups.append([shard])
@@ -97,8 +102,10 @@ def check_resume(out_dir: Path, cfg: DataConfig) -> None:
         try:
             recorded = json.loads(meta.read_text())
         except json.JSONDecodeError as err:
-            raise ValueError(f"{meta} is not valid JSON ({err}): it records the settings of the data in {out_dir}; "
-                             "restore it, or use another data.out_dir") from err
+            raise ValueError(
+                f"{meta} is not valid JSON ({err}): it records the settings of the data in {out_dir}; "
+                "restore it, or use another data.out_dir"
+            ) from err
         defaults = asdict(DataConfig())  # keys an older data_config.json lacks had their defaults then
         previous = {k: recorded.get(k, defaults[k]) for k in ORDER_FIELDS}
         if previous != current:
@@ -137,12 +144,20 @@ def next_turn_ids(tokenizer, prompt: str, follow_up: str, response: list[int], s
     follow-up as a user turn, and the generation prompt. Cut from the rendered template around a placeholder
     answer, so the first answer keeps the exact tokens the target generated."""
     text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}, {"role": "assistant", "content": PLACEHOLDER},
-         {"role": "user", "content": follow_up}], add_generation_prompt=True, tokenize=False)
+        [
+            {"role": "user", "content": prompt},
+            {"role": "assistant", "content": PLACEHOLDER},
+            {"role": "user", "content": follow_up},
+        ],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
     if PLACEHOLDER not in text:
-        raise ValueError("the chat template does not render assistant turns verbatim: data.second_turn_fraction "
-                         "needs one that does (set it to 0 for single-turn data)")
-    ids = _ids(tokenizer(text[text.index(PLACEHOLDER) + len(PLACEHOLDER):], add_special_tokens=False))
+        raise ValueError(
+            "the chat template does not render assistant turns verbatim: data.second_turn_fraction "
+            "needs one that does (set it to 0 for single-turn data)"
+        )
+    ids = _ids(tokenizer(text[text.index(PLACEHOLDER) + len(PLACEHOLDER) :], add_special_tokens=False))
     if response and response[-1] in stop_ids and ids and ids[0] == response[-1]:
         ids = ids[1:]  # the answer already ends with the end-of-turn token the template writes
     return ids
@@ -152,8 +167,10 @@ def check_follow_ups(follow_ups: list[str]) -> list[str]:
     """Second turns must not be evaluation prompts either."""
     leaked = [f for f in follow_ups if f not in drop_evaluation_overlap(follow_ups, evaluation_prompts())]
     if leaked:
-        raise ValueError(f"data.follow_ups holds evaluation prompts {leaked[:3]}: training on them would inflate "
-                         "the measured accuracy; remove them")
+        raise ValueError(
+            f"data.follow_ups holds evaluation prompts {leaked[:3]}: training on them would inflate "
+            "the measured accuracy; remove them"
+        )
     return follow_ups
 
 
@@ -175,12 +192,19 @@ def answer_batch(model, prompt_ids: list[list[int]], pad_id: int, eos_ids: list[
     input_ids = torch.full((len(prompt_ids), width), pad_id, dtype=torch.long)
     attention = torch.zeros_like(input_ids)
     for i, ids in enumerate(prompt_ids):
-        input_ids[i, width - len(ids):] = torch.tensor(ids)
-        attention[i, width - len(ids):] = 1
-    sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": cfg.temperature, "top_p": cfg.top_p}
+        input_ids[i, width - len(ids) :] = torch.tensor(ids)
+        attention[i, width - len(ids) :] = 1
+    sampling = (
+        {"do_sample": False} if greedy else {"do_sample": True, "temperature": cfg.temperature, "top_p": cfg.top_p}
+    )
     out = model.generate(
-        input_ids=input_ids.to(model.device), attention_mask=attention.to(model.device),
-        max_new_tokens=cfg.max_new_tokens, pad_token_id=pad_id, eos_token_id=eos_ids or None, top_k=None, **sampling,
+        input_ids=input_ids.to(model.device),
+        attention_mask=attention.to(model.device),
+        max_new_tokens=cfg.max_new_tokens,
+        pad_token_id=pad_id,
+        eos_token_id=eos_ids or None,
+        top_k=None,
+        **sampling,
     )[:, width:].tolist()
     responses = []
     for row in out:
@@ -194,7 +218,7 @@ def answer_pairs(model, pairs: list[tuple[int, dict]], pad_id: int, eos_ids: lis
     (less padding per batch)."""
     pairs = sorted(pairs, key=lambda x: len(x[1]["prompt_ids"]))
     for b in range(0, len(pairs), cfg.batch_size):
-        batch = pairs[b:b + cfg.batch_size]
+        batch = pairs[b : b + cfg.batch_size]
         responses = answer_batch(model, [item["prompt_ids"] for _, item in batch], pad_id, eos_ids, cfg, greedy)
         for (shard, item), response in zip(batch, responses):
             yield shard, item, response
@@ -202,8 +226,14 @@ def answer_pairs(model, pairs: list[tuple[int, dict]], pad_id: int, eos_ids: lis
 
 def add_record(records: list[dict], item: dict, response: list[int], greedy: bool) -> int:
     """Append one conversation row (prompt + response); return the number of response tokens."""
-    records.append({"input_ids": item["prompt_ids"] + response, "response_start": len(item["prompt_ids"]),
-                    "source": item["source"], "greedy": greedy})
+    records.append(
+        {
+            "input_ids": item["prompt_ids"] + response,
+            "response_start": len(item["prompt_ids"]),
+            "source": item["source"],
+            "greedy": greedy,
+        }
+    )
     return len(response)
 
 
@@ -213,7 +243,9 @@ def main(argv=None) -> None:
     torch.manual_seed(cfg.seed)
     out_dir = Path(cfg.out_dir)
     check_resume(out_dir, cfg)
-    mix = build_prompt_mix(cfg.sources, cfg.seed)  # reads the prompt files: before the model loads or anything is written
+    mix = build_prompt_mix(
+        cfg.sources, cfg.seed
+    )  # reads the prompt files: before the model loads or anything is written
     follow_ups = check_follow_ups(cfg.follow_ups or DEFAULT_FOLLOW_UPS)
     model, tokenizer = load_base(config.model.base, dtype=cfg.dtype, device=config.model.resolved_device())
     eos_ids, pad_id = stop_and_pad_ids(model, tokenizer)
@@ -223,26 +255,36 @@ def main(argv=None) -> None:
     n_shards = (len(items) + cfg.shard_size - 1) // cfg.shard_size
     if cfg.max_shards is not None:
         n_shards = min(n_shards, cfg.max_shards)
-        items = items[:n_shards * cfg.shard_size]
+        items = items[: n_shards * cfg.shard_size]
     done = {p.name for p in shard_dirs(out_dir)}
     from datasets import Dataset
 
     bar = tqdm(total=len(items), unit="prompt", desc="self-distill" if cfg.answer else "prompts")
-    bar.update(sum(min(cfg.shard_size, len(items) - s * cfg.shard_size) for s in range(n_shards) if shard_name(s) in done))
+    bar.update(
+        sum(min(cfg.shard_size, len(items) - s * cfg.shard_size) for s in range(n_shards) if shard_name(s) in done)
+    )
     tokens, start = 0, time.time()
     for group in shard_groups([s for s in range(n_shards) if shard_name(s) not in done], cfg):
         greedy = is_greedy_shard(group[0], cfg.greedy_fraction)
-        torch.manual_seed(cfg.seed * 100_003 + group[0])  # a sampled shard is its own group: a resume resamples it alike
-        chunk = [(shard, item) for shard in group for item in items[shard * cfg.shard_size:(shard + 1) * cfg.shard_size]]
+        torch.manual_seed(
+            cfg.seed * 100_003 + group[0]
+        )  # a sampled shard is its own group: a resume resamples it alike
+        chunk = [
+            (shard, item) for shard in group for item in items[shard * cfg.shard_size : (shard + 1) * cfg.shard_size]
+        ]
         records, second = {shard: [] for shard in group}, []
-        answered = answer_pairs(model, chunk, pad_id, eos_ids, cfg, greedy) if cfg.answer else \
-            ((shard, item, []) for shard, item in chunk)  # prompt-only data: no response
+        answered = (
+            answer_pairs(model, chunk, pad_id, eos_ids, cfg, greedy)
+            if cfg.answer
+            else ((shard, item, []) for shard, item in chunk)
+        )  # prompt-only data: no response
         for shard, item, response in answered:
             tokens += add_record(records[shard], item, response, greedy)
             if has_second_turn(item["index"], cfg.second_turn_fraction):
                 follow_up = follow_ups[item["index"] % len(follow_ups)]
                 context = records[shard][-1]["input_ids"] + next_turn_ids(
-                    tokenizer, item["prompt"], follow_up, response, eos_ids)
+                    tokenizer, item["prompt"], follow_up, response, eos_ids
+                )
                 if len(context) <= cfg.max_prompt_tokens:
                     second.append((shard, {**item, "prompt_ids": context}))
             bar.update(1)
@@ -257,8 +299,10 @@ def main(argv=None) -> None:
             Dataset.from_list(records[shard]).save_to_disk(str(tmp))
             os.replace(tmp, out_dir / shard_name(shard))
     bar.close()
-    print(f"{n_shards} shards in {out_dir}; " + (f"{tokens} response tokens generated this run" if cfg.answer else
-                                                 "prompts only (data.answer false)"))
+    print(
+        f"{n_shards} shards in {out_dir}; "
+        + (f"{tokens} response tokens generated this run" if cfg.answer else "prompts only (data.answer false)")
+    )
 
 
 if __name__ == "__main__":

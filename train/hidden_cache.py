@@ -49,9 +49,9 @@ class HiddenCache:
         ids = torch.zeros((len(rows), width), dtype=torch.long)
         loss_mask = torch.zeros((len(rows), width), dtype=torch.long)
         for j, (start, end, rs) in enumerate(spans):
-            hidden[j, :end - start] = self.hidden[start:end]
-            ids[j, :end - start] = self.ids[start:end]
-            loss_mask[j, rs:end - start] = 1
+            hidden[j, : end - start] = self.hidden[start:end]
+            ids[j, : end - start] = self.ids[start:end]
+            loss_mask[j, rs : end - start] = 1
         return {"hidden": hidden, "input_ids": ids, "loss_mask": loss_mask}
 
     def save(self, path: Path, key: str) -> None:
@@ -59,12 +59,15 @@ class HiddenCache:
 
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        save_file({"hidden": self.hidden, "ids": self.ids, "offsets": self.offsets,
-                   "response_start": self.response_start}, str(tmp), metadata={"key": key})
+        save_file(
+            {"hidden": self.hidden, "ids": self.ids, "offsets": self.offsets, "response_start": self.response_start},
+            str(tmp),
+            metadata={"key": key},
+        )
         os.replace(tmp, path)
 
     @classmethod
-    def load(cls, path: Path, key: str) -> "HiddenCache | None":
+    def load(cls, path: Path, key: str) -> HiddenCache | None:
         """The cache at `path` if it was written for `key`, else None; a ValueError naming the file if it is
         unreadable (truncated by a full disk, say: writes go through a rename, so a killed run leaves none)."""
         from safetensors import SafetensorError, safe_open
@@ -77,24 +80,33 @@ class HiddenCache:
         except (SafetensorError, OSError, RuntimeError, KeyError) as err:
             raise ValueError(f"hidden-state cache {path} is unreadable ({err}): delete it and it is rebuilt") from err
         rows = int(cache.offsets[-1])
-        if cache.hidden.shape[0] != rows or cache.ids.shape[0] != rows or \
-                cache.response_start.shape[0] != cache.offsets.shape[0] - 1:
-            raise ValueError(f"hidden-state cache {path} is inconsistent ({rows} rows in its offsets, "
-                             f"{cache.hidden.shape[0]} hidden states): delete it and it is rebuilt")
+        if (
+            cache.hidden.shape[0] != rows
+            or cache.ids.shape[0] != rows
+            or cache.response_start.shape[0] != cache.offsets.shape[0] - 1
+        ):
+            raise ValueError(
+                f"hidden-state cache {path} is inconsistent ({rows} rows in its offsets, "
+                f"{cache.hidden.shape[0]} hidden states): delete it and it is rebuilt"
+            )
         return cache
 
     @classmethod
-    def concat(cls, caches: list["HiddenCache"]) -> "HiddenCache":
+    def concat(cls, caches: list[HiddenCache]) -> HiddenCache:
         """Caches of consecutive conversation lists -> one cache over all of them, in order."""
         if len(caches) == 1:
             return caches[0]
         shifts = torch.tensor([0] + [int(c.offsets[-1]) for c in caches[:-1]]).cumsum(0)
         offsets = torch.cat([caches[0].offsets[:1]] + [c.offsets[1:] + shift for c, shift in zip(caches, shifts)])
-        return cls(torch.cat([c.hidden for c in caches]), torch.cat([c.ids for c in caches]), offsets,
-                   torch.cat([c.response_start for c in caches]))
+        return cls(
+            torch.cat([c.hidden for c in caches]),
+            torch.cat([c.ids for c in caches]),
+            offsets,
+            torch.cat([c.response_start for c in caches]),
+        )
 
     @classmethod
-    def assemble(cls, convs: list[Conversation], spans: dict[int, torch.Tensor], lookback: int) -> "HiddenCache":
+    def assemble(cls, convs: list[Conversation], spans: dict[int, torch.Tensor], lookback: int) -> HiddenCache:
         starts = [span_start(c, lookback) for c in convs]
         lengths = [len(c.ids) - s for c, s in zip(convs, starts)]
         offsets = torch.tensor([0] + lengths).cumsum(0)
@@ -104,16 +116,26 @@ class HiddenCache:
         return cls(hidden, ids, offsets, rs)
 
 
-def last_hidden(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                feature_layers=()) -> torch.Tensor:
+def last_hidden(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, feature_layers=()
+) -> torch.Tensor:
     """(B, T) -> (B, T, H): the base's last, post-norm hidden state (with feature layers, their features after it:
     medusa.heads.base_features); logits only for the last position (cheap)."""
     out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, logits_to_keep=1)
     return base_features(out.hidden_states, feature_layers)
 
 
-def build_hidden_cache(accelerator, base: nn.Module, convs: list[Conversation], lookback: int, path: Path, key: str,
-                       batch_tokens: int, log, feature_layers=()) -> HiddenCache:
+def build_hidden_cache(
+    accelerator,
+    base: nn.Module,
+    convs: list[Conversation],
+    lookback: int,
+    path: Path,
+    key: str,
+    batch_tokens: int,
+    log,
+    feature_layers=(),
+) -> HiddenCache:
     """Run the frozen base once over every conversation (each process a share) and cache what the heads read."""
     if path.is_file():
         try:
@@ -140,16 +162,25 @@ def build_hidden_cache(accelerator, base: nn.Module, convs: list[Conversation], 
     start = time.time()
     with torch.no_grad(), accelerator.autocast():
         for rows in batches:
-            batch = collate([{"input_ids": convs[i].ids, "response_start": convs[i].response_start} for i in rows],
-                            pad_id=0, max_length=max(lengths[i] for i in rows))
-            hidden = last_hidden(base, batch.input_ids.to(accelerator.device), batch.attention_mask.to(accelerator.device),
-                                 feature_layers)
+            batch = collate(
+                [{"input_ids": convs[i].ids, "response_start": convs[i].response_start} for i in rows],
+                pad_id=0,
+                max_length=max(lengths[i] for i in rows),
+            )
+            hidden = last_hidden(
+                base,
+                batch.input_ids.to(accelerator.device),
+                batch.attention_mask.to(accelerator.device),
+                feature_layers,
+            )
             for j, i in enumerate(rows):
-                spans[i] = hidden[j, span_start(convs[i], lookback):lengths[i]].to(torch.bfloat16).cpu()
+                spans[i] = hidden[j, span_start(convs[i], lookback) : lengths[i]].to(torch.bfloat16).cpu()
             bar.update(sum(lengths[i] for i in rows))
     bar.close()
-    log(f"precomputed hidden states of {total} tokens in {time.time() - start:.1f} s "
-        f"({total / max(time.time() - start, 1e-9):.0f} tok/s per process)")
+    log(
+        f"precomputed hidden states of {total} tokens in {time.time() - start:.1f} s "
+        f"({total / max(time.time() - start, 1e-9):.0f} tok/s per process)"
+    )
     if world == 1:
         cache = HiddenCache.assemble(convs, spans, lookback)
         cache.save(path, key)
@@ -160,10 +191,16 @@ def build_hidden_cache(accelerator, base: nn.Module, convs: list[Conversation], 
     part.parent.mkdir(parents=True, exist_ok=True)
     mine = sorted(spans)
     hidden_size = base.config.get_text_config().hidden_size * (1 + len(feature_layers))
-    save_file({"rows": torch.tensor(mine, dtype=torch.long),
-               "lengths": torch.tensor([len(spans[i]) for i in mine], dtype=torch.long),
-               "hidden": torch.cat([spans[i] for i in mine]) if mine else torch.zeros(0, hidden_size, dtype=torch.bfloat16)},
-              str(part))
+    save_file(
+        {
+            "rows": torch.tensor(mine, dtype=torch.long),
+            "lengths": torch.tensor([len(spans[i]) for i in mine], dtype=torch.long),
+            "hidden": torch.cat([spans[i] for i in mine])
+            if mine
+            else torch.zeros(0, hidden_size, dtype=torch.bfloat16),
+        },
+        str(part),
+    )
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         spans = {}

@@ -90,7 +90,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if need_w else None
             grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=x.device) if need_b else None
             for start in range(0, x.shape[0], chunk_size):
-                xc, yc = x[start:start + chunk_size].to(dtype), targets[start:start + chunk_size]  # (C, H), (C,)
+                xc, yc = x[start : start + chunk_size].to(dtype), targets[start : start + chunk_size]  # (C, H), (C,)
                 # The (C, V) block stays in the matmul dtype: on CPU these passes are memory-bound, and
                 # log_softmax accumulates in float32 internally (bf16: loss within ~1e-5 relative of float32).
                 logits = xc @ w.T if bias is None else torch.addmm(bias.to(dtype), xc, w.T)  # (C, V)
@@ -112,9 +112,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return (*_scaled(ctx.saved_tensors, ctx.dtypes, grad_loss), None, None, None, None)
 
 
-def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, bias: torch.Tensor | None = None,
-                         *, chunk_size: int = 2048, compute_dtype: torch.dtype | None = None,
-                         topk: int = TOPK) -> tuple[torch.Tensor, torch.Tensor]:
+def linear_cross_entropy(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    chunk_size: int = 2048,
+    compute_dtype: torch.dtype | None = None,
+    topk: int = TOPK,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed cross-entropy of the projection `x @ weight.T + bias` against `targets`, and top-k hit counts.
 
     x (N, H), weight (V, H), bias (V,) or None, targets (N,) -> (loss_sum () float32, correct (topk,) long).
@@ -146,9 +153,9 @@ class _LinearKL(torch.autograd.Function):
             grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if need_w else None
             grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=x.device) if need_b else None
             for start in range(0, x.shape[0], chunk_size):
-                xc = x[start:start + chunk_size].to(dtype)  # (C, H)
+                xc = x[start : start + chunk_size].to(dtype)  # (C, H)
                 log_q = _project(xc, w, bias).log_softmax(-1)  # (C, V) the model being trained
-                log_p = _project(ref_x[start:start + chunk_size].to(dtype), w, bias).log_softmax(-1)  # reference
+                log_p = _project(ref_x[start : start + chunk_size].to(dtype), w, bias).log_softmax(-1)  # reference
                 p = log_p.exp()
                 loss += (p * (log_p - log_q)).sum()
                 if need_x or need_w or need_b:
@@ -164,8 +171,15 @@ class _LinearKL(torch.autograd.Function):
         return grad_x, None, grad_w, grad_b, None, None
 
 
-def linear_kl(x: torch.Tensor, ref_x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-              chunk_size: int = 2048, compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+def linear_kl(
+    x: torch.Tensor,
+    ref_x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    chunk_size: int = 2048,
+    compute_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """Summed KL(reference || model) of the projections of `ref_x` (reference) and `x` (trained) through one head.
 
     x, ref_x (N, H), weight (V, H) -> () float32. Used for Medusa-2: the adapted base must keep the frozen base's
@@ -195,11 +209,23 @@ def scored_positions(length: int, response_start: int, offset: int) -> int:
     return max(0, length - max(offset, response_start))
 
 
-def medusa_heads_loss(heads: MedusaHeads, hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-                      lm_head: nn.Module, *, decay: float = 0.8, coefficient: float = 1.0, chunk_size: int = 2048,
-                      compute_dtype: torch.dtype | None = None, topk: int = TOPK,
-                      normalizer: torch.Tensor | None = None, embed_tokens: nn.Module | None = None,
-                      candidates_only: bool = False, distill: bool = False) -> HeadLoss:
+def medusa_heads_loss(
+    heads: MedusaHeads,
+    hidden: torch.Tensor,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    lm_head: nn.Module,
+    *,
+    decay: float = 0.8,
+    coefficient: float = 1.0,
+    chunk_size: int = 2048,
+    compute_dtype: torch.dtype | None = None,
+    topk: int = TOPK,
+    normalizer: torch.Tensor | None = None,
+    embed_tokens: nn.Module | None = None,
+    candidates_only: bool = False,
+    distill: bool = False,
+) -> HeadLoss:
     """Per-head shifted cross-entropy on the base's last hidden states.
 
     hidden (B, T, H) post-norm last hidden states (with feature layers, their features after them: see
@@ -233,9 +259,11 @@ def medusa_heads_loss(heads: MedusaHeads, hidden: torch.Tensor, input_ids: torch
     if shared_bias is not None and subset is not None:
         shared_bias = shared_bias[subset]
     if distill and heads.projections is not None:
-        raise ValueError("distillation reads the base's distribution through the shared lm_head: use projection "
-                         "'shared', or train own projections without distill")
-    base_hidden = hidden[..., :heads.config.hidden_size]  # the teacher's input: the last hidden state
+        raise ValueError(
+            "distillation reads the base's distribution through the shared lm_head: use projection "
+            "'shared', or train own projections without distill"
+        )
+    base_hidden = hidden[..., : heads.config.hidden_size]  # the teacher's input: the last hidden state
     following = None  # (B, T, n) the tokens after each position that conditioned heads read
     if heads.config.condition_on_next_token:
         if embed_tokens is None:
@@ -246,8 +274,9 @@ def medusa_heads_loss(heads: MedusaHeads, hidden: torch.Tensor, input_ids: torch
     for k in range(num_heads):
         targets, valid = head_targets(input_ids, loss_mask, k)
         # teacher forcing: a path head reads the target's own tokens, as on the path a step accepts
-        x = heads.run_head_on_tokens(k, hidden[valid], None if following is None else following[valid],
-                                     embed_tokens)  # (N_k, H)
+        x = heads.run_head_on_tokens(
+            k, hidden[valid], None if following is None else following[valid], embed_tokens
+        )  # (N_k, H)
         # (an empty selection still links the head into the graph)
         if heads.projections is None:
             weight, bias = shared_weight, shared_bias
@@ -257,7 +286,9 @@ def medusa_heads_loss(heads: MedusaHeads, hidden: torch.Tensor, input_ids: torch
                 weight, bias = weight[subset], None if bias is None else bias[subset]
         if distill:  # the base's distribution at every scored position, targets outside the subset included
             offset = head_target_offset(k)
-            teacher = base_hidden[:, offset - 1:][valid[:, :base_hidden.shape[1] - offset + 1]]  # (N_k, H) at t + offset - 1
+            teacher = base_hidden[:, offset - 1 :][
+                valid[:, : base_hidden.shape[1] - offset + 1]
+            ]  # (N_k, H) at t + offset - 1
             loss_sum = linear_kl(x, teacher, weight, bias, chunk_size=chunk_size, compute_dtype=compute_dtype)
         targets = targets[valid]
         n = valid.sum()
@@ -266,15 +297,17 @@ def medusa_heads_loss(heads: MedusaHeads, hidden: torch.Tensor, input_ids: torch
             proposable = targets >= 0
             x, targets = x[proposable], targets[proposable]
         if not distill:
-            loss_sum, hits = linear_cross_entropy(x, weight, targets, bias, chunk_size=chunk_size,
-                                                  compute_dtype=compute_dtype, topk=topk)
+            loss_sum, hits = linear_cross_entropy(
+                x, weight, targets, bias, chunk_size=chunk_size, compute_dtype=compute_dtype, topk=topk
+            )
             mean = loss_sum / (n if subset is None else proposable.sum()).clamp(min=1)
         else:
             mean = loss_sum / n.clamp(min=1)
             if topk:  # accuracy still counts the data's tokens
                 with torch.no_grad():
-                    _, hits = linear_cross_entropy(x.detach(), weight, targets, bias, chunk_size=chunk_size,
-                                                   compute_dtype=compute_dtype, topk=topk)
+                    _, hits = linear_cross_entropy(
+                        x.detach(), weight, targets, bias, chunk_size=chunk_size, compute_dtype=compute_dtype, topk=topk
+                    )
         total = total + weights[k] * (mean if normalizer is None else loss_sum / normalizer[k].clamp(min=1e-9))
         ce.append(mean.detach())
         correct.append(hits if topk else torch.zeros(0, dtype=torch.long, device=hidden.device))
@@ -282,16 +315,30 @@ def medusa_heads_loss(heads: MedusaHeads, hidden: torch.Tensor, input_ids: torch
     return HeadLoss(total, torch.stack(ce), torch.stack(correct), torch.stack(count))
 
 
-def base_kl_loss(hidden: torch.Tensor, ref_hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-                 lm_head: nn.Module, *, chunk_size: int = 2048, compute_dtype: torch.dtype | None = None,
-                 normalizer: torch.Tensor | float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def base_kl_loss(
+    hidden: torch.Tensor,
+    ref_hidden: torch.Tensor,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    lm_head: nn.Module,
+    *,
+    chunk_size: int = 2048,
+    compute_dtype: torch.dtype | None = None,
+    normalizer: torch.Tensor | float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean KL(frozen base || adapted base) of the next-token distribution over response-token targets.
 
     hidden, ref_hidden (B, T, H): the adapted and the frozen base's last hidden states -> (mean KL (), count ()).
     normalizer: divide the summed KL by this instead of the local count (see medusa_heads_loss).
     """
     _, valid = shifted_targets(input_ids, loss_mask, BASE_TARGET_OFFSET)
-    kl = linear_kl(hidden[valid], ref_hidden[valid].to(hidden.dtype), lm_head.weight, getattr(lm_head, "bias", None),
-                   chunk_size=chunk_size, compute_dtype=compute_dtype)
+    kl = linear_kl(
+        hidden[valid],
+        ref_hidden[valid].to(hidden.dtype),
+        lm_head.weight,
+        getattr(lm_head, "bias", None),
+        chunk_size=chunk_size,
+        compute_dtype=compute_dtype,
+    )
     n = valid.sum()
     return kl / (n.clamp(min=1) if normalizer is None else normalizer), n

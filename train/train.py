@@ -59,17 +59,23 @@ def train(cfg: Config, *, resume: bool = False, stop_after_steps: int | None = N
 
     tcfg = cfg.training
     if tcfg.distill and cfg.heads.projection != "shared":
-        raise ValueError("training.distill reads the base's distribution through its lm_head, which only shared-"
-                         "projection heads use: set heads.projection shared or training.distill false")
+        raise ValueError(
+            "training.distill reads the base's distribution through its lm_head, which only shared-"
+            "projection heads use: set heads.projection shared or training.distill false"
+        )
     if tcfg.report_to == "wandb":
         os.environ.setdefault("WANDB_MODE", "offline")  # no account needed; `wandb sync` uploads later
     # cpu=True on a host without an accelerator: torchrun-started processes then join one gloo group (without it
     # accelerate leaves each of them alone in a world of one).
-    state = PartialState(cpu=_env_flag("ACCELERATE_USE_CPU") or not _accelerator_available(),
-                         timeout=timedelta(hours=2))  # generous: the main process merges the hidden-state cache alone
+    state = PartialState(
+        cpu=_env_flag("ACCELERATE_USE_CPU") or not _accelerator_available(), timeout=timedelta(hours=2)
+    )  # generous: the main process merges the hidden-state cache alone
     mixed = resolve_mixed_precision(tcfg.mixed_precision, state.device)
-    accelerator = Accelerator(mixed_precision=mixed, log_with="wandb" if tcfg.report_to == "wandb" else None,
-                              project_config=checkpoints.project_configuration(tcfg))
+    accelerator = Accelerator(
+        mixed_precision=mixed,
+        log_with="wandb" if tcfg.report_to == "wandb" else None,
+        project_config=checkpoints.project_configuration(tcfg),
+    )
     main = accelerator.is_main_process
     check_distributed_type(accelerator)
 
@@ -104,18 +110,25 @@ def train(cfg: Config, *, resume: bool = False, stop_after_steps: int | None = N
 
     # ---- the heads, the trainer around them, the optimizer
     heads = build_heads(cfg.heads, hidden_size, vocab_size, lm_head, base_ref).to(accelerator.device)
-    if cfg.heads.vocab_subset_size and (cfg.heads.init_from is None or  # (init_from's own subset is kept)
-                                        heads.config.vocab_subset_size != cfg.heads.vocab_subset_size):
-        heads.set_vocab_subset(frequent_tokens(  # the candidate vocabulary: what proposing ranks
-            (convs[i].ids[convs[i].response_start:] for i in train_idx), cfg.heads.vocab_subset_size, vocab_size))
+    if cfg.heads.vocab_subset_size and (
+        cfg.heads.init_from is None  # (init_from's own subset is kept)
+        or heads.config.vocab_subset_size != cfg.heads.vocab_subset_size
+    ):
+        heads.set_vocab_subset(
+            frequent_tokens(  # the candidate vocabulary: what proposing ranks
+                (convs[i].ids[convs[i].response_start :] for i in train_idx), cfg.heads.vocab_subset_size, vocab_size
+            )
+        )
     response_tokens = sum(convs[i].response_tokens for i in train_idx)
     if tcfg.prompt_tokens:  # every position of a training conversation is scored (against the base's distribution)
         for i in train_idx:
             convs[i] = Conversation(convs[i].ids, 0)
     train_tokens = (response_tokens, sum(convs[i].response_tokens for i in train_idx))  # (responses, scored)
-    log(f"{len(convs)} conversations in {', '.join(map(str, data_dirs))}: {len(train_idx)} train ({response_tokens} "
+    log(
+        f"{len(convs)} conversations in {', '.join(map(str, data_dirs))}: {len(train_idx)} train ({response_tokens} "
         f"response tokens" + (f", {train_tokens[1]} with the prompts" if tcfg.prompt_tokens else "") + "), "
-        f"{len(eval_idx)} held out; {world} process(es), mixed precision {mixed}")
+        f"{len(eval_idx)} held out; {world} process(es), mixed precision {mixed}"
+    )
     trainer, fetch, lengths = build_trainer(accelerator, tcfg, heads, base, convs, mixed, parts, log)
     del base  # the trainer holds what it needs (with precomputed hidden states: only lm_head)
     trainer.train()
@@ -139,16 +152,22 @@ def train(cfg: Config, *, resume: bool = False, stop_after_steps: int | None = N
     start_step = run_state.step
     if tcfg.report_to == "wandb":
         config = {f"{s}.{k}": v for s, c in asdict(cfg).items() for k, v in c.items()}
-        accelerator.init_trackers(tcfg.wandb_project, config=json.loads(json.dumps(config, default=str)),
-                                  init_kwargs={"wandb": {"name": tcfg.run_name}} if tcfg.run_name else {})
+        accelerator.init_trackers(
+            tcfg.wandb_project,
+            config=json.loads(json.dumps(config, default=str)),
+            init_kwargs={"wandb": {"name": tcfg.run_name}} if tcfg.run_name else {},
+        )
     num_heads = cfg.heads.num_heads
     positions = loss_positions(convs, num_heads)
     weights = head_weights(num_heads, tcfg.head_decay, tcfg.heads_coefficient)
-    log(f"training {sum(p.numel() for p in trainer.parameters() if p.requires_grad):,} parameters for {total_steps} "
-        f"steps ({plan.steps_in_epoch(0)} per epoch); head weights {[round(w, 3) for w in weights]}")
+    log(
+        f"training {sum(p.numel() for p in trainer.parameters() if p.requires_grad):,} parameters for {total_steps} "
+        f"steps ({plan.steps_in_epoch(0)} per epoch); head weights {[round(w, 3) for w in weights]}"
+    )
 
     def run_eval(step: int) -> dict:
-        metrics = evaluate(accelerator, trainer, eval_batches, fetch, num_heads) if eval_batches else {}
+        # trainer: bound before any call (ruff reads the `del` below as undefining it here)
+        metrics = evaluate(accelerator, trainer, eval_batches, fetch, num_heads) if eval_batches else {}  # noqa: F821
         if metrics:
             log(f"eval @ step {step}: {format_eval(metrics, num_heads)}")
             accelerator.log(metrics, step=step)
@@ -195,15 +214,26 @@ def train(cfg: Config, *, resume: bool = False, stop_after_steps: int | None = N
         run_state.tokens_seen += step_tokens
         bar.update(1)
         if with_acc:
-            loss = float(reduce_sum(accelerator, torch.tensor(window["loss"], dtype=torch.float64))) / (window["steps"] * world)
+            loss = float(reduce_sum(accelerator, torch.tensor(window["loss"], dtype=torch.float64))) / (
+                window["steps"] * world
+            )
             correct, count = (reduce_sum(accelerator, t).cpu() for t in sums)
             tok_s = window["tokens"] / max(time.time() - window["t0"], 1e-9)
             top1 = [float(correct[k, 0]) / max(int(count[k]), 1) for k in range(num_heads)]
-            log(f"step {done}/{total_steps} loss {loss:.4f} top1/head {' '.join(f'{t:.2f}' for t in top1)} "
-                f"lr {scheduler.get_last_lr()[0]:.2e} {tok_s:.0f} tok/s")
+            log(
+                f"step {done}/{total_steps} loss {loss:.4f} top1/head {' '.join(f'{t:.2f}' for t in top1)} "
+                f"lr {scheduler.get_last_lr()[0]:.2e} {tok_s:.0f} tok/s"
+            )
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:.0f}")
-            accelerator.log({"train/loss": loss, "train/tokens_per_s": tok_s, "train/lr": scheduler.get_last_lr()[0],
-                             **{f"train/head{k}/top1": top1[k] for k in range(num_heads)}}, step=done)
+            accelerator.log(
+                {
+                    "train/loss": loss,
+                    "train/tokens_per_s": tok_s,
+                    "train/lr": scheduler.get_last_lr()[0],
+                    **{f"train/head{k}/top1": top1[k] for k in range(num_heads)},
+                },
+                step=done,
+            )
             window = {"loss": 0.0, "steps": 0, "tokens": 0, "t0": time.time()}
         pause = time.time()  # evaluation and checkpoints stay out of the tokens/s window
         if tcfg.eval_every and done % tcfg.eval_every == 0 and done != total_steps:
@@ -221,10 +251,27 @@ def train(cfg: Config, *, resume: bool = False, stop_after_steps: int | None = N
     log(f"trained {total_steps} steps in {wall:.0f} s: {tok_s:.0f} response tokens/s through the heads")
     output_dir = Path(tcfg.output_dir)
     if main:
-        extra = provenance(tcfg, cfg.data, data_key, train_idx, eval_idx, train_tokens, run_state, total_steps, wall,
-                           world, mixed, final, num_heads)
-        save_output(accelerator.unwrap_model(trainer), output_dir, extra,
-                    datasets=sorted({source.split(":")[-1] for source in cfg.data.sources}))
+        extra = provenance(
+            tcfg,
+            cfg.data,
+            data_key,
+            train_idx,
+            eval_idx,
+            train_tokens,
+            run_state,
+            total_steps,
+            wall,
+            world,
+            mixed,
+            final,
+            num_heads,
+        )
+        save_output(
+            accelerator.unwrap_model(trainer),
+            output_dir,
+            extra,
+            datasets=sorted({source.split(":")[-1] for source in cfg.data.sources}),
+        )
         log(f"heads written to {output_dir} (load with MedusaModel.from_pretrained({str(output_dir)!r}))")
     accelerator.wait_for_everyone()
     del trainer, optimizer
@@ -242,7 +289,8 @@ def check_distributed_type(accelerator) -> None:
             f"train/train.py does not support {kind.value} yet: the fused head loss reads the lm_head weight directly "
             "and checkpoints read whole parameters, which FSDP / ZeRO-3 shard, and DeepSpeed owns gradient "
             "accumulation. Use DDP (`accelerate launch --multi_gpu --num_processes N train/train.py ...`): the heads "
-            "are small and the frozen base is only needed once to precompute hidden states (see docs/training.md)")
+            "are small and the frozen base is only needed once to precompute hidden states (see docs/training.md)"
+        )
 
 
 def resolve_mixed_precision(setting: str, device: torch.device) -> str:
@@ -261,8 +309,10 @@ def warn_single_cpu_launch(log) -> None:
     """`accelerate launch --cpu --num_processes N` starts one process whatever N (huggingface/accelerate#2741): its
     trace is ACCELERATE_USE_CPU with a MASTER_ADDR but no WORLD_SIZE. Say so, and what starts N."""
     if _env_flag("ACCELERATE_USE_CPU") and "MASTER_ADDR" in os.environ and "WORLD_SIZE" not in os.environ:
-        log("note: `accelerate launch --cpu` runs one process whatever --num_processes says; for DDP over gloo use "
-            "`torchrun --nproc_per_node N train/train.py ...` or `accelerate launch --multi_gpu --num_processes N ...`")
+        log(
+            "note: `accelerate launch --cpu` runs one process whatever --num_processes says; for DDP over gloo use "
+            "`torchrun --nproc_per_node N train/train.py ...` or `accelerate launch --multi_gpu --num_processes N ...`"
+        )
 
 
 def shut_down(accelerator) -> None:
@@ -289,8 +339,10 @@ def _accelerator_available() -> bool:
 
 def main(argv: list[str] | None = None) -> TrainResult:
     args, cfg = parse_args(
-        __doc__, argv,
-        extra=lambda p: p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint"))
+        __doc__,
+        argv,
+        extra=lambda p: p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint"),
+    )
     return train(cfg, resume=args.resume)
 
 

@@ -24,8 +24,15 @@ class HeadTrainer(nn.Module):
     """The trainable heads (and, for Medusa-2, the LoRA-adapted base) with the loss as `forward`, so that one
     `accelerator.prepare` call wraps everything that has gradients in DDP."""
 
-    def __init__(self, heads: MedusaHeads, lm_head: nn.Module, cfg: TrainingConfig, base: nn.Module | None = None,
-                 compute_dtype: torch.dtype | None = None, embed_tokens: nn.Module | None = None):
+    def __init__(
+        self,
+        heads: MedusaHeads,
+        lm_head: nn.Module,
+        cfg: TrainingConfig,
+        base: nn.Module | None = None,
+        compute_dtype: torch.dtype | None = None,
+        embed_tokens: nn.Module | None = None,
+    ):
         super().__init__()
         self.heads, self.lm_head, self.base, self.cfg = heads, lm_head, base, cfg
         self.compute_dtype = compute_dtype
@@ -39,8 +46,16 @@ class HeadTrainer(nn.Module):
             self.base.eval()  # a frozen base stays deterministic (no dropout)
         return self
 
-    def forward(self, input_ids, loss_mask, attention_mask=None, hidden=None, topk: int = 0, normalizer=None,
-                exact: bool = False) -> dict:
+    def forward(
+        self,
+        input_ids,
+        loss_mask,
+        attention_mask=None,
+        hidden=None,
+        topk: int = 0,
+        normalizer=None,
+        exact: bool = False,
+    ) -> dict:
         """input_ids, loss_mask (B, T); either hidden (B, T, H) precomputed or attention_mask (B, T) for the base.
 
         normalizer (K + 1,): per-head (and, last, base-KL) divisors of the summed losses; None: local means.
@@ -58,65 +73,106 @@ class HeadTrainer(nn.Module):
                 with torch.no_grad():
                     hidden = last_hidden(self.base, input_ids, attention_mask, layers)
         hidden = hidden.to(next(self.heads.parameters()).dtype)
-        out = medusa_heads_loss(self.heads, hidden, input_ids, loss_mask, self.lm_head, decay=self.cfg.head_decay,
-                                coefficient=self.cfg.heads_coefficient, chunk_size=self.cfg.chunk_tokens,
-                                compute_dtype=compute_dtype, topk=topk,
-                                normalizer=None if normalizer is None else normalizer[:-1],
-                                embed_tokens=self.embed_tokens, candidates_only=self.loss_over_candidates,
-                                distill=self.cfg.distill and self.training)  # evaluation scores the data's tokens
+        out = medusa_heads_loss(
+            self.heads,
+            hidden,
+            input_ids,
+            loss_mask,
+            self.lm_head,
+            decay=self.cfg.head_decay,
+            coefficient=self.cfg.heads_coefficient,
+            chunk_size=self.cfg.chunk_tokens,
+            compute_dtype=compute_dtype,
+            topk=topk,
+            normalizer=None if normalizer is None else normalizer[:-1],
+            embed_tokens=self.embed_tokens,
+            candidates_only=self.loss_over_candidates,
+            distill=self.cfg.distill and self.training,
+        )  # evaluation scores the data's tokens
         result = {"loss": out.loss, "ce": out.ce, "correct": out.correct, "count": out.count}
         if ref_hidden is not None:
             # (with feature layers the heads read more than the last hidden state; the KL compares that one)
-            kl, n = base_kl_loss(hidden[..., :ref_hidden.shape[-1]], ref_hidden, input_ids, loss_mask, self.lm_head,
-                                 chunk_size=self.cfg.chunk_tokens, compute_dtype=compute_dtype,
-                                 normalizer=None if normalizer is None else normalizer[-1].clamp(min=1e-9))
+            kl, n = base_kl_loss(
+                hidden[..., : ref_hidden.shape[-1]],
+                ref_hidden,
+                input_ids,
+                loss_mask,
+                self.lm_head,
+                chunk_size=self.cfg.chunk_tokens,
+                compute_dtype=compute_dtype,
+                normalizer=None if normalizer is None else normalizer[-1].clamp(min=1e-9),
+            )
             result.update(loss=out.loss + self.cfg.kl_weight * kl, kl=kl.detach(), kl_count=n)
         return result
 
 
-def build_heads(heads_cfg: HeadsConfig, hidden_size: int, vocab_size: int, lm_head: nn.Module,
-                base_ref: str | None) -> MedusaHeads:
+def build_heads(
+    heads_cfg: HeadsConfig, hidden_size: int, vocab_size: int, lm_head: nn.Module, base_ref: str | None
+) -> MedusaHeads:
     """The heads section plus what the base fills in -> fresh heads (identity blocks; own projections copied from
     lm_head), or the weights of `heads.init_from` (whose config already supplied every field the section left out)."""
     fields = {f.name: getattr(heads_cfg, f.name) for f in dataclasses.fields(MedusaConfig)}
-    config = MedusaConfig(**{**fields, "hidden_size": hidden_size, "vocab_size": vocab_size,
-                             "base_model_name_or_path": base_ref, "extra": {}})  # provenance starts afresh
+    config = MedusaConfig(
+        **{
+            **fields,
+            "hidden_size": hidden_size,
+            "vocab_size": vocab_size,
+            "base_model_name_or_path": base_ref,
+            "extra": {},
+        }
+    )  # provenance starts afresh
     if heads_cfg.init_from is None:
         return MedusaHeads(config, base_lm_head=lm_head)
     source = Path(heads_cfg.init_from)
     found = MedusaConfig.load(source)
     for name, want in (("hidden_size", hidden_size), ("vocab_size", vocab_size)):
         if getattr(found, name) != want:
-            raise ValueError(f"heads.init_from {source} was trained for {name} {getattr(found, name)} but the base "
-                             f"({base_ref}) has {want}: start from heads made for this base, or drop heads.init_from")
+            raise ValueError(
+                f"heads.init_from {source} was trained for {name} {getattr(found, name)} but the base "
+                f"({base_ref}) has {want}: start from heads made for this base, or drop heads.init_from"
+            )
     # the weights hold init_from's candidate ids; a subset the section asks for is taken from the data afterwards
     heads = MedusaHeads(dataclasses.replace(config, vocab_subset_size=found.vocab_subset_size))
     try:
         load_heads_weights(heads, source / WEIGHTS_NAME)
     except ValueError:  # the section changed the weights' layout: name what it changed
-        changed = [f"{f.name}={getattr(found, f.name)!r} but the heads section asks for {getattr(config, f.name)!r}"
-                   for f in dataclasses.fields(MedusaConfig) if f.name not in FILLED_IN
-                   and getattr(found, f.name) != getattr(config, f.name)]
+        changed = [
+            f"{f.name}={getattr(found, f.name)!r} but the heads section asks for {getattr(config, f.name)!r}"
+            for f in dataclasses.fields(MedusaConfig)
+            if f.name not in FILLED_IN and getattr(found, f.name) != getattr(config, f.name)
+        ]
         if not changed:
             raise
-        raise ValueError(f"heads.init_from {source} has {'; '.join(changed)}: make them agree (or drop them from the "
-                         "heads section: init_from supplies them)") from None
+        raise ValueError(
+            f"heads.init_from {source} has {'; '.join(changed)}: make them agree (or drop them from the "
+            "heads section: init_from supplies them)"
+        ) from None
     return heads
 
 
 def param_groups(trainer: HeadTrainer, cfg: TrainingConfig) -> list[dict]:
     """Heads at training.lr (no decay on biases); LoRA adapters at training.lora_lr."""
     heads = [p for p in trainer.heads.parameters() if p.requires_grad]
-    groups = [{"name": "heads", "params": [p for p in heads if p.ndim >= 2], "lr": cfg.lr, "weight_decay": cfg.weight_decay},
-              {"name": "heads_bias", "params": [p for p in heads if p.ndim < 2], "lr": cfg.lr, "weight_decay": 0.0}]
+    groups = [
+        {"name": "heads", "params": [p for p in heads if p.ndim >= 2], "lr": cfg.lr, "weight_decay": cfg.weight_decay},
+        {"name": "heads_bias", "params": [p for p in heads if p.ndim < 2], "lr": cfg.lr, "weight_decay": 0.0},
+    ]
     if cfg.medusa2:
         lora = [p for p in trainer.base.parameters() if p.requires_grad]
         groups.append({"name": "lora", "params": lora, "lr": cfg.lora_lr, "weight_decay": cfg.weight_decay})
     return [g for g in groups if g["params"]]
 
 
-def build_trainer(accelerator, cfg: TrainingConfig, heads: MedusaHeads, base: nn.Module, convs: list[Conversation],
-                  mixed: str, parts: list[range], log):
+def build_trainer(
+    accelerator,
+    cfg: TrainingConfig,
+    heads: MedusaHeads,
+    base: nn.Module,
+    convs: list[Conversation],
+    mixed: str,
+    parts: list[range],
+    log,
+):
     """-> (HeadTrainer, fetch(rows) -> forward kwargs on the device, per-conversation lengths for batching).
 
     With precompute_hidden the base runs once here and the batches carry its cached hidden states; otherwise the
@@ -130,8 +186,14 @@ def build_trainer(accelerator, cfg: TrainingConfig, heads: MedusaHeads, base: nn
     if cfg.precompute_hidden:
         # (with prompt_tokens the training conversations score from position 0, so their spans are whole anyway)
         lookback = cache_lookback(heads.config)
-        base_key = {"format": CACHE_FORMAT, "base": base_fingerprint(base), "dtype": str(base.dtype),
-                    "mixed_precision": mixed, "max_length": cfg.max_length, "lookback": lookback}
+        base_key = {
+            "format": CACHE_FORMAT,
+            "base": base_fingerprint(base),
+            "dtype": str(base.dtype),
+            "mixed_precision": mixed,
+            "max_length": cfg.max_length,
+            "lookback": lookback,
+        }
         if heads.config.feature_layers:  # (only then: the keys of existing caches stay valid)
             base_key["feature_layers"] = heads.config.feature_layers
         caches = []
@@ -139,9 +201,19 @@ def build_trainer(accelerator, cfg: TrainingConfig, heads: MedusaHeads, base: nn
             part_convs = [convs[i] for i in part]
             key_info = {**base_key, "data": data_fingerprint(part_convs)}
             key = hashlib.blake2b(json.dumps(key_info, sort_keys=True).encode(), digest_size=16).hexdigest()
-            caches.append(build_hidden_cache(accelerator, base, part_convs, lookback,
-                                             Path(cfg.cache_dir) / f"hidden-{key}.safetensors", key,
-                                             cfg.precompute_batch_tokens, log, heads.config.feature_layers))
+            caches.append(
+                build_hidden_cache(
+                    accelerator,
+                    base,
+                    part_convs,
+                    lookback,
+                    Path(cfg.cache_dir) / f"hidden-{key}.safetensors",
+                    key,
+                    cfg.precompute_batch_tokens,
+                    log,
+                    heads.config.feature_layers,
+                )
+            )
         cache = HiddenCache.concat(caches)
 
         def fetch(rows):
@@ -152,14 +224,28 @@ def build_trainer(accelerator, cfg: TrainingConfig, heads: MedusaHeads, base: nn
     if cfg.medusa2:
         from peft import LoraConfig, get_peft_model
 
-        base = get_peft_model(base, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                                               target_modules=cfg.lora_target_modules, task_type="CAUSAL_LM"))
+        base = get_peft_model(
+            base,
+            LoraConfig(
+                r=cfg.lora_r,
+                lora_alpha=cfg.lora_alpha,
+                lora_dropout=cfg.lora_dropout,
+                target_modules=cfg.lora_target_modules,
+                task_type="CAUSAL_LM",
+            ),
+        )
     pad_id = base.config.pad_token_id if isinstance(base.config.pad_token_id, int) else 0  # masked out anyway
 
     def fetch(rows):
-        batch = collate([{"input_ids": convs[i].ids, "response_start": convs[i].response_start} for i in rows],
-                        pad_id, cfg.max_length)
-        return {"input_ids": batch.input_ids.to(accelerator.device), "loss_mask": batch.loss_mask.to(accelerator.device),
-                "attention_mask": batch.attention_mask.to(accelerator.device)}
+        batch = collate(
+            [{"input_ids": convs[i].ids, "response_start": convs[i].response_start} for i in rows],
+            pad_id,
+            cfg.max_length,
+        )
+        return {
+            "input_ids": batch.input_ids.to(accelerator.device),
+            "loss_mask": batch.loss_mask.to(accelerator.device),
+            "attention_mask": batch.attention_mask.to(accelerator.device),
+        }
 
     return HeadTrainer(heads, lm_head, cfg, base=base, **options), fetch, [len(c.ids) for c in convs]

@@ -19,8 +19,12 @@ from medusa.fileio import atomic_write_text
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(prog="medusa calibrate", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="medusa calibrate",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
     parser.add_argument("--heads", default=None, help="heads directory (default: the shipped heads)")
     parser.add_argument("--base", default=None, help="base model (default: the heads' base)")
     parser.add_argument("--dtype", default="float32")
@@ -29,8 +33,10 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     model = MedusaModel.from_pretrained(args.heads, base=args.base, dtype=args.dtype, device=args.device, plan="off")
     if model.accuracy is None:
-        print("note: these heads have no accuracy table (medusa_accuracy.json): the plan only picks the engine; "
-              "write one with scripts/head_accuracy.py --heads-dir")
+        print(
+            "note: these heads have no accuracy table (medusa_accuracy.json): the plan only picks the engine; "
+            "write one with scripts/head_accuracy.py --heads-dir"
+        )
     plan = model.calibrate(recalibrate=True)
     print(plan.describe())
     print(f"measured in {plan.calibration_s:.1f} s; engines timed: {sorted(plan.latency_ms)} of {list(ENGINES)}")

@@ -115,13 +115,17 @@ def leak_report(log: EmissionLog, accepted_lengths: list[int]) -> dict:
             return 0.0
         return statistics.correlation(a, b)
 
-    return {"emissions": len(log.emissions), "size_corr": corr(sizes, per_token_accepted),
-            "gap_corr": corr(gaps, per_token_accepted)}
+    return {
+        "emissions": len(log.emissions),
+        "size_corr": corr(sizes, per_token_accepted),
+        "gap_corr": corr(gaps, per_token_accepted),
+    }
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="medusa chat", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="medusa chat", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--heads", default=None, help="heads directory (default: the shipped SmolLM2 heads)")
     parser.add_argument("--base", default=None, help="base model (default: the one the heads name)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
@@ -129,10 +133,14 @@ def main(argv=None) -> None:
     parser.add_argument("--system", default=None, help="a system message")
     parser.add_argument("--steady", action="store_true", help="stream at a constant pace in fixed-size chunks")
     parser.add_argument("--chunk", type=int, default=4, help="tokens per chunk with --steady")
-    parser.add_argument("--rate", type=float, default=None,
-                        help="tokens/s with --steady (default: the plan's plain decoding rate)")
-    parser.add_argument("--leak-report", action="store_true",
-                        help="print how much the stream's timing correlates with the accepted lengths")
+    parser.add_argument(
+        "--rate", type=float, default=None, help="tokens/s with --steady (default: the plan's plain decoding rate)"
+    )
+    parser.add_argument(
+        "--leak-report",
+        action="store_true",
+        help="print how much the stream's timing correlates with the accepted lengths",
+    )
     args = parser.parse_args(argv)
     if args.chunk < 1 or (args.rate is not None and args.rate <= 0):
         parser.error("--chunk must be >= 1 and --rate > 0")
@@ -156,13 +164,20 @@ def main(argv=None) -> None:
         log, text = EmissionLog(), TextStreamer(model.tokenizer, skip_prompt=True, skip_special_tokens=True)
         streamer = SteadyStreamer(text, log, args.chunk, args.chunk / rate) if args.steady else BurstStreamer(text, log)
         start = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=args.max_new_tokens, streamer=streamer,
-                             do_sample=args.temperature is not None, temperature=args.temperature or 1.0)
+        out = model.generate(
+            ids,
+            max_new_tokens=args.max_new_tokens,
+            streamer=streamer,
+            do_sample=args.temperature is not None,
+            temperature=args.temperature or 1.0,
+        )
         seconds = time.perf_counter() - start
         stats = out.stats
-        answer = model.tokenizer.decode(out.sequences[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+        answer = model.tokenizer.decode(out.sequences[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
         messages.append({"role": "assistant", "content": answer})
-        report = f"[{stats.new_tokens} tokens, {stats.new_tokens / seconds:.1f} tok/s, tau {stats.mean_accepted_tokens:.2f}"
+        report = (
+            f"[{stats.new_tokens} tokens, {stats.new_tokens / seconds:.1f} tok/s, tau {stats.mean_accepted_tokens:.2f}"
+        )
         if args.leak_report:
             leak = leak_report(log, stats.accepted_lengths)
             report += f", size corr {leak['size_corr']:.2f}, gap corr {leak['gap_corr']:.2f}"

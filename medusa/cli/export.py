@@ -21,22 +21,33 @@ from medusa.loading import DTYPES
 
 
 def main(argv=None) -> Path:
-    parser = argparse.ArgumentParser(prog="medusa export", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="medusa export",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
     parser.add_argument("heads_dir", help="heads directory to export")
     parser.add_argument("out_dir", help="directory to write (must not exist or be empty, unless --overwrite)")
     parser.add_argument("--format", required=True, choices=FORMATS)
     parser.add_argument("--base", help="base model to copy a shared lm_head from (default: the heads' own base)")
-    parser.add_argument("--base-name",
-                        help="base_model_name_or_path written into config.json (default: --base or the heads' base)")
+    parser.add_argument(
+        "--base-name", help="base_model_name_or_path written into config.json (default: --base or the heads' base)"
+    )
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="cast the exported tensors (default: as saved)")
     parser.add_argument("--overwrite", action="store_true", help="replace the layout files in a non-empty out_dir")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     try:
-        out = export_directory(args.heads_dir, args.out_dir, args.format, base=args.base,
-                               base_model_name_or_path=args.base_name, dtype=DTYPES[args.dtype] if args.dtype else None,
-                               overwrite=args.overwrite)
+        out = export_directory(
+            args.heads_dir,
+            args.out_dir,
+            args.format,
+            base=args.base,
+            base_model_name_or_path=args.base_name,
+            dtype=DTYPES[args.dtype] if args.dtype else None,
+            overwrite=args.overwrite,
+        )
     except (FileExistsError, FileNotFoundError, ValueError) as err:  # named, user-fixable problems: no traceback
         parser.exit(1, f"error: {err}\n")
     print(f"wrote {args.format} layout to {out}: " + ", ".join(sorted(p.name for p in out.iterdir())))
