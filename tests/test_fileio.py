@@ -122,3 +122,64 @@ def test_sigkill_during_repeated_overwrites_leaves_a_whole_version(tmp_path):
             _settle(out)  # what the next write (or a reader that writes) does first
             seen.add(_version_on_disk(out))
     assert seen  # the saver wrote at least once before each kill
+
+
+EXPORTER = textwrap.dedent("""
+    import os, sys, time
+    import torch
+    sys.path.insert(0, {root!r})
+    from medusa.config import MedusaConfig
+    from medusa.heads import MedusaHeads
+    from medusa.heads_io import export_heads
+
+    real_replace = os.replace
+    def slow_replace(*args, **kwargs):
+        real_replace(*args, **kwargs)
+        time.sleep(0.01)
+    os.replace = slow_replace
+
+    def heads(version):
+        torch.manual_seed(version)
+        h = MedusaHeads(MedusaConfig(hidden_size=8, vocab_size=16, num_heads=2, projection="own",
+                                     base_model_name_or_path="base"))
+        for p in h.parameters():
+            torch.nn.init.normal_(p)
+        return h
+
+    versions = [heads(1), heads(2)]
+    print("ready", flush=True)
+    while True:
+        for h in versions:
+            export_heads(h, {out!r}, {format!r}, overwrite=True)
+""")
+
+
+@pytest.mark.parametrize("layout", ["medusa", "vllm"])
+def test_sigkill_during_repeated_exports_leaves_a_whole_export(tmp_path, layout):
+    """An export killed at random moments: the directory then holds one whole export (one version's weights)."""
+    from medusa.heads_io import import_heads
+
+    out = tmp_path / "export"
+    script = tmp_path / "exporter.py"
+    script.write_text(EXPORTER.format(root=str(ROOT), out=str(out), format=layout))
+    versions = []
+    for version in (1, 2):
+        torch.manual_seed(version)
+        heads = MedusaHeads(MedusaConfig(hidden_size=8, vocab_size=16, num_heads=2, projection="own"))
+        for p in heads.parameters():
+            torch.nn.init.normal_(p)
+        versions.append(heads.state_dict())
+    rng = random.Random(1)
+    for _ in range(3):
+        proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "ready"
+        try:
+            proc.wait(timeout=rng.uniform(0.05, 0.4))
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+        if out.exists():
+            _settle(out)
+            state = import_heads(out).state_dict()
+            matches = [all(torch.equal(state[k], v[k]) for k in v) for v in versions]
+            assert any(matches), "the export on disk mixes two versions"
