@@ -1,6 +1,6 @@
 """Why did a half-precision benchmark run's outputs differ from its baseline? Near-ties, or a bug?
 
-    python scripts/divergence.py runs/bench            # a scripts/benchmark.py output folder (greedy, bf16/fp16)
+    python scripts/divergence.py runs/bench            # a medusa bench output folder (greedy, bf16/fp16)
 
 In half precision, verifying several tokens in one forward is not bit-identical to feeding them one at a time, so
 two tokens whose logits are nearly equal can swap. For every output that differs from the baseline's, this finds
@@ -17,16 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark import answer_message, encode_conversation, load_questions  # noqa: E402
-
-from medusa.fileio import atomic_write_text  # noqa: E402
-from medusa.loading import load_base  # noqa: E402
+from medusa.cli.bench import answer_message, encode_conversation, load_questions
+from medusa.fileio import atomic_write_text
+from medusa.loading import load_base
 
 NEAR_TIE_LOGITS = 0.5  # probabilities within a factor e^0.5 = 1.65 of each other
 
@@ -106,7 +103,7 @@ def score(case: dict, exact, half, tokenizer) -> dict:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("run", help="scripts/benchmark.py output folder (settings.json + raw.jsonl)")
+    parser.add_argument("run", help="medusa bench output folder (settings.json + raw.jsonl)")
     args = parser.parse_args(argv)
     run = Path(args.run)
     if not (run / "settings.json").is_file() or not (run / "raw.jsonl").is_file():

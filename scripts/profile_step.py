@@ -12,14 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from medusa import MedusaModel, load_tree  # noqa: E402
+from medusa import MedusaModel, load_tree
 
 PROMPTS = [
     "Write a short story about a robot learning to paint.",

@@ -1,4 +1,4 @@
-"""scripts/benchmark.py: question selection, step accounting, the speedup formula, and a run on a tiny model."""
+"""medusa bench (medusa/cli/bench.py): question selection, step accounting, the speedup formula, a tiny run."""
 
 import importlib.util
 import json
@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from medusa.cli import bench as benchmark
 from tests.conftest import save_tiny_checkpoint
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
@@ -17,9 +18,6 @@ def load_script(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-benchmark = load_script("benchmark")
 
 
 QUESTIONS = [

@@ -24,8 +24,15 @@ def _export(argv):
     export.main(argv)
 
 
+def _bench(argv):
+    from medusa.cli import bench
+
+    bench.main(argv)
+
+
 COMMANDS = {  # command -> (its main(argv), what it does)
     "chat": (_chat, "streaming chat in the terminal (or from a pipe), tokens/s and tau per answer"),
+    "bench": (_bench, "Spec-Bench style speed benchmark: methods interleaved per question, summary and plot"),
     "calibrate": (_calibrate, "measure this machine and choose the decoding plan (cached)"),
     "export": (_export, "write heads in the official Medusa / TGI / TensorRT-LLM or the vLLM layout"),
 }

@@ -1,6 +1,6 @@
 """Spec-Bench style speed benchmark: speculative methods against plain `generate`, same model, same machine, same run.
 
-    python scripts/benchmark.py --questions ../shared/bench_data/spec_bench_question.jsonl --limit 10 \
+    medusa bench --questions ../shared/bench_data/spec_bench_question.jsonl --limit 10 \
         --methods baseline,prompt_lookup,medusa,medusa_dynamic,hybrid --out runs/bench \
         [--heads DIR] [--base PATH] [--tree NAME] [--dtype float32|bfloat16] [--max-new-tokens 128] \
         [--temperature 0] [--draft PATH|early-exit:N] [--gamma 5] [--threads N] [--seed 0] [--no-profile] [--overwrite]
@@ -33,7 +33,7 @@ speedup_vs_compiled the same over `baseline_compiled`. --engine runs this librar
 turns whose output equals baseline's / baseline_compiled's.
 tau = new tokens per target forward (counted with a forward hook, so also for transformers' methods; plain
 decoding = 1.00). `identical` = every output equals the baseline's (meaningful at temperature 0 only).
-The analysis of Leviathan et al. (DESIGN section 6) is reported next to it: alpha (acceptance rate per guess, the
+The analysis of Leviathan et al. is reported next to it: alpha (acceptance rate per guess, the
 maximum-likelihood estimate of DecodeStats.acceptance_rate), gamma (mean guesses per step, i.e. proposal depth),
 c (proposal cost per guess over the target's verify forward), predicted speedup
 (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1)), and verify_cost (a verify forward over a baseline forward:
@@ -109,7 +109,10 @@ RESUME_KEYS = (
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+        prog="medusa bench",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
     )
     parser.add_argument("--questions", required=True, help="Spec-Bench format jsonl")
     parser.add_argument("--limit", type=int, default=None, help="questions per category (default: all)")
@@ -542,7 +545,7 @@ def write_markdown(summary: dict, path: Path) -> None:
             lines.append(f"| {group} | " + " | ".join(_fmt(block.get(m, {}).get(key)) for m in methods) + " |")
     lines += [
         "",
-        "## Analysis per category (Leviathan et al.; DESIGN section 6)",
+        "## Analysis per category (Leviathan et al.)",
         "",
         "alpha: accepted guesses / guesses reached; gamma: mean guesses per step; c: proposal time per guess / "
         "verify forward time; predicted = (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1)); verify cost: a "
@@ -755,7 +758,3 @@ def main(argv=None) -> dict:
     plot_speedups(summary, out / "speedup.png")
     print((out / "summary.md").read_text())
     return summary
-
-
-if __name__ == "__main__":
-    main()
