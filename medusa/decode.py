@@ -341,13 +341,14 @@ def decode(
     stats.steps = 1
     new: list[int] = []
 
+    prompt = input_ids[0].tolist()  # what a stopping criterion sees before the new tokens
+
     def emit(tokens: list[int]) -> bool:
         """Append tokens up to max_new_tokens and the first stop token (kept, as transformers does); True when done."""
         room = max_new_tokens - len(new)
         stop = _stop_index(tokens[:room], stop_ids)
         kept = tokens[: room if stop is None else stop + 1]
         if stop_when is not None:
-            prompt = input_ids[0].tolist()
             first = next((i for i in range(len(kept)) if stop_when(torch.tensor([prompt + new + kept[: i + 1]]))), None)
             if first is not None:
                 kept, stop = kept[: first + 1], first

@@ -16,7 +16,6 @@ from medusa.sampling import SamplingConfig
 # one deviation: with no length set anywhere, 128 new tokens rather than transformers' max_length of 20.
 DEFAULTS = dict(do_sample=False, temperature=1.0, top_k=50, top_p=1.0)
 DEFAULT_MAX_NEW_TOKENS = 128
-READ = ("max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "top_p", "eos_token_id")
 # Fields that change which token is chosen in ways a tree verify does not reproduce (yet): refused by name, with
 # the value that leaves them off. Fields not named here (pad_token_id, bos_token_id, use_cache...) do not matter.
 UNSUPPORTED = dict(
@@ -45,16 +44,8 @@ UNSUPPORTED = dict(
     watermarking_config=None,
     prompt_lookup_num_tokens=None,
 )
-ACCEPTED = {
-    "pad_token_id",
-    "bos_token_id",
-    "use_cache",
-    "return_dict_in_generate",
-    "stop_strings",
-    "cache_implementation",
-    "attention_mask",
-    "token_type_ids",
-}
+# transformers' generate arguments that do not change one unpadded sequence's tokens: taken and ignored
+ACCEPTED = {"pad_token_id", "bos_token_id", "use_cache", "cache_implementation", "token_type_ids"}
 
 
 @dataclass
@@ -82,13 +73,15 @@ def resolve(
             "GenerationConfig(max_new_tokens=...), "
             "or pass settings by keyword (generate(ids, max_new_tokens=64), as in transformers)"
         )
-    layers = [{k: v for k, v in arguments.items() if v is not None}]
-    for config in (generation_config, getattr(base, "generation_config", None)):
-        if config is not None:
-            layers.append({k: v for k, v in config.to_dict().items() if v is not None})
 
-    def value(name, default=None, depth=None):  # depth: read only the first `depth` layers
-        return next((layer[name] for layer in layers[:depth] if name in layer), default)
+    def settings(config) -> dict:
+        return {k: v for k, v in config.to_dict().items() if v is not None} if config is not None else {}
+
+    asked = [{k: v for k, v in arguments.items() if v is not None}, settings(generation_config)]  # by the caller
+    model_default = settings(getattr(base, "generation_config", None))
+
+    def value(name, default=None, layers=(*asked, model_default)):
+        return next((layer[name] for layer in layers if name in layer), default)
 
     for name, off in UNSUPPORTED.items():
         if value(name, off) not in (off, None):
@@ -121,7 +114,7 @@ def resolve(
         eos_token_id=value("eos_token_id"),
         stop_strings=value("stop_strings"),
         # the call and its generation_config only: a model's default does not change our type
-        return_dict_in_generate=value("return_dict_in_generate", depth=2),
+        return_dict_in_generate=value("return_dict_in_generate", layers=asked),
     )
 
 

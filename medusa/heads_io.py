@@ -148,7 +148,7 @@ def model_card(config: MedusaConfig, datasets: list[str] = ()) -> str:
         f"---\n{data.to_yaml()}\n---\n\n# Medusa heads for {config.base_model_name_or_path}\n\n"
         f"{config.num_heads} heads ({training.get('method', 'medusa-1')}) that propose the next tokens of "
         f"`{config.base_model_name_or_path}` for lossless speculative decoding with "
-        "[medusa](https://github.com/): `MedusaModel.from_pretrained(<this repo or directory>)`.\n\n"
+        "the medusa library: `MedusaModel.from_pretrained(<this repo or directory>)`.\n\n"
         + (f"Training: {facts}.\n\n" if facts else "")
         + (
             f"Held-out accuracy (top-1 / top-5 per head):\n\n| head | top-1 | top-5 |\n|---|---|---|\n{rows}\n"

@@ -1,11 +1,11 @@
 """Directories are replaced as a whole: readers see the old version or the new one, never a mix, even after a kill."""
 
+import inspect
 import os
 import random
 import signal
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -54,38 +54,64 @@ def test_a_file_in_the_way_is_named(tmp_path):
         write_directory(tmp_path / "heads", _writer({"a": "b"}))
 
 
-SAVER = textwrap.dedent("""
-    import os, sys, time
-    import torch
-    sys.path.insert(0, {root!r})
-    from medusa.config import MedusaConfig
-    from medusa.heads import MedusaHeads
-    from medusa.heads_io import save_heads
-    from medusa.fileio import write_directory
+def versioned_heads(version: int, **config) -> MedusaHeads:
+    """Tiny heads whose weights and config.extra are a function of `version` (the writers below and the checks share
+    it)."""
+    torch.manual_seed(version)
+    heads = MedusaHeads(MedusaConfig(hidden_size=8, vocab_size=16, num_heads=2, extra={"version": version}, **config))
+    for p in heads.parameters():
+        torch.nn.init.normal_(p)
+    return heads
 
-    real_replace = os.replace
-    def slow_replace(*args, **kwargs):  # widen every window between renames, where a mix could show
-        real_replace(*args, **kwargs)
-        time.sleep(0.01)
-    os.replace = slow_replace
 
-    def heads(version):
-        torch.manual_seed(version)
-        config = MedusaConfig(hidden_size=8, vocab_size=16, num_heads=2, extra={{"version": version}})
-        h = MedusaHeads(config)
-        for p in h.parameters():
-            torch.nn.init.normal_(p)
-        return h
+# A writer process: this file's versioned_heads, os.replace slowed down to widen every window between renames
+# (where a mix could show), then `write(h)` over two versions, forever.
+WRITER = """
+import os, sys, time
+import torch
+sys.path.insert(0, {root!r})
+from medusa.config import MedusaConfig
+from medusa.heads import MedusaHeads
+from medusa.heads_io import export_heads, save_heads
+from medusa.fileio import write_directory
 
-    versions = [heads(1), heads(2)]
-    print("ready", flush=True)
-    while True:
-        for h in versions:
-            def write(tmp, h=h):
-                save_heads(h, tmp)
-                time.sleep(0.005)
-            write_directory({out!r}, write)
-""")
+real_replace = os.replace
+def slow_replace(*args, **kwargs):
+    real_replace(*args, **kwargs)
+    time.sleep(0.01)
+os.replace = slow_replace
+
+{versioned_heads}
+versions = [versioned_heads(v, **{config!r}) for v in (1, 2)]
+print("ready", flush=True)
+while True:
+    for h in versions:
+{write}
+"""
+SAVE = """\
+        def write(tmp, h=h):
+            save_heads(h, tmp)
+            time.sleep(0.005)
+        write_directory({out!r}, write)"""
+EXPORT = "        export_heads(h, {out!r}, {layout!r}, overwrite=True)"
+
+
+def _writer_script(path: Path, write: str, config: dict) -> Path:
+    path.write_text(
+        WRITER.format(root=str(ROOT), versioned_heads=inspect.getsource(versioned_heads), config=config, write=write)
+    )
+    return path
+
+
+def _kill_at_random(script: Path, rng: random.Random) -> None:
+    """Run the writer, let it write, then SIGKILL it at a random moment (or let it end, should it stop)."""
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    try:
+        proc.wait(timeout=rng.uniform(0.05, 0.4))
+    except subprocess.TimeoutExpired:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def _version_on_disk(out: Path) -> int:
@@ -93,10 +119,7 @@ def _version_on_disk(out: Path) -> int:
     heads = MedusaHeads(config)
     load_heads_weights(heads, out / "medusa_heads.safetensors")
     version = config.extra["version"]
-    torch.manual_seed(version)
-    expected = MedusaHeads(MedusaConfig(hidden_size=8, vocab_size=16, num_heads=2))
-    for p in expected.parameters():
-        torch.nn.init.normal_(p)
+    expected = versioned_heads(version)
     for name, tensor in expected.state_dict().items():
         assert torch.equal(heads.state_dict()[name], tensor), f"weights of another version than config {version}"
     return version
@@ -104,54 +127,16 @@ def _version_on_disk(out: Path) -> int:
 
 def test_sigkill_during_repeated_overwrites_leaves_a_whole_version(tmp_path):
     out = tmp_path / "heads"
-    script = tmp_path / "saver.py"
-    script.write_text(SAVER.format(root=str(ROOT), out=str(out)))
+    script = _writer_script(tmp_path / "saver.py", SAVE.format(out=str(out)), {})
     rng = random.Random(0)
     seen = set()
     for _ in range(3):
-        proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
-        assert proc.stdout.readline().strip() == "ready"
-        delay = rng.uniform(0.05, 0.4)
-        try:
-            proc.wait(timeout=delay)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _kill_at_random(script, rng)
         write_directory(tmp_path / "unrelated", _writer({"x": "y"}))  # an unrelated write settles nothing here
         if out.exists():
             _settle(out)  # what the next write (or a reader that writes) does first
             seen.add(_version_on_disk(out))
     assert seen  # the saver wrote at least once before each kill
-
-
-EXPORTER = textwrap.dedent("""
-    import os, sys, time
-    import torch
-    sys.path.insert(0, {root!r})
-    from medusa.config import MedusaConfig
-    from medusa.heads import MedusaHeads
-    from medusa.heads_io import export_heads
-
-    real_replace = os.replace
-    def slow_replace(*args, **kwargs):
-        real_replace(*args, **kwargs)
-        time.sleep(0.01)
-    os.replace = slow_replace
-
-    def heads(version):
-        torch.manual_seed(version)
-        h = MedusaHeads(MedusaConfig(hidden_size=8, vocab_size=16, num_heads=2, projection="own",
-                                     base_model_name_or_path="base"))
-        for p in h.parameters():
-            torch.nn.init.normal_(p)
-        return h
-
-    versions = [heads(1), heads(2)]
-    print("ready", flush=True)
-    while True:
-        for h in versions:
-            export_heads(h, {out!r}, {format!r}, overwrite=True)
-""")
 
 
 @pytest.mark.parametrize("layout", ["medusa", "vllm"])
@@ -160,24 +145,12 @@ def test_sigkill_during_repeated_exports_leaves_a_whole_export(tmp_path, layout)
     from medusa.heads_io import import_heads
 
     out = tmp_path / "export"
-    script = tmp_path / "exporter.py"
-    script.write_text(EXPORTER.format(root=str(ROOT), out=str(out), format=layout))
-    versions = []
-    for version in (1, 2):
-        torch.manual_seed(version)
-        heads = MedusaHeads(MedusaConfig(hidden_size=8, vocab_size=16, num_heads=2, projection="own"))
-        for p in heads.parameters():
-            torch.nn.init.normal_(p)
-        versions.append(heads.state_dict())
+    config = {"projection": "own", "base_model_name_or_path": "base"}
+    script = _writer_script(tmp_path / "exporter.py", EXPORT.format(out=str(out), layout=layout), config)
+    versions = [versioned_heads(version, **config).state_dict() for version in (1, 2)]
     rng = random.Random(1)
     for _ in range(3):
-        proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
-        assert proc.stdout.readline().strip() == "ready"
-        try:
-            proc.wait(timeout=rng.uniform(0.05, 0.4))
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _kill_at_random(script, rng)
         if out.exists():
             _settle(out)
             state = import_heads(out).state_dict()

@@ -77,3 +77,5 @@ def test_settings_follow_transformers_precedence():
     assert settings.sampling.do_sample and settings.sampling.temperature == 0.5 and settings.sampling.top_k == 8
     assert settings.max_new_tokens == 7 and settings.return_dict_in_generate is None
     assert resolve(base, 5, None, {}, 0.09, 0.3).max_new_tokens == 128  # no length anywhere: our default
+    base.generation_config.return_dict_in_generate = False  # a model's default does not change what generate returns
+    assert resolve(base, 5, None, {}, 0.09, 0.3).return_dict_in_generate is None

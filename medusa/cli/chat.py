@@ -148,7 +148,7 @@ def main(argv=None) -> None:
     from medusa import MedusaModel
 
     model = MedusaModel.from_pretrained(args.heads, base=args.base)
-    rate = args.rate or (1000.0 / model.plan.plain_ms if getattr(model, "plan", None) and model.plan.plain_ms else 20.0)
+    rate = args.rate or (1000.0 / model.plan.plain_ms if model.plan is not None and model.plan.plain_ms else 20.0)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()
     while True:
