@@ -255,7 +255,8 @@ class SpeculativeGenerator:
         transformers'. Returns a GenerateOutput (`.sequences`, `.stats`; `out[0]` is the sequence); with
         `return_dict_in_generate=False`, the sequences tensor alone. `generator` seeds the draws.
         `proposer="plain"` decodes one token a step on the same engine (no guesses); `engine` picks how the target
-        runs: "eager" (the exact reference) or "compiled" (static cache, pre-packed weights; see medusa.engine).
+        runs: "eager" (the exact reference), "compiled" (static cache, pre-packed weights) or "inductor" (static
+        cache, torch.compile; compiled once per machine before its first use); see medusa.engine.
         """
         generate_args.refuse_unknown(transformers_kwargs)
         if input_ids is None:

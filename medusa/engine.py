@@ -11,11 +11,21 @@
 Measured on a 2-core AVX-512 CPU (SmolLM2-135M fp32, 300-token context, ms per forward over q tokens): eager 62.7 /
 81.7 at q=1 / 16; pre-packed 30.2 / 45.6; inductor with freezing 35.9 / 79.5 after 32-34 s of compiling per query
 length. So on CPU the engine pre-packs and does not run inductor unless asked.
+
+- `inductor`: the compiled engine's StaticCache with the verify forward run through `torch.compile`. On a CPU,
+  inductor freezes the weights and generates C++ GEMM micro-kernels for them (max-autotune's CPP backend). On a 2-core
+  AVX2-only AMD EPYC (SmolLM2 fp32, 300-token context) it took 49 / 52 / 66 / 98 ms at q = 1 / 2 / 4 / 8 where the
+  pre-packed copy took 89 / 121 / 134 / 158, after about 3.5 minutes of compiling per graph (two graphs: one token,
+  and any other length as one dynamic shape). Compiled graphs are cached on disk (`$MEDUSA_CACHE/inductor`), so the
+  cost is paid once per machine, in `warm_up`, never inside `generate`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -25,14 +35,26 @@ from transformers.cache_utils import StaticLayer
 
 from medusa import kv_cache
 from medusa.heads import base_features
+from medusa.loading import cache_root
 from medusa.prepack import can_prepack, prepacked_copy
 from medusa.propose import Candidates
+from medusa.tree import TreeSpec, build_buffers, chain
 from medusa.verify import VerifyOutput, verify
 
 logger = logging.getLogger(__name__)
 
-ENGINES = ("eager", "compiled")
+ENGINES = ("eager", "compiled", "inductor")
+ENGINES_ATTRIBUTE = "_medusa_engines"  # where engine_for keeps a model's engines
 CACHE_ROUNDING = 64  # static caches are sized in steps of this many rows, so nearby lengths reuse one cache
+# torch.compile's caches: 512 rows, then doubling (attention reads the whole allocation under a mask in a compiled
+# graph, and each size compiles its own graphs, once per machine thanks to the on-disk cache)
+COMPILED_MIN_ROWS = 512
+# inductor on CPU: frozen (pre-packed) weights and its own C++ GEMM templates, aten's kernels where none applies
+INDUCTOR_CPU_OPTIONS = {
+    "freezing": True,
+    "max_autotune": True,
+    "max_autotune_gemm_backends": "CPP,ATEN",
+}
 
 
 @dataclass(frozen=True)
@@ -48,6 +70,15 @@ def run_prefill(model, cache, input_ids: torch.Tensor, feature_layers=()) -> Pre
     return PrefillOutput(out.logits[0, -1], base_features(out.hidden_states, feature_layers)[0])
 
 
+def use_medusa_inductor_cache() -> None:
+    """Compiled graphs go to `$MEDUSA_CACHE/inductor`, beside the converted models and plans, unless the user chose a
+    place: torch's default is under /tmp (gone at reboot), and torch writes it into the environment once used."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root() / "inductor")
+
+
 class EagerEngine:
     """transformers' DynamicCache and the model as it is: the reference every other engine is tested against."""
 
@@ -58,6 +89,11 @@ class EagerEngine:
 
     def new_cache(self, max_length: int):
         return DynamicCache(config=self.model.config)
+
+    compile_seconds = 0.0
+
+    def warm_up(self, progress: bool = True) -> float:
+        return 0.0  # nothing to compile
 
     def prefill(self, cache, input_ids: torch.Tensor, feature_layers=()) -> PrefillOutput:
         return run_prefill(self.model, cache, input_ids, feature_layers)
@@ -98,6 +134,17 @@ class PrefixStaticLayer(StaticLayer):
         return self.length
 
 
+class GuardedStaticLayer(StaticLayer):
+    """transformers' static layer, its tensors marked as fixed-address inputs as transformers marks them, but guarded:
+    a larger cache, at another address, then compiles graphs of its own instead of failing an assertion in the ones
+    compiled for the smaller (transformers' unguarded mark serves CUDA graphs, which re-record instead)."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        for rows in (self.keys, self.values):
+            torch._dynamo.mark_static_address(rows, guard=True)
+
+
 class CompiledEngine:
     """StaticCache + pre-packed weights (CPU) + optionally torch.compile (CUDA graphs on a GPU).
 
@@ -115,18 +162,26 @@ class CompiledEngine:
         self.prepacked = (
             (can_prepack(model.device, model.dtype) and not self.torch_compile) if prepack is None else prepack
         )
-        self.runner = prepacked_copy(model) if self.prepacked else model
+        self.runner = model
+        if self.prepacked:  # the copy leaves out the model's other engines (a compiled graph cannot be copied)
+            engines = model.__dict__.pop(ENGINES_ATTRIBUTE, None)
+            try:
+                self.runner = prepacked_copy(model)
+            finally:
+                if engines is not None:
+                    model.__dict__[ENGINES_ATTRIBUTE] = engines
         self.verify_runner = self.runner
         if self.torch_compile:
             cuda = model.device.type == "cuda"
+            use_medusa_inductor_cache()
             self.verify_runner = torch.compile(
                 self.runner,
                 mode="reduce-overhead" if cuda else None,
-                dynamic=False,
-                options=None if cuda else {"freezing": True},
+                dynamic=False,  # dynamic only where verify marks it (the query length)
             )
         self._cache: StaticCache | None = None
-        self.setup_seconds = time.perf_counter() - start  # packing; compiling happens at the first call per length
+        self.setup_seconds = time.perf_counter() - start  # packing; compiling happens as caches are allocated
+        self.compile_seconds = 0.0
         text = model.config.get_text_config()
         self.window = (
             getattr(text, "sliding_window", None)
@@ -134,19 +189,31 @@ class CompiledEngine:
             else None
         )
 
-    def new_cache(self, max_length: int) -> StaticCache:
+    def _compile_config(self):
+        """inductor's settings for this engine's compiles (which happen inside calls): set around each call, as
+        torch.compile's `options=` did not reach the GEMM template choice (one-token forward 73 ms instead of 51)."""
+        cpu = self.torch_compile and self.model.device.type != "cuda"
+        return torch._inductor.config.patch(INDUCTOR_CPU_OPTIONS) if cpu else contextlib.nullcontext()
+
+    def new_cache(self, max_length: int, progress: bool = True) -> StaticCache:
         if self.window is not None and max_length > self.window:
             raise ValueError(
                 f"the compiled engine keeps sliding-window layers only inside their window ({self.window} tokens); "
                 f"this call needs {max_length}: lower max_new_tokens or use engine='eager'"
             )
         rows = -(-max_length // CACHE_ROUNDING) * CACHE_ROUNDING
+        if self.torch_compile:  # each size is a graph to compile: few sizes, doubling
+            rows = max(COMPILED_MIN_ROWS, 1 << (rows - 1).bit_length())
         if self.window is not None:
             rows = min(rows, self.window)
         if self._cache is None or self._cache.layers[0].max_cache_len < rows:
             self._cache = StaticCache(config=self.model.config, max_cache_len=rows)
             if not self.torch_compile:  # shapes may vary: attend over the written rows only
                 self._cache.layers = [PrefixStaticLayer(rows) for _ in self._cache.layers]
+            elif self.model.device.type != "cuda":  # no CUDA graphs to keep addresses for: a graph per size
+                self._cache.layers = [GuardedStaticLayer(rows) for _ in self._cache.layers]
+            if self.torch_compile:  # now, not in the middle of a call's first steps
+                self._compile_for(self._cache, progress)
         self._set_length(self._cache, 0)
         return self._cache
 
@@ -177,7 +244,8 @@ class CompiledEngine:
         # prefix layers show attention past + N rows, as in the eager engine; fixed-size ones the whole allocation
         mask_rows = None if isinstance(cache.layers[0], PrefixStaticLayer) else rows
         try:
-            return verify(self.verify_runner, cache, candidates, past_length, feature_layers, mask_rows)
+            with self._compile_config():
+                return verify(self.verify_runner, cache, candidates, past_length, feature_layers, mask_rows)
         except Exception as err:  # noqa: BLE001 - a compiler failure must not end generation: run uncompiled
             if self.verify_runner is self.runner:
                 raise
@@ -189,6 +257,40 @@ class CompiledEngine:
             self.verify_runner = self.runner
             self._set_length(cache, past_length)
             return verify(self.runner, cache, candidates, past_length, feature_layers, mask_rows)
+
+    def warm_up(self, progress: bool = True) -> float:
+        """Compile the verify graphs for the smallest cache now, so that neither timing nor `generate` pays for it:
+        minutes on a small CPU the first time, less once inductor's on-disk cache has them (a larger cache, when a
+        call needs one, compiles its own as it is allocated). -> seconds spent (0 when nothing was compiled)."""
+        if not self.torch_compile or self._cache is not None:
+            return 0.0
+        before = self.compile_seconds
+        self.new_cache(COMPILED_MIN_ROWS, progress)
+        return self.compile_seconds - before
+
+    @torch.inference_mode()
+    def _compile_for(self, cache: StaticCache, progress: bool) -> None:
+        """Run the verify forward once per graph on `cache` (a scratch prompt, then set back): one token, and two
+        (every other length shares that dynamic graph; dynamo specialises a length of 1)."""
+        start, rows = time.perf_counter(), cache.layers[0].max_cache_len
+        where = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "inductor's cache")
+        for n in (1, 2):
+            if progress:
+                print(
+                    f"\rcompiling the target for {'one-token' if n == 1 else 'multi-token'} steps over {rows} cached "
+                    f"rows (torch.compile: once per machine, cached in {where}), {time.perf_counter() - start:.0f} s",
+                    end="",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            self.prefill(cache, torch.zeros((1, 4), dtype=torch.long, device=self.model.device))
+            tree = build_buffers(TreeSpec(chain(n - 1)), max(n - 1, 1)).to(self.model.device)
+            tokens = torch.zeros(n, dtype=torch.long, device=self.model.device)
+            self.verify(cache, Candidates(tokens=tokens, tree=tree), 4)
+        seconds = time.perf_counter() - start
+        self.compile_seconds += seconds
+        if progress:
+            print(f"\rcompiled the target for {rows} cached rows in {seconds:.0f} s{' ' * 70}", file=sys.stderr)
 
     @torch.inference_mode()
     def commit(self, cache, past_length: int, accepted_nodes: torch.Tensor) -> None:
@@ -212,6 +314,10 @@ def make_engine(name: str, model, **options):
         return EagerEngine(model)
     if name == "compiled":
         return CompiledEngine(model, **options)
+    if name == "inductor":
+        engine = CompiledEngine(model, torch_compile=True, **options)
+        engine.name = "inductor"
+        return engine
     raise ValueError(f"unknown engine {name!r}: use one of {list(ENGINES)}")
 
 
@@ -219,7 +325,8 @@ def engine_for(model, name: str):
     """The engine `name` for `model`, built once and kept with the model (every wrapper of one base, e.g. Medusa
     heads and a draft model, shares its pre-packed copy). Kept in the model's __dict__: not a submodule, so never
     saved, moved or counted as parameters."""
-    engines = model.__dict__.setdefault("_medusa_engines", {})
+    engines = model.__dict__.setdefault(ENGINES_ATTRIBUTE, {})
     if name not in engines:
         engines[name] = make_engine(name, model)
+    engines[name].warm_up()  # compiles once, before any generate or timing (a no-op after)
     return engines[name]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import statistics
 import sys
 import time
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 
 from medusa.decode import prefill
-from medusa.engine import ENGINES, engine_for
+from medusa.engine import ENGINES, ENGINES_ATTRIBUTE, engine_for
 from medusa.fileio import atomic_write_text
 from medusa.hardware import describe
 from medusa.loading import cache_root
@@ -37,7 +38,7 @@ from medusa.tree_builder import check_accuracy, expected_tau, grow_tree, time_st
 logger = logging.getLogger(__name__)
 
 ACCURACY_NAME = "medusa_accuracy.json"  # in a heads directory: {"acc_given_prefix": [[...], ...], "source": ...}
-PLAN_VERSION = 2
+PLAN_VERSION = 3  # 3: the inductor engine is an option
 SIZES = (1, 2, 4, 6, 8, 12, 16, 24)  # tree nodes timed, root included (1 = plain decoding)
 SLOW_ENGINE = 1.25  # an engine whose plain step is this much slower than the fastest one's is not timed further
 MIN_GAIN = 1.05  # a speculative option must beat plain decoding by this much to be chosen
@@ -69,6 +70,15 @@ class Option:
         return 1000 * self.tau / self.step_ms
 
 
+def planned_engines(device, compile: bool | None = None) -> tuple[str, ...]:
+    """The engines a plan times. `compile` (default: `$MEDUSA_COMPILE` != "0") lets it time `inductor`, whose
+    torch.compile takes minutes on a small CPU in every new process (inductor's disk cache skips graphs with frozen
+    weights). On a GPU the compiled engine is torch.compile already, so `inductor` adds nothing there."""
+    compile = os.environ.get("MEDUSA_COMPILE") != "0" if compile is None else compile
+    skip = {"inductor"} if torch.device(device).type == "cuda" or not compile else set()
+    return tuple(e for e in ENGINES if e not in skip)
+
+
 @dataclass
 class Plan:
     """What `generate` uses unless told otherwise, and why (the options, measured latencies)."""
@@ -82,7 +92,14 @@ class Plan:
     options: list[dict] = field(default_factory=list)
     latency_ms: dict = field(default_factory=dict)  # engine -> {query length: median verify ms}
     key: dict = field(default_factory=dict)
-    calibration_s: float = 0.0
+    calibration_s: float = 0.0  # timing, compiling excluded
+    compile_s: float = 0.0  # torch.compile's first compile of the engines timed (0 when read from its disk cache)
+
+    @property
+    def plain_engine(self) -> str:
+        """The engine of the fastest plain decoding measured: the yardstick `expected_speedup` is over."""
+        plain = [o for o in self.options if o["proposer"] == "plain"]
+        return min(plain, key=lambda o: o["step_ms"])["engine"] if plain else self.engine
 
     def describe(self) -> str:
         lines = [
@@ -127,10 +144,11 @@ def heads_fingerprint(model) -> str:
     return hashlib.sha256((config + repr(sums)).encode()).hexdigest()[:16]
 
 
-def plan_key(model) -> dict:
+def plan_key(model, engines: tuple[str, ...]) -> dict:
     base = model.base
     return {
         "version": PLAN_VERSION,
+        "engines": list(engines),
         **describe(model.device),
         "base": str(base.config.name_or_path),
         "base_parameters": sum(p.numel() for p in base.parameters()),
@@ -147,7 +165,7 @@ def plan_path(key: dict) -> Path:
 
 # ------------------------------------------------------------------------------------------------------ measuring
 @torch.inference_mode()
-def measure(model, engines=ENGINES, sizes=SIZES, repeats: int = 4, context: int = CONTEXT, progress: bool = True):
+def measure(model, engines=None, sizes=SIZES, repeats: int = 4, context: int = CONTEXT, progress: bool = True):
     """-> ({engine: {(proposer, nodes): (propose_ms, verify_ms)}} as medians, the static trees' path order).
 
     Static trees come from the heads' accuracy table (grow_tree), dynamic and hybrid trees from the same sizes; every
@@ -155,6 +173,7 @@ def measure(model, engines=ENGINES, sizes=SIZES, repeats: int = 4, context: int 
     proposers are interleaved within each repeat, so drifts in machine load hit them alike.
     """
     device, sampling = model.device, SamplingConfig()
+    engines = engines or planned_engines(device)
     vocab = model.base.get_output_embeddings().weight.shape[0]
     prompt = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(0)).to(device)
     order = grow_tree(model.accuracy, max(sizes)) if model.accuracy is not None else []
@@ -162,7 +181,7 @@ def measure(model, engines=ENGINES, sizes=SIZES, repeats: int = 4, context: int 
     jobs = [("plain", 1)] + [(p, n) for n in sizes if n > 1 for p in ("medusa", "dynamic", "hybrid")]
     plain_ms, states = {}, {}  # per engine: its plain step, and the prefilled state every step starts from
     for name in engines:  # plain steps first: engines far slower than the fastest are not timed further
-        engine = engine_for(model.base, name)
+        engine = engine_for(model.base, name)  # compiles first, if this engine does (timed apart: see calibrate)
         states[name] = prefill(
             model.base,
             prompt,
@@ -234,16 +253,24 @@ def choose(measured: dict, order, acc) -> tuple[Option, list[Option], Option]:
 
 
 def calibrate(
-    model, engines=ENGINES, sizes=SIZES, repeats: int = 4, progress: bool = True, key: dict | None = None
+    model, engines=None, sizes=SIZES, repeats: int = 4, progress: bool = True, key: dict | None = None
 ) -> Plan:
     """Measure on this machine and choose (nothing is read from or written to the cache). `key`: the model's
-    plan_key when the caller has it already (it sums every heads tensor)."""
+    plan_key when the caller has it already (it sums every heads tensor). `engines`: default planned_engines."""
+    engines = engines or planned_engines(model.device)
     start = time.perf_counter()
+    compiled_before = compile_seconds(model.base)
     acc = model.accuracy
     measured, order = measure(model, engines, sizes if acc is not None else (1,), repeats, progress=progress)
     plan = decide(measured, order, acc)
-    plan.key, plan.calibration_s = key or plan_key(model), time.perf_counter() - start
+    plan.compile_s = compile_seconds(model.base) - compiled_before
+    plan.key, plan.calibration_s = key or plan_key(model, engines), time.perf_counter() - start - plan.compile_s
     return plan
+
+
+def compile_seconds(model) -> float:
+    """Seconds the engines built for `model` so far have spent compiling."""
+    return sum(engine.compile_seconds for engine in model.__dict__.get(ENGINES_ATTRIBUTE, {}).values())
 
 
 def decide(measured: dict, order, acc) -> Plan:
@@ -281,10 +308,11 @@ def decide(measured: dict, order, acc) -> Plan:
     )
 
 
-def load_or_calibrate(model, recalibrate: bool = False, progress: bool = True) -> Plan:
+def load_or_calibrate(model, recalibrate: bool = False, progress: bool = True, compile: bool | None = None) -> Plan:
     """The cached plan for this machine, model and heads; calibrated (and cached) when there is none or it is
     unreadable (a corrupt file is replaced, with a warning)."""
-    key = plan_key(model)
+    engines = planned_engines(model.device, compile)
+    key = plan_key(model, engines)
     path = plan_path(key)
     if path.is_file() and not recalibrate:
         try:
@@ -298,7 +326,7 @@ def load_or_calibrate(model, recalibrate: bool = False, progress: bool = True) -
         print(
             f"calibrating a decoding plan for this machine (once; cached in {path.parent})", file=sys.stderr, flush=True
         )
-    plan = calibrate(model, progress=progress, key=key)
+    plan = calibrate(model, engines, progress=progress, key=key)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(asdict(plan), indent=1))
     return plan

@@ -44,13 +44,20 @@ def verify(
     """Run the target once over the N candidate tokens; the cache grows by N rows (commit keeps the accepted ones).
 
     One token sees the whole past: it goes without a mask (transformers' one-token path, as in its `generate`),
-    unless `mask_rows` asks for a mask of that fixed width (a compiled graph's static shapes)."""
+    unless `mask_rows` asks for a mask of that fixed width (a compiled graph's static shapes). With `mask_rows`, N is
+    marked dynamic for torch.compile: one graph serves every tree size (N = 1 gets its own, as dynamo specialises 1)."""
     tokens = candidates.tokens[None]  # (1, N)
     position_ids = (past_length + candidates.tree.depth)[None]  # (1, N)
     one_token = tokens.shape[1] == 1 and mask_rows is None
+    mask = None if one_token else tree_attention_mask(candidates, past_length, model.dtype, mask_rows)
+    if mask_rows is not None:
+        torch._dynamo.mark_static(mask, 3)  # the cache's size: a graph each
+        if tokens.shape[1] > 1:
+            for tensor, dim in ((tokens, 1), (position_ids, 1), (mask, 2)):
+                torch._dynamo.maybe_mark_dynamic(tensor, dim)
     out = model(
         input_ids=tokens,
-        attention_mask=None if one_token else tree_attention_mask(candidates, past_length, model.dtype, mask_rows),
+        attention_mask=mask,
         position_ids=position_ids,
         past_key_values=cache,
         use_cache=True,

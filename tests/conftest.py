@@ -15,6 +15,8 @@ from medusa import MedusaConfig, MedusaHeads, MedusaModel
 # from_pretrained calibrates a plan by default; tests choose engine and tree themselves (tests/test_plan.py asks
 # for plan="auto"), so timing noise never changes what they decode.
 os.environ.setdefault("MEDUSA_PLAN", "off")
+# Plans made in tests leave torch.compile out (minutes of compiling); tests/test_engine.py tests the inductor engine.
+os.environ.setdefault("MEDUSA_COMPILE", "0")
 
 VOCAB, HIDDEN = 96, 64
 _COMMON = dict(

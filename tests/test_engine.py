@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch import nn
 
+import medusa.engine
 from medusa import MedusaModel
 from medusa.decode import prefill
 from medusa.engine import CompiledEngine, EagerEngine, engine_for, make_engine
@@ -125,6 +126,34 @@ def test_torch_compile_on_cpu_matches_eager():
     _, eager = _verify(EagerEngine(model), model, prompt, candidates)
     _, compiled = _verify(CompiledEngine(model, torch_compile=True), model, prompt, candidates)
     torch.testing.assert_close(compiled.logits, eager.logits, **TOL)
+
+
+@pytest.mark.slow
+def test_inductor_engine_greedy_identity_across_cache_sizes(tmp_path, monkeypatch):
+    """engine='inductor': torch.compile's graphs (one token; any other length) serve trees of every size, a larger
+    cache compiles its own graphs once, as it is allocated (64, 128, then 512 rows here), and the output is plain
+    greedy's."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(medusa.engine, "COMPILED_MIN_ROWS", 64)
+    base = make_tiny_model("llama")
+    model = MedusaModel(base, make_heads(random=True), projection_dtype=torch.float32)
+    engine = model.engine("inductor")  # compiles here, for 64 rows
+    assert engine.compile_seconds > 0 and engine.torch_compile
+    prompt = torch.tensor([[3, 4, 5, 6, 3, 4]])
+    calls = (("plain", 20), ("medusa", 80), ("dynamic", 400))
+    for repeat in range(2):
+        frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        for proposer, new_tokens in calls:
+            reference = base.generate(
+                prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens, do_sample=False
+            )
+            out = model.generate(prompt, max_new_tokens=new_tokens, proposer=proposer, engine="inductor")
+            assert torch.equal(out.sequences, reference), proposer
+        if repeat:  # every size was compiled as its cache was allocated, the first time round
+            assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
+    assert engine._cache.layers[0].max_cache_len == 512
+    assert engine.verify_runner is not engine.runner  # nothing fell back to the uncompiled forward
+    assert engine.warm_up() == 0.0  # and warming up again is free
 
 
 def test_shared_gqa_attention_is_transformers_sdpa_bit_for_bit():

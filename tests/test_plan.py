@@ -98,7 +98,10 @@ def test_plan_is_cached_keyed_and_rebuilt_when_corrupt(tmp_path, monkeypatch, ca
     other = dict(model.plan.key, isa=["avx2"])
     assert plan_path(other) != path
     monkeypatch.setattr(medusa.plan, "describe", lambda device: {"cpu": "another", "threads": 64})
-    assert plan_path(medusa.plan.plan_key(model)) != path
+    assert plan_path(medusa.plan.plan_key(model, tuple(model.plan.key["engines"]))) != path
+    # and with the engines it may choose from (compile=True adds torch.compile's)
+    assert model.plan.key["engines"] == ["eager", "compiled"]
+    assert medusa.plan.plan_key(model, ("eager", "compiled", "inductor")) != model.plan.key
     with torch.no_grad():
         model.heads.blocks[0][0].linear.bias.add_(1.0)
     assert medusa.plan.heads_fingerprint(model) != model.plan.key["heads"]
@@ -168,3 +171,20 @@ def test_an_explicit_proposer_is_not_guarded():
     model = _guarded(plain_ms=1e-6)
     out = model.generate(torch.tensor([[3, 4, 5, 6, 7]]), max_new_tokens=60, proposer="medusa")
     assert 0 not in out.stats.proposed_lengths
+
+
+def test_planned_engines_leave_out_what_adds_nothing_or_is_switched_off(monkeypatch):
+    """On a GPU the compiled engine is torch.compile already; $MEDUSA_COMPILE=0 leaves torch.compile out on CPU."""
+    monkeypatch.delenv("MEDUSA_COMPILE", raising=False)
+    assert medusa.plan.planned_engines("cpu") == ("eager", "compiled", "inductor")
+    assert "inductor" not in medusa.plan.planned_engines("cuda")
+    monkeypatch.setenv("MEDUSA_COMPILE", "0")
+    assert medusa.plan.planned_engines("cpu") == ("eager", "compiled")
+
+
+def test_the_plain_yardstick_is_the_fastest_plain_engine():
+    """A plan on a faster plain engine than the one it speculates on reports that engine as the yardstick."""
+    measured = curve(lambda n: 10.0 + n, engines=("compiled",))
+    measured["inductor"] = {job: (p, v / 2) for job, (p, v) in measured["compiled"].items()}
+    plan = decide(measured, grow_tree(STRONG, 12), STRONG)
+    assert plan.plain_engine == "inductor" and plan.plain_ms == pytest.approx(5.5)

@@ -7,8 +7,9 @@
 
 Methods (interleaved per question, after a warm-up):
   baseline        transformers greedy (or sampling, --temperature > 0) `generate` of the base model (eager)
-  baseline_compiled  the best plain decoding at hand: this library's one-token-a-step decoding on the compiled engine
-                  (StaticCache, weights pre-packed on CPU, CUDA graphs on a GPU; medusa.engine)
+  baseline_compiled  the best plain decoding at hand: this library's one-token-a-step decoding on the fastest plain
+                  engine the plan measured (compiled: StaticCache, weights pre-packed on CPU, CUDA graphs on a GPU;
+                  inductor: torch.compile's C++ GEMMs on CPU; medusa.engine), the compiled engine without a plan
   plain           one token a step in this library's loop on --engine (no guesses)
   planned         MedusaModel.generate with nothing named: the engine, proposer and tree of the calibrated plan
                   (medusa.plan; --plan auto), guarded online
@@ -29,7 +30,8 @@ template) before the next turn.
 
 Speedup = (total new tokens / total time) of a method over the same for `baseline`, per category and overall;
 speedup_vs_compiled the same over `baseline_compiled`. --engine runs this library's methods on the eager engine
-(the exact reference) or the compiled one (default). identical_share / identical_share_vs_compiled: the share of
+(the exact reference), the compiled one or the inductor one (default: the engine of the plan's fastest plain
+decoding, else compiled). identical_share / identical_share_vs_compiled: the share of
 turns whose output equals baseline's / baseline_compiled's.
 tau = new tokens per target forward (counted with a forward hook, so also for transformers' methods; plain
 decoding = 1.00). `identical` = every output equals the baseline's (meaningful at temperature 0 only).
@@ -138,9 +140,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--engine",
-        default="compiled",
+        default=None,
         choices=list(ENGINES),
-        help="how this library's methods run the target (medusa.engine; default: compiled)",
+        help="how this library's methods run the target (medusa.engine; default: the plan's fastest plain engine, "
+        "else compiled)",
     )
     parser.add_argument("--device", default=None, help="e.g. cuda (default: CPU)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -254,6 +257,11 @@ def steps_from_calls(calls: list[list]) -> tuple[list[int], list[int]]:
 
 
 # ------------------------------------------------------------------------------------------------------ methods
+def plain_engine(model) -> str:
+    """The engine of the best plain decoding at hand: the plan's fastest measured, else the compiled engine."""
+    return model.plan.plain_engine if model.plan is not None else "compiled"
+
+
 def build_methods(names: list[str], args, model, stop_ids: list[int]) -> tuple[dict, dict, object]:
     """-> ({name: run(input_ids, max_new_tokens, seed) -> dict}, {name: why it is skipped}, the draft LM or None)."""
     base, tokenizer = model.base, model.tokenizer
@@ -310,12 +318,16 @@ def build_methods(names: list[str], args, model, stop_ids: list[int]) -> tuple[d
                 **kwargs,
             )
             stats = out.stats
-            return {
+            record = {
                 "output_ids": out.sequences[0, input_ids.shape[1] :].tolist(),
                 "accepted_lengths": list(stats.accepted_lengths),
                 "proposed_lengths": list(stats.proposed_lengths),
                 "propose_s": stats.timings.get("propose") if args.profile else None,
+                "forwards": stats.steps,  # counted by the loop: forward hooks do not run inside a compiled graph
             }
+            if args.profile:
+                record["verify_s"] = stats.timings.get("verify", 0.0)
+            return record
 
         return run
 
@@ -324,7 +336,7 @@ def build_methods(names: list[str], args, model, stop_ids: list[int]) -> tuple[d
         if name == "baseline":
             runs[name] = hf()
         elif name == "baseline_compiled":
-            runs[name] = ours(model, engine="compiled", proposer="plain")
+            runs[name] = ours(model, engine=plain_engine(model), proposer="plain")
         elif name == "planned":
             if model.plan is None:
                 skipped[name] = "needs --plan auto"
@@ -631,6 +643,7 @@ def main(argv=None) -> dict:
     model = MedusaModel.from_pretrained(
         args.heads, base=args.base, dtype=args.dtype, device=args.device, plan=args.plan
     )
+    args.engine = args.engine or plain_engine(model)
     tokenizer = model.tokenizer
     if tokenizer is None:
         raise ValueError("the benchmark needs the base model's tokenizer (chat template): load a base that has one")
@@ -650,12 +663,17 @@ def main(argv=None) -> dict:
         "dtype": args.dtype,
         "device": str(model.device),
         "engine": args.engine,
-        "baseline_compiled": "this library's plain decoding (proposer 'plain') on the compiled engine: StaticCache, "
-        + (
-            "torch.compile with CUDA graphs"
-            if model.device.type == "cuda"
-            else "linear weights pre-packed for oneDNN, no torch.compile (slower here, see medusa.engine)"
-        ),
+        "baseline_compiled": f"this library's plain decoding (proposer 'plain') on the {plain_engine(model)} engine: "
+        + {
+            "eager": "transformers' forward and DynamicCache",
+            "compiled": "StaticCache, "
+            + (
+                "torch.compile with CUDA graphs"
+                if model.device.type == "cuda"
+                else "linear weights pre-packed for oneDNN"
+            ),
+            "inductor": "StaticCache, torch.compile (inductor: frozen weights, C++ GEMM templates on CPU)",
+        }[plain_engine(model)],
         "hardware": describe(model.device),
         "plan": None
         if model.plan is None
@@ -696,6 +714,10 @@ def main(argv=None) -> dict:
     settings["skipped"] = skipped
     methods = [m for m in args.methods if m in runs]
     targets = [model.base]
+    # every engine a method runs on is built (and compiled) before the hooks below exist: compiled graphs do not run
+    # hooks added later, and would trace hooks added before (the loop counts those forwards itself)
+    compile_s = {name: model.engine(name).compile_seconds for name in {args.engine, plain_engine(model)}}
+    settings["compile_s"] = {name: round(s, 1) for name, s in compile_s.items() if s}
     planned_compiled = "planned" in methods and model.plan is not None and model.plan.engine == "compiled"
     if args.engine == "compiled" or "baseline_compiled" in methods or planned_compiled:
         runner = model.engine("compiled").runner  # the compiled engine's forward (a pre-packed copy on CPU)

@@ -1,6 +1,7 @@
 """Measure this machine and choose the decoding plan (engine, proposer, tree) that `generate` uses by default.
 
-    medusa calibrate [--heads DIR] [--base PATH] [--dtype float32|bfloat16|auto] [--device cuda] [--out plan.json]
+    medusa calibrate [--heads DIR] [--base PATH] [--dtype float32|bfloat16|auto] [--device cuda] [--no-compile]
+                     [--out plan.json]
 
 The plan is cached under $MEDUSA_CACHE/plans/ (what `MedusaModel.from_pretrained` reads); this command measures anew
 and replaces the cached one, then prints the options it compared. See medusa/plan.py.
@@ -29,6 +30,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--base", default=None, help="base model (default: the heads' base)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default=None)
+    parser.add_argument(
+        "--no-compile",
+        dest="compile",
+        action="store_false",
+        default=None,
+        help="leave torch.compile's engine out (default: $MEDUSA_COMPILE != '0' lets the plan time it)",
+    )
     parser.add_argument("--out", default=None, help="also write the plan here as JSON")
     args = parser.parse_args(argv)
     model = MedusaModel.from_pretrained(args.heads, base=args.base, dtype=args.dtype, device=args.device, plan="off")
@@ -37,9 +45,12 @@ def main(argv=None) -> dict:
             "note: these heads have no accuracy table (medusa_accuracy.json): the plan only picks the engine; "
             "write one with scripts/head_accuracy.py --heads-dir"
         )
-    plan = model.calibrate(recalibrate=True)
+    plan = model.calibrate(recalibrate=True, compile=args.compile)
     print(plan.describe())
-    print(f"measured in {plan.calibration_s:.1f} s; engines timed: {sorted(plan.latency_ms)} of {list(ENGINES)}")
+    print(
+        f"measured in {plan.calibration_s:.1f} s (compiling {plan.compile_s:.1f} s); engines timed: "
+        f"{sorted(plan.latency_ms)} of {list(ENGINES)}"
+    )
     if args.out:
         atomic_write_text(Path(args.out), json.dumps(asdict(plan), indent=1))
     return asdict(plan)
