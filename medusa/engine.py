@@ -14,10 +14,11 @@ length. So on CPU the engine pre-packs and does not run inductor unless asked.
 
 - `inductor`: the compiled engine's StaticCache with the verify forward run through `torch.compile`. On a CPU,
   inductor freezes the weights and generates C++ GEMM micro-kernels for them (max-autotune's CPP backend). On a 2-core
-  AVX2-only AMD EPYC (SmolLM2 fp32, 300-token context) it took 49 / 52 / 66 / 98 ms at q = 1 / 2 / 4 / 8 where the
-  pre-packed copy took 89 / 121 / 134 / 158, after about 3.5 minutes of compiling per graph (two graphs: one token,
-  and any other length as one dynamic shape). Compiled graphs are cached on disk (`$MEDUSA_CACHE/inductor`), so the
-  cost is paid once per machine, in `warm_up`, never inside `generate`.
+  AVX2-only AMD EPYC (SmolLM2 fp32, 256-token context, a whole step as the plan times it) it took 55 / 63 / 90 / 106
+  ms with 1 / 2 / 4 / 6 tree nodes where the pre-packed copy took 89 / 124 / 142 / 154, after 6-8 minutes of
+  compiling two graphs (one token; every other length as one dynamic shape). That is paid again in every new
+  process: inductor's on-disk cache (`$MEDUSA_CACHE/inductor`) only shortened it to 2-6 minutes here. It is paid when
+  a cache is allocated (`warm_up`, or a call that needs a larger cache), never between a call's steps.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ ENGINES = ("eager", "compiled", "inductor")
 ENGINES_ATTRIBUTE = "_medusa_engines"  # where engine_for keeps a model's engines
 CACHE_ROUNDING = 64  # static caches are sized in steps of this many rows, so nearby lengths reuse one cache
 # torch.compile's caches: 512 rows, then doubling (attention reads the whole allocation under a mask in a compiled
-# graph, and each size compiles its own graphs, once per machine thanks to the on-disk cache)
+# graph, and each size compiles graphs of its own: minutes on a small CPU)
 COMPILED_MIN_ROWS = 512
 # inductor on CPU: frozen (pre-packed) weights and its own C++ GEMM templates, aten's kernels where none applies
 INDUCTOR_CPU_OPTIONS = {
@@ -179,7 +180,8 @@ class CompiledEngine:
                 mode="reduce-overhead" if cuda else None,
                 dynamic=False,  # dynamic only where verify marks it (the query length)
             )
-        self._cache: StaticCache | None = None
+        self._cache: StaticCache | None = None  # the last one handed out
+        self._sized: dict[int, StaticCache] = {}  # torch.compile on CPU: rows -> cache, each with graphs of its own
         self.setup_seconds = time.perf_counter() - start  # packing; compiling happens as caches are allocated
         self.compile_seconds = 0.0
         text = model.config.get_text_config()
@@ -206,12 +208,16 @@ class CompiledEngine:
             rows = max(COMPILED_MIN_ROWS, 1 << (rows - 1).bit_length())
         if self.window is not None:
             rows = min(rows, self.window)
-        if self._cache is None or self._cache.layers[0].max_cache_len < rows:
+        per_size = self.torch_compile and self.model.device.type != "cuda"
+        if per_size and rows in self._sized:  # the smallest compiled size that fits: its attention reads no more
+            self._cache = self._sized[rows]
+        elif self._cache is None or self._cache.layers[0].max_cache_len < rows or per_size:
             self._cache = StaticCache(config=self.model.config, max_cache_len=rows)
             if not self.torch_compile:  # shapes may vary: attend over the written rows only
                 self._cache.layers = [PrefixStaticLayer(rows) for _ in self._cache.layers]
-            elif self.model.device.type != "cuda":  # no CUDA graphs to keep addresses for: a graph per size
+            elif per_size:  # no CUDA graphs to keep addresses for: graphs of its own, and kept for calls that fit
                 self._cache.layers = [GuardedStaticLayer(rows) for _ in self._cache.layers]
+                self._sized[rows] = self._cache
             if self.torch_compile:  # now, not in the middle of a call's first steps
                 self._compile_for(self._cache, progress)
         self._set_length(self._cache, 0)

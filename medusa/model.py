@@ -170,7 +170,7 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         and proposer generate uses (medusa.plan; cached, see `model.plan`); "off" keeps the eager engine and the
         heads' own tree. `tree=` and `engine=` here, and `tree=` / `proposer=` / `engine=` in generate, override it.
         compile: whether the plan may choose the `inductor` engine (torch.compile; default: `$MEDUSA_COMPILE` !=
-        "0"). It decoded SmolLM2 twice as fast on a 2-core AVX2 CPU, after about 6 minutes of compiling at load, in
+        "0"). It decoded SmolLM2 twice as fast on a 2-core AVX2 CPU, after 2-8 minutes of compiling at load, in
         every new process: pass False for short scripts.
         dtype "auto": bf16 where the hardware computes it natively (a GPU from Ampere on, a CPU with AVX512-BF16 or
         AMX), else float32.

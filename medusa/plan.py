@@ -72,8 +72,8 @@ class Option:
 
 def planned_engines(device, compile: bool | None = None) -> tuple[str, ...]:
     """The engines a plan times. `compile` (default: `$MEDUSA_COMPILE` != "0") lets it time `inductor`, whose
-    torch.compile takes minutes on a small CPU in every new process (inductor's disk cache skips graphs with frozen
-    weights). On a GPU the compiled engine is torch.compile already, so `inductor` adds nothing there."""
+    torch.compile takes minutes on a small CPU in every new process (inductor's disk cache helps only partly). On a
+    GPU the compiled engine is torch.compile already, so `inductor` adds nothing there."""
     compile = os.environ.get("MEDUSA_COMPILE") != "0" if compile is None else compile
     skip = {"inductor"} if torch.device(device).type == "cuda" or not compile else set()
     return tuple(e for e in ENGINES if e not in skip)

@@ -151,7 +151,9 @@ def test_inductor_engine_greedy_identity_across_cache_sizes(tmp_path, monkeypatc
             assert torch.equal(out.sequences, reference), proposer
         if repeat:  # every size was compiled as its cache was allocated, the first time round
             assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
-    assert engine._cache.layers[0].max_cache_len == 512
+    assert sorted(engine._sized) == [64, 128, 512]
+    model.generate(prompt, max_new_tokens=20, proposer="plain", engine="inductor")
+    assert engine._cache.layers[0].max_cache_len == 64  # a short call after a long one: the small cache again
     assert engine.verify_runner is not engine.runner  # nothing fell back to the uncompiled forward
     assert engine.warm_up() == 0.0  # and warming up again is free
 
