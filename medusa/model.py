@@ -193,6 +193,7 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
             raise ValueError(f"plan must be 'auto' or 'off', got {plan!r}")
         if plan == "auto":
             model.calibrate(recalibrate=False, compile=compile)
+            model.engine()  # built (and compiled, for torch.compile's engine) at load, not in the first generate
         return model
 
     @classmethod

@@ -93,7 +93,7 @@ class Plan:
     latency_ms: dict = field(default_factory=dict)  # engine -> {query length: median verify ms}
     key: dict = field(default_factory=dict)
     calibration_s: float = 0.0  # timing, compiling excluded
-    compile_s: float = 0.0  # torch.compile's first compile of the engines timed (0 when read from its disk cache)
+    compile_s: float = 0.0  # spent compiling the engines timed (torch.compile), before timing them
 
     @property
     def plain_engine(self) -> str:
