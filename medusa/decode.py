@@ -256,7 +256,7 @@ class SpeculativeGenerator:
         `return_dict_in_generate=False`, the sequences tensor alone. `generator` seeds the draws.
         `proposer="plain"` decodes one token a step on the same engine (no guesses); `engine` picks how the target
         runs: "eager" (the exact reference), "compiled" (static cache, pre-packed weights) or "inductor" (static
-        cache, torch.compile; compiled once per machine before its first use); see medusa.engine.
+        cache, torch.compile; compiled when the engine is built, minutes in each new process); see medusa.engine.
         """
         generate_args.refuse_unknown(transformers_kwargs)
         if input_ids is None:

@@ -284,7 +284,7 @@ class CompiledEngine:
             if progress:
                 print(
                     f"\rcompiling the target for {'one-token' if n == 1 else 'multi-token'} steps over {rows} cached "
-                    f"rows (torch.compile: once per machine, cached in {where}), {time.perf_counter() - start:.0f} s",
+                    f"rows (torch.compile, in each new process; cache {where}), {time.perf_counter() - start:.0f} s",
                     end="",
                     file=sys.stderr,
                     flush=True,
@@ -336,3 +336,8 @@ def engine_for(model, name: str):
         engines[name] = make_engine(name, model)
     engines[name].warm_up()  # compiles once, before any generate or timing (a no-op after)
     return engines[name]
+
+
+def compile_seconds(model) -> float:
+    """Seconds the engines engine_for built for `model` have spent compiling so far."""
+    return sum(engine.compile_seconds for engine in model.__dict__.get(ENGINES_ATTRIBUTE, {}).values())

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from medusa.decode import prefill
-from medusa.engine import ENGINES, ENGINES_ATTRIBUTE, engine_for
+from medusa.engine import ENGINES, compile_seconds, engine_for
 from medusa.fileio import atomic_write_text
 from medusa.hardware import describe
 from medusa.loading import cache_root
@@ -266,11 +266,6 @@ def calibrate(
     plan.compile_s = compile_seconds(model.base) - compiled_before
     plan.key, plan.calibration_s = key or plan_key(model, engines), time.perf_counter() - start - plan.compile_s
     return plan
-
-
-def compile_seconds(model) -> float:
-    """Seconds the engines built for `model` so far have spent compiling."""
-    return sum(engine.compile_seconds for engine in model.__dict__.get(ENGINES_ATTRIBUTE, {}).values())
 
 
 def decide(measured: dict, order, acc) -> Plan:

@@ -16,6 +16,7 @@ import time
 import torch
 
 from medusa import MedusaModel
+from medusa.cli.bench import plain_engine as best_plain_engine
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -58,8 +59,8 @@ def main() -> None:
             f"{'calibrated' if plan.calibration_s and took > 1 else 'cached plan loaded'} in {took:.1f} s "
             f"(timing {plan.calibration_s:.1f} s, compiling {plan.compile_s:.1f} s)\n{plan.describe()}"
         )
-    plain_engine = model.plan.plain_engine if model.plan else "compiled"
-    engine = model.engine(plain_engine)  # compiles first where it has to (torch.compile: once per machine)
+    plain_engine = best_plain_engine(model)
+    engine = model.engine(plain_engine)  # compiles first where it has to (torch.compile: minutes, in each process)
     print(
         f"plain decoding runs on the {plain_engine} engine: set up in {engine.setup_seconds:.1f} s"
         + (f", compiled in {engine.compile_seconds:.1f} s" if engine.compile_seconds else "")
