@@ -210,7 +210,10 @@ class SpeculativeGenerator:
         """The execution engine `name` (default: `default_engine`) for the target, built once and kept."""
         return engine_for(self.base, name or self.default_engine)
 
-    def _make_proposer(self, proposer: str | None, tree, sampling: SamplingConfig, generator) -> Proposer:
+    def _make_proposer(
+        self, proposer: str | None, tree, sampling: SamplingConfig, generator, engine: str | None = None
+    ) -> Proposer:
+        """The proposer for one call; `engine`: the engine the target runs on in it (a draft model follows it)."""
         raise NotImplementedError
 
     def _check_lengths(self, prompt_length: int, max_new_tokens: int) -> None:
@@ -289,7 +292,7 @@ class SpeculativeGenerator:
         rule = get_rule(acceptance or (self.default_sampling_rule if sampling.do_sample else "greedy"))
         out = decode(
             self.base,
-            self._make_proposer(proposer, tree, sampling, generator),
+            self._make_proposer(proposer, tree, sampling, generator, engine=engine or self.default_engine),
             rule,
             input_ids,
             max_new_tokens=settings.max_new_tokens,

@@ -9,21 +9,25 @@ import copy
 
 import torch
 from torch import nn
-from transformers import DynamicCache
+from transformers import StaticCache
 
 from medusa.decode import SpeculativeGenerator
+from medusa.engine import EagerEngine, engine_for, engines_set_aside
 from medusa.loading import BaseSource, load_base
 from medusa.propose import Candidates
 from medusa.sampling import SamplingConfig, target_probs
 from medusa.tree import TreeSpec, build_buffers, chain
+
+DRAFT_CACHE_HEADROOM = 128  # rows past what the first proposal needs, in a static draft cache (beyond: a new one)
 
 
 class DraftProposer:
     """Any causal LM sharing the target's tokenizer drafts `gamma` tokens autoregressively on its own KV cache.
 
     It draws from its q, shaped by the same `sampling` as the target's p (argmax when greedy, q then a point mass),
-    and returns the chain [root, d_1 .. d_gamma] with q in `Candidates.draft_probs`. `observe` crops its cache back
-    to the tokens the target committed, so the draft never recomputes the shared prefix.
+    and returns the chain [root, d_1 .. d_gamma] with q in `Candidates.draft_probs`. The draft runs on an execution
+    engine of its own (medusa.engine; default eager): its cache keeps the committed tokens it has seen, and `observe`
+    moves its length back to the tokens the target committed, so the draft never recomputes the shared prefix.
     """
 
     def __init__(
@@ -33,13 +37,17 @@ class DraftProposer:
         sampling: SamplingConfig,
         vocab_size: int,
         generator: torch.Generator | None = None,
+        engine=None,
     ):
         self.draft, self.gamma, self.sampling, self.generator = draft, num_speculative_tokens, sampling, generator
+        self.engine = engine or EagerEngine(draft)
         self.max_nodes = num_speculative_tokens + 1
         self.vocab_size = vocab_size  # the target's: q is cut or padded to it (same tokenizer, padded output layers)
         chain_spec = TreeSpec(chain(num_speculative_tokens))
         self.tree = build_buffers(chain_spec, num_speculative_tokens).to(draft.device)
-        self.cache = DynamicCache(config=draft.config)
+        self._chains: dict[int, object] = {}  # P -> the chain buffers that feed P tokens in one forward
+        self.cache = None
+        self.rows: int | None = None  # the most rows self.cache holds (None: it grows, as a DynamicCache does)
         self.seen = 0  # committed tokens (a prefix of state.tokens) whose K/V are in self.cache
         self.drafted: torch.Tensor | None = None  # (gamma,): the last proposal; all but the last are in the cache too
 
@@ -54,20 +62,39 @@ class DraftProposer:
             return target_probs(logits, self.sampling)
         return torch.nn.functional.one_hot(logits.argmax(), self.vocab_size).float()
 
+    def _feed(self, tokens: torch.Tensor, past: int) -> torch.Tensor:
+        """Run the draft over `tokens` (P,) written at rows past .. past + P -> the logits after the last."""
+        if past == 0:
+            return self.engine.prefill(self.cache, tokens[None]).logits
+        if tokens.numel() not in self._chains:
+            self._chains[tokens.numel()] = build_buffers(TreeSpec(chain(tokens.numel() - 1)), 1).to(tokens.device)
+        self.engine.truncate(self.cache, past)  # rows past it hold rejected drafts
+        return self.engine.verify(self.cache, Candidates(tokens, self._chains[tokens.numel()]), past).logits[-1]
+
+    def _make_room(self, needed: int) -> None:
+        """A cache with room for `needed` rows. A static one (its size fixed) that is full is replaced by a larger
+        one, into which the committed tokens are fed again: once per size, as the sizes grow by steps."""
+        if self.cache is None or (self.rows is not None and needed > self.rows):
+            window = getattr(self.engine, "window", None) or needed + DRAFT_CACHE_HEADROOM
+            self.cache = self.engine.new_cache(min(needed + DRAFT_CACHE_HEADROOM, max(window, needed)))
+            static = isinstance(self.cache, StaticCache)
+            self.rows = max(layer.max_cache_len for layer in self.cache.layers) if static else None
+            self.seen = 0
+
     @torch.inference_mode()
     def propose(self, state) -> Candidates:
-        fresh = torch.tensor(
-            [state.tokens[self.seen :]], device=self.draft.device
-        )  # (1, P): committed, unseen, root last
-        self.seen = len(state.tokens)
+        self._make_room(len(state.tokens) + self.gamma)
+        fresh = torch.tensor(state.tokens[self.seen :], device=self.draft.device)  # committed, unseen, root last
+        logits, past = self._feed(fresh, self.seen), len(state.tokens)
+        self.seen = past
         tokens, probs = [], []
-        for _ in range(self.gamma):
-            logits = self.draft(input_ids=fresh, past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits
-            q = self._draft_probs(logits[0, -1])  # (V,)
+        for i in range(self.gamma):
+            q = self._draft_probs(logits)  # (V,)
             token = torch.multinomial(q, 1, generator=self.generator)[0] if self.sampling.do_sample else q.argmax()
             tokens.append(token)
             probs.append(q)
-            fresh = token.view(1, 1)  # stays on the device: no host sync per draft token
+            if i + 1 < self.gamma:
+                logits = self._feed(token.view(1), past + i)  # stays on the device: no host sync per draft token
         self.drafted = torch.stack(tokens)  # (gamma,)
         draft_probs = torch.stack([torch.zeros_like(probs[0])] + probs)  # (N, V); the root row is unused
         return Candidates(
@@ -77,7 +104,7 @@ class DraftProposer:
         )
 
     def observe(self, state, accepted_tokens: list[int]) -> None:
-        """Keep the cached draft tokens the target committed; drop the rest (state.tokens already holds the step)."""
+        """Keep the cached draft tokens the target committed; the rows past them are overwritten by the next feed."""
         cached = self.drafted[:-1].tolist()  # the acceptance rule has synced already: this copy waits on nothing
         committed = state.tokens[self.seen :]
         keep = 0
@@ -85,8 +112,6 @@ class DraftProposer:
         # a lossy rule (typical) may emit a rejected draft token as its bonus.
         while keep < min(len(cached), len(committed) - 1) and cached[keep] == committed[keep]:
             keep += 1
-        if keep < len(cached):
-            self.cache.crop(keep - len(cached))  # a negative count removes that many rows from the end
         self.seen += keep
 
 
@@ -129,6 +154,33 @@ def early_exit_draft(target, num_layers: int):
     if left:
         raise ValueError(f"early exit could not share {left[:3]} with the target {type(target).__name__}")
     draft.generation_config = copy.deepcopy(target.generation_config)
+    return draft.eval()
+
+
+QUANTIZED_DRAFTS = ("int8",)  # draft="int8": the target itself, its linear weights in int8
+
+
+def quantized_draft(target, scheme: str = "int8"):
+    """The target with the weights of its linear layers quantized to int8 per output channel, activations left in
+    the target's dtype (torchao's weight-only int8): a self-draft that shares the tokenizer and nearly every greedy
+    choice with the target and reads a quarter of the bytes an fp32 forward reads. Its embedding is the target's.
+
+    The speed is torch.compile's: on the "inductor" engine (CPU) the dequantisation fuses into the matrix products,
+    while eagerly torchao converts each weight back per call (slower than the target)."""
+    if scheme not in QUANTIZED_DRAFTS:
+        raise ValueError(f"unknown quantized draft {scheme!r}: use one of {list(QUANTIZED_DRAFTS)}")
+    try:
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+    except ImportError as err:
+        raise ImportError(
+            f"draft={scheme!r} quantizes a copy of the target with torchao, which is not installed: "
+            "pip install 'medusa-spec[quant]' (or torchao)"
+        ) from err
+    with engines_set_aside(target):
+        draft = copy.deepcopy(target)
+    quantize_(draft, Int8WeightOnlyConfig())  # nn.Linear layers only: the copy's output layer, not its embedding
+    draft.set_input_embeddings(target.get_input_embeddings())  # the copy's own would only duplicate it
+    draft.name_or_path = f"{target.name_or_path} ({scheme} draft)"  # what progress lines call it
     return draft.eval()
 
 
@@ -198,10 +250,12 @@ class DraftModel(SpeculativeGenerator, nn.Module):
         if draft is None:
             raise ValueError(
                 "no draft model given: pass draft=<Hub id, directory, .gguf file or model> sharing the "
-                f"target's tokenizer (e.g. a smaller model of the same family), or '{EARLY_EXIT_PREFIX}N' "
-                "for the target's own first N layers"
+                f"target's tokenizer (e.g. a smaller model of the same family), '{EARLY_EXIT_PREFIX}N' "
+                "for the target's own first N layers, or 'int8' for the target with int8 weights"
             )
         target_model, tokenizer = load_base(target, dtype=dtype, device=device, tokenizer=tokenizer)
+        if isinstance(draft, str) and draft in QUANTIZED_DRAFTS:
+            return cls(target_model, quantized_draft(target_model, draft), tokenizer, num_speculative_tokens)
         if isinstance(draft, str) and draft.startswith(EARLY_EXIT_PREFIX):
             count = draft[len(EARLY_EXIT_PREFIX) :]
             if not count.isdigit():
@@ -235,7 +289,9 @@ class DraftModel(SpeculativeGenerator, nn.Module):
                 f"beyond its context window of {window}: shorten the prompt or lower max_new_tokens"
             )
 
-    def _make_proposer(self, proposer: str | None, tree, sampling: SamplingConfig, generator) -> DraftProposer:
+    def _make_proposer(
+        self, proposer: str | None, tree, sampling: SamplingConfig, generator, engine: str | None = None
+    ) -> DraftProposer:
         if proposer not in (None, "draft"):
             raise ValueError(f"a DraftModel proposes with its draft model, got proposer={proposer!r}: leave it unset")
         if tree is not None:
@@ -243,4 +299,7 @@ class DraftModel(SpeculativeGenerator, nn.Module):
                 "a draft model proposes a chain; tree= applies to Medusa heads: set num_speculative_tokens "
                 "in MedusaModel.from_draft_model instead"
             )
-        return DraftProposer(self.draft, self.num_speculative_tokens, sampling, self.vocab_size, generator)
+        draft_engine = engine_for(self.draft, engine or self.default_engine)  # the target's engine, for the draft
+        return DraftProposer(
+            self.draft, self.num_speculative_tokens, sampling, self.vocab_size, generator, engine=draft_engine
+        )

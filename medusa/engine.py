@@ -17,8 +17,11 @@ length. So on CPU the engine pre-packs and does not run inductor unless asked.
   AVX2-only AMD EPYC (SmolLM2 fp32, 256-token context, a whole step as the plan times it) it took 55 / 63 / 90 / 106
   ms with 1 / 2 / 4 / 6 tree nodes where the pre-packed copy took 89 / 124 / 142 / 154, after 6-8 minutes of
   compiling two graphs (one token; every other length as one dynamic shape). That is paid again in every new
-  process: inductor's on-disk cache (`$MEDUSA_CACHE/inductor`) only shortened it to 2-6 minutes here. It is paid when
-  a cache is allocated (`warm_up`, or a call that needs a larger cache), never between a call's steps.
+  process: torch 2.13 bypasses its FX graph cache for a graph holding oneDNN-packed weights ("mkldnn tensors
+  unpickleable") and its AOT autograd cache under freezing, so `$MEDUSA_CACHE/inductor` keeps only the compiled
+  C++ kernels (4-7 minutes again here). Without the oneDNN packing (`cpp.weight_prepack=False`) the cache is hit,
+  but steps took 0.3-5 s instead of 0.05-0.1. It is paid when a cache is allocated (`warm_up`, or a call that needs
+  a larger cache), never between a call's steps.
 """
 
 from __future__ import annotations
@@ -80,6 +83,18 @@ def use_medusa_inductor_cache() -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root() / "inductor")
 
 
+@contextlib.contextmanager
+def engines_set_aside(model):
+    """Leave the engines engine_for keeps on `model` out of it for a while: a copy of the model (pre-packed,
+    quantized) must not copy them, and a compiled graph cannot be copied."""
+    engines = model.__dict__.pop(ENGINES_ATTRIBUTE, None)
+    try:
+        yield model
+    finally:
+        if engines is not None:
+            model.__dict__[ENGINES_ATTRIBUTE] = engines
+
+
 class EagerEngine:
     """transformers' DynamicCache and the model as it is: the reference every other engine is tested against."""
 
@@ -93,7 +108,7 @@ class EagerEngine:
 
     compile_seconds = 0.0
 
-    def warm_up(self, progress: bool = True) -> float:
+    def warm_up(self, progress: bool = True, max_length: int | None = None) -> float:
         return 0.0  # nothing to compile
 
     def prefill(self, cache, input_ids: torch.Tensor, feature_layers=()) -> PrefillOutput:
@@ -164,13 +179,9 @@ class CompiledEngine:
             (can_prepack(model.device, model.dtype) and not self.torch_compile) if prepack is None else prepack
         )
         self.runner = model
-        if self.prepacked:  # the copy leaves out the model's other engines (a compiled graph cannot be copied)
-            engines = model.__dict__.pop(ENGINES_ATTRIBUTE, None)
-            try:
+        if self.prepacked:
+            with engines_set_aside(model):
                 self.runner = prepacked_copy(model)
-            finally:
-                if engines is not None:
-                    model.__dict__[ENGINES_ATTRIBUTE] = engines
         self.verify_runner = self.runner
         if self.torch_compile:
             cuda = model.device.type == "cuda"
@@ -183,6 +194,7 @@ class CompiledEngine:
         self._cache: StaticCache | None = None  # the last one handed out
         self._sized: dict[int, StaticCache] = {}  # torch.compile on CPU: rows -> cache, each with graphs of its own
         self.setup_seconds = time.perf_counter() - start  # packing; compiling happens as caches are allocated
+        self.label = os.path.basename(str(getattr(model, "name_or_path", "") or "")) or type(model).__name__
         self.compile_seconds = 0.0
         text = model.config.get_text_config()
         self.window = (
@@ -264,14 +276,26 @@ class CompiledEngine:
             self._set_length(cache, past_length)
             return verify(self.runner, cache, candidates, past_length, feature_layers, mask_rows)
 
-    def warm_up(self, progress: bool = True) -> float:
-        """Compile the verify graphs for the smallest cache now, so that neither timing nor `generate` pays for it:
-        minutes on a small CPU the first time, less once inductor's on-disk cache has them (a larger cache, when a
-        call needs one, compiles its own as it is allocated). -> seconds spent (0 when nothing was compiled)."""
-        if not self.torch_compile or self._cache is not None:
+    @torch.inference_mode()  # hands back caches made under it (their tensors are inference tensors)
+    def warm_up(self, progress: bool = True, max_length: int | None = None) -> float:
+        """Compile the verify graphs now for every cache a call of up to `max_length` rows (prompt + new tokens +
+        tree) will use, so that neither timing nor `generate` pays for it: minutes per size on a small CPU, less
+        once inductor's on-disk cache has them (a call that needs a larger cache later compiles its own as it is
+        allocated). -> seconds spent (0 when nothing was compiled)."""
+        if not self.torch_compile:
             return 0.0
         before = self.compile_seconds
-        self.new_cache(COMPILED_MIN_ROWS, progress)
+        max_length = max_length or COMPILED_MIN_ROWS
+        if self.window is not None:
+            max_length = min(max_length, self.window)
+        if self.model.device.type == "cuda":  # one cache, grown (CUDA graphs re-record for the new one)
+            sizes = [max_length]
+        else:  # each size the caches come in, up to the one max_length needs
+            sizes = [COMPILED_MIN_ROWS]
+            while sizes[-1] < max_length:
+                sizes.append(sizes[-1] * 2)
+        for rows in sorted({min(rows, max_length) for rows in sizes}):  # a window may be shorter than a size
+            self.new_cache(rows, progress)  # compiles a size it has not seen; hands back one it has
         return self.compile_seconds - before
 
     @torch.inference_mode()
@@ -283,7 +307,7 @@ class CompiledEngine:
         for n in (1, 2):
             if progress:
                 print(
-                    f"\rcompiling the target for {'one-token' if n == 1 else 'multi-token'} steps over {rows} cached "
+                    f"\rcompiling {self.label} for {'one-token' if n == 1 else 'multi-token'} steps over {rows} cached "
                     f"rows (torch.compile, in each new process; cache {where}), {time.perf_counter() - start:.0f} s",
                     end="",
                     file=sys.stderr,
@@ -296,7 +320,7 @@ class CompiledEngine:
         seconds = time.perf_counter() - start
         self.compile_seconds += seconds
         if progress:
-            print(f"\rcompiled the target for {rows} cached rows in {seconds:.0f} s{' ' * 70}", file=sys.stderr)
+            print(f"\rcompiled {self.label} for {rows} cached rows in {seconds:.0f} s{' ' * 70}", file=sys.stderr)
 
     @torch.inference_mode()
     def commit(self, cache, past_length: int, accepted_nodes: torch.Tensor) -> None:

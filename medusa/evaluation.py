@@ -20,6 +20,7 @@ cut: it tells misses the target could not have avoided either from misses on tok
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -217,6 +218,14 @@ def head_rank_accuracy_by_group(model, sequences, response_starts, groups, ranks
     for part in by_group.values():
         total = part if total is None else total + part
     return total, by_group
+
+
+def bench_data_dir() -> Path:
+    """`$MEDUSA_BENCH_DATA`, else `../shared/bench_data` beside the repository (of a source checkout)."""
+    env = os.environ.get("MEDUSA_BENCH_DATA")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parent.parent.parent / "shared" / "bench_data"
 
 
 def load_questions(path: str | Path) -> list[dict]:

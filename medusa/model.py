@@ -292,9 +292,9 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         )
 
     # ---------------------------------------------------------------- generation
-    def _make_proposer(self, proposer: str | None, tree, sampling: SamplingConfig, generator):
+    def _make_proposer(self, proposer: str | None, tree, sampling: SamplingConfig, generator, engine=None):
         """The plan's proposer and tree by default (else Medusa heads over the heads' static tree); `proposer` names
-        another from the registry (plain, dynamic, hybrid, ...)."""
+        another from the registry (plain, dynamic, hybrid, ...). The heads run as they are on any `engine`."""
         chosen_by_plan = proposer is None and self.plan is not None
         if chosen_by_plan:
             proposer = self.plan.proposer

@@ -72,8 +72,8 @@ class Option:
 
 def planned_engines(device, compile: bool | None = None) -> tuple[str, ...]:
     """The engines a plan times. `compile` (default: `$MEDUSA_COMPILE` != "0") lets it time `inductor`, whose
-    torch.compile takes minutes on a small CPU in every new process (inductor's disk cache helps only partly). On a
-    GPU the compiled engine is torch.compile already, so `inductor` adds nothing there."""
+    torch.compile takes minutes on a small CPU in every new process (torch keeps only its C++ kernels on disk for
+    it: see medusa.engine). On a GPU the compiled engine is torch.compile already, so `inductor` adds nothing."""
     compile = os.environ.get("MEDUSA_COMPILE") != "0" if compile is None else compile
     skip = {"inductor"} if torch.device(device).type == "cuda" or not compile else set()
     return tuple(e for e in ENGINES if e not in skip)
@@ -125,7 +125,7 @@ def load_accuracy(directory) -> list[list[float]] | None:
         return check_accuracy(data["acc_given_prefix"])
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
         raise ValueError(
-            f"{path} is not a valid accuracy table ({err}): regenerate it with scripts/head_accuracy.py "
+            f"{path} is not a valid accuracy table ({err}): regenerate it with medusa accuracy "
             f"--heads-dir, or delete it to plan without one"
         ) from err
 

@@ -32,7 +32,7 @@ def check_accuracy(acc) -> list[list[float]]:
     if not isinstance(acc, (list, tuple)) or not acc:
         raise ValueError(
             "accuracy table must be a non-empty list (one list of rank accuracies per head), "
-            "as scripts/head_accuracy.py writes under the key 'acc'"
+            "as `medusa accuracy` writes under the key 'acc'"
         )
     table = []
     for k, row in enumerate(acc):

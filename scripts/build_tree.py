@@ -3,7 +3,7 @@
     python scripts/build_tree.py --accuracy acc.json --out medusa/trees/smollm2-135m-cpu.json \
         [--max-nodes 64] [--dtype float32] [--heads DIR] [--base PATH] [--kv-length 512] [--repeats 10] [--threads N]
 
-`acc.json` comes from scripts/head_accuracy.py: {"acc_given_prefix": [[p(rank r of head k is right | heads before
+`acc.json` comes from `medusa accuracy`: {"acc_given_prefix": [[p(rank r of head k is right | heads before
 it right) for r] for k], "acc": [[marginal p] ...], ...}. A path's value multiplies the conditional shares (the
 marginal "acc" of older files, which undervalues deep paths, when there are none).
 The tree is grown greedily by path value; for each candidate size the script times one decoding step (heads +
@@ -28,7 +28,7 @@ from medusa.tree_builder import DEFAULT_SIZES, best_size, expected_tau, grow_tre
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--accuracy", required=True, help="JSON from scripts/head_accuracy.py (key 'acc')")
+    parser.add_argument("--accuracy", required=True, help="JSON from `medusa accuracy` (key 'acc')")
     parser.add_argument("--out", required=True, help="tree JSON to write, e.g. medusa/trees/smollm2-135m-cpu.json")
     parser.add_argument("--max-nodes", type=int, default=64, help="largest tree to consider, root included")
     parser.add_argument(
@@ -49,7 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def load_accuracy(path: str) -> list[list[float]]:
     data = json.loads(Path(path).read_text())
     if not isinstance(data, dict) or "acc" not in data:
-        raise ValueError(f"{path} has no 'acc' key: expected the JSON written by scripts/head_accuracy.py")
+        raise ValueError(f"{path} has no 'acc' key: expected the JSON written by `medusa accuracy`")
     return data.get("acc_given_prefix", data["acc"])
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from medusa.cli import bench as benchmark
-from tests.conftest import save_tiny_checkpoint
+from tests.conftest import save_tiny_checkpoint, tiny_tokenizer
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
@@ -41,6 +41,21 @@ def test_load_questions_groups_mt_bench_and_limits_per_group(tmp_path):
     path.write_text(json.dumps({"question_id": 1, "category": "x"}) + "\n")
     with pytest.raises(ValueError, match="turns"):
         benchmark.load_questions(str(path), limit=None)
+
+
+def test_longest_context_bounds_every_turn_with_full_length_answers():
+    """The benchmark compiles cache sizes up to this bound before timing: no turn may need more rows."""
+    tokenizer = tiny_tokenizer()  # one id per character
+    max_new_tokens = 12
+    bound = benchmark.longest_context(QUESTIONS, tokenizer, max_new_tokens)
+    for q in QUESTIONS:
+        messages = []
+        for text in q["turns"]:
+            messages.append({"role": "user", "content": text})
+            rows = len(benchmark.encode_conversation(tokenizer, messages)) + max_new_tokens
+            assert rows + benchmark.PROPOSAL_ROWS <= bound
+            messages.append({"role": "assistant", "content": "x" * max_new_tokens})
+    assert benchmark.longest_context(QUESTIONS[2:3], tokenizer, 0) < bound
 
 
 def test_steps_from_calls():

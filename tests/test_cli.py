@@ -1,15 +1,18 @@
-"""The `medusa` command: chat from a pipe (burst and steady streaming), and the command index."""
+"""The `medusa` command: chat from a pipe (burst and steady streaming), head accuracy, and the command index."""
 
 import io
 import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from medusa import MedusaModel
 from medusa.cli import chat, main
+from medusa.evaluation import head_rank_accuracy
 from tests.conftest import save_tiny_checkpoint
 
 
@@ -67,7 +70,9 @@ def test_steady_stream_emits_fixed_chunks_and_hides_the_accepted_lengths():
 
 def test_the_command_lists_its_subcommands_and_names_unknown_ones():
     done = subprocess.run([sys.executable, "-m", "medusa", "--help"], capture_output=True, text=True)
-    assert done.returncode == 0 and all(name in done.stdout for name in ("chat", "calibrate", "export", "bench"))
+    assert done.returncode == 0 and all(
+        name in done.stdout for name in ("chat", "calibrate", "export", "bench", "accuracy")
+    )
     done = subprocess.run([sys.executable, "-m", "medusa", "chatt"], capture_output=True, text=True)
     assert done.returncode != 0 and "unknown command 'chatt'" in done.stderr
 
@@ -88,3 +93,60 @@ def test_calibrate_measures_and_writes_the_plan(tmp_path, capsys, monkeypatch, c
     written = json.loads((tmp_path / "plan.json").read_text())
     assert written == json.loads(json.dumps(plan)) and written["engine"] in ("eager", "compiled")
     assert "measured in" in capsys.readouterr().out
+
+
+QUESTIONS = [
+    {"question_id": 1, "category": "writing", "turns": ["Tell me a story about owls.", "Shorter."]},
+    {"question_id": 2, "category": "math", "turns": ["What is 2 + 2?"]},
+    {"question_id": 3, "turns": ["Hi."]},  # no category
+]
+
+
+def _accuracy(tmp_path, checkpoint, *extra):
+    base_dir, heads_dir = checkpoint
+    heads = tmp_path / "heads"  # a copy: --heads-dir writes into it
+    shutil.copytree(heads_dir, heads)
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+    argv = ["accuracy", "--questions", str(questions), "--heads", str(heads), "--base", str(base_dir)]
+    main([*argv, "--out", str(tmp_path / "acc.json"), "--max-new-tokens", "6", "--ranks", "3", *extra])
+    return heads
+
+
+def test_accuracy_scores_the_heads_on_the_targets_greedy_answers(tmp_path, capsys, checkpoint):
+    heads = _accuracy(tmp_path, checkpoint, "--batch-size", "2", "--heads-dir")
+    report = json.loads((tmp_path / "acc.json").read_text())
+    model = MedusaModel.from_pretrained(heads, base=checkpoint[0])
+    # each question answered alone, unpadded: the batched, left-padded answers must be the same tokens
+    sequences, starts = [], []
+    for q in QUESTIONS:
+        ids = model.tokenizer.apply_chat_template(
+            [{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True, return_tensors="pt"
+        )["input_ids"]
+        out = model.base.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        sequences.append(out[0].tolist())
+        starts.append(ids.shape[1])
+    expected = head_rank_accuracy(model, sequences, starts, ranks=3)
+    torch.testing.assert_close(torch.tensor(report["acc"], dtype=torch.double), expected.acc)
+    torch.testing.assert_close(torch.tensor(report["acc_given_prefix"], dtype=torch.double), expected.acc_given_prefix)
+    assert report["positions"] == sum(len(s) - start for s, start in zip(sequences, starts))
+    assert report["questions"] == 3 and sorted(report["settings"]["question_ids"]) == [1, 2, 3]
+    assert sorted(report["by_category"]) == ["math", "none", "writing"]
+    assert model.accuracy == report["acc_given_prefix"]  # --heads-dir: the table the plan reads
+    out = capsys.readouterr()
+    assert "answered 2/3" in out.err and "answered 3/3" in out.err
+    assert "3 questions" in out.out and "top1|prefix" in out.out
+
+
+def test_accuracy_says_when_no_question_fits_the_context_window(tmp_path, capsys, checkpoint):
+    with pytest.raises(SystemExit) as exit_info:
+        _accuracy(tmp_path, checkpoint, "--max-new-tokens", "512")  # overrides 6: the tiny base's whole window
+    assert exit_info.value.code == 1
+    assert "no question of" in capsys.readouterr().err
+
+
+def test_the_head_accuracy_script_runs_medusa_accuracy_from_anywhere(tmp_path):
+    script = Path(__file__).resolve().parent.parent / "scripts" / "head_accuracy.py"
+    done = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: medusa accuracy")

@@ -8,10 +8,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+import medusa.draft
 from medusa import MedusaModel
 from medusa.acceptance import get_rule
 from medusa.decode import DecodeStats, decode
 from medusa.draft import DraftModel, DraftProposer
+from medusa.engine import CompiledEngine
 from medusa.sampling import SamplingConfig, target_probs
 from tests.conftest import VOCAB, make_heads, make_tiny_model
 from tests.test_distribution import tiny_tokenizer
@@ -112,6 +114,52 @@ def test_draft_cache_follows_what_the_target_commits(rule, sampling):
     )
     assert out.stats.new_tokens == 40 and proposer.checked == out.stats.steps - 1
     assert len(set(out.stats.accepted_lengths)) > 2  # rejections at several depths and full acceptances
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(do_sample=True, temperature=0.9)])
+def test_draft_on_a_static_cache_follows_commits_and_grows(monkeypatch, sampling):
+    """On the compiled engine the draft's cache has a fixed size: rejected rows are overwritten in place, and a full
+    cache is replaced by a larger one the committed tokens are fed into again. Every proposal is still the draft's
+    own run from scratch, and greedy output is the target's."""
+    monkeypatch.setattr(medusa.draft, "DRAFT_CACHE_HEADROOM", 1)  # 64-row caches: the run outgrows two of them
+    target = make_tiny_model("qwen2")
+    draft = noisy_copy(target)
+    engine = CompiledEngine(draft)
+    generator = torch.Generator().manual_seed(0)
+    proposer = CheckedDraftProposer(draft, 3, sampling, VOCAB, generator, engine=engine)
+    rows = []
+    observe = proposer.observe
+    proposer.observe = lambda state, accepted: (rows.append(proposer.rows), observe(state, accepted))
+    out = decode(
+        target,
+        proposer,
+        get_rule("speculative" if sampling.do_sample else "greedy"),
+        torch.tensor([[4, 5, 6]]),
+        max_new_tokens=150,
+        sampling=sampling,
+        stop_ids=set(),
+        generator=generator,
+    )
+    assert proposer.checked == out.stats.steps - 1 and sorted(set(rows)) == [64, 128, 192]
+    if not sampling.do_sample:
+        prompt = torch.tensor([[4, 5, 6]])
+        assert torch.equal(out.sequences, greedy_reference(target, prompt, 150))
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma"])
+def test_int8_self_draft_keeps_greedy_identity_and_shares_the_embedding(family):
+    target = make_tiny_model(family)
+    model = MedusaModel.from_draft_model(target=target, draft="int8", num_speculative_tokens=3, tokenizer=TOKENIZER)
+    assert model.draft.get_input_embeddings() is target.get_input_embeddings()
+    assert model.draft.name_or_path.endswith("(int8 draft)")  # how compile progress lines name it
+    assert type(model.draft.get_output_embeddings().weight).__name__ == "Int8Tensor"  # torchao's int8 weights
+    assert target.get_output_embeddings().weight.dtype == torch.float32  # the target is untouched
+    prompt = torch.tensor([[5, 17, 33, 2]])
+    out = model.generate(prompt, max_new_tokens=24)
+    assert torch.equal(out.sequences, greedy_reference(target, prompt, 24))
+    assert out.stats.acceptance_rate > 0.5  # int8 per channel: the draft mostly agrees with the target
+    with pytest.raises(ValueError, match="unknown quantized draft 'int3'"):
+        medusa.draft.quantized_draft(target, "int3")
 
 
 def test_draft_cache_when_the_bonus_repeats_a_rejected_draft_token():

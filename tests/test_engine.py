@@ -158,6 +158,23 @@ def test_inductor_engine_greedy_identity_across_cache_sizes(tmp_path, monkeypatc
     assert engine.warm_up() == 0.0  # and warming up again is free
 
 
+def test_warm_up_compiles_every_cache_size_a_length_needs_once(monkeypatch):
+    """warm_up(max_length) compiles each size a call up to that length would allocate (doubling from the smallest),
+    so that a benchmark or server compiles before it times or serves; later calls find their size compiled."""
+    compiled = []
+    monkeypatch.setattr(CompiledEngine, "_compile_for", lambda self, cache, progress: compiled.append(cache))
+    engine = CompiledEngine(make_tiny_model("qwen2"), torch_compile=True)
+    engine.warm_up(max_length=1500)
+    assert [cache.layers[0].max_cache_len for cache in compiled] == [512, 1024, 2048]
+    with torch.inference_mode():  # as generate runs: the caches' tensors become inference tensors
+        engine.prefill(engine.new_cache(100), torch.tensor([[1, 2, 3]]))
+    engine.warm_up(max_length=900)  # outside inference mode, over those caches: nothing to compile again
+    assert engine.new_cache(700).layers[0].max_cache_len == 1024  # the smallest compiled size that fits
+    assert engine.new_cache(3000).layers[0].max_cache_len == 4096  # a longer call compiles its own size
+    assert len(compiled) == 4
+    assert EagerEngine(make_tiny_model("qwen2")).warm_up(max_length=1500) == 0.0
+
+
 def test_shared_gqa_attention_is_transformers_sdpa_bit_for_bit():
     from types import SimpleNamespace
 

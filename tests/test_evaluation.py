@@ -155,7 +155,7 @@ def test_matches_slow_reference_on_a_tiny_model(projection, subset, monkeypatch)
 
 
 def test_accuracy_by_group_splits_the_pooled_counts():
-    """Per-category accuracy (scripts/head_accuracy.py's by_category): each group equals scoring its sequences alone,
+    """Per-category accuracy (`medusa accuracy`'s by_category): each group equals scoring its sequences alone,
     and the groups add up to the pooled result."""
     model = MedusaModel(
         make_tiny_model("qwen2"), make_heads(3, random=True), tokenizer=object(), projection_dtype=torch.float32

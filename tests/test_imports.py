@@ -15,6 +15,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "medusa"
+SCRIPTS = PACKAGE.parent / "scripts"
 INIT = "__init__"  # the package itself: `from medusa import X` for a name that is not a module
 
 TIERS = {
@@ -43,6 +44,7 @@ TIERS = {
         "prompt_lookup",
         "proposers",
         "evaluation",
+        "answers",
     },
     "high": {"heads_io", "tree_builder", "plan", "draft", "model", INIT},
     "apps": {"cli", "__main__"},
@@ -148,6 +150,23 @@ def test_imports_go_down_the_tiers():
     assert not upward, "upward imports in medusa/: " + "; ".join(upward)
 
 
+def edits_sys_path(source: str) -> bool:
+    """Whether `source` touches sys.path (sys.path.insert, sys.path = ..., `from sys import path`)."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr == "path" and getattr(node.value, "id", None) == "sys":
+            return True
+        if isinstance(node, ast.ImportFrom) and node.module == "sys" and any(a.name == "path" for a in node.names):
+            return True
+    return False
+
+
+def test_scripts_import_medusa_as_installed():
+    """Scripts run against the installed package (`pip install -e .`), never a path pushed onto sys.path (#18):
+    what they need from the repository belongs in medusa/."""
+    editing = sorted(path.name for path in SCRIPTS.glob("*.py") if edits_sys_path(path.read_text()))
+    assert not editing, f"scripts/{editing} edit sys.path: import from the installed medusa package instead"
+
+
 # ------------------------------------------------------------------ the checks can fail
 def test_a_lazy_import_inside_a_function_is_an_edge():
     source = "import torch\nfrom medusa.config import X\n\ndef f():\n    from medusa.model import load_heads_weights\n"
@@ -178,3 +197,9 @@ def test_no_imports_by_string_in_medusa():
 def test_an_import_by_string_is_an_edge():
     source = "import importlib\n\ndef f():\n    return importlib.import_module('medusa.dynamic_tree')\n"
     assert imported_modules(source, {"dynamic_tree"}) == {"dynamic_tree"}
+
+
+def test_a_sys_path_edit_is_caught():
+    assert edits_sys_path("import sys\nsys.path.insert(0, '..')\n")
+    assert edits_sys_path("from sys import path\npath.append('..')\n")
+    assert not edits_sys_path("import os\nos.path.join('a', 'b')\n")

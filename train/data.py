@@ -9,7 +9,6 @@ Prompt sources are named in configs as one of:
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 from collections.abc import Iterable
@@ -17,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from medusa.evaluation import bench_data_dir
 
 BENCH_FILES = {
     "t0": "t0_train_50k_prompts.jsonl",
@@ -31,14 +32,6 @@ EVALUATION_FILES = (
     "eagle_gsm8k_question.jsonl",
     "self_instruct_user_oriented_instructions.jsonl",
 )
-
-
-def bench_data_dir() -> Path:
-    """`$MEDUSA_BENCH_DATA`, else `../shared/bench_data` beside the repository."""
-    env = os.environ.get("MEDUSA_BENCH_DATA")
-    if env:
-        return Path(env)
-    return Path(__file__).resolve().parent.parent.parent / "shared" / "bench_data"
 
 
 def _read_rows(path: Path) -> list[dict]:

@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from medusa.decode import stop_token_ids  # noqa: E402
+from medusa.answers import answer_prompts, stop_and_pad_ids, token_ids, tokenize_prompts  # noqa: E402
 from medusa.fileio import atomic_write_text  # noqa: E402
 from medusa.loading import load_base  # noqa: E402
 from train.config import DataConfig, parse_args  # noqa: E402
@@ -121,24 +121,6 @@ def record_settings(out_dir: Path, cfg: DataConfig) -> None:
     atomic_write_text(out_dir / SETTINGS_NAME, json.dumps(asdict(cfg), indent=2))
 
 
-def tokenize_prompts(tokenizer, mix, max_prompt_tokens: int) -> list[dict]:
-    if tokenizer.chat_template is None:
-        raise ValueError(
-            "the base tokenizer has no chat template: self-distillation needs one to answer prompts as the model "
-            "would in use (set tokenizer.chat_template or use an instruct model)"
-        )
-    items = []
-    for source, prompt in mix:
-        ids = _ids(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True))
-        if len(ids) <= max_prompt_tokens:
-            items.append({"source": source, "prompt": prompt, "prompt_ids": ids, "index": len(items)})
-    return items
-
-
-def _ids(encoded) -> list[int]:
-    return list(encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded)
-
-
 def next_turn_ids(tokenizer, prompt: str, follow_up: str, response: list[int], stop_ids: list[int]) -> list[int]:
     """The tokens between the first answer and the second one: the chat template's end of the assistant turn, the
     follow-up as a user turn, and the generation prompt. Cut from the rendered template around a placeholder
@@ -157,7 +139,7 @@ def next_turn_ids(tokenizer, prompt: str, follow_up: str, response: list[int], s
             "the chat template does not render assistant turns verbatim: data.second_turn_fraction "
             "needs one that does (set it to 0 for single-turn data)"
         )
-    ids = _ids(tokenizer(text[text.index(PLACEHOLDER) + len(PLACEHOLDER) :], add_special_tokens=False))
+    ids = token_ids(tokenizer(text[text.index(PLACEHOLDER) + len(PLACEHOLDER) :], add_special_tokens=False))
     if response and response[-1] in stop_ids and ids and ids[0] == response[-1]:
         ids = ids[1:]  # the answer already ends with the end-of-turn token the template writes
     return ids
@@ -178,50 +160,22 @@ def has_second_turn(index: int, fraction: float) -> bool:
     return is_greedy_shard(index, fraction)  # the same even spread, over conversations
 
 
-def stop_and_pad_ids(model, tokenizer) -> tuple[list[int], int]:
-    """The stop ids answers end at (may be empty: answers then run to max_new_tokens) and a pad id for batching."""
-    eos_ids = sorted(stop_token_ids(model, tokenizer, None))
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_ids or [0])[0]
-    return eos_ids, pad_id
-
-
-@torch.inference_mode()
-def answer_batch(model, prompt_ids: list[list[int]], pad_id: int, eos_ids: list[int], cfg: DataConfig, greedy: bool):
-    """Left-padded batched generation; returns each response up to and including its first stop token."""
-    width = max(len(p) for p in prompt_ids)
-    input_ids = torch.full((len(prompt_ids), width), pad_id, dtype=torch.long)
-    attention = torch.zeros_like(input_ids)
-    for i, ids in enumerate(prompt_ids):
-        input_ids[i, width - len(ids) :] = torch.tensor(ids)
-        attention[i, width - len(ids) :] = 1
-    sampling = (
-        {"do_sample": False} if greedy else {"do_sample": True, "temperature": cfg.temperature, "top_p": cfg.top_p}
-    )
-    out = model.generate(
-        input_ids=input_ids.to(model.device),
-        attention_mask=attention.to(model.device),
-        max_new_tokens=cfg.max_new_tokens,
-        pad_token_id=pad_id,
-        eos_token_id=eos_ids or None,
-        top_k=None,
-        **sampling,
-    )[:, width:].tolist()
-    responses = []
-    for row in out:
-        cut = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
-        responses.append(row[:cut])
-    return responses
-
-
 def answer_pairs(model, pairs: list[tuple[int, dict]], pad_id: int, eos_ids: list[int], cfg: DataConfig, greedy: bool):
-    """(shard, item) pairs -> (shard, item, response), answered batch_size at a time in order of prompt length
-    (less padding per batch)."""
-    pairs = sorted(pairs, key=lambda x: len(x[1]["prompt_ids"]))
-    for b in range(0, len(pairs), cfg.batch_size):
-        batch = pairs[b : b + cfg.batch_size]
-        responses = answer_batch(model, [item["prompt_ids"] for _, item in batch], pad_id, eos_ids, cfg, greedy)
-        for (shard, item), response in zip(batch, responses):
-            yield shard, item, response
+    """(shard, item) pairs -> (shard, item, response), answered batch_size at a time in order of prompt length."""
+    answers = answer_prompts(
+        model,
+        [item["prompt_ids"] for _, item in pairs],
+        pad_id,
+        eos_ids,
+        cfg.batch_size,
+        max_new_tokens=cfg.max_new_tokens,
+        greedy=greedy,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+    )
+    for i, response in answers:
+        shard, item = pairs[i]
+        yield shard, item, response
 
 
 def add_record(records: list[dict], item: dict, response: list[int], greedy: bool) -> int:

@@ -30,9 +30,16 @@ def _bench(argv):
     bench.main(argv)
 
 
+def _accuracy(argv):
+    from medusa.cli import accuracy
+
+    accuracy.main(argv)
+
+
 COMMANDS = {  # command -> (its main(argv), what it does)
     "chat": (_chat, "streaming chat in the terminal (or from a pipe), tokens/s and tau per answer"),
     "bench": (_bench, "Spec-Bench style speed benchmark: methods interleaved per question, summary and plot"),
+    "accuracy": (_accuracy, "per-head, per-rank accuracy of the heads on the target's own answers to a question file"),
     "calibrate": (_calibrate, "measure this machine and choose the decoding plan (cached)"),
     "export": (_export, "write heads in the official Medusa / TGI / TensorRT-LLM or the vLLM layout"),
 }

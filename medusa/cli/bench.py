@@ -63,7 +63,7 @@ from transformers import GenerationConfig
 from medusa import MedusaModel
 from medusa.config import CONFIG_NAME
 from medusa.decode import DecodeStats
-from medusa.engine import ENGINES
+from medusa.engine import ENGINES, engine_for
 from medusa.evaluation import load_questions as read_questions
 from medusa.fileio import atomic_write_text
 from medusa.hardware import describe
@@ -91,6 +91,7 @@ MODEL_FREE = frozenset({"prompt_lookup"})  # transformers' n-gram proposals: c =
 PLAIN = frozenset({"baseline", "baseline_compiled", "plain"})  # one token a step: no guesses to analyse
 PROMPT_LOOKUP_TOKENS = 10
 WARMUP_TOKENS = 16
+PROPOSAL_ROWS = 96  # room past the last token for one proposal's nodes (trees and hybrid chains stay below this)
 RESUME_KEYS = (
     "questions",
     "base",
@@ -152,7 +153,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--draft",
         default=None,
         help="draft model for 'assisted' and 'draft' (same tokenizer), "
-        "or early-exit:N for the target's own first N layers",
+        "early-exit:N for the target's own first N layers, or int8 for the target with int8 weights (torchao)",
     )
     parser.add_argument("--gamma", type=int, default=5, help="tokens the draft model proposes per step")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -208,6 +209,17 @@ def encode_conversation(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer(text)["input_ids"]
 
 
+def longest_context(questions: list[dict], tokenizer, max_new_tokens: int) -> int:
+    """The most cache rows a question's last turn can need: every turn's prompt and every answer at full length."""
+    longest = 0
+    for q in questions:
+        messages = []
+        for text in q["turns"]:
+            messages += [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
+        longest = max(longest, len(encode_conversation(tokenizer, messages[:-1])) + len(q["turns"]) * max_new_tokens)
+    return longest + PROPOSAL_ROWS
+
+
 def answer_message(tokenizer, output_ids: list[int]) -> dict:
     """A turn's generated ids -> the assistant message that goes back into the conversation before the next turn."""
     return {"role": "assistant", "content": tokenizer.decode(output_ids, skip_special_tokens=True).strip()}
@@ -229,6 +241,8 @@ class ForwardRecorder:
             torch.cuda.synchronize()
         return time.perf_counter()
 
+    # dynamo sees hooks on a module it compiled (the inductor engine runs the base itself): they stay uncompiled
+    @torch.compiler.disable
     def _before(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
@@ -238,6 +252,7 @@ class ForwardRecorder:
         self.calls.append([int(past), int(ids.shape[1]), 0.0])
         self._start = self._now()
 
+    @torch.compiler.disable
     def _after(self, module, args, output):
         self.calls[-1][2] = self._now() - self._start
 
@@ -714,12 +729,22 @@ def main(argv=None) -> dict:
     settings["skipped"] = skipped
     methods = [m for m in args.methods if m in runs]
     targets = [model.base]
-    # every engine a method runs on is built (and compiled) before the hooks below exist: compiled graphs do not run
-    # hooks added later, and would trace hooks added before (the loop counts those forwards itself)
-    compile_s = {name: model.engine(name).compile_seconds for name in {args.engine, plain_engine(model)}}
+    # every engine a method runs on is built and compiled, for every cache size the questions need, before the hooks
+    # below exist (compiled graphs do not run hooks added later, and would trace hooks added before; the loop counts
+    # those forwards itself) and before any timing: a size compiled inside a timed turn would cost that turn minutes
+    todo = [q for q in questions if any((q["question_id"], m) not in records for m in methods)]
+    planned = model.plan.engine if "planned" in methods and model.plan is not None else None
+    engines = {args.engine, plain_engine(model)} | ({planned} if planned else set())
+    longest = longest_context(todo, tokenizer, args.max_new_tokens)
+    for name in sorted(engines):
+        model.engine(name).warm_up(max_length=longest)
+    compile_s = {name: model.engine(name).compile_seconds for name in engines}
+    if draft_lm is not None and "draft" in methods:  # our draft proposer runs the draft on the target's engine
+        draft_engine = engine_for(draft_lm, args.engine)
+        draft_engine.warm_up(max_length=longest)
+        compile_s[f"draft on {args.engine}"] = draft_engine.compile_seconds
     settings["compile_s"] = {name: round(s, 1) for name, s in compile_s.items() if s}
-    planned_compiled = "planned" in methods and model.plan is not None and model.plan.engine == "compiled"
-    if args.engine == "compiled" or "baseline_compiled" in methods or planned_compiled:
+    if args.engine == "compiled" or "baseline_compiled" in methods or planned == "compiled":
         runner = model.engine("compiled").runner  # the compiled engine's forward (a pre-packed copy on CPU)
         targets += [runner] if runner is not model.base else []
     recorders = {"target": ForwardRecorder(targets, sync)}
@@ -729,7 +754,6 @@ def main(argv=None) -> dict:
     def prompt_ids(messages):
         return torch.tensor([encode_conversation(tokenizer, messages)], device=model.device)
 
-    todo = [q for q in questions if any((q["question_id"], m) not in records for m in methods)]
     if todo:  # warm-up: every method once, untimed here but recorded (the compiled engine packs or compiles then)
         warm = prompt_ids([{"role": "user", "content": todo[0]["turns"][0]}])
         warmup = {}

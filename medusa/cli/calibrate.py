@@ -43,7 +43,7 @@ def main(argv=None) -> dict:
     if model.accuracy is None:
         print(
             "note: these heads have no accuracy table (medusa_accuracy.json): the plan only picks the engine; "
-            "write one with scripts/head_accuracy.py --heads-dir"
+            "write one with `medusa accuracy --heads-dir`"
         )
     plan = model.calibrate(recalibrate=True, compile=args.compile)
     print(plan.describe())
