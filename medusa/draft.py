@@ -75,8 +75,10 @@ class DraftProposer:
         """A cache with room for `needed` rows. A static one (its size fixed) that is full is replaced by a larger
         one, into which the committed tokens are fed again: once per size, as the sizes grow by steps."""
         if self.cache is None or (self.rows is not None and needed > self.rows):
-            window = getattr(self.engine, "window", None) or needed + DRAFT_CACHE_HEADROOM
-            self.cache = self.engine.new_cache(min(needed + DRAFT_CACHE_HEADROOM, max(window, needed)))
+            rows, window = needed + DRAFT_CACHE_HEADROOM, getattr(self.engine, "window", None)
+            if window is not None:  # a compiled sliding-window model keeps no more than its window
+                rows = max(needed, min(rows, window))
+            self.cache = self.engine.new_cache(rows)
             static = isinstance(self.cache, StaticCache)
             self.rows = max(layer.max_cache_len for layer in self.cache.layers) if static else None
             self.seen = 0
@@ -165,8 +167,9 @@ def quantized_draft(target, scheme: str = "int8"):
     the target's dtype (torchao's weight-only int8): a self-draft that shares the tokenizer and nearly every greedy
     choice with the target and reads a quarter of the bytes an fp32 forward reads. Its embedding is the target's.
 
-    The speed is torch.compile's: on the "inductor" engine (CPU) the dequantisation fuses into the matrix products,
-    while eagerly torchao converts each weight back per call (slower than the target)."""
+    Only torch.compile can make it fast (the "inductor" engine on a CPU): eagerly, torchao converts each weight back
+    per call, slower than the target. On a 2-core AVX2 CPU even the compiled int8 step was no faster than the fp32
+    target's compiled one (docs/sampling.md)."""
     if scheme not in QUANTIZED_DRAFTS:
         raise ValueError(f"unknown quantized draft {scheme!r}: use one of {list(QUANTIZED_DRAFTS)}")
     try:

@@ -289,13 +289,17 @@ class CompiledEngine:
         if self.window is not None:
             max_length = min(max_length, self.window)
         if self.model.device.type == "cuda":  # one cache, grown (CUDA graphs re-record for the new one)
-            sizes = [max_length]
-        else:  # each size the caches come in, up to the one max_length needs
+            fits = self._cache is not None and self._cache.layers[0].max_cache_len >= max_length
+            sizes = [] if fits else [max_length]
+        else:  # each size the caches come in, up to the one max_length needs (a window may stop them short)
             sizes = [COMPILED_MIN_ROWS]
             while sizes[-1] < max_length:
                 sizes.append(sizes[-1] * 2)
-        for rows in sorted({min(rows, max_length) for rows in sizes}):  # a window may be shorter than a size
-            self.new_cache(rows, progress)  # compiles a size it has not seen; hands back one it has
+            if self.window is not None:
+                sizes = sorted({min(rows, self.window) for rows in sizes})
+            sizes = [rows for rows in sizes if rows not in self._sized]  # as new_cache keys them
+        for rows in sizes:
+            self.new_cache(rows, progress)  # allocates and compiles
         return self.compile_seconds - before
 
     @torch.inference_mode()
