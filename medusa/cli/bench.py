@@ -744,7 +744,7 @@ def main(argv=None) -> dict:
         draft_engine.warm_up(max_length=longest)
         compile_s[f"draft on {args.engine}"] = draft_engine.compile_seconds
     settings["compile_s"] = {name: round(s, 1) for name, s in compile_s.items() if s}
-    if args.engine == "compiled" or "baseline_compiled" in methods or planned == "compiled":
+    if "compiled" in engines:  # built above; hooks on its pre-packed copy count its forwards like the base's
         runner = model.engine("compiled").runner  # the compiled engine's forward (a pre-packed copy on CPU)
         targets += [runner] if runner is not model.base else []
     recorders = {"target": ForwardRecorder(targets, sync)}
