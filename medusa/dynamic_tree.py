@@ -35,6 +35,19 @@ def copy_first_logp(
     return merged, torch.where((guesses >= 0)[:, None], mixed, own)
 
 
+def _prune(beam: torch.Tensor, paths: torch.Tensor, scores_so_far: torch.Tensor, budget: int):
+    """The previous level's kept nodes (scores `beam` (B,), sorted descending, and their `paths`) whose children can
+    still make the final cut. A child scores at most its parent (log-probabilities <= 0) and comes after every
+    shallower node in the cut's stable order, so once `budget` nodes score at least t, a parent scoring <= t has no
+    child in the cut. The survivors are a prefix of the beam (it is sorted), so their indices, and the proposal, are
+    those of the unpruned search; only head calls that could not matter are skipped."""
+    if scores_so_far.numel() < budget:
+        return beam, paths
+    threshold = scores_so_far.topk(budget).values[-1]
+    keep = int((beam > threshold).sum())  # host sync: how many rows the next head runs on
+    return beam[:keep], paths[:keep]
+
+
 class DynamicTreeProposer:
     """Each step: the best `num_nodes - 1` paths by the product of head probabilities, a tree rooted at the root token.
 
@@ -70,6 +83,10 @@ class DynamicTreeProposer:
         )  # (B,) scores of the previous level's kept nodes (the root: log 1)
         paths = root.new_zeros(1, 0)  # (B, d) tokens of the kept nodes' paths after the root
         for d in range(self.depth):
+            if d:  # only nodes above the budget-th best score so far can have a child in the final cut: see _prune
+                beam, paths = _prune(beam, paths, torch.cat(level_scores), budget)
+                if beam.numel() == 0:  # nothing deeper can be chosen: the remaining heads need not run
+                    break
             # (B, V') when each kept node's children depend on its path, else (1, V') shared by all
             level_logits = self.medusa.path_logits(hidden, state.root_token, d, paths) if by_path else logits[d : d + 1]
             width = min(self.topk, budget, level_logits.shape[-1])  # the same at every level

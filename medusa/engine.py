@@ -16,12 +16,15 @@ length. So on CPU the engine pre-packs and does not run inductor unless asked.
   inductor freezes the weights and generates C++ GEMM micro-kernels for them (max-autotune's CPP backend). On a 2-core
   AVX2-only AMD EPYC (SmolLM2 fp32, 256-token context, a whole step as the plan times it) it took 55 / 63 / 90 / 106
   ms with 1 / 2 / 4 / 6 tree nodes where the pre-packed copy took 89 / 124 / 142 / 154, after 6-8 minutes of
-  compiling two graphs (one token; every other length as one dynamic shape). That is paid again in every new
-  process: torch 2.13 bypasses its FX graph cache for a graph holding oneDNN-packed weights ("mkldnn tensors
-  unpickleable") and its AOT autograd cache under freezing, so `$MEDUSA_CACHE/inductor` keeps only the compiled
-  C++ kernels (4-7 minutes again here). Without the oneDNN packing (`cpp.weight_prepack=False`) the cache is hit,
-  but steps took 0.3-5 s instead of 0.05-0.1. It is paid when a cache is allocated (`warm_up`, or a call that needs
-  a larger cache), never between a call's steps.
+  compiling two graphs (one token; every other length as one dynamic shape). A graph compiled for one fixed length
+  is no faster (4 nodes 61.8 ms against the dynamic graph's 60.5; 8 nodes 95.7 against 94.2, 200-token context):
+  the ~8.5 ms each further node adds is this CPU's fp32 GEMM throughput, so one dynamic graph stays. Compiling is
+  paid again in every new process: torch 2.13 bypasses its FX graph cache for a graph holding oneDNN-packed weights
+  ("mkldnn tensors unpickleable") and its AOT autograd cache under freezing, so `$MEDUSA_CACHE/inductor` keeps only
+  the compiled C++ kernels (4-7 minutes again here; most of it is inductor lowering and rendering a C++ GEMM
+  template per linear layer in Python, not the C++ compiler). Without the oneDNN packing
+  (`cpp.weight_prepack=False`) the cache is hit, but steps took 0.3-5 s instead of 0.05-0.1. It is paid when a
+  cache is allocated (`warm_up`, or a call that needs a larger cache), never between a call's steps.
 """
 
 from __future__ import annotations
@@ -209,6 +212,7 @@ class CompiledEngine:
         cpu = self.torch_compile and self.model.device.type != "cuda"
         return torch._inductor.config.patch(INDUCTOR_CPU_OPTIONS) if cpu else contextlib.nullcontext()
 
+    @torch.inference_mode()  # a cache made under it (warm_up's) is written in place here
     def new_cache(self, max_length: int, progress: bool = True) -> StaticCache:
         if self.window is not None and max_length > self.window:
             raise ValueError(

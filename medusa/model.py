@@ -303,7 +303,8 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         built = get_proposer(proposer or "medusa")(self, buffers.to(self.device))
         if not chosen_by_plan or proposer == "plain":  # an explicit proposer runs as asked
             return built
-        return GuardedProposer(built, self.plan.plain_ms, self.device)  # never slower than plain decoding, online
+        # never slower than plain decoding, online
+        return GuardedProposer(built, self.plan.plain_ms, self.device, expected_step_ms=self.plan.step_ms)
 
 
 def _candidate_dtype(base) -> torch.dtype:

@@ -38,7 +38,7 @@ from medusa.tree_builder import check_accuracy, expected_tau, grow_tree, time_st
 logger = logging.getLogger(__name__)
 
 ACCURACY_NAME = "medusa_accuracy.json"  # in a heads directory: {"acc_given_prefix": [[...], ...], "source": ...}
-PLAN_VERSION = 3  # 3: the inductor engine is an option
+PLAN_VERSION = 4  # 3: the inductor engine is an option; 4: the dynamic tree skips heads that cannot matter (cheaper)
 SIZES = (1, 2, 4, 6, 8, 12, 16, 24)  # tree nodes timed, root included (1 = plain decoding)
 SLOW_ENGINE = 1.25  # an engine whose plain step is this much slower than the fastest one's is not timed further
 MIN_GAIN = 1.05  # a speculative option must beat plain decoding by this much to be chosen
@@ -94,6 +94,17 @@ class Plan:
     key: dict = field(default_factory=dict)
     calibration_s: float = 0.0  # timing, compiling excluded
     compile_s: float = 0.0  # spent compiling the engines timed (torch.compile), before timing them
+
+    @property
+    def step_ms(self) -> float | None:
+        """The chosen option's measured step (propose + verify): what the guard scales its yardstick by."""
+        nodes = len(self.tree) + 1 if self.tree else 1
+        chosen = (
+            o["step_ms"]
+            for o in self.options
+            if (o["engine"], o["proposer"], o["num_nodes"]) == (self.engine, self.proposer, nodes)
+        )
+        return next(chosen, None)
 
     @property
     def plain_engine(self) -> str:

@@ -91,6 +91,48 @@ def test_dynamic_tree_keeps_the_most_probable_paths(topk):
         assert probs == sorted(probs, reverse=True)
 
 
+class PathHeads(FixedHeads):
+    """Path-dependent head logits: a fixed pseudo-random function of (head, path), coarse so that scores tie; counts
+    the rows each head is run on."""
+
+    by_path = True
+
+    def __init__(self, vocab, coarse):
+        super().__init__(None)
+        self.vocab, self.coarse, self.rows = vocab, coarse, []
+
+    def path_logits(self, hidden, root, head, paths):
+        self.rows.append(paths.shape[0])
+        out = []
+        for path in paths.tolist():
+            generator = torch.Generator().manual_seed(hash((head, *path)) % 2**31)
+            logits = torch.randn(self.vocab, generator=generator) * 3
+            out.append(logits.round() if self.coarse else logits)
+        return torch.stack(out)
+
+
+@pytest.mark.parametrize("coarse", [False, True])
+@pytest.mark.parametrize("num_nodes", [2, 4, 9, 17])
+def test_dynamic_tree_pruning_changes_no_proposal(monkeypatch, num_nodes, coarse):
+    """Skipping the nodes that cannot reach the final cut gives the very tree the full search gives, on fewer head
+    rows (a 2-node tree runs one head, not four)."""
+    import medusa.dynamic_tree as dynamic_tree
+
+    proposals, rows = [], []
+    for prune in (True, False):
+        if not prune:
+            monkeypatch.setattr(dynamic_tree, "_prune", lambda beam, paths, scores, budget: (beam, paths))
+        heads = PathHeads(vocab=12, coarse=coarse)
+        candidates = DynamicTreeProposer(heads, num_nodes=num_nodes, depth=4, topk=5).propose(_state(root=3))
+        _check_tree(candidates, root=3)
+        proposals.append((candidates.tokens.tolist(), candidates.tree.parent.tolist()))
+        rows.append(sum(heads.rows))
+    assert proposals[0] == proposals[1]
+    assert rows[0] <= rows[1]
+    if num_nodes == 2:
+        assert rows == [1, 4]
+
+
 def test_dynamic_tree_confident_heads_grow_a_deep_chain():
     logits = torch.full((4, 10), -10.0)
     for d in range(4):

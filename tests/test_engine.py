@@ -169,6 +169,7 @@ def test_warm_up_compiles_every_cache_size_a_length_needs_once(monkeypatch):
     with torch.inference_mode():  # as generate runs: the caches' tensors become inference tensors
         engine.prefill(engine.new_cache(100), torch.tensor([[1, 2, 3]]))
     engine.warm_up(max_length=900)  # outside inference mode, over those caches: nothing to compile again
+    assert engine.new_cache(100).layers[0].max_cache_len == 512  # written under inference mode, reset outside it
     assert engine.new_cache(700).layers[0].max_cache_len == 1024  # the smallest compiled size that fits
     assert engine.new_cache(3000).layers[0].max_cache_len == 4096  # a longer call compiles its own size
     assert len(compiled) == 4

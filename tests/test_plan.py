@@ -2,13 +2,16 @@
 
 import json
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+import medusa.guard
 import medusa.model
 import medusa.plan
 from medusa import MedusaModel
+from medusa.guard import BACKOFF, WINDOW, GuardedProposer
 from medusa.plan import ACCURACY_NAME, MIN_GAIN, Plan, decide, load_accuracy, plan_path, save_accuracy
 from medusa.tree_builder import grow_tree
 from tests.conftest import FAMILIES, make_heads, make_tiny_model, save_tiny_checkpoint
@@ -45,8 +48,9 @@ def test_a_flat_curve_picks_a_wide_tree():
 
 def test_a_steep_curve_with_strong_heads_picks_a_small_tree():
     plan = decide(curve(lambda n: 10.0 * n**0.6), grow_tree(STRONG, 12), STRONG)
-    assert plan.proposer != "plain" and len(plan.tree) + 1 < max(SIZES)
+    assert plan.proposer == "dynamic" and len(plan.tree) + 1 < max(SIZES)
     assert plan.plain_ms == pytest.approx(10.0)
+    assert plan.step_ms == pytest.approx(0.5 + 10.0 * (len(plan.tree) + 1) ** 0.6)  # propose + verify: the guard's
 
 
 def test_the_fastest_engine_wins():
@@ -157,8 +161,45 @@ def test_guard_falls_back_to_plain_decoding_when_guessing_loses_and_stays_exact(
     out = model.generate(prompt, max_new_tokens=80)
     assert torch.equal(out.sequences, reference)
     depths = out.stats.proposed_lengths
-    assert depths[:8] == [3] * 8  # one window of guessing, then plain steps (depth 0), then a retry
-    assert depths[8:24] == [0] * 16 and 3 in depths[24:]
+    guessed = 1 + WINDOW  # the untimed first step and one window of guessing, then plain steps (depth 0), a retry
+    assert depths[:guessed] == [3] * guessed
+    assert depths[guessed : guessed + BACKOFF] == [0] * BACKOFF and 3 in depths[guessed + BACKOFF :]
+
+
+def test_guard_leaves_the_first_step_untimed(monkeypatch):
+    """The first step also feeds the prompt to a context layer: however slow, it alone must not end guessing."""
+    times = iter([0.0, 5.0] + [t for step in range(1, 40) for t in (step * 10.0, step * 10.0 + 0.002)])
+    monkeypatch.setattr(medusa.guard.time, "perf_counter", lambda: next(times))
+    proposer = SimpleNamespace(max_nodes=2, propose=lambda state: "guess", observe=lambda state, tokens: None)
+    guard = GuardedProposer(proposer, plain_step_ms=10.0, device="cpu")  # guessing: 2 ms a token, then 5 s once
+    for _ in range(1 + 3 * WINDOW):
+        assert guard.propose(None) == "guess"
+        guard.observe(None, [1])
+    assert guard.fallbacks == 0
+
+
+def _drive_guard(monkeypatch, step_ms: float, tokens: int, steps: int, **guard_options) -> GuardedProposer:
+    """A guard over a proposer whose every step takes `step_ms` and commits `tokens`, on a fake clock."""
+    times = iter([t for step in range(steps) for t in (step * 10.0, step * 10.0 + step_ms / 1000)])
+    monkeypatch.setattr(medusa.guard.time, "perf_counter", lambda: next(times))
+    proposer = SimpleNamespace(max_nodes=2, propose=lambda state: "guess", observe=lambda state, tokens: None)
+    guard = GuardedProposer(proposer, device="cpu", **guard_options)
+    for _ in range(steps):
+        if guard.propose(None) != "guess":
+            break
+        guard.observe(None, [1] * tokens)
+    return guard
+
+
+@pytest.mark.parametrize("tokens, falls_back", [(2, False), (1, True)])
+def test_guard_scales_the_plans_yardstick_by_this_calls_steps(monkeypatch, tokens, falls_back):
+    """Steps twice as slow as calibrated (a larger cache, a busier machine) slow plain steps too: guessing at the
+    plan's ratio (a 15 ms step for 2 tokens against a 10 ms plain step) is not judged against the calibrated 10 ms,
+    while guessing that commits one token a step still loses."""
+    guard = _drive_guard(
+        monkeypatch, step_ms=30.0, tokens=tokens, steps=1 + WINDOW, plain_step_ms=10.0, expected_step_ms=15.0
+    )
+    assert (guard.fallbacks == 1) is falls_back
 
 
 def test_guard_keeps_guessing_while_it_pays():

@@ -673,8 +673,11 @@ def main(argv=None) -> dict:
         "methods": args.methods,
         "base": str(args.base or model.config.base_model_name_or_path),
         "heads": heads_label(args.heads),
-        "tree": args.tree or "heads' default",
-        "tree_paths": load_tree(args.tree) if args.tree else model.tree,
+        # the fixed methods' tree: --tree, else the plan's (as generate takes it), else the heads' own
+        "tree": args.tree or ("the plan's" if model.plan is not None and model.plan.tree else "heads' default"),
+        "tree_paths": load_tree(args.tree)
+        if args.tree
+        else (model.plan.tree if model.plan is not None else None) or model.tree,
         "dtype": args.dtype,
         "device": str(model.device),
         "engine": args.engine,
