@@ -292,13 +292,18 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         )
 
     # ---------------------------------------------------------------- generation
+    def tree_paths(self, tree=None) -> list[list[int]]:
+        """The rank paths a call given `tree` builds its proposal on: `tree` (paths, a name or a JSON path), else the
+        plan's tree, else the heads' own (a plain plan has none: its guard-free calls use the heads')."""
+        return _tree_arg(tree) or (self.plan.tree if self.plan is not None else None) or self.tree
+
     def _make_proposer(self, proposer: str | None, tree, sampling: SamplingConfig, generator, engine=None):
         """The plan's proposer and tree by default (else Medusa heads over the heads' static tree); `proposer` names
         another from the registry (plain, dynamic, hybrid, ...). The heads run as they are on any `engine`."""
         chosen_by_plan = proposer is None and self.plan is not None
         if chosen_by_plan:
             proposer = self.plan.proposer
-        paths = _tree_arg(tree) or (self.plan.tree if self.plan is not None else None) or self.tree  # plain: []
+        paths = self.tree_paths(tree)
         buffers = build_buffers(TreeSpec(paths, self.config.num_heads), self.config.num_heads)
         built = get_proposer(proposer or "medusa")(self, buffers.to(self.device))
         if not chosen_by_plan or proposer == "plain":  # an explicit proposer runs as asked

@@ -98,7 +98,7 @@ class Plan:
     @property
     def step_ms(self) -> float | None:
         """The chosen option's measured step (propose + verify): what the guard scales its yardstick by."""
-        nodes = len(self.tree) + 1 if self.tree else 1
+        nodes = len(self.tree) + 1  # a plain plan's tree is []
         chosen = (
             o["step_ms"]
             for o in self.options

@@ -114,6 +114,8 @@ def test_benchmark_smoke(tmp_path):
         assert (out / name).is_file(), name
     raw = [json.loads(line) for line in (out / "raw.jsonl").read_text().splitlines()]
     assert len(raw) == 2 * len(ran)
+    depth = max(len(path) for path in summary["settings"]["tree_paths"])  # the recorded tree is the one medusa ran
+    assert {n for r in raw if r["method"] == "medusa" for t in r["turns"] for n in t["proposed_lengths"]} == {depth}
     mt = next(r for r in raw if r["question_id"] == 81 and r["method"] == "medusa")
     assert len(mt["turns"]) == 2  # the second prompt holds the first exchange and the new question:
     assert mt["turns"][1]["prompt_tokens"] > mt["turns"][0]["prompt_tokens"] + len(QUESTIONS[0]["turns"][1])

@@ -68,7 +68,6 @@ from medusa.evaluation import load_questions as read_questions
 from medusa.fileio import atomic_write_text
 from medusa.hardware import describe
 from medusa.model import DEFAULT_HEADS_DIR
-from medusa.tree import load_tree
 
 MT_BENCH_CATEGORIES = frozenset(
     {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
@@ -675,9 +674,7 @@ def main(argv=None) -> dict:
         "heads": heads_label(args.heads),
         # the fixed methods' tree: --tree, else the plan's (as generate takes it), else the heads' own
         "tree": args.tree or ("the plan's" if model.plan is not None and model.plan.tree else "heads' default"),
-        "tree_paths": load_tree(args.tree)
-        if args.tree
-        else (model.plan.tree if model.plan is not None else None) or model.tree,
+        "tree_paths": model.tree_paths(args.tree),
         "dtype": args.dtype,
         "device": str(model.device),
         "engine": args.engine,
