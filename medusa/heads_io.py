@@ -36,6 +36,7 @@ from safetensors.torch import load_file, save_file
 from medusa.config import CONFIG_NAME, WEIGHTS_NAME, MedusaConfig
 from medusa.fileio import atomic_write_text, write_directory
 from medusa.heads import MedusaHeads, storage_state
+from medusa.hub import resolve_heads
 from medusa.loading import load_base
 
 logger = logging.getLogger(__name__)
@@ -366,7 +367,7 @@ def export_directory(
     """
     if format not in FORMATS:
         raise ValueError(f"unknown export format {format!r}: use one of {FORMATS}")
-    heads_dir, out_dir = Path(heads_dir), Path(out_dir)
+    heads_dir, out_dir = resolve_heads(heads_dir), Path(out_dir)  # a directory, Hub id or embedded:<name>
     if out_dir.resolve() == heads_dir.resolve():
         raise ValueError(f"export into a different directory than the source ({heads_dir})")
     _check_out_dir(out_dir, overwrite)  # before the (possibly slow) base model load

@@ -8,6 +8,12 @@ import os
 import tempfile
 from pathlib import Path
 
+from medusa.config import CONFIG_NAME
+
+# Heads shipped inside the package, named `embedded:<directory name>` (like the embedded base).
+EMBEDDED_PREFIX = "embedded:"
+EMBEDDED_HEADS_ROOT = Path(__file__).resolve().parent / "default_heads"
+
 # What a heads repo holds, in every layout medusa reads (native, Medusa-2 adapter, official, vLLM) and its card.
 HEADS_FILES = ["*.json", "*.safetensors", "README.md"]
 
@@ -24,7 +30,10 @@ def is_repo_id(reference) -> bool:
 
 
 def resolve_heads(reference, revision: str | None = None) -> Path:
-    """A heads directory, or a Hub repo id -> the local directory holding its files (downloaded once, then cached)."""
+    """A heads directory, a Hub repo id or `embedded:<name>` -> the local directory holding its files (a Hub repo is
+    downloaded once, then cached)."""
+    if str(reference).startswith(EMBEDDED_PREFIX):
+        return embedded_heads(str(reference).removeprefix(EMBEDDED_PREFIX), revision)
     if not is_repo_id(reference):
         if revision is not None:
             raise ValueError(f"revision={revision!r} applies to a Hub repo id, and {str(reference)!r} is a local path")
@@ -42,6 +51,16 @@ def resolve_heads(reference, revision: str | None = None) -> Path:
         ) from err
     except (RepositoryNotFoundError, RevisionNotFoundError) as err:
         raise FileNotFoundError(f"no heads at {reference!r} (revision {revision or 'main'}) on the Hub: {err}") from err
+
+
+def embedded_heads(name: str, revision: str | None = None) -> Path:
+    """The directory of the heads shipped as `embedded:<name>`; raises listing the shipped names."""
+    shipped = sorted(p.parent.name for p in EMBEDDED_HEADS_ROOT.glob(f"*/{CONFIG_NAME}"))
+    if revision is not None:
+        raise ValueError(f"revision={revision!r} applies to a Hub repo id; embedded:{name} ships with the package")
+    if name not in shipped:
+        raise FileNotFoundError(f"no embedded heads named {name!r}: the package ships {shipped}")
+    return EMBEDDED_HEADS_ROOT / name
 
 
 def push_to_hub(

@@ -18,7 +18,7 @@ from medusa.guard import GuardedProposer
 from medusa.hardware import native_bf16
 from medusa.heads import MedusaHeads
 from medusa.heads_io import adapter_files, has_adapter, load_heads, merge_adapter, save_heads
-from medusa.hub import push_to_hub, resolve_heads
+from medusa.hub import EMBEDDED_HEADS_ROOT, push_to_hub, resolve_heads
 from medusa.loading import DEFAULT_BASE, BaseSource, load_base, resolve_dtype
 from medusa.plan import Plan, load_accuracy, load_or_calibrate, save_accuracy
 from medusa.prepack import can_prepack, prepacked_copy
@@ -29,7 +29,7 @@ from medusa.tree import TreeSpec, build_buffers, chain, load_tree
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_HEADS_DIR = Path(__file__).resolve().parent / "default_heads" / "smollm2-135m-instruct"
+DEFAULT_HEADS_DIR = EMBEDDED_HEADS_ROOT / "smollm2-135m-instruct"
 
 
 def _default_tree(num_heads: int) -> list[list[int]]:

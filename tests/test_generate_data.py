@@ -6,10 +6,11 @@ import shutil
 
 import pytest
 
+from medusa.answers import token_ids
 from tests.conftest import make_tiny_model, tiny_tokenizer
 from train.config import DataConfig
 from train.data import build_prompt_mix, drop_evaluation_overlap, normalise
-from train.generate_data import is_greedy_shard, load_shards, main, shard_dirs, shard_groups
+from train.generate_data import is_greedy_shard, load_shards, main, reference_response, shard_dirs, shard_groups
 
 PROMPTS = [f"Tell me fact number {i} about owls." for i in range(7)] + ["Prove the Pythagorean theorem."]
 
@@ -314,3 +315,62 @@ def test_sigkill_mid_run_then_rerun_equals_an_uninterrupted_run(setup, tmp_path)
     assert len(shard_dirs(out)) == len(shard_dirs(whole)) == 20
     assert _rows(out) == _rows(whole)
     assert not list(out.glob(".tmp-*"))
+
+
+def test_reference_answers_are_the_sources_own_answers_through_the_chat_template(setup, tmp_path):
+    """data.reference_answers: each response is the row's own answer (GSM8K's calculator notes removed), rendered as
+    the chat template writes an assistant turn and cut to max_new_tokens; rows without an answer are left out."""
+    args, out = setup
+    rows = [
+        {"instruction": "Name a bird.", "input": "", "output": "Owl"},
+        {"question": "What is 48/2?", "answer": "It is 48/2 = <<48/2=24>>24. #### 24"},
+        {"instruction": "Say nothing.", "input": "", "output": ""},  # no answer: left out
+        {"instruction": "Prove the Pythagorean theorem.", "output": "By areas."},  # an evaluation turn: dropped
+    ]
+    source = tmp_path / "answered.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    reference = tmp_path / "reference"
+    base = args + ["--data.sources", json.dumps({str(source): -1}), "--data.max_new_tokens", "40"]
+    main(base + ["--data.out_dir", str(reference), "--data.reference_answers", "true"])
+    tokenizer = tiny_tokenizer()
+    texts = sorted(
+        (
+            tokenizer.decode(r["input_ids"][: r["response_start"]]),
+            tokenizer.decode(r["input_ids"][r["response_start"] :]),
+        )
+        for r in load_shards(reference)
+    )
+    assert texts == [
+        ("user: Name a bird. | assistant:", " Owl | "),
+        ("user: What is 48/2? | assistant:", " It is 48/2 = 24. #### 24 | "),
+    ]
+    short = tmp_path / "short"
+    main(base + ["--data.out_dir", str(short), "--data.reference_answers", "true", "--data.max_new_tokens", "3"])
+    assert sorted(len(r["input_ids"]) - r["response_start"] for r in load_shards(short)) == [3, 3]
+    with pytest.raises(ValueError, match="no answers to train on"):  # a source of prompts alone is named
+        main(args + ["--data.out_dir", str(tmp_path / "none"), "--data.reference_answers", "true"])
+    with pytest.raises(ValueError, match="set one of them"):
+        DataConfig(answer=False, reference_answers=True)
+    with pytest.raises(ValueError, match="reference answers cannot"):
+        DataConfig(reference_answers=True, second_turn_fraction=0.5)
+
+
+def test_a_reference_answer_ends_at_the_templates_end_of_turn_token():
+    """What a template writes after the end-of-turn token (SmolLM2's newline) is not part of the answer."""
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}~ {% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
+    item = {"prompt": "Hi", "prompt_ids": token_ids(prompt_ids)}
+    end = tokenizer.convert_tokens_to_ids("~")
+    response = reference_response(tokenizer, item, "Hello", [end], max_new_tokens=64)
+    assert tokenizer.decode(response) == "Hello~"
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+    )
+    with pytest.raises(ValueError, match="different prefix"):  # the generation prompt is not what answers follow
+        reference_response(
+            tokenizer, {"prompt": "Hi", "prompt_ids": [tokenizer.convert_tokens_to_ids(">")]}, "x", [end], 9
+        )

@@ -17,12 +17,14 @@ from safetensors.torch import load_file, save_file
 
 from medusa import MedusaModel
 from medusa.cli import main
+from medusa.config import MedusaConfig
 from medusa.heads_io import (
     EXPORTABLE_FLAGS,
     FORMATS,
     OFFICIAL_PICKLE,
     OFFICIAL_WEIGHTS,
     VLLM_WEIGHTS,
+    check_exportable,
     export_directory,
     export_heads,
     export_model,
@@ -31,6 +33,7 @@ from medusa.heads_io import (
     load_heads,
     save_heads,
 )
+from medusa.hub import resolve_heads
 from medusa.model import DEFAULT_HEADS_DIR
 from tests.conftest import HIDDEN, VOCAB, make_heads, make_tiny_model, save_tiny_checkpoint, tiny_tokenizer
 
@@ -342,36 +345,44 @@ def test_medusa_export_command_writes_both_layouts_and_refuses_the_shipped_heads
         assert named in err, named
 
 
-def test_readme_recipe_for_exportable_heads_parses_trains_and_exports(tmp_path, monkeypatch):
-    """README's step 5, read from the README itself: its overrides parse against configs/smollm2-135m.yaml (they
-    failed once with "heads.context_window needs heads.condition_on_next_token"), heads built from that section (tiny
-    sizes) are exportable, and its `medusa export` line writes both layouts. The flags are the ones the export error
-    advises (EXPORTABLE_FLAGS), also given in the shipped heads' README."""
+def test_readme_exports_the_shipped_exportable_heads_and_the_recipes_parse(tmp_path, monkeypatch):
+    """README's step 5, read from the README itself: its `medusa export` lines name the shipped exportable set
+    (whose config and recipe, configs/smollm2-135m-medusa1.yaml, export) and write both layouts (run here on tiny
+    heads built from that recipe's section); docs/serving.md's command for training on your own data parses against
+    configs/smollm2-135m.yaml (it failed once with "heads.context_window needs heads.condition_on_next_token") with
+    the flags the export error advises (EXPORTABLE_FLAGS), also given in the default heads' README."""
     from train.config import parse_args
     from train.trainer import build_heads
 
-    step = README.read_text().split("# 5. serve the heads elsewhere")[1].split("```")[0].replace("\\\n", " ")
-    (train_line,) = [line for line in step.splitlines() if line.startswith("accelerate launch train/train.py")]
-    (export_line,) = [line for line in step.splitlines() if line.startswith("medusa export")]
-    monkeypatch.chdir(README.parent)  # the command's --config is relative to the repository
-    _, cfg = parse_args("train", shlex.split(train_line)[3:])
-    assert cfg.heads.context_window == 0 and cfg.heads.feature_layers == [] and not cfg.heads.condition_on_next_token
+    step = README.read_text().split("# 5. serve heads elsewhere")[1].split("```")[0]
+    exports = [shlex.split(line)[1:] for line in step.splitlines() if line.startswith("medusa export")]
+    assert sorted(argv[4] for argv in exports) == sorted(FORMATS)
+    assert {argv[1] for argv in exports} == {"embedded:smollm2-135m-instruct-medusa1"}
+    shipped = resolve_heads(exports[0][1])
+    check_exportable(MedusaConfig.load(shipped))
+    monkeypatch.chdir(README.parent)  # the commands' --config is relative to the repository
+    _, recipe = parse_args("train", ["--config", "configs/smollm2-135m-medusa1.yaml"])
+    assert README.parent / recipe.training.output_dir == shipped
+    check_exportable(recipe.heads)
+
+    serving = (README.parent / "docs" / "serving.md").read_text().replace("\\\n", " ")
+    (train_line,) = [line for line in serving.splitlines() if line.startswith("accelerate launch train/train.py")]
+    _, cfg = parse_args("train", shlex.split(train_line.split("#")[0])[3:])
+    check_exportable(cfg.heads)
     assert EXPORTABLE_FLAGS in " ".join(train_line.split())
     assert EXPORTABLE_FLAGS in (DEFAULT_HEADS_DIR / "README.md").read_text()
 
     base_dir = tmp_path / "base"
     make_tiny_model("llama").save_pretrained(base_dir)
     tiny_tokenizer().save_pretrained(base_dir)  # export loads the base (shared projection) with its tokenizer
-    section = dataclasses.replace(cfg.heads, vocab_subset_size=32)  # the config's 8192 exceeds the tiny vocabulary
+    section = dataclasses.replace(recipe.heads, vocab_subset_size=32)  # 8192 exceeds the tiny vocabulary
     heads = build_heads(section, HIDDEN, VOCAB, torch.nn.Linear(HIDDEN, VOCAB, bias=False), str(base_dir))
+    (tmp_path / "heads").mkdir()
+    save_heads(heads, tmp_path / "heads")
     monkeypatch.chdir(tmp_path)
-    (heads_dir := tmp_path / cfg.training.output_dir).mkdir(parents=True)
-    save_heads(heads, heads_dir)
-    argv = shlex.split(export_line)[1:]
-    assert argv[:4] == ["export", "runs/heads-plain", "runs/export-vllm", "--format"] and argv[4] == "vllm"
-    for fmt in FORMATS:
-        main([*argv[:2], f"runs/export-{fmt}", "--format", fmt, *argv[5:]])
-        out = tmp_path / "runs" / f"export-{fmt}"
-        assert foreign_layout(out) == fmt
+    for argv in exports:
+        main([argv[0], str(tmp_path / "heads"), *argv[2:]])
+        out = tmp_path / argv[2]
+        assert foreign_layout(out) == argv[4]
         assert json.loads((out / "config.json").read_text())["base_model_name_or_path"] == argv[-1]
-        assert load_heads(out).config.num_heads == cfg.heads.num_heads
+        assert load_heads(out).config.num_heads == recipe.heads.num_heads

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from medusa import MedusaModel
-from medusa.hub import is_repo_id, resolve_heads
+from medusa.hub import EMBEDDED_HEADS_ROOT, is_repo_id, resolve_heads
 from tests.conftest import save_tiny_checkpoint
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -89,6 +89,17 @@ def test_local_paths_are_not_repo_ids(tmp_path):
     assert resolve_heads(tmp_path / "org" / "heads") == tmp_path / "org" / "heads"
     with pytest.raises(ValueError, match="revision='v1' applies to a Hub repo id"):
         resolve_heads(tmp_path / "org" / "heads", revision="v1")
+
+
+def test_embedded_heads_resolve_by_name_and_an_unknown_name_lists_the_shipped_ones():
+    shipped = sorted(p.parent.name for p in EMBEDDED_HEADS_ROOT.glob("*/medusa_config.json"))
+    assert "smollm2-135m-instruct" in shipped and len(shipped) >= 2  # the default and the exportable set
+    for name in shipped:
+        assert resolve_heads(f"embedded:{name}") == EMBEDDED_HEADS_ROOT / name
+    with pytest.raises(FileNotFoundError, match=r"no embedded heads named 'nope': the package ships \["):
+        resolve_heads("embedded:nope")
+    with pytest.raises(ValueError, match="ships with the package"):
+        resolve_heads(f"embedded:{shipped[0]}", revision="v1")
 
 
 def test_push_uploads_the_saved_directory_as_one_commit(monkeypatch, checkpoint):

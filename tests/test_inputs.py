@@ -188,6 +188,11 @@ BAD_CONFIGS = [
         ["--heads.condition_on_path", "true"],
         "heads.condition_on_path needs heads.condition_on_next_token",
     ),
+    (
+        "reference answers for prompts alone",
+        ["--data.reference_answers", "true", "--data.answer", "false"],
+        "data.reference_answers gives every prompt its source's answer",
+    ),
     ("Medusa-2 on cached hidden states", ["--training.medusa2", "true"], "precompute_hidden false for Medusa-2"),
     ("an override without a section", ["--lr", "1e-3"], "must look like --section.key value"),
 ]

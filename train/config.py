@@ -103,8 +103,22 @@ class DataConfig:
     # false: write the prompts alone, through the chat template, without generating: prefill-priced data that only
     # training.prompt_tokens trains on, against the base's own distribution
     answer: bool = True
+    # true: each prompt's response is its source's own answer (Alpaca's output, GSM8K's answer), not one the target
+    # generates: Medusa-1's original recipe (ShareGPT answers), data in seconds; train it with training.distill so the
+    # heads still learn the base's distribution over that text
+    reference_answers: bool = False
 
     def __post_init__(self):
+        if self.reference_answers and not self.answer:
+            raise ValueError(
+                "data.reference_answers gives every prompt its source's answer, data.answer false asks for "
+                "prompts alone: set one of them"
+            )
+        if self.reference_answers and self.second_turn_fraction:
+            raise ValueError(
+                "data.second_turn_fraction needs the target to answer the follow-ups, which reference answers "
+                "cannot: set data.reference_answers false or second_turn_fraction 0"
+            )
         if not self.answer and self.second_turn_fraction:
             raise ValueError(
                 "data.second_turn_fraction needs answers to follow up on: set data.answer true, or "

@@ -62,8 +62,19 @@ def _row_prompt(row: dict) -> str | None:
     return None
 
 
-def load_prompts(source: str) -> list[str]:
-    """All prompts of one source (see module docstring). Raises with the accepted layouts when none are found."""
+def _row_answer(row: dict) -> str | None:
+    """A row's own answer, where its layout has one: Alpaca's `output`, the first instance's `output` (seed
+    tasks), GSM8K's `answer` with its calculator annotations (`<<48/2=24>>`) removed, as a model would write it."""
+    if row.get("output"):
+        return row["output"]
+    if row.get("instances") and row["instances"][0].get("output"):
+        return row["instances"][0]["output"]
+    if isinstance(row.get("answer"), str):
+        return re.sub(r"<<[^>]*>>", "", row["answer"])
+    return None
+
+
+def _source_rows(source: str) -> list[dict]:
     if source.startswith("bench:"):
         name = source.split(":", 1)[1]
         if name not in BENCH_FILES:
@@ -76,12 +87,34 @@ def load_prompts(source: str) -> list[str]:
         rows = list(load_dataset(dataset_id, split=split[0] if split else "train"))
     else:
         rows = _read_rows(Path(source))
-    prompts = [p for p in (_row_prompt(r) for r in rows) if p and p.strip()]
+    return rows
+
+
+def load_prompts(source: str) -> list[str]:
+    """All prompts of one source (see module docstring). Raises with the accepted layouts when none are found."""
+    prompts = [p for p in (_row_prompt(r) for r in _source_rows(source)) if p and p.strip()]
     if not prompts:
         raise ValueError(
             f"no prompts in {source!r}: rows need a 'prompt', 'instruction' (+'input'), 'question' or 'turns' field"
         )
     return prompts
+
+
+def reference_answers(source: str) -> dict[str, str]:
+    """Prompt -> the source's own answer to it (the first one where a prompt repeats): data.reference_answers.
+    Raises naming the source when its rows carry no answers (T0's prompts, evaluation-style `turns`)."""
+    answers: dict[str, str] = {}
+    for row in _source_rows(source):
+        prompt, answer = _row_prompt(row), _row_answer(row)
+        if prompt and prompt.strip() and answer and answer.strip():
+            answers.setdefault(prompt, answer)
+    if not answers:
+        raise ValueError(
+            f"{source!r} has no answers to train on: data.reference_answers needs rows with an 'output' "
+            "(Alpaca), 'instances[0].output' or 'answer' (GSM8K) field; drop the source or let the target answer "
+            "it (data.reference_answers false)"
+        )
+    return answers
 
 
 def normalise(text: str) -> str:

@@ -7,6 +7,8 @@ Output: `<data.out_dir>/shard-00000/ ...`, each a `datasets` dataset on disk wit
 folder and renamed into place, so a killed run loses at most the shard in flight and a restart continues there.
 With `data.second_turn_fraction` > 0 some conversations also get a follow-up user turn that the target answers;
 they are stored as a second row (prompt + answer + follow-up + second answer, `response_start` at the second answer).
+With `data.reference_answers: true` nothing is generated either: each prompt's response is its source's own answer
+(Alpaca's output, GSM8K's answer; sources without answers are refused), rendered through the chat template.
 With `data.answer: false` nothing is generated: each row is a prompt alone (`response_start` = its length), data
 that training reads only with `training.prompt_tokens` (the heads then learn the base's distribution over it).
 """
@@ -29,13 +31,27 @@ from medusa.answers import answer_prompts, stop_and_pad_ids, token_ids, tokenize
 from medusa.fileio import atomic_write_text  # noqa: E402
 from medusa.loading import load_base  # noqa: E402
 from train.config import DataConfig, parse_args  # noqa: E402
-from train.data import build_prompt_mix, drop_evaluation_overlap, evaluation_prompts  # noqa: E402
+from train.data import (  # noqa: E402
+    build_prompt_mix,
+    drop_evaluation_overlap,
+    evaluation_prompts,
+    reference_answers,
+)
 
 # The settings a data directory was made with (read back on resume, and by training: data.answer).
 SETTINGS_NAME = "data_config.json"
 
 # Fields that decide which prompt lands in which shard: a resumed run must agree on them.
-ORDER_FIELDS = ("sources", "seed", "shard_size", "max_prompt_tokens", "second_turn_fraction", "follow_ups", "answer")
+ORDER_FIELDS = (
+    "sources",
+    "seed",
+    "shard_size",
+    "max_prompt_tokens",
+    "second_turn_fraction",
+    "follow_ups",
+    "answer",
+    "reference_answers",
+)
 
 # Generic second turns, in the spirit of MT-bench's follow-up questions (none of them is an evaluation turn).
 DEFAULT_FOLLOW_UPS = [
@@ -178,6 +194,24 @@ def answer_pairs(model, pairs: list[tuple[int, dict]], pad_id: int, eos_ids: lis
         yield shard, item, response
 
 
+def reference_response(tokenizer, item: dict, answer: str, eos_ids: list[int], max_new_tokens: int) -> list[int]:
+    """The tokens the chat template puts after the generation prompt for `answer`, up to and including its end-of-turn
+    token (what a generated answer stops at), cut to max_new_tokens like a generated one."""
+    conversation = [{"role": "user", "content": item["prompt"]}, {"role": "assistant", "content": answer}]
+    ids = token_ids(tokenizer.apply_chat_template(conversation))
+    prompt_ids = item["prompt_ids"]
+    if ids[: len(prompt_ids)] != prompt_ids:
+        raise ValueError(
+            "the chat template renders an answered conversation with a different prefix than the generation prompt: "
+            "data.reference_answers needs one that does not (set it false and let the target answer)"
+        )
+    response = ids[len(prompt_ids) :]
+    ends = [i for i, token in enumerate(response) if token in eos_ids]
+    if ends:
+        response = response[: ends[-1] + 1]  # drop what the template writes after the end-of-turn token
+    return response[:max_new_tokens]
+
+
 def add_record(records: list[dict], item: dict, response: list[int], greedy: bool) -> int:
     """Append one conversation row (prompt + response); return the number of response tokens."""
     records.append(
@@ -201,6 +235,10 @@ def main(argv=None) -> None:
         cfg.sources, cfg.seed
     )  # reads the prompt files: before the model loads or anything is written
     follow_ups = check_follow_ups(cfg.follow_ups or DEFAULT_FOLLOW_UPS)
+    references = None
+    if cfg.reference_answers:
+        references = {source: reference_answers(source) for source in cfg.sources}
+        mix = [(source, prompt) for source, prompt in mix if prompt in references[source]]  # rows without an answer
     model, tokenizer = load_base(config.model.base, dtype=cfg.dtype, device=config.model.resolved_device())
     eos_ids, pad_id = stop_and_pad_ids(model, tokenizer)
 
@@ -213,7 +251,8 @@ def main(argv=None) -> None:
     done = {p.name for p in shard_dirs(out_dir)}
     from datasets import Dataset
 
-    bar = tqdm(total=len(items), unit="prompt", desc="self-distill" if cfg.answer else "prompts")
+    desc = "reference answers" if references else "self-distill" if cfg.answer else "prompts"
+    bar = tqdm(total=len(items), unit="prompt", desc=desc)
     bar.update(
         sum(min(cfg.shard_size, len(items) - s * cfg.shard_size) for s in range(n_shards) if shard_name(s) in done)
     )
@@ -227,11 +266,21 @@ def main(argv=None) -> None:
             (shard, item) for shard in group for item in items[shard * cfg.shard_size : (shard + 1) * cfg.shard_size]
         ]
         records, second = {shard: [] for shard in group}, []
-        answered = (
-            answer_pairs(model, chunk, pad_id, eos_ids, cfg, greedy)
-            if cfg.answer
-            else ((shard, item, []) for shard, item in chunk)
-        )  # prompt-only data: no response
+        if references:
+            answered = (
+                (
+                    shard,
+                    item,
+                    reference_response(
+                        tokenizer, item, references[item["source"]][item["prompt"]], eos_ids, cfg.max_new_tokens
+                    ),
+                )
+                for shard, item in chunk
+            )
+        elif cfg.answer:
+            answered = answer_pairs(model, chunk, pad_id, eos_ids, cfg, greedy)
+        else:
+            answered = ((shard, item, []) for shard, item in chunk)  # prompt-only data: no response
         for shard, item, response in answered:
             tokens += add_record(records[shard], item, response, greedy)
             if has_second_turn(item["index"], cfg.second_turn_fraction):
@@ -255,7 +304,13 @@ def main(argv=None) -> None:
     bar.close()
     print(
         f"{n_shards} shards in {out_dir}; "
-        + (f"{tokens} response tokens generated this run" if cfg.answer else "prompts only (data.answer false)")
+        + (
+            f"{tokens} reference answer tokens this run"
+            if references
+            else f"{tokens} response tokens generated this run"
+            if cfg.answer
+            else "prompts only (data.answer false)"
+        )
     )
 
 

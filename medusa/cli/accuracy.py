@@ -40,6 +40,7 @@ from medusa.evaluation import (
 )
 from medusa.fileio import atomic_write_text
 from medusa.heads import head_target_offset
+from medusa.hub import resolve_heads
 from medusa.loading import DTYPES
 from medusa.model import DEFAULT_HEADS_DIR
 from medusa.plan import ACCURACY_NAME, save_accuracy
@@ -212,7 +213,7 @@ def main(argv=None) -> None:
     atomic_write_text(Path(args.out), json.dumps(report, indent=2))
     print(f"{len(answered)} questions, {positions} response tokens -> {args.out}")
     if args.heads_dir:
-        directory = Path(args.heads) if args.heads else DEFAULT_HEADS_DIR
+        directory = resolve_heads(args.heads) if args.heads else DEFAULT_HEADS_DIR
         save_accuracy(
             directory,
             report["acc_given_prefix"],
