@@ -79,15 +79,13 @@ def _source_rows(source: str) -> list[dict]:
         name = source.split(":", 1)[1]
         if name not in BENCH_FILES:
             raise ValueError(f"unknown bench source {name!r}: use one of {sorted(BENCH_FILES)}")
-        rows = _read_rows(bench_data_dir() / BENCH_FILES[name])
-    elif source.startswith("hf:"):
+        return _read_rows(bench_data_dir() / BENCH_FILES[name])
+    if source.startswith("hf:"):
         from datasets import load_dataset  # optional dependency, only for Hub datasets
 
         _, dataset_id, *split = source.split(":")
-        rows = list(load_dataset(dataset_id, split=split[0] if split else "train"))
-    else:
-        rows = _read_rows(Path(source))
-    return rows
+        return list(load_dataset(dataset_id, split=split[0] if split else "train"))
+    return _read_rows(Path(source))
 
 
 def load_prompts(source: str) -> list[str]:

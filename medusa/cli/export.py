@@ -5,9 +5,9 @@
 --format medusa: the official Medusa layout: config.json + medusa_lm_head.safetensors (read by TGI and
                  TensorRT-LLM) + medusa_lm_head.pt (the same tensors, for the official medusa-llm package).
 --format vllm:   config.json + model.safetensors for vLLM's Medusa drafter. See docs/serving.md.
-<heads-dir> may be a native, official or vLLM directory. Heads that share the base lm_head need the base model
-(--base, else the one their config names) to copy it into every head. --base-name is what config.json tells the
-serving engine to load as the base (a Hub id or a path it can reach).
+<heads-dir> may be a native, official or vLLM directory, a Hub id or a shipped set (embedded:<name>). Heads that
+share the base lm_head need the base model (--base, else the one their config names) to copy it into every head.
+--base-name is what config.json tells the serving engine to load as the base (a Hub id or a path it can reach).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def main(argv=None) -> Path:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__,
     )
-    parser.add_argument("heads_dir", help="heads directory to export")
+    parser.add_argument("heads_dir", help="heads to export: a directory, a Hub id or embedded:<name>")
     parser.add_argument("out_dir", help="directory to write (must not exist or be empty, unless --overwrite)")
     parser.add_argument("--format", required=True, choices=FORMATS)
     parser.add_argument("--base", help="base model to copy a shared lm_head from (default: the heads' own base)")
