@@ -155,8 +155,8 @@ class PrefixStaticLayer(StaticLayer):
 
 class GuardedStaticLayer(StaticLayer):
     """transformers' static layer, its tensors marked as fixed-address inputs as transformers marks them, but guarded:
-    a larger cache, at another address, then compiles graphs of its own instead of failing an assertion in the ones
-    compiled for the smaller (transformers' unguarded mark serves CUDA graphs, which re-record instead)."""
+    each cache size, at an address of its own, gets graphs of its own (inductor's, or CUDA graphs recorded for it)
+    instead of failing an assertion in those compiled for another."""
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -167,7 +167,10 @@ class GuardedStaticLayer(StaticLayer):
 class CompiledEngine:
     """StaticCache + pre-packed weights (CPU) + optionally torch.compile (CUDA graphs on a GPU).
 
-    The cache is kept between calls and reallocated only when a call needs more rows. Sliding-window models run only
+    Uncompiled, one cache is kept between calls and reallocated only when a call needs more rows. Compiled, each size
+    (512 rows, doubling) keeps its own cache and graphs, and a call runs on the smallest that fits it: attention reads
+    the whole allocation under a mask, so a 2,048-row cache made an H100's one-token step 13.2 ms against 6.5 ms at
+    512 rows (docs/benchmarks/h100-step-overhead.md). Sliding-window models run only
     while prompt + new tokens + tree fit inside the window (as in the eager engine's commit).
     """
 
@@ -195,7 +198,7 @@ class CompiledEngine:
                 dynamic=False,  # dynamic only where verify marks it (the query length)
             )
         self._cache: StaticCache | None = None  # the last one handed out
-        self._sized: dict[int, StaticCache] = {}  # torch.compile on CPU: rows -> cache, each with graphs of its own
+        self._sized: dict[int, StaticCache] = {}  # torch.compile: rows -> cache, each with graphs of its own
         self.setup_seconds = time.perf_counter() - start  # packing; compiling happens as caches are allocated
         self.label = os.path.basename(str(getattr(model, "name_or_path", "") or "")) or type(model).__name__
         self.compile_seconds = 0.0
@@ -224,18 +227,17 @@ class CompiledEngine:
             rows = max(COMPILED_MIN_ROWS, 1 << (rows - 1).bit_length())
         if self.window is not None:
             rows = min(rows, self.window)
-        per_size = self.torch_compile and self.model.device.type != "cuda"
-        if per_size and rows in self._sized:  # the smallest compiled size that fits: its attention reads no more
+        if self.torch_compile and rows in self._sized:  # the smallest compiled size that fits: reads no more
             self._cache = self._sized[rows]
-        elif self._cache is None or self._cache.layers[0].max_cache_len < rows or per_size:
+        elif self.torch_compile:  # a size of its own, kept for the calls that fit; compiled now, not mid-call
             self._cache = StaticCache(config=self.model.config, max_cache_len=rows)
-            if not self.torch_compile:  # shapes may vary: attend over the written rows only
-                self._cache.layers = [PrefixStaticLayer(rows) for _ in self._cache.layers]
-            elif per_size:  # no CUDA graphs to keep addresses for: graphs of its own, and kept for calls that fit
-                self._cache.layers = [GuardedStaticLayer(rows) for _ in self._cache.layers]
-                self._sized[rows] = self._cache
-            if self.torch_compile:  # now, not in the middle of a call's first steps
-                self._compile_for(self._cache, progress)
+            self._cache.layers = [GuardedStaticLayer(rows) for _ in self._cache.layers]
+            self._sized[rows] = self._cache
+            self._compile_for(self._cache, progress)
+        elif self._cache is None or self._cache.layers[0].max_cache_len < rows:
+            self._cache = StaticCache(config=self.model.config, max_cache_len=rows)
+            # shapes may vary: attend over the written rows only
+            self._cache.layers = [PrefixStaticLayer(rows) for _ in self._cache.layers]
         self._set_length(self._cache, 0)
         return self._cache
 
@@ -292,16 +294,13 @@ class CompiledEngine:
         max_length = max_length or COMPILED_MIN_ROWS
         if self.window is not None:
             max_length = min(max_length, self.window)
-        if self.model.device.type == "cuda":  # one cache, grown (CUDA graphs re-record for the new one)
-            fits = self._cache is not None and self._cache.layers[0].max_cache_len >= max_length
-            sizes = [] if fits else [max_length]
-        else:  # each size the caches come in, up to the one max_length needs (a window may stop them short)
-            sizes = [COMPILED_MIN_ROWS]
-            while sizes[-1] < max_length:
-                sizes.append(sizes[-1] * 2)
-            if self.window is not None:
-                sizes = sorted({min(rows, self.window) for rows in sizes})
-            sizes = [rows for rows in sizes if rows not in self._sized]  # as new_cache keys them
+        # each size the caches come in, up to the one max_length needs (a window may stop them short)
+        sizes = [COMPILED_MIN_ROWS]
+        while sizes[-1] < max_length:
+            sizes.append(sizes[-1] * 2)
+        if self.window is not None:
+            sizes = sorted({min(rows, self.window) for rows in sizes})
+        sizes = [rows for rows in sizes if rows not in self._sized]  # as new_cache keys them
         for rows in sizes:
             self.new_cache(rows, progress)  # allocates and compiles
         return self.compile_seconds - before

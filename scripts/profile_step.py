@@ -1,12 +1,13 @@
 """Where a decoding step's time goes: medusa vs plain `generate`, per phase, for one or more trees.
 
     python scripts/profile_step.py [--heads untrained|DIR] [--trees '[[0]]' smollm2-135m-cpu] [--max-new-tokens 64]
-        [--engine eager|compiled|inductor] [--proposers medusa dynamic plain]
+        [--engine eager|compiled|inductor] [--proposers medusa dynamic plain] [--base X.gguf] [--device cuda]
 
 Runs plain greedy `generate` (transformers, eager) and each proposer over each tree on the chosen engine, interleaved
 on a few prompts (after a warm-up, which compiles the engine). Outputs must be identical on the eager engine; other
 engines report how many are. Prints the median speedup, tau and the mean milliseconds per step of prefill
-(amortised), propose (heads), verify (target forward), accept and commit. A dynamic tree takes each tree's size.
+(amortised), propose (heads), verify (target forward), accept and commit (on a GPU each phase is synchronised, so
+the phases add up to more than an unprofiled step). A dynamic tree takes each tree's size.
 """
 
 from __future__ import annotations
@@ -40,16 +41,18 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--engine", default="eager", choices=ENGINES)
     parser.add_argument("--proposers", nargs="+", default=["medusa"], choices=sorted(PROPOSERS))
+    parser.add_argument("--base", default=None, help="base model: directory, .gguf or Hub id (default: the heads')")
+    parser.add_argument("--device", default=None, help="e.g. cuda (default: CPU)")
     args = parser.parse_args()
 
     model = (
-        MedusaModel.from_base(dtype=args.dtype)
+        MedusaModel.from_base(args.base, dtype=args.dtype, device=args.device)
         if args.heads == "untrained"
-        else MedusaModel.from_pretrained(args.heads, dtype=args.dtype, plan="off")
+        else MedusaModel.from_pretrained(args.heads, base=args.base, dtype=args.dtype, device=args.device, plan="off")
     )
     chat = lambda text: model.tokenizer.apply_chat_template(  # noqa: E731
         [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt"
-    )
+    ).to(model.device)
     model.generate(chat("Hi"), max_new_tokens=8, engine=args.engine)
     model.base.generate(**chat("Hi"), max_new_tokens=8, do_sample=False)
     for tree, proposer in itertools.product(args.trees, args.proposers):

@@ -226,6 +226,46 @@ def test_corrupt_hidden_cache_is_named_and_rebuilt(tmp_path, tiny_base, tiny_dat
         torch.testing.assert_close(first[name], again[name], atol=0, rtol=0, msg=name)
 
 
+def test_an_interrupted_hidden_state_precompute_resumes_where_it_stopped(tmp_path, monkeypatch):
+    """Killed after three batches, a rerun computes only the rest, and its cache equals an uninterrupted one's."""
+    from accelerate import Accelerator
+
+    import train.hidden_cache as hc
+
+    base, rng = make_tiny_model("llama"), random.Random(0)
+    convs = [Conversation([rng.randrange(1, VOCAB) for _ in range(rng.randrange(12, 40))], 6) for _ in range(12)]
+    accelerator, logs = Accelerator(cpu=True), []
+
+    def build(path):
+        return hc.build_hidden_cache(accelerator, base, convs, 4, path, "key", 100, logs.append)
+
+    reference = build(tmp_path / "reference.safetensors")
+    real, rows_run = hc.last_hidden, []
+
+    def counted(model, input_ids, attention_mask, feature_layers=()):
+        if len(rows_run) == 3 and interrupt:
+            raise KeyboardInterrupt  # as a kill mid-way
+        rows_run.append(input_ids.shape[0])
+        return real(model, input_ids, attention_mask, feature_layers)
+
+    monkeypatch.setattr(hc, "last_hidden", counted)
+    monkeypatch.setattr(hc, "PROGRESS_SECONDS", 0.0)  # a progress chunk after every batch
+    path, interrupt = tmp_path / "hidden-key.safetensors", True
+    with pytest.raises(KeyboardInterrupt):
+        build(path)
+    assert not path.exists() and len(list(hc.progress_dir(path).glob("*.safetensors"))) == 3
+    done, rows_run[:], interrupt = sum(rows_run), [], False
+    resumed = build(path)
+    assert 0 < done < len(convs) and sum(rows_run) == len(convs) - done
+    assert f"resuming the precompute of {path.name}: {done} conversations already done" in " ".join(logs)
+    for name in ("hidden", "ids", "offsets", "response_start"):
+        torch.testing.assert_close(getattr(resumed, name), getattr(reference, name), atol=0, rtol=0, msg=name)
+    assert not hc.progress_dir(path).exists()  # removed once the cache is written
+    # progress saved for another key (other data or base) is never read
+    hc._save_spans(hc.progress_dir(path) / "stale.safetensors", {0: reference.hidden[:3]}, "other key", HIDDEN)
+    assert hc._resume(hc.progress_dir(path), "key", set(range(12)), logs.append) == {}
+
+
 def test_extra_data_dirs_are_read_after_out_dir(tmp_path, tiny_base, tiny_data):
     more = write_shards(tmp_path / "more-data", n=16, seed=7, shards=1)
     raw = sections(tmp_path, tiny_base, tiny_data, max_steps=2)

@@ -4,6 +4,7 @@ keyed by the data, the base and everything else that changes the states)."""
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from train.batches import Conversation
 from train.data import collate
 
 CACHE_FORMAT = 1  # bump when the hidden-state cache layout changes, so old files are not read
+PROGRESS_SECONDS = 120.0  # a killed precompute loses at most about this much work (progress chunks, see below)
 
 
 def cache_lookback(config: MedusaConfig) -> int:
@@ -125,6 +127,58 @@ def last_hidden(
     return base_features(out.hidden_states, feature_layers)
 
 
+def progress_dir(path: Path) -> Path:
+    """Where an unfinished precompute of the cache at `path` keeps what it has computed so far (chunks of spans)."""
+    return path.with_name(f".{path.stem}.progress")
+
+
+def _save_spans(file: Path, spans: dict[int, torch.Tensor], key: str, hidden_size: int) -> None:
+    """Conversation rows -> their spans, in one safetensors file (atomic: a killed write leaves none)."""
+    from safetensors.torch import save_file
+
+    rows = sorted(spans)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = file.with_name(f".{file.name}.tmp-{os.getpid()}")
+    save_file(
+        {
+            "rows": torch.tensor(rows, dtype=torch.long),
+            "lengths": torch.tensor([len(spans[i]) for i in rows], dtype=torch.long),
+            "hidden": torch.cat([spans[i] for i in rows])
+            if rows
+            else torch.zeros(0, hidden_size, dtype=torch.bfloat16),
+        },
+        str(tmp),
+        metadata={"key": key},
+    )
+    os.replace(tmp, file)
+
+
+def _load_spans(file: Path, key: str | None = None) -> dict[int, torch.Tensor] | None:
+    """A file of `_save_spans` -> its spans; None if it was written for another key."""
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as f:
+        if key is not None and (f.metadata() or {}).get("key") != key:
+            return None
+        rows, lengths, hidden = (f.get_tensor(name) for name in ("rows", "lengths", "hidden"))
+    return dict(zip(rows.tolist(), hidden.split(lengths.tolist())))
+
+
+def _resume(directory: Path, key: str, wanted: set[int], log) -> dict[int, torch.Tensor]:
+    """The spans an earlier, interrupted precompute of this cache saved (any process's, for rows in `wanted`)."""
+    from safetensors import SafetensorError
+
+    spans: dict[int, torch.Tensor] = {}
+    for file in sorted(directory.glob("*.safetensors")) if directory.is_dir() else []:
+        try:
+            saved = _load_spans(file, key)
+        except (SafetensorError, OSError, RuntimeError, KeyError) as err:
+            log(f"warning: skipping unreadable precompute progress {file} ({err}); its rows are computed again")
+            continue
+        spans.update({i: span for i, span in (saved or {}).items() if i in wanted})
+    return spans
+
+
 def build_hidden_cache(
     accelerator,
     base: nn.Module,
@@ -136,7 +190,11 @@ def build_hidden_cache(
     log,
     feature_layers=(),
 ) -> HiddenCache:
-    """Run the frozen base once over every conversation (each process a share) and cache what the heads read."""
+    """Run the frozen base once over every conversation (each process a share) and cache what the heads read.
+
+    Resumable: every PROGRESS_SECONDS each process saves the spans it computed since as a chunk in
+    `progress_dir(path)`; a run that finds chunks for this key computes only the rest (the chunks are removed once
+    the cache is written)."""
     if path.is_file():
         try:
             cache = HiddenCache.load(path, key)
@@ -156,12 +214,22 @@ def build_hidden_cache(
             current = []
         current.append(i)
     batches = (batches + [current])[rank::world]
-    spans: dict[int, torch.Tensor] = {}
+    hidden_size = base.config.get_text_config().hidden_size * (1 + len(feature_layers))
+    progress = progress_dir(path)
+    spans = _resume(progress, key, {i for b in batches for i in b}, log)
+    if spans:
+        log(f"resuming the precompute of {path.name}: {len(spans)} conversations already done ({progress})")
     total = sum(lengths[i] for b in batches for i in b)
-    bar = tqdm(total=total, unit="tok", desc="precompute hidden", disable=not accelerator.is_local_main_process)
-    start = time.time()
+    done = sum(lengths[i] for i in spans)
+    bar = tqdm(
+        total=total, initial=done, unit="tok", desc="precompute hidden", disable=not accelerator.is_local_main_process
+    )
+    start = saved_at = time.time()
+    unsaved: dict[int, torch.Tensor] = {}
     with torch.no_grad(), accelerator.autocast():
         for rows in batches:
+            if all(i in spans for i in rows):
+                continue
             batch = collate(
                 [{"input_ids": convs[i].ids, "response_start": convs[i].response_start} for i in rows],
                 pad_id=0,
@@ -174,42 +242,32 @@ def build_hidden_cache(
                 feature_layers,
             )
             for j, i in enumerate(rows):
-                spans[i] = hidden[j, span_start(convs[i], lookback) : lengths[i]].to(torch.bfloat16).cpu()
+                spans[i] = unsaved[i] = hidden[j, span_start(convs[i], lookback) : lengths[i]].to(torch.bfloat16).cpu()
             bar.update(sum(lengths[i] for i in rows))
+            if time.time() - saved_at >= PROGRESS_SECONDS:
+                _save_spans(progress / f"rank{rank}-{time.time_ns()}.safetensors", unsaved, key, hidden_size)
+                unsaved, saved_at = {}, time.time()
     bar.close()
+    computed = total - done
     log(
-        f"precomputed hidden states of {total} tokens in {time.time() - start:.1f} s "
-        f"({total / max(time.time() - start, 1e-9):.0f} tok/s per process)"
+        f"precomputed hidden states of {computed} tokens in {time.time() - start:.1f} s "
+        f"({computed / max(time.time() - start, 1e-9):.0f} tok/s per process)"
     )
     if world == 1:
         cache = HiddenCache.assemble(convs, spans, lookback)
         cache.save(path, key)
+        shutil.rmtree(progress, ignore_errors=True)
         return cache
-    from safetensors.torch import load_file, save_file
-
     part = path.with_name(f".{path.stem}.part-{rank}-of-{world}.safetensors")
-    part.parent.mkdir(parents=True, exist_ok=True)
-    mine = sorted(spans)
-    hidden_size = base.config.get_text_config().hidden_size * (1 + len(feature_layers))
-    save_file(
-        {
-            "rows": torch.tensor(mine, dtype=torch.long),
-            "lengths": torch.tensor([len(spans[i]) for i in mine], dtype=torch.long),
-            "hidden": torch.cat([spans[i] for i in mine])
-            if mine
-            else torch.zeros(0, hidden_size, dtype=torch.bfloat16),
-        },
-        str(part),
-    )
+    _save_spans(part, spans, key, hidden_size)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         spans = {}
         for r in range(world):
             other = path.with_name(f".{path.stem}.part-{r}-of-{world}.safetensors")
-            parts = load_file(str(other))
-            for i, piece in zip(parts["rows"].tolist(), parts["hidden"].split(parts["lengths"].tolist())):
-                spans[i] = piece
+            spans.update(_load_spans(other))
             other.unlink()
         HiddenCache.assemble(convs, spans, lookback).save(path, key)
+        shutil.rmtree(progress, ignore_errors=True)
     accelerator.wait_for_everyone()
     return HiddenCache.load(path, key)

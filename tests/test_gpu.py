@@ -1,0 +1,82 @@
+"""The compiled engine on CUDA (torch.compile with CUDA graphs) against the eager reference, on tiny models.
+
+Skipped without a GPU (CI has none); run on one with `pytest -m gpu`.
+"""
+
+import pytest
+import torch
+
+from medusa import MedusaModel
+from medusa.decode import prefill
+from medusa.engine import CompiledEngine, EagerEngine
+from medusa.propose import Candidates
+from medusa.sampling import SamplingConfig
+from medusa.tree import TreeSpec, build_buffers
+from tests.conftest import FAMILIES, make_heads, make_tiny_model
+from tests.test_tree import HAND_TREE
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+TOL = dict(atol=1e-4, rtol=1e-4)  # fp32 (no TF32): inductor's fused kernels sum in another order than eager's
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cuda_graph_engine_logits_and_commit_equal_eager(family):
+    """One engine per family (each compile costs seconds): q=1, then a tree, then a commit of a path that is not a
+    prefix of the rows and the verify after it, each equal to the eager engine's."""
+    model = make_tiny_model(family).cuda()
+    torch.manual_seed(0)
+    prompt = torch.randint(1, 90, (1, 11), device="cuda")
+    compiled, eager = CompiledEngine(model), EagerEngine(model)
+    assert compiled.torch_compile and not compiled.prepacked  # CUDA: graphs, no CPU packing
+    tree = build_buffers(TreeSpec(HAND_TREE, 3), 3).to("cuda")
+    chain = build_buffers(TreeSpec([], 3), 3).to("cuda")
+    for buffers in (chain, tree):
+        candidates = Candidates(tokens=torch.randint(1, 90, (buffers.num_nodes,), device="cuda"), tree=buffers)
+        results = []
+        for engine in (eager, compiled):
+            state = prefill(model, prompt, SamplingConfig(), engine=engine, max_length=64)
+            results.append(engine.verify(state.cache, candidates, state.length))
+        torch.testing.assert_close(results[1].logits, results[0].logits, **TOL)
+        torch.testing.assert_close(results[1].hidden, results[0].hidden, **TOL)
+    accepted = torch.tensor([0, 1, 3, 6], device="cuda")
+    follow = Candidates(tokens=torch.randint(1, 90, (tree.num_nodes,), device="cuda"), tree=tree)
+    after = []
+    for engine in (eager, compiled):
+        state = prefill(model, prompt, SamplingConfig(), engine=engine, max_length=64)
+        engine.verify(state.cache, candidates, state.length)
+        engine.commit(state.cache, state.length, accepted)
+        after.append(engine.verify(state.cache, follow, state.length + 4).logits)
+    torch.testing.assert_close(after[1], after[0], **TOL)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cuda_graph_engine_greedy_identity(family):
+    base = make_tiny_model(family).cuda()
+    model = MedusaModel(base, make_heads(random=True).cuda(), projection_dtype=torch.float32)
+    prompt = torch.tensor([[3, 4, 5, 6, 3, 4]], device="cuda")
+    reference = base.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=40, do_sample=False)
+    for proposer in ("plain", "medusa", "dynamic", "hybrid"):
+        out = model.generate(prompt, max_new_tokens=40, proposer=proposer, engine="compiled")
+        assert torch.equal(out.sequences, reference), proposer
+        assert out.stats.new_tokens == 40
+
+
+def test_cuda_graph_engine_runs_each_call_on_the_smallest_cache_that_fits():
+    """Each size keeps its cache and graphs (attention reads the whole allocation, so a short call on a large cache
+    pays for rows it never uses); the logits on either equal eager's, and a short call goes back to the small one."""
+    model = make_tiny_model("llama").cuda()
+    torch.manual_seed(2)
+    prompt = torch.randint(1, 90, (1, 11), device="cuda")
+    tree = build_buffers(TreeSpec(HAND_TREE, 3), 3).to("cuda")
+    candidates = Candidates(tokens=torch.randint(1, 90, (tree.num_nodes,), device="cuda"), tree=tree)
+    compiled, eager = CompiledEngine(model), EagerEngine(model)
+    state = prefill(model, prompt, SamplingConfig(), engine=eager, max_length=64)
+    reference = eager.verify(state.cache, candidates, state.length).logits
+    caches = []
+    for max_length in (64, 700, 64):
+        state = prefill(model, prompt, SamplingConfig(), engine=compiled, max_length=max_length)
+        caches.append(state.cache)
+        torch.testing.assert_close(compiled.verify(state.cache, candidates, state.length).logits, reference, **TOL)
+    assert [c.layers[0].max_cache_len for c in caches] == [512, 1024, 512]
+    assert caches[2] is caches[0]
