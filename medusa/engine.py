@@ -18,13 +18,13 @@ length. So on CPU the engine pre-packs and does not run inductor unless asked.
   ms with 1 / 2 / 4 / 6 tree nodes where the pre-packed copy took 89 / 124 / 142 / 154, after 6-8 minutes of
   compiling two graphs (one token; every other length as one dynamic shape). A graph compiled for one fixed length
   is no faster (4 nodes 61.8 ms against the dynamic graph's 60.5; 8 nodes 95.7 against 94.2, 200-token context):
-  the ~8.5 ms each further node adds is this CPU's fp32 GEMM throughput, so one dynamic graph stays. Compiling is
-  paid again in every new process: torch 2.13 bypasses its FX graph cache for a graph holding oneDNN-packed weights
-  ("mkldnn tensors unpickleable") and its AOT autograd cache under freezing, so `$MEDUSA_CACHE/inductor` keeps only
-  the compiled C++ kernels (4-7 minutes again here; most of it is inductor lowering and rendering a C++ GEMM
-  template per linear layer in Python, not the C++ compiler). Without the oneDNN packing
-  (`cpp.weight_prepack=False`) the cache is hit, but steps took 0.3-5 s instead of 0.05-0.1. It is paid when a
-  cache is allocated (`warm_up`, or a call that needs a larger cache), never between a call's steps.
+  the ~8.5 ms each further node adds is this CPU's fp32 GEMM throughput, so one dynamic graph stays. torch.compile
+  would compile again in every new process (torch 2.13 bypasses its FX graph cache for a graph holding oneDNN-packed
+  weights, "mkldnn tensors unpickleable", and its AOT autograd cache under freezing: 4-7 minutes each time here), so
+  on a CPU this engine compiles ahead of time instead (medusa.aot: torch.export + AOTInductor, the same inductor
+  settings): one package per cache size, once per machine, in `$MEDUSA_CACHE/aoti`, loaded by later processes in
+  about a second. It is paid when a cache is allocated (`warm_up`, or a call that needs a larger cache), never
+  between a call's steps. On CUDA the verify forward runs through torch.compile with CUDA graphs.
 """
 
 from __future__ import annotations
@@ -40,13 +40,13 @@ import torch
 from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import StaticLayer
 
-from medusa import kv_cache
+from medusa import aot, kv_cache
 from medusa.heads import base_features
-from medusa.loading import cache_root
+from medusa.loading import base_fingerprint, cache_root
 from medusa.prepack import can_prepack, prepacked_copy
 from medusa.propose import Candidates
 from medusa.tree import TreeSpec, build_buffers, chain
-from medusa.verify import VerifyOutput, verify
+from medusa.verify import VerifyOutput, verify, verify_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -189,12 +189,19 @@ class CompiledEngine:
             with engines_set_aside(model):
                 self.runner = prepacked_copy(model)
         self.verify_runner = self.runner
+        # on a CPU, torch.compile's graphs would be compiled again in every process: ahead of time instead, once per
+        # machine (medusa.aot), for plain weights (torchao's quantized ones stay with torch.compile); on CUDA,
+        # torch.compile with CUDA graphs
+        plain_weights = all(type(p) in (torch.Tensor, torch.nn.Parameter) for p in model.parameters())
+        self.ahead_of_time = self.torch_compile and model.device.type != "cuda" and plain_weights
+        self._packages: dict[int, object] = {}  # ahead of time: cache rows -> the loaded package's runner
+        self._weights: str | None = None  # the base's fingerprint, which names its packages
         if self.torch_compile:
-            cuda = model.device.type == "cuda"
             use_medusa_inductor_cache()
+        if self.torch_compile and not self.ahead_of_time:
             self.verify_runner = torch.compile(
                 self.runner,
-                mode="reduce-overhead" if cuda else None,
+                mode="reduce-overhead" if model.device.type == "cuda" else None,
                 dynamic=False,  # dynamic only where verify marks it (the query length)
             )
         self._cache: StaticCache | None = None  # the last one handed out
@@ -267,6 +274,10 @@ class CompiledEngine:
         self._set_length(cache, past_length)
         # prefix layers show attention past + N rows, as in the eager engine; fixed-size ones the whole allocation
         mask_rows = None if isinstance(cache.layers[0], PrefixStaticLayer) else rows
+        package = self._packages.get(rows) if self.ahead_of_time and n <= aot.MAX_QUERY else None
+        if package is not None:
+            tokens, position_ids, mask = verify_inputs(candidates, past_length, self.model.dtype, rows)
+            return VerifyOutput(*aot.run(package, cache, tokens, position_ids, mask, past_length, feature_layers))
         try:
             with self._compile_config():
                 return verify(self.verify_runner, cache, candidates, past_length, feature_layers, mask_rows)
@@ -307,9 +318,27 @@ class CompiledEngine:
 
     @torch.inference_mode()
     def _compile_for(self, cache: StaticCache, progress: bool) -> None:
-        """Run the verify forward once per graph on `cache` (a scratch prompt, then set back): one token, and two
-        (every other length shares that dynamic graph; dynamo specialises a length of 1)."""
+        """Ahead of time: load (or compile and save) the package for `cache`'s size. Otherwise run the verify forward
+        once per graph on `cache` (a scratch prompt, then set back): one token, and two (every other length shares
+        that dynamic graph; dynamo specialises a length of 1)."""
         start, rows = time.perf_counter(), cache.layers[0].max_cache_len
+        if self.ahead_of_time:
+            try:
+                self._weights = self._weights or base_fingerprint(self.model)
+                with self._compile_config():  # as for torch.compile: the GEMM template choice reads the global
+                    self._packages[rows], seconds = aot.load_or_compile(
+                        self.runner, rows, INDUCTOR_CPU_OPTIONS, self._weights, self.label, progress
+                    )
+                self.compile_seconds += seconds
+            except Exception as err:  # noqa: BLE001 - a compiler failure must not stop generation: run uncompiled
+                logger.warning(
+                    "compiling ahead of time failed (%s: %s); the %s engine runs uncompiled from now on",
+                    type(err).__name__,
+                    err,
+                    self.name,
+                )
+                self.ahead_of_time = False
+            return
         where = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "inductor's cache")
         for n in (1, 2):
             if progress:

@@ -168,3 +168,12 @@ def load_base(
     if tokenizer is None:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False, **hub)
     return model.eval(), tokenizer
+
+
+def base_fingerprint(model: torch.nn.Module) -> str:
+    """Hash of every parameter and buffer: a fine-tuned base with the same name gets another cache."""
+    digest = hashlib.blake2b(digest_size=16)
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        digest.update(tensor.detach().reshape(-1).cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()

@@ -37,6 +37,15 @@ def tree_attention_mask(
     return torch.cat(parts, dim=1)[None, None]
 
 
+def verify_inputs(candidates: Candidates, past_length: int, dtype: torch.dtype, mask_rows: int | None = None):
+    """-> input_ids (1, N), position_ids (1, N) and the tree's mask (None for one token without `mask_rows`)."""
+    tokens = candidates.tokens[None]
+    position_ids = (past_length + candidates.tree.depth)[None]
+    one_token = tokens.shape[1] == 1 and mask_rows is None
+    mask = None if one_token else tree_attention_mask(candidates, past_length, dtype, mask_rows)
+    return tokens, position_ids, mask
+
+
 @torch.inference_mode()
 def verify(
     model, cache, candidates: Candidates, past_length: int, feature_layers=(), mask_rows: int | None = None
@@ -46,10 +55,7 @@ def verify(
     One token sees the whole past: it goes without a mask (transformers' one-token path, as in its `generate`),
     unless `mask_rows` asks for a mask of that fixed width (a compiled graph's static shapes). With `mask_rows`, N is
     marked dynamic for torch.compile: one graph serves every tree size (N = 1 gets its own, as dynamo specialises 1)."""
-    tokens = candidates.tokens[None]  # (1, N)
-    position_ids = (past_length + candidates.tree.depth)[None]  # (1, N)
-    one_token = tokens.shape[1] == 1 and mask_rows is None
-    mask = None if one_token else tree_attention_mask(candidates, past_length, model.dtype, mask_rows)
+    tokens, position_ids, mask = verify_inputs(candidates, past_length, model.dtype, mask_rows)
     if mask_rows is not None:
         torch._dynamo.mark_static(mask, 3)  # the cache's size: a graph each
         if tokens.shape[1] > 1:

@@ -4,11 +4,13 @@ import pytest
 import torch
 from torch import nn
 
+import medusa.aot
 import medusa.engine
 from medusa import MedusaModel
 from medusa.decode import prefill
 from medusa.engine import CompiledEngine, EagerEngine, engine_for, make_engine
 from medusa.hardware import cpu_flags, native_bf16
+from medusa.loading import base_fingerprint
 from medusa.prepack import FusedMember, FusedProjections, PackedLinear, prepacked_copy
 from medusa.propose import Candidates
 from medusa.sampling import SamplingConfig
@@ -115,34 +117,74 @@ def test_isa_limits_from_the_environment_are_honoured(monkeypatch):
     assert not native_bf16("cpu")
 
 
+FAST_INDUCTOR = {"freezing": True}  # the inductor engine's settings less max-autotune's GEMM benchmarking: tests
+# check what is compiled and loaded, not how fast it runs
+
+
 @pytest.mark.slow
-def test_torch_compile_on_cpu_matches_eager():
-    """engine='compiled' with torch_compile=True (the CUDA default): one inductor graph per query length."""
-    model = make_tiny_model("llama")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_ahead_of_time_packages_match_eager_and_load_in_a_new_engine(family, tmp_path, monkeypatch):
+    """engine='inductor' on CPU compiles the verify forward ahead of time into $MEDUSA_CACHE/aoti: its logits and
+    hidden states equal eager's at one token and a tree, and a new engine on the same weights (as a new process)
+    loads the package instead of compiling; other weights get another package."""
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
+    monkeypatch.setattr(medusa.engine, "INDUCTOR_CPU_OPTIONS", FAST_INDUCTOR)
+    model = make_tiny_model(family)
     torch.manual_seed(2)
     prompt = torch.randint(1, 90, (1, 7))
-    buffers = build_buffers(TreeSpec(HAND_TREE, 3), 3)
-    candidates = Candidates(tokens=torch.randint(1, 90, (buffers.num_nodes,)), tree=buffers)
-    _, eager = _verify(EagerEngine(model), model, prompt, candidates)
-    _, compiled = _verify(CompiledEngine(model, torch_compile=True), model, prompt, candidates)
-    torch.testing.assert_close(compiled.logits, eager.logits, **TOL)
+    trees = [build_buffers(TreeSpec(tree, 3), 3) for tree in ([], HAND_TREE)]
+    candidates = [Candidates(tokens=torch.randint(1, 90, (b.num_nodes,)), tree=b) for b in trees]
+    first = make_engine("inductor", model)
+    for engine in (first, make_engine("inductor", model)):
+        for c in candidates:
+            eager_state, eager = _verify(EagerEngine(model), model, prompt, c)
+            state, ahead = _verify(engine, model, prompt, c)
+            torch.testing.assert_close(ahead.logits, eager.logits, **TOL)
+            torch.testing.assert_close(ahead.hidden, eager.hidden, **TOL)
+        assert engine.ahead_of_time and sorted(engine._packages) == [512]
+    assert first.compile_seconds > 0 and engine.compile_seconds == 0.0  # the second one loaded it
+    (package,) = (tmp_path / "aoti").glob("*.pt2")
+    other = make_tiny_model(family, seed=1)
+    options = dict(rows=512, options=FAST_INDUCTOR)
+    assert medusa.aot.package_path(other, weights=base_fingerprint(other), **options) != package
+    assert medusa.aot.package_path(model, weights=base_fingerprint(model), **options) == package
+
+
+def test_an_unreadable_package_is_compiled_again(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
+    model = make_tiny_model("llama")
+    path = medusa.aot.package_path(model, 512, FAST_INDUCTOR, "weights")
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"not a package")
+    compiled = []
+    monkeypatch.setattr(medusa.aot, "_export", lambda model, rows: compiled.append(rows))
+    monkeypatch.setattr(
+        torch._inductor,
+        "aoti_compile_and_package",
+        lambda program, package_path, inductor_configs: open(package_path, "wb").close(),
+    )
+    monkeypatch.setattr(torch._inductor, "aoti_load_package", lambda p: "runner" if compiled else 1 / 0)
+    runner, _ = medusa.aot.load_or_compile(model, 512, FAST_INDUCTOR, "weights", progress=False)
+    assert runner == "runner" and compiled == [512]
+    assert f"compiled package {path} is unreadable" in caplog.text
+    assert not list(path.parent.glob(".*tmp*"))  # written under a temporary name, then renamed
 
 
 @pytest.mark.slow
 def test_inductor_engine_greedy_identity_across_cache_sizes(tmp_path, monkeypatch):
-    """engine='inductor': torch.compile's graphs (one token; any other length) serve trees of every size, a larger
-    cache compiles its own graphs once, as it is allocated (64, 128, then 512 rows here), and the output is plain
-    greedy's."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    """engine='inductor': one package per cache size serves trees of every size; a larger cache compiles its own
+    once, as it is allocated (64, 128, then 512 rows here), and the output is plain greedy's."""
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
+    monkeypatch.setattr(medusa.engine, "INDUCTOR_CPU_OPTIONS", FAST_INDUCTOR)
     monkeypatch.setattr(medusa.engine, "COMPILED_MIN_ROWS", 64)
     base = make_tiny_model("llama")
     model = MedusaModel(base, make_heads(random=True), projection_dtype=torch.float32)
     engine = model.engine("inductor")  # compiles here, for 64 rows
-    assert engine.compile_seconds > 0 and engine.torch_compile
+    assert engine.compile_seconds > 0 and engine.ahead_of_time
     prompt = torch.tensor([[3, 4, 5, 6, 3, 4]])
     calls = (("plain", 20), ("medusa", 80), ("dynamic", 400))
     for repeat in range(2):
-        frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        spent = engine.compile_seconds
         for proposer, new_tokens in calls:
             reference = base.generate(
                 prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens, do_sample=False
@@ -150,12 +192,18 @@ def test_inductor_engine_greedy_identity_across_cache_sizes(tmp_path, monkeypatc
             out = model.generate(prompt, max_new_tokens=new_tokens, proposer=proposer, engine="inductor")
             assert torch.equal(out.sequences, reference), proposer
         if repeat:  # every size was compiled as its cache was allocated, the first time round
-            assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
-    assert sorted(engine._sized) == [64, 128, 512]
+            assert engine.compile_seconds == spent
+    assert sorted(engine._sized) == sorted(engine._packages) == [64, 128, 512]
     model.generate(prompt, max_new_tokens=20, proposer="plain", engine="inductor")
     assert engine._cache.layers[0].max_cache_len == 64  # a short call after a long one: the small cache again
-    assert engine.verify_runner is not engine.runner  # nothing fell back to the uncompiled forward
+    assert engine.ahead_of_time  # nothing fell back to the uncompiled forward
     assert engine.warm_up() == 0.0  # and warming up again is free
+
+
+def test_the_inductor_engine_on_cpu_compiles_ahead_of_time():
+    """CompiledEngine(torch_compile=True) on CPU is the inductor engine: ahead of time, no torch.compile wrapper."""
+    engine = CompiledEngine(make_tiny_model("qwen2"), torch_compile=True)
+    assert engine.ahead_of_time and engine.verify_runner is engine.runner and not engine.prepacked
 
 
 def test_warm_up_compiles_every_cache_size_a_length_needs_once(monkeypatch):

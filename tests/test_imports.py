@@ -38,6 +38,7 @@ TIERS = {
         "verify",
         "acceptance",
         "engine",
+        "aot",
         "decode",
         "guard",
         "dynamic_tree",

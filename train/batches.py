@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from medusa.heads import head_target_offset
 from train.config import TrainingConfig
@@ -113,15 +112,6 @@ def data_fingerprint(convs: list[Conversation]) -> str:
     digest = hashlib.blake2b(digest_size=16)
     for conv in convs:
         digest.update(_conversation_hash(conv))
-    return digest.hexdigest()
-
-
-def base_fingerprint(model: nn.Module) -> str:
-    """Hash of every parameter and buffer: a fine-tuned base with the same name gets another cache."""
-    digest = hashlib.blake2b(digest_size=16)
-    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
-        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
-        digest.update(tensor.detach().reshape(-1).cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 

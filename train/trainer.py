@@ -13,7 +13,8 @@ from torch import nn
 from medusa.config import WEIGHTS_NAME, MedusaConfig
 from medusa.heads import MedusaHeads
 from medusa.heads_io import load_heads_weights
-from train.batches import Conversation, base_fingerprint, data_fingerprint
+from medusa.loading import base_fingerprint
+from train.batches import Conversation, data_fingerprint
 from train.config import FILLED_IN, HeadsConfig, TrainingConfig
 from train.data import collate
 from train.hidden_cache import CACHE_FORMAT, HiddenCache, build_hidden_cache, cache_lookback, last_hidden

@@ -1,0 +1,166 @@
+"""The inductor engine's verify forward compiled ahead of time (AOTInductor): once per machine, into
+`$MEDUSA_CACHE/aoti`, and loaded from there by every later process in about a second.
+
+`torch.compile` compiles again in each new process on a CPU (torch bypasses its caches for a graph holding
+oneDNN-packed frozen weights: minutes there). `torch.export` traces the target's public forward over a static cache
+whose tensors are inputs, written in place, with the number of query tokens as the one dynamic dimension; AOTInductor
+compiles that with the inductor engine's settings (frozen weights, C++ GEMM templates) into one package per cache
+size. A package holds the weights it was compiled with, so its file name hashes every weight, the dtype, the cache
+size, this CPU, its threads and the versions of torch, transformers and this format. It returns every layer's hidden
+states, so one package serves heads that read any of them (`feature_layers`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from torch import nn
+from transformers import StaticCache
+
+from medusa.hardware import describe
+from medusa.heads import base_features
+from medusa.loading import cache_root
+
+logger = logging.getLogger(__name__)
+
+AOT_FORMAT = 1  # bump when VerifyStep's inputs or outputs change, so old packages are not loaded
+MAX_QUERY = 256  # the most tokens one verify forward may take (a tree's nodes)
+
+
+def _cache_over(config, keys: list[torch.Tensor], values: list[torch.Tensor], length: torch.Tensor) -> StaticCache:
+    """A transformers StaticCache whose layers are the given tensors (written in place by the forward), `length`
+    rows already written."""
+    cache = StaticCache(config=config, max_cache_len=keys[0].shape[2])
+    for layer, k, v in zip(cache.layers, keys, values):
+        layer.keys, layer.values = k, v
+        layer.cumulative_length = length.clone()  # each layer advances its own count
+        layer.max_batch_size, layer.num_heads, layer.head_dim = k.shape[0], k.shape[1], k.shape[3]
+        layer.dtype, layer.device, layer.is_initialized = k.dtype, k.device, True
+    return cache
+
+
+class VerifyStep(nn.Module):
+    """What is exported: one forward of the target over N tokens with a (1, 1, N, rows) mask, into a static cache
+    given as per-layer tensors -> (logits (N, V), hidden states (layers + 1, 1, N, H))."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, position_ids, mask, length, keys: list[torch.Tensor], values: list[torch.Tensor]):
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=mask,
+            past_key_values=_cache_over(self.model.config, keys, values, length),
+            use_cache=True,
+            output_hidden_states=True,
+        )
+        return out.logits[0], torch.stack(out.hidden_states)
+
+
+def package_path(model, rows: int, options: dict, weights: str) -> Path:
+    """Where the package for `model` (its `weights`: medusa.loading.base_fingerprint) over `rows` rows lives."""
+    key = {
+        "format": AOT_FORMAT,
+        "weights": weights,
+        "dtype": str(model.dtype),
+        "rows": rows,
+        "inductor": options,
+        "transformers": transformers.__version__,
+        **describe(model.device),
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
+    return cache_root() / "aoti" / f"{rows}-{digest}.pt2"
+
+
+def _export(model, rows: int):
+    """torch.export of VerifyStep over a fresh cache of `rows` rows, the query length dynamic (1 .. MAX_QUERY)."""
+    config = model.config.get_text_config()
+    heads = config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    blank = lambda: torch.zeros((1, heads, rows, head_dim), dtype=model.dtype, device=model.device)  # noqa: E731
+    keys = [blank() for _ in range(config.num_hidden_layers)]
+    values = [blank() for _ in range(config.num_hidden_layers)]
+    n = 2  # an example length that is neither 0 nor 1 (export would specialise on those)
+    example = (
+        torch.zeros((1, n), dtype=torch.long, device=model.device),
+        torch.arange(n, device=model.device)[None],
+        torch.zeros((1, 1, n, rows), dtype=model.dtype, device=model.device),
+        torch.tensor(0, device=model.device),
+        keys,
+        values,
+    )
+    query = torch.export.Dim("query", min=1, max=MAX_QUERY)
+    layers = [None] * config.num_hidden_layers
+    return torch.export.export(
+        VerifyStep(model).eval(),
+        example,
+        dynamic_shapes=({1: query}, {1: query}, {2: query}, None, layers, layers),
+        strict=False,
+    )
+
+
+def _ticking(message: str):
+    """Print `message` with the seconds elapsed every few seconds until the returned event is set."""
+    done, start = threading.Event(), time.perf_counter()
+
+    def tick():
+        while not done.wait(5.0):
+            print(f"\r{message}, {time.perf_counter() - start:.0f} s", end="", file=sys.stderr, flush=True)
+
+    threading.Thread(target=tick, daemon=True).start()
+    return done
+
+
+def load_or_compile(model, rows: int, options: dict, weights: str, label: str = "", progress: bool = True):
+    """The AOTInductor runner of `model`'s verify forward over `rows` cache rows: loaded from its package, or
+    compiled (minutes on a small CPU) and saved there first. -> (runner, seconds spent compiling)."""
+    path = package_path(model, rows, options, weights)
+    if path.is_file():
+        try:
+            return torch._inductor.aoti_load_package(str(path)), 0.0
+        except Exception as err:  # noqa: BLE001 - any unreadable package is compiled again
+            logger.warning(
+                "compiled package %s is unreadable (%s: %s); compiling it again", path, type(err).__name__, err
+            )
+    start = time.perf_counter()
+    message = (
+        f"compiling {label or 'the target'} ahead of time for steps over {rows} cached rows "
+        f"(AOTInductor, once on this machine; {path.parent})"
+    )
+    done = _ticking(message) if progress else None
+    try:
+        with torch.inference_mode(False), torch.no_grad():
+            program = _export(model, rows)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.pt2")  # AOTInductor wants the suffix
+            # a copy: it adds its own keys to the dict it is given
+            torch._inductor.aoti_compile_and_package(program, package_path=str(tmp), inductor_configs=dict(options))
+            os.replace(tmp, path)  # a killed compile leaves no package behind
+    finally:
+        if done is not None:
+            done.set()
+    seconds = time.perf_counter() - start
+    if progress:
+        print(f"\r{message}: {seconds:.0f} s{' ' * 20}", file=sys.stderr)
+    return torch._inductor.aoti_load_package(str(path)), seconds
+
+
+def run(runner, cache: StaticCache, input_ids, position_ids, mask, past_length: int, feature_layers=()):
+    """One verify forward through a loaded package, the cache's rows past_length .. + N written in place ->
+    (logits (N, V), what the heads read (N, F): medusa.heads.base_features)."""
+    keys = [layer.keys for layer in cache.layers]
+    values = [layer.values for layer in cache.layers]
+    length = torch.tensor(past_length, device=input_ids.device)
+    logits, hidden = runner(input_ids, position_ids, mask, length, keys, values)
+    return logits, base_features(tuple(hidden), feature_layers)[0]
