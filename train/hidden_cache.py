@@ -57,16 +57,13 @@ class HiddenCache:
         return {"hidden": hidden, "input_ids": ids, "loss_mask": loss_mask}
 
     def save(self, path: Path, key: str) -> None:
-        from safetensors.torch import save_file
-
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        save_file(
-            {"hidden": self.hidden, "ids": self.ids, "offsets": self.offsets, "response_start": self.response_start},
-            str(tmp),
-            metadata={"key": key},
-        )
-        os.replace(tmp, path)
+        tensors = {
+            "hidden": self.hidden,
+            "ids": self.ids,
+            "offsets": self.offsets,
+            "response_start": self.response_start,
+        }
+        _save_atomic(path, tensors, key)
 
     @classmethod
     def load(cls, path: Path, key: str) -> HiddenCache | None:
@@ -132,25 +129,26 @@ def progress_dir(path: Path) -> Path:
     return path.with_name(f".{path.stem}.progress")
 
 
-def _save_spans(file: Path, spans: dict[int, torch.Tensor], key: str, hidden_size: int) -> None:
-    """Conversation rows -> their spans, in one safetensors file (atomic: a killed write leaves none)."""
+def _save_atomic(path: Path, tensors: dict[str, torch.Tensor], key: str) -> None:
+    """Tensors -> a safetensors file recording `key`, written under a temporary name and renamed (a killed write
+    leaves none)."""
     from safetensors.torch import save_file
 
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    save_file(tensors, str(tmp), metadata={"key": key})
+    os.replace(tmp, path)
+
+
+def _save_spans(file: Path, spans: dict[int, torch.Tensor], key: str, hidden_size: int) -> None:
+    """Conversation rows -> their spans, in one safetensors file (atomic)."""
     rows = sorted(spans)
-    file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = file.with_name(f".{file.name}.tmp-{os.getpid()}")
-    save_file(
-        {
-            "rows": torch.tensor(rows, dtype=torch.long),
-            "lengths": torch.tensor([len(spans[i]) for i in rows], dtype=torch.long),
-            "hidden": torch.cat([spans[i] for i in rows])
-            if rows
-            else torch.zeros(0, hidden_size, dtype=torch.bfloat16),
-        },
-        str(tmp),
-        metadata={"key": key},
-    )
-    os.replace(tmp, file)
+    tensors = {
+        "rows": torch.tensor(rows, dtype=torch.long),
+        "lengths": torch.tensor([len(spans[i]) for i in rows], dtype=torch.long),
+        "hidden": torch.cat([spans[i] for i in rows]) if rows else torch.zeros(0, hidden_size, dtype=torch.bfloat16),
+    }
+    _save_atomic(file, tensors, key)
 
 
 def _load_spans(file: Path, key: str | None = None) -> dict[int, torch.Tensor] | None:
