@@ -27,6 +27,7 @@ import transformers
 from torch import nn
 from transformers import StaticCache
 
+from medusa.fileio import one_at_a_time
 from medusa.hardware import describe
 from medusa.heads import base_features
 from medusa.loading import cache_root
@@ -127,13 +128,35 @@ def load_or_compile(model, rows: int, options: dict, weights: str, label: str = 
     """The AOTInductor runner of `model`'s verify forward over `rows` cache rows: loaded from its package, or
     compiled (minutes on a small CPU) and saved there first. -> (runner, seconds spent compiling)."""
     path = package_path(model, rows, options, weights)
-    if path.is_file():
-        try:
-            return torch._inductor.aoti_load_package(str(path)), 0.0
-        except Exception as err:  # noqa: BLE001 - any unreadable package is compiled again
-            logger.warning(
-                "compiled package %s is unreadable (%s: %s); compiling it again", path, type(err).__name__, err
-            )
+    seen = _version(path)
+    runner = _load(path) if seen else None
+    if runner is not None:
+        return runner, 0.0
+    # another process compiling the same package: wait for it (minutes of both cores each, else) and load its result
+    with one_at_a_time(path.with_name(f".{path.name}.lock"), f"compiling {path.name}"):
+        runner = _load(path) if _version(path) not in (None, seen) else None
+        return (runner, 0.0) if runner is not None else _compile(model, rows, options, path, label, progress)
+
+
+def _version(path: Path):
+    """Which file is at `path` (None: none), to tell a package another process wrote from the one found before."""
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns
+
+
+def _load(path: Path):
+    """The runner in the package at `path`; None when it is unreadable (a warning: it is compiled again)."""
+    try:
+        return torch._inductor.aoti_load_package(str(path))
+    except Exception as err:  # noqa: BLE001 - any unreadable package is compiled again
+        logger.warning("compiled package %s is unreadable (%s: %s); compiling it again", path, type(err).__name__, err)
+        return None
+
+
+def _compile(model, rows: int, options: dict, path: Path, label: str, progress: bool):
     start = time.perf_counter()
     message = (
         f"compiling {label or 'the target'} ahead of time for steps over {rows} cached rows "

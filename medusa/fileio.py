@@ -1,14 +1,19 @@
-"""Atomic writes: a crash or a kill never leaves a half-written file or directory behind."""
+"""Atomic writes: a crash or a kill never leaves a half-written file or directory behind; and a lock for one-time
+work that several processes may start at once."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
+import logging
 import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 
 def _umask_modes(path: Path, is_dir: bool) -> None:
@@ -117,3 +122,28 @@ def write_directory(out_dir: Path, write: Callable[[Path], None], *, stale: Iter
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+@contextlib.contextmanager
+def one_at_a_time(lock_path: Path, what: str):
+    """Hold an exclusive lock on `lock_path` (created if missing) while the block runs, so that one-time work
+    several processes may start together (two ranks of `accelerate launch` converting the embedded model on a fresh
+    machine, two notebooks compiling one package) is done once: the others wait, then find its result. `what` names
+    the work in the message a waiting process logs. Where the system has no flock, the block runs unlocked."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: the writes stay atomic, only the work may be done twice
+        yield
+        return
+    lock_path = Path(lock_path)
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.warning("waiting for another process %s (lock %s)", what, lock_path)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

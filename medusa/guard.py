@@ -2,11 +2,13 @@
 
 The plan (medusa.plan) expects a speedup on average text; a given answer may be unpredictable (a list of random
 names, a language the heads never saw). Over each window of speculative steps the guard compares their milliseconds
-per token with a plain step's: measured in this call once it has decoded plainly, else the plan's calibrated figure,
-scaled by how this call's guessing steps compare with the plan's. The call's first step is left out (heads with a
-context layer read the whole prompt in it). When guessing lost, the next `backoff` steps decode plainly (the root
-alone); then guessing is tried again, the backoff doubling after each losing retry. Only the guesses change, never
-the acceptance rule: lossless.
+per token with a plain step's, measured in this call: the plan's calibrated figure (scaled by how this call's
+guessing steps compare with the plan's) only says whether a window wins or loses by so much that measuring is not
+needed. A window within PROBE_MARGIN of that estimate is judged after PROBE plain steps timed here: a calibration
+taken on a busy machine once made a plan's plain step 40% slower than the same machine's plain decoding later, and a
+guard trusting it kept a 0.83x tree. The call's first step is left out (heads with a context layer read the whole
+prompt in it). When guessing lost, the next `backoff` steps decode plainly (the root alone); then guessing is tried
+again, the backoff doubling after each losing retry. Only the guesses change, never the acceptance rule: lossless.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from medusa.propose import Candidates, PlainProposer
 
 WINDOW = 8  # speculative steps per verdict
 BACKOFF = 16  # plain steps after a losing window; doubled after each losing retry, reset by a winning window
+PROBE = 4  # plain steps timed to judge a window the plan's figure cannot decide
+PROBE_MARGIN = 1.25  # a window this much faster (slower) per token than the plan's plain estimate wins (loses) as is
 
 
 class GuardedProposer:
@@ -36,13 +40,14 @@ class GuardedProposer:
         self.expected_step_ms = expected_step_ms  # the plan's guessing step, timed beside its plain one
         self.max_nodes = inner.max_nodes
         self.window, self.first_backoff, self.backoff = window, backoff, backoff
-        self.plain_ms = plain_step_ms  # the yardstick; this call's own plain steps replace it once there are some
+        self.plain_ms = plain_step_ms  # the plan's plain step; this call's own plain steps replace it once timed
         self.plain_left = 0  # plain steps still to take
         self.fallbacks = 0  # windows lost so far in this call
         self._plain_steps: list[float] = []
         self._window = [0.0, 0, 0]  # speculative ms, tokens, steps
         self._start, self._guessing = 0.0, True
         self._first = True  # the call's first step: also the context layer reading the whole prompt, not timed
+        self._held: float | None = None  # a window's ms per token, waiting for the probe's plain steps
 
     def propose(self, state) -> Candidates:
         self._start = time.perf_counter()
@@ -51,7 +56,7 @@ class GuardedProposer:
             return self.inner.propose(state)
         self.plain_left -= 1
         skip = getattr(self.inner, "skip", None)
-        if skip is not None:  # e.g. a context layer still reads every committed position
+        if skip is not None:  # e.g. a context layer keeps the committed positions to read later
             skip(state)
         return self.plain.propose(state)
 
@@ -60,6 +65,9 @@ class GuardedProposer:
         if not self._guessing:
             self._plain_steps.append(step_ms)
             self.plain_ms = statistics.median(self._plain_steps[-32:])
+            if self.plain_left == 0 and self._held is not None:  # the probe is done: judge the window it was for
+                self._judge(self._held)
+                self._held = None
             return
         self.inner.observe(state, accepted_tokens)
         if self._first:  # its cost grows with the prompt, not with guessing: it had made the first verdict a loss
@@ -71,14 +79,27 @@ class GuardedProposer:
         window[2] += 1
         if window[2] < self.window:
             return
-        yardstick = self.plain_ms
-        if not self._plain_steps and self.expected_step_ms:
+        ms_per_token = window[0] / window[1]
+        if self._plain_steps:
+            self._judge(ms_per_token)
+        else:
             # no plain step of this call timed yet: the plan's, scaled as this call's guessing steps compare with
             # the plan's (a larger cache, a longer context or a busier machine slow both alike)
-            yardstick *= window[0] / window[2] / self.expected_step_ms
-        if window[0] / window[1] > yardstick:  # more milliseconds per token than plain decoding
+            estimate = self.plain_ms
+            if self.expected_step_ms:
+                estimate *= window[0] / window[2] / self.expected_step_ms
+            if ms_per_token * PROBE_MARGIN <= estimate:
+                self.backoff = self.first_backoff
+            elif ms_per_token >= estimate * PROBE_MARGIN:
+                self._judge(ms_per_token)  # a loss: the plain steps it leads to are timed
+            else:  # too close to call on a figure from another moment: time plain steps here first
+                self.plain_left, self._held = PROBE, ms_per_token
+        self._window = [0.0, 0, 0]
+
+    def _judge(self, ms_per_token: float) -> None:
+        """A window's verdict against plain decoding's milliseconds per token (a plain step commits one)."""
+        if ms_per_token > self.plain_ms:
             self.plain_left, self.fallbacks = self.backoff, self.fallbacks + 1
             self.backoff *= 2
         else:
             self.backoff = self.first_backoff
-        self._window = [0.0, 0, 0]

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from medusa.fileio import write_directory
+from medusa.fileio import one_at_a_time, write_directory
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,8 @@ def gguf_cache_dir(gguf_path: Path) -> Path:
 def convert_gguf(gguf_path: str | os.PathLike) -> Path:
     """Dequantise a GGUF file once into a safetensors model directory; return that directory.
 
-    The write is atomic (a temporary folder renamed into place), so a killed conversion leaves no half cache.
+    The write is atomic (a temporary folder renamed into place), so a killed conversion leaves no half cache, and
+    processes that start it together convert once (the others wait for it).
     """
     gguf_path = Path(gguf_path)
     if not gguf_path.is_file():
@@ -88,8 +89,14 @@ def convert_gguf(gguf_path: str | os.PathLike) -> Path:
     out = gguf_cache_dir(gguf_path)
     if (out / "config.json").is_file():
         return out
+    with one_at_a_time(out.parent / f".{out.name}.lock", f"converting {gguf_path.name}"):
+        if not (out / "config.json").is_file():  # another process may have converted it while this one waited
+            _convert_gguf(gguf_path, out)
+    return out
+
+
+def _convert_gguf(gguf_path: Path, out: Path) -> None:
     logger.warning("converting %s to safetensors once (about 15 s); cached in %s", gguf_path.name, out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
     # The tensors are already dequantised fp32; only the GGUF "quantizer" marker blocks saving them.
@@ -103,7 +110,6 @@ def convert_gguf(gguf_path: str | os.PathLike) -> Path:
         tokenizer.save_pretrained(tmp)
 
     write_directory(out, write)
-    return out
 
 
 def resolve_base_path(source: str | os.PathLike | None) -> str:

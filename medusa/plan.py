@@ -33,13 +33,13 @@ from medusa.fileio import atomic_write_text
 from medusa.hardware import describe
 from medusa.loading import cache_root
 from medusa.sampling import SamplingConfig
-from medusa.tree_builder import check_accuracy, expected_tau, grow_tree, time_step
+from medusa.tree_builder import check_accuracy, expected_tau, grow_tree, sync, time_step
 
 logger = logging.getLogger(__name__)
 
 ACCURACY_NAME = "medusa_accuracy.json"  # in a heads directory: {"acc_given_prefix": [[...], ...], "source": ...}
-PLAN_VERSION = 5  # 3: the inductor engine is an option; 4: the dynamic tree skips heads that cannot matter (cheaper);
-# 5: the inductor engine runs ahead-of-time packages on CPU
+PLAN_VERSION = 6  # 3: the inductor engine is an option; 4: the dynamic tree skips heads that cannot matter (cheaper);
+# 5: the inductor engine runs ahead-of-time packages on CPU; 6: a context layer's read of each step's positions costed
 SIZES = (1, 2, 4, 6, 8, 12, 16, 24)  # tree nodes timed, root included (1 = plain decoding)
 SLOW_ENGINE = 1.25  # an engine whose plain step is this much slower than the fastest one's is not timed further
 MIN_GAIN = 1.05  # a speculative option must beat plain decoding by this much to be chosen
@@ -52,6 +52,7 @@ DYNAMIC_TAU_GAIN = 1.04
 # Expected taus are discounted so (1 + TAU_CARRY_OVER * sum of path values), which also keeps plans conservative.
 TAU_CARRY_OVER = 0.73
 HYBRID_TAU_GAIN = 1.17
+CONTEXT_ROWS = 2  # positions a heads' context layer reads per step while calibrating (a step commits tau of them)
 HYBRID_CHAIN = 10  # prompt lookup's chain (medusa.prompt_lookup.NUM_TOKENS): costed at its full length
 
 
@@ -232,7 +233,30 @@ def measure(model, engines=None, sizes=SIZES, repeats: int = 4, context: int = C
         results[name] = {job: tuple(statistics.median(s) for s in samples[job]) for job in jobs}
     if progress:
         print(file=sys.stderr)
+    read_ms = _context_read_ms(model, states[engines[0]], repeats + 1)
+    for jobs_measured in results.values():
+        for job, (propose_ms, verify_ms) in jobs_measured.items():
+            if job[0] != "plain":
+                jobs_measured[job] = (propose_ms + read_ms, verify_ms)
     return results, order
+
+
+def _context_read_ms(model, state, repeats: int, rows: int = CONTEXT_ROWS) -> float:
+    """What heads with a context layer pay each step in decoding and not in `time_step` (whose state never moves
+    on): reading the positions the last step committed. Median ms of reading `rows` of them; 0 without the layer."""
+    heads = getattr(model, "proposal_heads", model.heads)
+    if heads.context is None:
+        return 0.0
+    embed = model.base.get_input_embeddings()
+    tokens = torch.tensor(state.tokens[1:], device=model.device)  # the token after each cached position
+    _, past = heads.contextualise(state.new_hidden[None, :-rows], embed(tokens[:-rows])[None])
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        heads.contextualise(state.new_hidden[None, -rows:], embed(tokens[-rows:])[None], past)
+        sync(model.device)
+        times.append(1000 * (time.perf_counter() - start))
+    return statistics.median(times)
 
 
 def _plain_ms(model, engine, state, repeats: int) -> float:

@@ -95,7 +95,7 @@ class StepLatency:
         return self.heads_ms + self.verify_ms + self.accept_ms
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
 
@@ -105,13 +105,13 @@ def time_step(model, engine, proposer, state, sampling: SamplingConfig) -> tuple
     """Milliseconds of one step's propose, verify and (greedy) accept on `engine`; the cache is set back after it,
     so repeated steps all see the same KV length."""
     device = model.device
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     candidates = proposer.propose(state)
-    _sync(device)
+    sync(device)
     t1 = time.perf_counter()
     verified = engine.verify(state.cache, candidates, state.length, model.config.feature_layers)
-    _sync(device)
+    sync(device)
     t2 = time.perf_counter()
     greedy(candidates, verified, sampling)
     t3 = time.perf_counter()  # acceptance ends in a host sync

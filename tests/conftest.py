@@ -17,6 +17,11 @@ from medusa import MedusaConfig, MedusaHeads, MedusaModel
 os.environ.setdefault("MEDUSA_PLAN", "off")
 # Plans made in tests leave torch.compile out (minutes of compiling); tests/test_engine.py tests the inductor engine.
 os.environ.setdefault("MEDUSA_COMPILE", "0")
+# Under pytest-xdist (make test: a worker per core), each worker takes its share of the cores: torch's default of
+# every core per process would have the workers' thread pools contend.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(max(1, cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 VOCAB, HIDDEN = 96, 64
 _COMMON = dict(

@@ -173,6 +173,24 @@ def test_proposer_reads_what_evaluation_scores(layers):
             start = end
         with pytest.raises(RuntimeError, match="once per step"):
             proposer.read(SimpleNamespace(new_hidden=hidden[:2], length=40, tokens=ids.tolist(), last_hidden=hidden[1]))
+        # steps without guesses (the guard's plain steps) only keep their positions; the next read takes them all
+        proposer = build_medusa_proposer(model, build_buffers(TreeSpec(model.tree), 3))
+        calls = []
+        contextualise = proposer.heads.contextualise
+        proposer.heads.contextualise = lambda hidden, *rest: (
+            calls.append(hidden.shape[1]) or contextualise(hidden, *rest)
+        )
+        start = 0
+        for end, guessing in ((8, True), (9, False), (12, False), (14, True), (19, True)):
+            state = SimpleNamespace(
+                new_hidden=hidden[start:end], length=end, tokens=ids[: end + 1].tolist(), last_hidden=hidden[end - 1]
+            )
+            if guessing:
+                torch.testing.assert_close(proposer.read(state), whole[end - 1])
+            else:
+                proposer.skip(state)
+            start = end
+        assert calls == [8, 6, 5]  # the prompt; the two skipped steps' 4 positions with the next step's 2; 5
     # head_rank_hits scores the heads on those features: head 0 at position t reads whole[t] and ids[t + 1]
     got = head_rank_hits(model, ids, response_start=6, ranks=1)
     with torch.no_grad():

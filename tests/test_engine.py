@@ -170,6 +170,42 @@ def test_an_unreadable_package_is_compiled_again(tmp_path, monkeypatch, caplog):
     assert not list(path.parent.glob(".*tmp*"))  # written under a temporary name, then renamed
 
 
+def test_processes_wanting_one_package_compile_it_once(tmp_path, monkeypatch):
+    """Two processes (threads here: the lock is per open file) needing one package: the second waits for the first's
+    compile and loads what it wrote."""
+    import threading
+    import time
+
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
+    model = make_tiny_model("llama")
+    compiled = []
+
+    def slow_export(model, rows):
+        compiled.append(threading.current_thread().name)
+        time.sleep(0.5)
+
+    monkeypatch.setattr(medusa.aot, "_export", slow_export)
+    monkeypatch.setattr(
+        torch._inductor,
+        "aoti_compile_and_package",
+        lambda program, package_path, inductor_configs: open(package_path, "wb").close(),
+    )
+    monkeypatch.setattr(torch._inductor, "aoti_load_package", lambda p: "runner")
+    results = {}
+
+    def load(name):
+        results[name] = medusa.aot.load_or_compile(model, 512, FAST_INDUCTOR, "weights", progress=False)
+
+    threads = [threading.Thread(target=load, args=(name,), name=name) for name in ("first", "second")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(compiled) == 1
+    assert {name: runner for name, (runner, _) in results.items()} == {"first": "runner", "second": "runner"}
+    assert sorted(seconds > 0 for _, seconds in results.values()) == [False, True]  # only one paid for compiling
+
+
 @pytest.mark.slow
 def test_inductor_engine_greedy_identity_across_cache_sizes(tmp_path, monkeypatch):
     """engine='inductor': one package per cache size serves trees of every size; a larger cache compiles its own

@@ -156,3 +156,42 @@ def test_sigkill_during_repeated_exports_leaves_a_whole_export(tmp_path, layout)
             state = import_heads(out).state_dict()
             matches = [all(torch.equal(state[k], v[k]) for k in v) for v in versions]
             assert any(matches), "the export on disk mixes two versions"
+
+
+def test_processes_converting_one_gguf_together_convert_it_once(tmp_path, monkeypatch):
+    """Two ranks of `accelerate launch` loading the embedded default on a fresh machine: one converts, the other
+    waits and reads its result. Unlocked, both converted, and the second's clean-up of "leftovers" removed the first's
+    temporary folder mid-write."""
+    import threading
+    import time
+
+    import medusa.loading
+    from tests.conftest import make_tiny_model, tiny_tokenizer
+
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    conversions = []
+
+    def slow_load(*args, **kwargs):
+        conversions.append(threading.current_thread().name)
+        time.sleep(0.5)  # long enough for the other thread to arrive while this one converts
+        return make_tiny_model("llama")
+
+    monkeypatch.setattr(medusa.loading.AutoModelForCausalLM, "from_pretrained", slow_load)
+    monkeypatch.setattr(medusa.loading.AutoTokenizer, "from_pretrained", lambda *a, **k: tiny_tokenizer())
+    results, errors = {}, []
+
+    def convert(name):
+        try:
+            results[name] = medusa.loading.convert_gguf(gguf)
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=convert, args=(name,), name=name) for name in ("first", "second")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and len(conversions) == 1
+    assert results["first"] == results["second"] and (results["first"] / "config.json").is_file()

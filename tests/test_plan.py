@@ -7,12 +7,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import medusa.decode
 import medusa.guard
 import medusa.model
 import medusa.plan
 from medusa import MedusaModel
-from medusa.guard import BACKOFF, WINDOW, GuardedProposer
+from medusa.guard import BACKOFF, PROBE, WINDOW, GuardedProposer
 from medusa.plan import ACCURACY_NAME, MIN_GAIN, Plan, decide, load_accuracy, plan_path, save_accuracy
+from medusa.sampling import SamplingConfig
 from medusa.tree_builder import grow_tree
 from tests.conftest import FAMILIES, make_heads, make_tiny_model, save_tiny_checkpoint
 
@@ -202,6 +204,42 @@ def test_guard_scales_the_plans_yardstick_by_this_calls_steps(monkeypatch, token
     assert (guard.fallbacks == 1) is falls_back
 
 
+def _drive_two_speeds(monkeypatch, guess_ms: float, plain_ms: float, steps: int, **guard_options):
+    """A guard over a proposer whose guessing steps take `guess_ms` and commit 2 tokens, while plain steps take
+    `plain_ms`, on a fake clock -> (guard, 'g'/'p' per step)."""
+    clock = [0.0]
+    monkeypatch.setattr(medusa.guard.time, "perf_counter", lambda: clock[0])
+    proposer = SimpleNamespace(max_nodes=2, propose=lambda state: "guess", observe=lambda state, tokens: None)
+    guard = GuardedProposer(proposer, device="cpu", **guard_options)
+    kinds, state = [], SimpleNamespace(root_token=torch.tensor(1))
+    for _ in range(steps):
+        guessing = guard.propose(state) == "guess"
+        clock[0] += (guess_ms if guessing else plain_ms) / 1000
+        guard.observe(state, [1, 2] if guessing else [1])
+        kinds.append("g" if guessing else "p")
+    return guard, "".join(kinds)
+
+
+@pytest.mark.parametrize("real_plain_ms, loses", [(9.0, True), (12.0, False)])
+def test_a_close_window_is_judged_on_plain_steps_timed_in_the_call(monkeypatch, real_plain_ms, loses):
+    """11 ms a token against the plan's 10 ms plain step is too close to call on a figure measured at another moment
+    (on the AVX2 CPU a plan's plain step came out 58 ms where plain decoding then ran at 41): the guard times PROBE
+    plain steps, and the window wins or loses against those."""
+    steps = 1 + WINDOW + PROBE + BACKOFF
+    guard, kinds = _drive_two_speeds(monkeypatch, 22.0, real_plain_ms, steps, plain_step_ms=10.0)
+    probed = 1 + WINDOW + PROBE
+    assert kinds[:probed] == "g" * (1 + WINDOW) + "p" * PROBE
+    assert guard.plain_ms == pytest.approx(real_plain_ms) and guard.fallbacks == int(loses)
+    assert kinds[probed:] == ("p" * BACKOFF if loses else "g" * BACKOFF)
+
+
+@pytest.mark.parametrize("guess_ms, fallbacks", [(14.0, 0), (28.0, 1)])
+def test_a_clear_window_needs_no_probe(monkeypatch, guess_ms, fallbacks):
+    """7 ms a token against a 10 ms plain step wins as it is; 14 ms loses at once (its plain steps are timed then)."""
+    guard, kinds = _drive_two_speeds(monkeypatch, guess_ms, 1.0, 1 + WINDOW + 1, plain_step_ms=10.0)
+    assert guard.fallbacks == fallbacks and kinds[-1] == "gp"[fallbacks]
+
+
 def test_guard_keeps_guessing_while_it_pays():
     model = _guarded(plain_ms=1e9)
     out = model.generate(torch.tensor([[3, 4, 5, 6, 7]]), max_new_tokens=60)
@@ -212,6 +250,22 @@ def test_an_explicit_proposer_is_not_guarded():
     model = _guarded(plain_ms=1e-6)
     out = model.generate(torch.tensor([[3, 4, 5, 6, 7]]), max_new_tokens=60, proposer="medusa")
     assert 0 not in out.stats.proposed_lengths
+
+
+@pytest.mark.parametrize("context", [False, True], ids=["no-context", "context-layer"])
+def test_calibration_costs_the_context_layers_read_of_each_step(monkeypatch, context):
+    """A timed step never moves its state on, so a context layer reads nothing in it; in decoding it reads each
+    step's new positions. measure adds that read to every guessing option, not to plain decoding."""
+    model = _guarded(plain_ms=1.0, context=context)
+    model.plan, model.accuracy = None, STRONG
+    read_ms = medusa.plan._context_read_ms(
+        model, medusa.decode.prefill(model.base, torch.tensor([[3, 4, 5, 6, 7]]), SamplingConfig()), 3
+    )
+    assert (read_ms > 0) is context
+    monkeypatch.setattr(medusa.plan, "_context_read_ms", lambda *args: 1000.0)
+    measured, _ = medusa.plan.measure(model, ["eager"], sizes=(1, 2), repeats=1, context=8, progress=False)
+    assert measured["eager"][("plain", 1)][0] < 1000.0
+    assert all(1000.0 < propose_ms < 2000.0 for job, (propose_ms, _) in measured["eager"].items() if job[0] != "plain")
 
 
 def test_planned_engines_leave_out_what_adds_nothing_or_is_switched_off(monkeypatch):
