@@ -22,7 +22,7 @@ demo: install
 	$(BIN)/python scripts/demo.py
 
 # One pytest worker per core, at most 4 (each may load the real model), an idle one taking queued tests from a busy
-# one; tests/conftest.py splits torch's threads among them. 2 cores: 24 min where one process took 29.
+# one; tests/conftest.py splits torch's threads among them. 2 cores: 22 min where one process took 29.
 PYTEST   := $(BIN)/python -m pytest tests -q -n auto --maxprocesses 4 --dist worksteal
 
 test: install lint
