@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import sys
 import threading
 import time
@@ -27,7 +26,7 @@ import transformers
 from torch import nn
 from transformers import StaticCache
 
-from medusa.fileio import one_at_a_time
+from medusa.fileio import atomic_file, one_at_a_time
 from medusa.hardware import describe
 from medusa.heads import base_features
 from medusa.loading import cache_root
@@ -166,11 +165,9 @@ def _compile(model, rows: int, options: dict, path: Path, label: str, progress: 
     try:
         with torch.inference_mode(False), torch.no_grad():
             program = _export(model, rows)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.pt2")  # AOTInductor wants the suffix
-            # a copy: it adds its own keys to the dict it is given
-            torch._inductor.aoti_compile_and_package(program, package_path=str(tmp), inductor_configs=dict(options))
-            os.replace(tmp, path)  # a killed compile leaves no package behind
+            with atomic_file(path, suffix=".pt2") as tmp:  # AOTInductor wants the suffix; a killed compile leaves none
+                # a copy: it adds its own keys to the dict it is given
+                torch._inductor.aoti_compile_and_package(program, package_path=str(tmp), inductor_configs=dict(options))
     finally:
         if done is not None:
             done.set()

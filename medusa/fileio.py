@@ -23,19 +23,27 @@ def _umask_modes(path: Path, is_dir: bool) -> None:
     path.chmod((0o777 if is_dir else 0o666) & ~mask)
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write via a temporary file in the same folder and rename."""
+@contextlib.contextmanager
+def atomic_file(path: Path, suffix: str = ""):
+    """Yield a temporary path in `path`'s folder for the block to write (`suffix`: for writers that want one); it
+    is renamed onto `path` when the block ends, and removed if the block fails or is killed mid-write."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-", suffix=suffix)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        yield Path(tmp)
         _umask_modes(Path(tmp), is_dir=False)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write via a temporary file in the same folder and rename."""
+    with atomic_file(path) as tmp:
+        tmp.write_text(text)
 
 
 def _exchange(a: Path, b: Path) -> bool:

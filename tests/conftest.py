@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -104,6 +105,16 @@ def save_tiny_checkpoint(directory: Path, family: str = "llama") -> tuple[Path, 
     tiny_tokenizer().save_pretrained(base_dir)
     MedusaModel(base, make_heads(random=True)).save_pretrained(heads_dir)
     return base_dir, heads_dir
+
+
+def run_together(target, names: tuple[str, ...] = ("first", "second")) -> None:
+    """Call target(name) in one thread per name, all started before any is joined (for the locks of one-time work:
+    flock locks are per open file, so threads contend for them as processes do)."""
+    threads = [threading.Thread(target=target, args=(name,), name=name) for name in names]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
 
 
 @pytest.fixture(params=FAMILIES)

@@ -15,7 +15,7 @@ from medusa.prepack import FusedMember, FusedProjections, PackedLinear, prepacke
 from medusa.propose import Candidates
 from medusa.sampling import SamplingConfig
 from medusa.tree import TreeSpec, build_buffers
-from tests.conftest import FAMILIES, make_heads, make_tiny_model
+from tests.conftest import FAMILIES, make_heads, make_tiny_model, run_together
 from tests.test_tree import HAND_TREE
 
 TOL = dict(atol=1e-4, rtol=1e-4)  # fp32: the pre-packed GEMMs sum in another order than eager's
@@ -196,11 +196,7 @@ def test_processes_wanting_one_package_compile_it_once(tmp_path, monkeypatch):
     def load(name):
         results[name] = medusa.aot.load_or_compile(model, 512, FAST_INDUCTOR, "weights", progress=False)
 
-    threads = [threading.Thread(target=load, args=(name,), name=name) for name in ("first", "second")]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run_together(load)
     assert len(compiled) == 1
     assert {name: runner for name, (runner, _) in results.items()} == {"first": "runner", "second": "runner"}
     assert sorted(seconds > 0 for _, seconds in results.values()) == [False, True]  # only one paid for compiling

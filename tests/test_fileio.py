@@ -166,7 +166,7 @@ def test_processes_converting_one_gguf_together_convert_it_once(tmp_path, monkey
     import time
 
     import medusa.loading
-    from tests.conftest import make_tiny_model, tiny_tokenizer
+    from tests.conftest import make_tiny_model, run_together, tiny_tokenizer
 
     monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "cache"))
     gguf = tmp_path / "model.gguf"
@@ -188,10 +188,6 @@ def test_processes_converting_one_gguf_together_convert_it_once(tmp_path, monkey
         except Exception as err:  # noqa: BLE001 - reported below
             errors.append(err)
 
-    threads = [threading.Thread(target=convert, args=(name,), name=name) for name in ("first", "second")]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run_together(convert)
     assert not errors and len(conversions) == 1
     assert results["first"] == results["second"] and (results["first"] / "config.json").is_file()

@@ -3,7 +3,6 @@ keyed by the data, the base and everything else that changes the states)."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -14,6 +13,7 @@ from torch import nn
 from tqdm import tqdm
 
 from medusa.config import MedusaConfig
+from medusa.fileio import atomic_file
 from medusa.heads import base_features, head_target_offset
 from train.batches import Conversation
 from train.data import collate
@@ -134,10 +134,8 @@ def _save_atomic(path: Path, tensors: dict[str, torch.Tensor], key: str) -> None
     leaves none)."""
     from safetensors.torch import save_file
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_file(tensors, str(tmp), metadata={"key": key})
-    os.replace(tmp, path)
+    with atomic_file(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"key": key})
 
 
 def _save_spans(file: Path, spans: dict[int, torch.Tensor], key: str, hidden_size: int) -> None:
