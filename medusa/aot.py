@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 AOT_FORMAT = 1  # bump when VerifyStep's inputs or outputs change, so old packages are not loaded
 MAX_QUERY = 256  # the most tokens one verify forward may take (a tree's nodes)
+GEMM_BACKENDS = "max_autotune_gemm_backends"
 
 
 def _cache_over(config, keys: list[torch.Tensor], values: list[torch.Tensor], length: torch.Tensor) -> StaticCache:
@@ -166,8 +167,7 @@ def _compile(model, rows: int, options: dict, path: Path, label: str, progress: 
         with torch.inference_mode(False), torch.no_grad():
             program = _export(model, rows)
             with atomic_file(path, suffix=".pt2") as tmp:  # AOTInductor wants the suffix; a killed compile leaves none
-                # a copy: it adds its own keys to the dict it is given
-                torch._inductor.aoti_compile_and_package(program, package_path=str(tmp), inductor_configs=dict(options))
+                compile_package(program, tmp, options)
     finally:
         if done is not None:
             done.set()
@@ -175,6 +175,36 @@ def _compile(model, rows: int, options: dict, path: Path, label: str, progress: 
     if progress:
         print(f"\r{message}: {seconds:.0f} s{' ' * 20}", file=sys.stderr)
     return torch._inductor.aoti_load_package(str(path)), seconds
+
+
+def compile_package(program, path: Path, options: dict) -> None:
+    """AOTInductor-compile `program` into the package file `path`. max-autotune would time each GEMM shape's C++
+    template against aten's kernel (seconds of compiling per shape on a small CPU), and the template won every
+    SmolLM2 shape, so the template alone is tried first; a graph with a GEMM it cannot take (two activations, say:
+    no choice left) is compiled again with aten's kernels among the choices."""
+    template_only = {**options, GEMM_BACKENDS: "CPP"} if "CPP" in options.get(GEMM_BACKENDS, "") else None
+    for settings in filter(None, (template_only, options)):
+        try:
+            with torch._inductor.config.patch(settings):  # a copy: AOTInductor adds its own keys to the dict given
+                torch._inductor.aoti_compile_and_package(
+                    program, package_path=str(path), inductor_configs=dict(settings)
+                )
+            return
+        except Exception as err:
+            if settings is options or not _no_gemm_choice(err):
+                raise
+            logger.info("a GEMM has no C++ template; compiling again with aten's kernels among the choices")
+
+
+def _no_gemm_choice(err: BaseException | None) -> bool:
+    """Whether `err` (or what it wraps) is inductor's 'no valid choices' for a GEMM."""
+    from torch._inductor.select_algorithm import NoValidChoicesError
+
+    while err is not None:
+        if isinstance(err, NoValidChoicesError) or "NoValidChoicesError" in str(err):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
 
 
 def run(runner, cache: StaticCache, input_ids, position_ids, mask, past_length: int, feature_layers=()):

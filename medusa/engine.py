@@ -32,6 +32,7 @@ length. So on CPU the engine pre-packs and does not run inductor unless asked.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import sys
@@ -64,6 +65,25 @@ INDUCTOR_CPU_OPTIONS = {
     "max_autotune": True,
     "max_autotune_gemm_backends": "CPP,ATEN",
 }
+
+
+@contextlib.contextmanager
+def kernel_templates_kept():
+    """While compiling: inductor builds a fresh jinja2 Environment, and so parses its C++ GEMM template again, for
+    every GEMM it renders (torch 2.13, `KernelTemplate._template_from_string`). Keep each parsed template for the
+    same source instead; rendering is unchanged. SmolLM2's package spent 50 of its 283 s parsing them (py-spy).
+    Another torch without that static method compiles as it is."""
+    from torch._inductor.codegen.common import KernelTemplate
+
+    original = KernelTemplate.__dict__.get("_template_from_string")
+    if not isinstance(original, staticmethod):
+        yield
+        return
+    KernelTemplate._template_from_string = staticmethod(functools.lru_cache(maxsize=None)(original.__func__))
+    try:
+        yield
+    finally:
+        KernelTemplate._template_from_string = original
 
 
 @dataclass(frozen=True)
@@ -222,7 +242,11 @@ class CompiledEngine:
         """inductor's settings for this engine's compiles (which happen inside calls): set around each call, as
         torch.compile's `options=` did not reach the GEMM template choice (one-token forward 73 ms instead of 51)."""
         cpu = self.torch_compile and self.model.device.type != "cuda"
-        return torch._inductor.config.patch(INDUCTOR_CPU_OPTIONS) if cpu else contextlib.nullcontext()
+        settings = contextlib.ExitStack()
+        if cpu:
+            settings.enter_context(torch._inductor.config.patch(INDUCTOR_CPU_OPTIONS))
+            settings.enter_context(kernel_templates_kept())
+        return settings
 
     @torch.inference_mode()  # a cache made under it (warm_up's) is written in place here
     def new_cache(self, max_length: int, progress: bool = True) -> StaticCache:

@@ -238,6 +238,23 @@ def test_the_inductor_engine_on_cpu_compiles_ahead_of_time():
     assert engine.ahead_of_time and engine.verify_runner is engine.runner and not engine.prepacked
 
 
+def test_compiling_parses_each_kernel_template_once_and_puts_inductor_back():
+    """Inside the engine's compile settings inductor's template parser keeps what it parsed (a C++ GEMM template is
+    parsed once, not once per GEMM); outside them it is inductor's own again, and renders the same text."""
+    from torch._inductor.codegen.common import KernelTemplate
+
+    original = KernelTemplate.__dict__["_template_from_string"]
+    source = "{% for i in range(n) %}{{ i }},{% endfor %}"
+    engine = CompiledEngine(make_tiny_model("llama"), torch_compile=True)
+    with engine._compile_config():
+        first = KernelTemplate._template_from_string(source)
+        assert KernelTemplate._template_from_string(source) is first
+        assert torch._inductor.config.freezing
+    assert KernelTemplate.__dict__["_template_from_string"] is original
+    again = KernelTemplate._template_from_string(source)
+    assert again is not first and again.render(n=3) == first.render(n=3) == "0,1,2,"
+
+
 def test_warm_up_compiles_every_cache_size_a_length_needs_once(monkeypatch):
     """warm_up(max_length) compiles each size a call up to that length would allocate (doubling from the smallest),
     so that a benchmark or server compiles before it times or serves; later calls find their size compiled."""
@@ -313,3 +330,35 @@ def test_fused_projections_equal_their_layers_in_any_call_order():
         linears[2].weight.add_(1.0)
     torch.testing.assert_close(members[2](x), linears[2](x))
     torch.testing.assert_close(members[0](x), linears[0](x))
+
+
+class _Projection(nn.Module):
+    def __init__(self, both_activations: bool):
+        super().__init__()
+        self.linear, self.both_activations = nn.Linear(16, 16), both_activations
+
+    def forward(self, x):
+        y = self.linear(x)
+        return y @ x.T if self.both_activations else y  # a GEMM of two activations has no C++ template
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("both_activations", [False, True])
+def test_packages_try_the_gemm_template_alone_then_with_aten(tmp_path, monkeypatch, both_activations):
+    """Compiling a package times no aten kernel against the C++ GEMM template unless a GEMM has no template, and
+    then compiles again with aten's kernels: the package works either way."""
+    tried, compile_package = [], torch._inductor.aoti_compile_and_package
+
+    def recording(program, package_path, inductor_configs):
+        tried.append(inductor_configs[medusa.aot.GEMM_BACKENDS])
+        return compile_package(program, package_path=package_path, inductor_configs=inductor_configs)
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", recording)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    module, x = _Projection(both_activations).eval(), torch.randn(4, 16)
+    with torch.no_grad():
+        program = torch.export.export(module, (x,))
+        medusa.aot.compile_package(program, tmp_path / "p.pt2", medusa.engine.INDUCTOR_CPU_OPTIONS)
+        out = torch._inductor.aoti_load_package(str(tmp_path / "p.pt2"))(x)
+        torch.testing.assert_close(out, module(x))
+    assert tried == (["CPP", "CPP,ATEN"] if both_activations else ["CPP"])
