@@ -68,22 +68,47 @@ INDUCTOR_CPU_OPTIONS = {
 
 
 @contextlib.contextmanager
-def kernel_templates_kept():
-    """While compiling: inductor builds a fresh jinja2 Environment, and so parses its C++ GEMM template again, for
-    every GEMM it renders (torch 2.13, `KernelTemplate._template_from_string`). Keep each parsed template for the
-    same source instead; rendering is unchanged. SmolLM2's package spent 50 of its 283 s parsing them (py-spy).
-    Another torch without that static method compiles as it is."""
-    from torch._inductor.codegen.common import KernelTemplate
+def parses_kept():
+    """While compiling: inductor parses the same text again for every GEMM it renders (torch 2.13): its C++ GEMM
+    template (a fresh jinja2 Environment each time: `KernelTemplate._template_from_string`) and the template's index
+    expressions (`sympy.parse_expr` of "m_start", "k_end - k_start"...: `parse_expr_with_index_symbols`). Keep what
+    was parsed for the same text during the compile instead; what is rendered is unchanged. SmolLM2's package spent
+    50 of its 283 s parsing templates on the AVX2 EPYC, and a fifth of its lowering parsing expressions on the AVX-512
+    one (py-spy). Another torch without these functions compiles as it is."""
+    import torch._inductor.compile_fx  # noqa: F401 - loads inductor's codegen modules in their import order
+    from torch._inductor.codegen import common, cpp_template_kernel
 
-    original = KernelTemplate.__dict__.get("_template_from_string")
-    if not isinstance(original, staticmethod):
-        yield
-        return
-    KernelTemplate._template_from_string = staticmethod(functools.lru_cache(maxsize=None)(original.__func__))
+    replacements = []
+    template = common.KernelTemplate.__dict__.get("_template_from_string")
+    if isinstance(template, staticmethod):
+        cached = staticmethod(functools.lru_cache(maxsize=None)(template.__func__))
+        replacements.append((common.KernelTemplate, "_template_from_string", template, cached))
+    parse = cpp_template_kernel.__dict__.get("parse_expr_with_index_symbols")
+    if callable(parse):
+        replacements.append((cpp_template_kernel, "parse_expr_with_index_symbols", parse, _text_kept(parse)))
+    for owner, name, _, replacement in replacements:
+        setattr(owner, name, replacement)
     try:
         yield
     finally:
-        KernelTemplate._template_from_string = original
+        for owner, name, original, _ in replacements:
+            setattr(owner, name, original)
+
+
+def _text_kept(parse):
+    """`parse` with what it returned for each str or int argument kept (sympy expressions are immutable); other
+    arguments (lists of them, expressions) pass through, and a list's items come back through the module's name."""
+    parsed = {}
+
+    def kept(expr):
+        if not isinstance(expr, (str, int)):
+            return parse(expr)
+        key = (type(expr), expr)
+        if key not in parsed:
+            parsed[key] = parse(expr)
+        return parsed[key]
+
+    return kept
 
 
 @dataclass(frozen=True)
@@ -245,7 +270,7 @@ class CompiledEngine:
         settings = contextlib.ExitStack()
         if cpu:
             settings.enter_context(torch._inductor.config.patch(INDUCTOR_CPU_OPTIONS))
-            settings.enter_context(kernel_templates_kept())
+            settings.enter_context(parses_kept())
         return settings
 
     @torch.inference_mode()  # a cache made under it (warm_up's) is written in place here

@@ -238,21 +238,30 @@ def test_the_inductor_engine_on_cpu_compiles_ahead_of_time():
     assert engine.ahead_of_time and engine.verify_runner is engine.runner and not engine.prepacked
 
 
-def test_compiling_parses_each_kernel_template_once_and_puts_inductor_back():
-    """Inside the engine's compile settings inductor's template parser keeps what it parsed (a C++ GEMM template is
-    parsed once, not once per GEMM); outside them it is inductor's own again, and renders the same text."""
+def test_compiling_parses_each_text_once_and_puts_inductor_back():
+    """Inside the engine's compile settings inductor's parsers keep what they parsed (a C++ GEMM template and an index
+    expression are parsed once, not once per GEMM); outside them they are inductor's own again, and give the same."""
+    import sympy
+    import torch._inductor.compile_fx  # noqa: F401 - inductor's codegen modules in their import order
+    from torch._inductor.codegen import cpp_template_kernel
     from torch._inductor.codegen.common import KernelTemplate
 
-    original = KernelTemplate.__dict__["_template_from_string"]
+    template_parser = KernelTemplate.__dict__["_template_from_string"]
+    expression_parser = cpp_template_kernel.parse_expr_with_index_symbols
     source = "{% for i in range(n) %}{{ i }},{% endfor %}"
     engine = CompiledEngine(make_tiny_model("llama"), torch_compile=True)
     with engine._compile_config():
         first = KernelTemplate._template_from_string(source)
         assert KernelTemplate._template_from_string(source) is first
+        expression = cpp_template_kernel.parse_expr_with_index_symbols("k_end - k_start")
+        assert cpp_template_kernel.parse_expr_with_index_symbols("k_end - k_start") is expression
+        assert cpp_template_kernel.parse_expr_with_index_symbols(["k_end - k_start", 3])[0] is expression
         assert torch._inductor.config.freezing
-    assert KernelTemplate.__dict__["_template_from_string"] is original
+    assert KernelTemplate.__dict__["_template_from_string"] is template_parser
+    assert cpp_template_kernel.parse_expr_with_index_symbols is expression_parser
     again = KernelTemplate._template_from_string(source)
     assert again is not first and again.render(n=3) == first.render(n=3) == "0,1,2,"
+    assert sympy.simplify(expression_parser("k_end - k_start") - expression) == 0
 
 
 def test_warm_up_compiles_every_cache_size_a_length_needs_once(monkeypatch):
