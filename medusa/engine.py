@@ -20,13 +20,16 @@ length. So on CPU the engine pre-packs and does not run inductor unless asked.
   is no faster (4 nodes 61.8 ms against the dynamic graph's 60.5; 8 nodes 95.7 against 94.2, 200-token context):
   the ~8.5 ms each further node adds is this CPU's fp32 GEMM throughput, so one dynamic graph stays. Freezing alone
   (no C++ GEMM templates) compiles the package in 161 s instead of 272-327, but a one-token forward then takes 55 ms
-  against 42 (2 / 4 / 8 tokens: 59 / 69 / 88 ms), and plain decoding is what every call falls back to. torch.compile
-  would compile again in every new process (torch 2.13 bypasses its FX graph cache for a graph holding oneDNN-packed
-  weights, "mkldnn tensors unpickleable", and its AOT autograd cache under freezing: 4-7 minutes each time here), so
-  on a CPU this engine compiles ahead of time instead (medusa.aot: torch.export + AOTInductor, the same inductor
-  settings): one package per cache size, once per machine, in `$MEDUSA_CACHE/aoti`, loaded by later processes in
-  about a second. It is paid when a cache is allocated (`warm_up`, or a call that needs a larger cache), never
-  between a call's steps. On CUDA the verify forward runs through torch.compile with CUDA graphs.
+  against 42 (2 / 4 / 8 tokens: 59 / 69 / 88 ms), and plain decoding is what every call falls back to. With the
+  templates alone among the GEMM choices and inductor's parses kept (`parses_kept`) a 2-core AVX-512 EPYC compiles it
+  in 90 s instead of 168 (C++ compiler 37 s of it, export and freezing's trace 30 s, lowering 17 s, py-spy); the
+  traced query length (2) does not change the kernels' speed (traced at 4 or 8: the same 1-16 token timings).
+  torch.compile would compile again in every new process (torch 2.13 bypasses its FX graph cache for a graph holding
+  oneDNN-packed weights, "mkldnn tensors unpickleable", and its AOT autograd cache under freezing: 4-7 minutes each
+  time here), so on a CPU this engine compiles ahead of time instead (medusa.aot: torch.export + AOTInductor, the
+  same inductor settings): one package per cache size, once per machine, in `$MEDUSA_CACHE/aoti`, loaded by later
+  processes in about a second. It is paid when a cache is allocated (`warm_up`, or a call that needs a larger cache),
+  never between a call's steps. On CUDA the verify forward runs through torch.compile with CUDA graphs.
 """
 
 from __future__ import annotations
