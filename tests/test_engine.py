@@ -238,9 +238,9 @@ def test_the_inductor_engine_on_cpu_compiles_ahead_of_time():
     assert engine.ahead_of_time and engine.verify_runner is engine.runner and not engine.prepacked
 
 
-def test_compiling_parses_each_text_once_and_puts_inductor_back():
-    """Inside the engine's compile settings inductor's parsers keep what they parsed (a C++ GEMM template and an index
-    expression are parsed once, not once per GEMM); outside them they are inductor's own again, and give the same."""
+def test_compiling_parses_each_text_once_and_puts_inductor_back(monkeypatch):
+    """While the engine compiles, inductor's parsers keep what they parsed (a C++ GEMM template and an index expression
+    are parsed once, not once per GEMM); outside it they are inductor's own again, and give the same."""
     import sympy
     import torch._inductor.compile_fx  # noqa: F401 - inductor's codegen modules in their import order
     from torch._inductor.codegen import cpp_template_kernel
@@ -249,14 +249,23 @@ def test_compiling_parses_each_text_once_and_puts_inductor_back():
     template_parser = KernelTemplate.__dict__["_template_from_string"]
     expression_parser = cpp_template_kernel.parse_expr_with_index_symbols
     source = "{% for i in range(n) %}{{ i }},{% endfor %}"
+    seen = {}
+
+    def compiling(*args, **kwargs):  # what the engine's compile sees; it turns an exception here into a warning
+        seen["templates"] = [KernelTemplate._template_from_string(source) for _ in range(2)]
+        parse = cpp_template_kernel.parse_expr_with_index_symbols
+        seen["expressions"] = [parse("k_end - k_start"), parse("k_end - k_start"), parse(["k_end - k_start", 3])[0]]
+        seen["freezing"] = torch._inductor.config.freezing
+        return "runner", 0.0
+
+    monkeypatch.setattr(medusa.aot, "load_or_compile", compiling)
     engine = CompiledEngine(make_tiny_model("llama"), torch_compile=True)
-    with engine._compile_config():
-        first = KernelTemplate._template_from_string(source)
-        assert KernelTemplate._template_from_string(source) is first
-        expression = cpp_template_kernel.parse_expr_with_index_symbols("k_end - k_start")
-        assert cpp_template_kernel.parse_expr_with_index_symbols("k_end - k_start") is expression
-        assert cpp_template_kernel.parse_expr_with_index_symbols(["k_end - k_start", 3])[0] is expression
-        assert torch._inductor.config.freezing
+    engine.new_cache(16, progress=False)
+    first, second = seen["templates"]
+    expression = seen["expressions"][0]
+    assert second is first
+    assert seen["expressions"][1] is expression and seen["expressions"][2] is expression
+    assert seen["freezing"] and engine._packages == {512: "runner"}
     assert KernelTemplate.__dict__["_template_from_string"] is template_parser
     assert cpp_template_kernel.parse_expr_with_index_symbols is expression_parser
     again = KernelTemplate._template_from_string(source)
