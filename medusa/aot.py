@@ -13,12 +13,14 @@ serves heads that read any of them (`feature_layers`).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -163,6 +165,8 @@ def _compile(model, rows: int, options: dict, path: Path, label: str, progress: 
         f"(AOTInductor, once on this machine; {path.parent})"
     )
     done = _ticking(message) if progress else None
+    if model.device.type == "cpu":
+        _probe_vector_isas_meanwhile()
     try:
         with torch.inference_mode(False), torch.no_grad():
             program = _export(model, rows)
@@ -185,7 +189,8 @@ def compile_package(program, path: Path, options: dict) -> None:
     template_only = {**options, GEMM_BACKENDS: "CPP"} if "CPP" in options.get(GEMM_BACKENDS, "") else None
     for settings in filter(None, (template_only, options)):
         try:
-            with torch._inductor.config.patch(settings):  # a copy: AOTInductor adds its own keys to the dict given
+            # a copy of the settings: AOTInductor adds its own keys to the dict given
+            with torch._inductor.config.patch(settings), wrapper_compiled_beside_kernels():
                 torch._inductor.aoti_compile_and_package(
                     program, package_path=str(path), inductor_configs=dict(settings)
                 )
@@ -194,6 +199,55 @@ def compile_package(program, path: Path, options: dict) -> None:
             if settings is options or not _no_gemm_choice(err):
                 raise
             logger.info("a GEMM has no C++ template; compiling again with aten's kernels among the choices")
+
+
+def _probe_vector_isas_meanwhile() -> None:
+    """Inductor finds which vector instruction sets this CPU and compiler can run (a test program compiled and loaded
+    per set) when it first lowers a graph: 7 s on a 2-core EPYC, with one core idle. Start that in a thread now, so it
+    runs beside the export and freezing's trace (25 s of Python on the other core). Its result is cached in the
+    process; should the thread fail or not be done, inductor probes again itself and reports what went wrong."""
+    from torch._inductor import cpu_vec_isa
+
+    def probe():
+        with contextlib.suppress(Exception):
+            cpu_vec_isa.valid_vec_isa_list()
+
+    threading.Thread(target=probe, daemon=True, name="medusa-isa-probe").start()
+
+
+@contextlib.contextmanager
+def wrapper_compiled_beside_kernels():
+    """AOTInductor (torch 2.13) compiles the package's wrapper (12 s on a 2-core EPYC for SmolLM2) and then its
+    kernels (10 s), each on one core. While inside, the wrapper's object file compiles in a thread, beside the next
+    thing built (the kernels), which then waits for it and raises its errors. A torch that names or builds its files
+    otherwise compiles as it is."""
+    from torch._inductor import cpp_builder
+
+    builder = getattr(cpp_builder, "CppBuilder", None)
+    build = getattr(builder, "build", None)
+    if build is None:
+        yield
+        return
+    pending = []
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="medusa-wrapper") as pool:
+
+        def build_or_start(self):
+            target = str(getattr(self, "_target_file", ""))
+            if getattr(self, "_compile_only", False) and target.endswith(".wrapper.o"):
+                pending.append(pool.submit(build, self))
+                return None
+            try:
+                return build(self)
+            finally:
+                while pending:
+                    pending.pop().result()
+
+        builder.build = build_or_start
+        try:
+            yield
+        finally:
+            builder.build = build
 
 
 def _no_gemm_choice(err: BaseException | None) -> bool:

@@ -22,8 +22,10 @@ length. So on CPU the engine pre-packs and does not run inductor unless asked.
   (no C++ GEMM templates) compiles the package in 161 s instead of 272-327, but a one-token forward then takes 55 ms
   against 42 (2 / 4 / 8 tokens: 59 / 69 / 88 ms), and plain decoding is what every call falls back to. With the
   templates alone among the GEMM choices and inductor's parses kept (`parses_kept`) a 2-core AVX-512 EPYC compiles it
-  in 90 s instead of 168 (C++ compiler 37 s of it, export and freezing's trace 30 s, lowering 17 s, py-spy); the
-  traced query length (2) does not change the kernels' speed (traced at 4 or 8: the same 1-16 token timings).
+  in 90 s instead of 168 (C++ compiler 37 s of it, export and freezing's trace 30 s, lowering 17 s, py-spy), and in
+  71 s with the package's wrapper (12 s) compiled beside its kernels (10 s) and inductor's ISA probe (7 s) beside the
+  export and freezing's trace (medusa.aot: each ran on one core while the other idled); the traced query length (2)
+  does not change the kernels' speed (traced at 4 or 8: the same 1-16 token timings).
   torch.compile would compile again in every new process (torch 2.13 bypasses its FX graph cache for a graph holding
   oneDNN-packed weights, "mkldnn tensors unpickleable", and its AOT autograd cache under freezing: 4-7 minutes each
   time here), so on a CPU this engine compiles ahead of time instead (medusa.aot: torch.export + AOTInductor, the

@@ -380,3 +380,81 @@ def test_packages_try_the_gemm_template_alone_then_with_aten(tmp_path, monkeypat
         out = torch._inductor.aoti_load_package(str(tmp_path / "p.pt2"))(x)
         torch.testing.assert_close(out, module(x))
     assert tried == (["CPP", "CPP,ATEN"] if both_activations else ["CPP"])
+
+
+def _builder(target: str, compile_only: bool = True):
+    """A CppBuilder as AOTInductor makes them, for what wrapper_compiled_beside_kernels reads."""
+    from torch._inductor.cpp_builder import CppBuilder
+
+    builder = object.__new__(CppBuilder)
+    builder._target_file, builder._compile_only = target, compile_only
+    return builder
+
+
+def test_the_wrapper_compiles_beside_the_kernels_and_the_link_waits(monkeypatch):
+    """The wrapper's object file compiles while the kernels' does; the kernels' build returns only once the wrapper
+    is built, the weights and the link run in order after them, and CppBuilder is put back."""
+    import threading
+    import time
+
+    from torch._inductor.cpp_builder import CppBuilder
+
+    events, lock = [], threading.Lock()
+
+    def slow_build(self):
+        name = self._target_file.rsplit(".", 2)[-2]
+        with lock:
+            events.append(("start", name))
+        time.sleep(0.3 if name in ("wrapper", "kernel") else 0.01)
+        with lock:
+            events.append(("end", name))
+
+    monkeypatch.setattr(CppBuilder, "build", slow_build)
+    with medusa.aot.wrapper_compiled_beside_kernels():
+        _builder("m.wrapper.o").build()
+        _builder("m.kernel.o").build()
+        assert ("end", "wrapper") in events  # waited for by the kernels' build
+        _builder("m.weights.o").build()
+        _builder("m.link.so", compile_only=False).build()
+    assert CppBuilder.build is slow_build
+    starts = [name for kind, name in events if kind == "start"]
+    assert starts[:2] == ["wrapper", "kernel"] and events.index(("end", "wrapper")) > events.index(("start", "kernel"))
+    assert [e for e in events if e[1] in ("weights", "link")] == [
+        ("start", "weights"),
+        ("end", "weights"),
+        ("start", "link"),
+        ("end", "link"),
+    ]
+
+
+def test_a_failed_wrapper_compile_is_raised_by_the_next_build(monkeypatch):
+    from torch._inductor.cpp_builder import CppBuilder
+
+    def build(self):
+        if self._target_file.endswith(".wrapper.o"):
+            raise RuntimeError("the wrapper did not compile")
+
+    monkeypatch.setattr(CppBuilder, "build", build)
+    with pytest.raises(RuntimeError, match="the wrapper did not compile"):
+        with medusa.aot.wrapper_compiled_beside_kernels():
+            _builder("m.wrapper.o").build()
+            _builder("m.kernel.o").build()
+    assert CppBuilder.build is build
+
+
+def test_the_vector_isa_probe_runs_in_a_thread_and_its_failure_is_left_to_inductor(monkeypatch):
+    import threading
+
+    from torch._inductor import cpu_vec_isa
+
+    called = threading.Event()
+    threads = []
+
+    def probe():
+        threads.append(threading.current_thread())
+        called.set()
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", probe)
+    medusa.aot._probe_vector_isas_meanwhile()
+    assert called.wait(10) and threads[0] is not threading.main_thread()
