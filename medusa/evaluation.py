@@ -111,9 +111,9 @@ def head_rank_hits(model, input_ids, response_start: int, ranks: int = 10, chunk
     heads, total, lm_head = model.heads, ids.shape[0], model.base.get_output_embeddings()
     embed = model.base.get_input_embeddings() if heads.config.condition_on_next_token else None
     num_heads = heads.config.num_heads
-    projection = getattr(model, "candidate_projection", None) or CandidateProjection.build(
-        heads, lm_head, lm_head.weight.dtype
-    )
+    # the heads' own accuracy: the candidate projection in the model's proposing dtype, never the int8 weights a CPU
+    # proposes with (medusa.prepack.int8_copy; measured to accept as many tokens)
+    projection = CandidateProjection.build(heads, lm_head, getattr(model, "projection_dtype", lm_head.weight.dtype))
     candidates = projection.weight.shape[-2]
     if not 1 <= ranks <= candidates:
         raise ValueError(f"ranks must lie in [1, {candidates}] (the candidate vocabulary size), got {ranks}")

@@ -21,7 +21,7 @@ from medusa.heads_io import adapter_files, has_adapter, load_heads, merge_adapte
 from medusa.hub import EMBEDDED_HEADS_ROOT, push_to_hub, resolve_heads
 from medusa.loading import DEFAULT_BASE, BaseSource, load_base, resolve_dtype
 from medusa.plan import Plan, load_accuracy, load_or_calibrate, save_accuracy
-from medusa.prepack import can_prepack, prepacked_copy
+from medusa.prepack import int8_copy
 from medusa.propose import CandidateProjection
 from medusa.proposers import get_proposer
 from medusa.sampling import SamplingConfig
@@ -93,13 +93,13 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
 
     def refresh_candidate_projection(self) -> None:
         """Rebuild what proposing uses (after changing the heads' weights, vocabulary subset or device): the
-        projection, and on CPU a copy of the heads with pre-packed linear layers (medusa.prepack; 14 small GEMMs a
-        step of the dynamic tree)."""
+        projection, and the heads it runs. On a CPU both compute on int8 weights (medusa.prepack.int8_copy: 14 small
+        GEMMs a step of the dynamic tree read a quarter of the bytes; the target verifies every guess exactly)."""
+        int8 = self.base.device.type == "cpu" and self.base.dtype in (torch.float32, torch.bfloat16)
         self.candidate_projection = CandidateProjection.build(
-            self.heads, self.base.get_output_embeddings(), self.projection_dtype
+            self.heads, self.base.get_output_embeddings(), self.projection_dtype, int8=int8
         )
-        packable = can_prepack(self.base.device, self.base.dtype) and self.base.dtype == torch.float32
-        self.proposal_heads = prepacked_copy(self.heads, skip=("projections",)) if packable else self.heads
+        self.proposal_heads = int8_copy(self.heads, skip=("projections",)) if int8 else self.heads
 
     @property
     def config(self) -> MedusaConfig:

@@ -10,7 +10,7 @@ from typing import Protocol
 import torch
 
 from medusa.ngram import copy_chain, copy_guesses, put_first
-from medusa.prepack import can_prepack, pack, packed_linear
+from medusa.prepack import can_int8, can_prepack, int8_linear, pack, packed_linear, quantize_int8
 from medusa.tree import TreeBuffers, TreeSpec, build_buffers
 
 
@@ -42,12 +42,17 @@ class CandidateProjection:
     weight: torch.Tensor  # (V', H) shared or (K, V', H) own
     token_ids: torch.Tensor | None  # (V',) candidate index -> token id; None: the full vocabulary
     packed: torch.Tensor | None = None  # a shared weight pre-packed for oneDNN (CPU; medusa.prepack), else None
+    int8: tuple[torch.Tensor, torch.Tensor] | None = None  # a shared weight in int8 and its row scales, else None
 
     @classmethod
-    def build(cls, heads, lm_head, dtype: torch.dtype) -> CandidateProjection:
+    def build(cls, heads, lm_head, dtype: torch.dtype, int8: bool = False) -> CandidateProjection:
+        """`int8`: rank on int8 weights (medusa.prepack.quantize_int8) where the CPU kernel takes the shape."""
         weight = heads.candidate_weight(lm_head).detach().to(dtype).contiguous()
+        subset = getattr(heads, "vocab_subset", None)
+        if int8 and weight.dim() == 2 and can_int8(weight.device, weight.shape[1]):
+            return cls(weight, subset, int8=quantize_int8(weight))
         packed = pack(weight) if weight.dim() == 2 and can_prepack(weight.device, dtype) else None
-        return cls(weight, getattr(heads, "vocab_subset", None), packed)
+        return cls(weight, subset, packed)
 
     def logits(self, head_hidden: torch.Tensor) -> torch.Tensor:
         """(K, H) -> (K, V') logits over the candidate vocabulary."""
@@ -58,6 +63,8 @@ class CandidateProjection:
     def head_logits(self, head: int, head_hidden: torch.Tensor) -> torch.Tensor:
         """(P, H) rows of one head -> (P, V') logits over the candidate vocabulary."""
         weight = self.weight if self.weight.dim() == 2 else self.weight[head]
+        if self.int8 is not None:
+            return int8_linear(head_hidden, *self.int8)
         if self.packed is not None:
             return packed_linear(head_hidden.to(weight.dtype), self.packed, weight.shape[0])
         return head_hidden.to(weight.dtype) @ weight.T

@@ -146,11 +146,13 @@ def test_cached_spans_hold_the_whole_window():
 
 @pytest.mark.parametrize("layers", [[], [0, 1]], ids=["last", "fused"])
 def test_proposer_reads_what_evaluation_scores(layers):
-    """The decode-time read (context layer fed step by step) equals the whole-sequence features head_rank_hits uses."""
+    """The decode-time read (context layer fed step by step) equals the whole-sequence features head_rank_hits uses
+    (both in float: on a CPU decoding proposes on int8 weights, medusa.prepack.int8_copy)."""
     torch.manual_seed(0)
     model = MedusaModel(
         make_tiny_model("qwen2"), context_heads(path=False, feature_layers=layers), tree=[[0], [0, 0], [0, 0, 0]]
     )
+    model.proposal_heads = model.heads
     proposer = build_medusa_proposer(model, build_buffers(TreeSpec(model.tree), 3))
     ids = torch.randint(2, VOCAB, (20,))
     embed = model.base.get_input_embeddings()

@@ -11,6 +11,7 @@ from torch import nn
 
 from medusa import MedusaConfig, MedusaHeads, MedusaModel, evaluation, head_target_offset
 from medusa.evaluation import head_rank_accuracy, head_rank_accuracy_by_group, head_rank_hits, load_questions, spread
+from medusa.propose import CandidateProjection
 from tests.conftest import make_heads, make_tiny_model
 
 V = 16  # one-hot world: hidden size == vocabulary size
@@ -103,7 +104,9 @@ def test_accuracy_given_prefix_counts_only_positions_where_the_heads_before_were
 def reference_hits(model, ids: torch.Tensor, response_start: int, ranks: int, edges: tuple[float, ...]):
     """One position and one head at a time, counting the candidates the head prefers to the emitted token; top-1
     hits and counts also by the bin (`edges`) of the base's probability of that token where it emitted it."""
-    num_heads, projection = model.heads.config.num_heads, model.candidate_projection
+    num_heads = model.heads.config.num_heads
+    # in float, as evaluation scores the heads (decoding on a CPU proposes on int8 weights)
+    projection = CandidateProjection.build(model.heads, model.base.get_output_embeddings(), model.projection_dtype)
     hits, counts = torch.zeros(num_heads, ranks, dtype=torch.long), torch.zeros(num_heads, dtype=torch.long)
     bin_hits = torch.zeros(num_heads, len(edges) + 1, dtype=torch.long)
     bin_counts = torch.zeros_like(bin_hits)

@@ -98,7 +98,7 @@ def test_the_proposer_feeds_the_root_token_to_the_heads():
     """Heads whose guesses depend only on the root: the candidates must change with it."""
     model = MedusaModel(make_tiny_model("llama"), make_heads(num_heads=2, condition_on_next_token=True), tree=[[0]])
     proposer_input = []
-    proposing = model.proposal_heads  # the heads proposing runs (on CPU a pre-packed copy of model.heads)
+    proposing = model.proposal_heads  # the heads proposing runs (on CPU a copy of model.heads on int8 weights)
     original = proposing.run_head
     proposing.run_head = lambda k, hidden, embedding=None: (
         proposer_input.append(embedding) or original(k, hidden, embedding)

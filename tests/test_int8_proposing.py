@@ -1,0 +1,86 @@
+"""What proposes runs on int8 weights on a CPU (medusa.prepack.int8_copy): close to the float layers, following
+changes to their weights, and never changing what the target outputs."""
+
+import pytest
+import torch
+from torch import nn
+
+from medusa import MedusaModel
+from medusa.prepack import INT8_BLOCK, Int8Linear, PackedLinear, can_int8, int8_copy, quantize_int8
+from medusa.propose import CandidateProjection
+from tests.conftest import FAMILIES, make_heads, make_tiny_model
+
+
+def test_int8_linear_is_close_to_the_float_layer_at_any_row_count():
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48)
+    quantized = Int8Linear(linear)
+    for rows in (1, 3, 17):
+        x = torch.randn(2, rows, 64)
+        expected = linear(x)
+        got = quantized(x)
+        assert got.shape == expected.shape and got.dtype == torch.float32
+        assert (got - expected).abs().max() <= 0.02 * expected.abs().max()
+
+
+def test_quantized_weights_round_trip_within_half_a_step_per_row():
+    weight = torch.randn(7, 32) * torch.logspace(-3, 1, 7)[:, None]  # rows of very different sizes
+    quantized, scales = quantize_int8(weight)
+    assert quantized.dtype == torch.int8 and scales.shape == (7,)
+    error = (quantized.float() * scales.float()[:, None] - weight).abs()
+    assert (error <= 0.51 * scales.float()[:, None] + 0.01 * weight.abs()).all()  # rounding + bf16 scales
+
+
+def test_int8_linear_follows_in_place_changes_to_the_shared_weight():
+    linear = nn.Linear(32, 16)
+    quantized = Int8Linear(linear)
+    x = torch.randn(2, 32)
+    with torch.no_grad():
+        linear.weight.mul_(-3.0)
+    expected = linear(x)
+    assert (quantized(x) - expected).abs().max() <= 0.02 * expected.abs().max()
+
+
+def test_widths_the_kernel_cannot_take_stay_in_float():
+    """aten's int8 kernel crashes on inputs that are not a multiple of 16 wide: such layers keep float weights."""
+    assert can_int8("cpu", 2 * INT8_BLOCK) and not can_int8("cpu", INT8_BLOCK + 8) and not can_int8("meta", 64)
+    model = nn.Sequential(nn.Linear(64, 24), nn.Linear(24, 8))
+    copied = int8_copy(model)
+    assert isinstance(copied[0], Int8Linear) and isinstance(copied[1], (PackedLinear, nn.Linear))
+    assert not isinstance(copied[1], Int8Linear)
+    assert copied[0].weight is model[0].weight  # shared, not copied
+    x = torch.randn(3, 64)
+    assert (copied(x) - model(x)).abs().max() <= 0.02 * model(x).abs().max()
+
+
+def test_a_cpu_model_proposes_on_int8_weights_and_its_float_heads_are_left_alone():
+    model = MedusaModel(make_tiny_model("llama"), make_heads(num_heads=2, random=True))
+    int8_layers = [m for m in model.proposal_heads.modules() if isinstance(m, Int8Linear)]
+    assert int8_layers and not any(isinstance(m, Int8Linear) for m in model.heads.modules())
+    assert model.candidate_projection.int8 is not None
+    hidden = torch.randn(3, model.config.hidden_size)
+    projection = model.candidate_projection
+    exact = hidden @ projection.weight.float().T
+    got = projection.head_logits(0, hidden).float()
+    assert (got - exact).abs().max() <= 0.03 * exact.abs().max()
+
+
+def test_an_int8_projection_is_asked_for_not_assumed():
+    model = MedusaModel(make_tiny_model("qwen2"), make_heads(num_heads=2))
+    lm_head = model.base.get_output_embeddings()
+    assert CandidateProjection.build(model.heads, lm_head, torch.float32).int8 is None
+    assert CandidateProjection.build(model.heads, lm_head, torch.float32, int8=True).int8 is not None
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("proposer", ["medusa", "dynamic"])
+def test_int8_proposing_leaves_greedy_output_identical(family, proposer):
+    """The heads on int8 weights propose other guesses than in float, but the target verifies them: greedy output
+    equals the base's own greedy decoding."""
+    base = make_tiny_model(family)
+    model = MedusaModel(base, make_heads(num_heads=3, random=True, seed=1), tree=[[0], [1], [0, 0], [0, 0, 0]])
+    assert model.candidate_projection.int8 is not None
+    prompt = torch.tensor([[5, 9, 2, 7, 11]])
+    expected = base.generate(prompt, max_new_tokens=24, do_sample=False)
+    got = model.generate(prompt, max_new_tokens=24, proposer=proposer)
+    assert torch.equal(got.sequences, expected)
