@@ -87,42 +87,49 @@ def int8_linear(x: torch.Tensor, quantized: torch.Tensor, scales: torch.Tensor, 
 FUSABLE = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-class PackedLinear(nn.Module):
-    """nn.Linear whose weight is used pre-packed. The weight itself stays shared with the original layer; an in-place
-    change to it (training, load_state_dict) is noticed through its version counter and the weight packed again."""
+class PreparedLinear(nn.Module):
+    """nn.Linear computed from a form of its weight prepared once (`prepare`: packed, quantized). The weight itself
+    stays shared with the original layer; an in-place change to it (training, load_state_dict) is noticed through its
+    version counter and the weight prepared again."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
-        self._pack()
+        self.prepare()
 
-    def _pack(self) -> None:
-        self.packed, self.packed_version = pack(self.weight), self.weight._version
+    def prepare(self) -> None:
+        self.prepared_version = self.weight._version
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight._version != self.packed_version:
-            self._pack()
+        if self.weight._version != self.prepared_version:
+            self.prepare()
+        return self.compute(x)
+
+    def compute(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class PackedLinear(PreparedLinear):
+    """nn.Linear whose weight is used pre-packed for oneDNN."""
+
+    def prepare(self) -> None:
+        self.packed = pack(self.weight)
+        super().prepare()
+
+    def compute(self, x: torch.Tensor) -> torch.Tensor:
         return packed_linear(x, self.packed, self.out_features, self.bias)
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(PreparedLinear):
     """nn.Linear computed on int8 weights (quantize_int8) and bf16 activations: for what proposes, never for the
-    target. The float weight stays shared with the original layer; an in-place change to it is noticed through its
-    version counter and the weight quantized again."""
+    target."""
 
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight, self.bias = linear.weight, linear.bias
-        self._quantize()
+    def prepare(self) -> None:
+        self.quantized, self.scales = quantize_int8(self.weight)
+        super().prepare()
 
-    def _quantize(self) -> None:
-        (self.quantized, self.scales), self.quantized_version = quantize_int8(self.weight), self.weight._version
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight._version != self.quantized_version:
-            self._quantize()
+    def compute(self, x: torch.Tensor) -> torch.Tensor:
         return int8_linear(x, self.quantized, self.scales, self.bias)
 
 
