@@ -69,11 +69,11 @@ def test_generates_filters_evaluation_prompts_and_resumes_after_a_kill(setup):
     # a kill mid-shard: the last shard is gone and a half-written temporary folder remains
     kept = shards[0].stat().st_mtime_ns
     shutil.rmtree(shards[-1])
-    (out / ".tmp-shard-00002").mkdir()
+    (out / ".shard-00002.tmp-killed").mkdir()  # medusa.fileio.write_directory's temporary name
     main(args)
     assert _rows(out) == full  # greedy answers: the resumed run rebuilds exactly what was lost
     assert shard_dirs(out)[0].stat().st_mtime_ns == kept  # finished shards are not redone
-    assert not (out / ".tmp-shard-00002").exists()
+    assert not (out / ".shard-00002.tmp-killed").exists()
 
 
 def test_resume_with_other_settings_is_refused(setup):
@@ -314,7 +314,7 @@ def test_sigkill_mid_run_then_rerun_equals_an_uninterrupted_run(setup, tmp_path)
     main(args + ["--data.out_dir", str(whole)])
     assert len(shard_dirs(out)) == len(shard_dirs(whole)) == 20
     assert _rows(out) == _rows(whole)
-    assert not list(out.glob(".tmp-*"))
+    assert not list(out.glob(".*.tmp-*"))
 
 
 def test_reference_answers_are_the_sources_own_answers_through_the_chat_template(setup, tmp_path):

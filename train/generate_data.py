@@ -16,8 +16,6 @@ that training reads only with `training.prompt_tokens` (the heads then learn the
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import sys
 import time
 from dataclasses import asdict
@@ -28,7 +26,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from medusa.answers import answer_prompts, stop_and_pad_ids, token_ids, tokenize_prompts  # noqa: E402
-from medusa.fileio import atomic_write_text  # noqa: E402
+from medusa.fileio import atomic_write_text, write_directory  # noqa: E402
 from medusa.loading import load_base  # noqa: E402
 from train.config import DataConfig, parse_args  # noqa: E402
 from train.data import (  # noqa: E402
@@ -296,11 +294,9 @@ def main(argv=None) -> None:
         for shard, item, response in answer_pairs(model, second, pad_id, eos_ids, cfg, greedy):
             tokens += add_record(records[shard], item, response, greedy)
             bar.set_postfix(tokens=tokens, tok_per_s=f"{tokens / (time.time() - start):.0f}", refresh=False)
-        for shard in group:
-            tmp = out_dir / f".tmp-{shard_name(shard)}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            Dataset.from_list(records[shard]).save_to_disk(str(tmp))
-            os.replace(tmp, out_dir / shard_name(shard))
+        for shard in group:  # each written whole into place: a killed run leaves no half-written shard
+            rows = Dataset.from_list(records[shard])
+            write_directory(out_dir / shard_name(shard), lambda tmp, rows=rows: rows.save_to_disk(str(tmp)))
     bar.close()
     print(
         f"{n_shards} shards in {out_dir}; "
