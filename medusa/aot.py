@@ -248,6 +248,8 @@ def wrapper_compiled_beside_kernels():
             yield
         finally:
             builder.build = build
+            while pending:  # nothing was built after the wrapper: its errors still surface
+                pending.pop().result()
 
 
 def _no_gemm_choice(err: BaseException | None) -> bool:

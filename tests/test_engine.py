@@ -458,3 +458,21 @@ def test_the_vector_isa_probe_runs_in_a_thread_and_its_failure_is_left_to_induct
     monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", probe)
     medusa.aot._probe_vector_isas_meanwhile()
     assert called.wait(10) and threads[0] is not threading.main_thread()
+
+
+def test_a_wrapper_compile_with_nothing_after_it_is_waited_for_on_leaving(monkeypatch):
+    import time
+
+    from torch._inductor.cpp_builder import CppBuilder
+
+    done = []
+
+    def build(self):
+        time.sleep(0.2)
+        done.append(self._target_file)
+
+    monkeypatch.setattr(CppBuilder, "build", build)
+    with medusa.aot.wrapper_compiled_beside_kernels():
+        _builder("m.wrapper.o").build()
+        assert done == []  # compiling in its thread
+    assert done == ["m.wrapper.o"]
