@@ -62,9 +62,9 @@ class CandidateProjection:
 
     def head_logits(self, head: int, head_hidden: torch.Tensor) -> torch.Tensor:
         """(P, H) rows of one head -> (P, V') logits over the candidate vocabulary."""
-        weight = self.weight if self.weight.dim() == 2 else self.weight[head]
         if self.int8 is not None:
             return int8_linear(head_hidden, *self.int8)
+        weight = self.weight if self.weight.dim() == 2 else self.weight[head]
         if self.packed is not None:
             return packed_linear(head_hidden.to(weight.dtype), self.packed, weight.shape[0])
         return head_hidden.to(weight.dtype) @ weight.T
