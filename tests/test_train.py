@@ -640,6 +640,16 @@ def test_sharded_launches_are_refused_with_the_reason(kind):
     train_mod.check_distributed_type(SimpleNamespace(distributed_type=DistributedType.MULTI_CPU))
 
 
+def _kill_processes_reading(path: Path) -> None:
+    """SIGKILL every process whose command line names `path` (Linux /proc)."""
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and str(path).encode() in (entry / "cmdline").read_bytes():
+                os.kill(int(entry.name), signal.SIGKILL)
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+
+
 @pytest.mark.slow
 def test_accelerate_launch_two_processes(tmp_path, tiny_base, tiny_data):
     """`accelerate launch --multi_gpu --num_processes 2` on a CPU host (DDP over gloo) trains and writes complete heads
@@ -680,7 +690,8 @@ def test_accelerate_launch_two_processes(tmp_path, tiny_base, tiny_data):
     try:
         stdout, stderr = proc.communicate(timeout=90)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher, torchrun and both workers share this new session
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and torchrun share this new session
+        _kill_processes_reading(config)  # torchrun starts each worker in a session of its own; they hold our pipes
         stdout, stderr = proc.communicate()
         pytest.fail(f"accelerate launch hung:\n{stdout[-3000:]}\n{stderr[-3000:]}")
     assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
