@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from medusa.propose import Candidates
+from medusa.runtime import VerifyOutput
 from medusa.sampling import SamplingConfig, select_token, target_probs
-from medusa.verify import VerifyOutput
+from medusa.tree import Candidates
 
 
 @dataclass(frozen=True)

@@ -13,14 +13,14 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from medusa import generate_args
 from medusa.acceptance import AcceptanceRule, get_rule
-from medusa.engine import EagerEngine, engine_for
 from medusa.propose import PlainProposer, Proposer
+from medusa.runtime import EagerEngine, engine_for
 from medusa.sampling import SamplingConfig, select_token
 
 
 @dataclass
 class DecodeState:
-    cache: object  # the engine's KV cache (medusa.engine): transformers' DynamicCache or StaticCache
+    cache: object  # the engine's KV cache (medusa.runtime): transformers' DynamicCache or StaticCache
     length: int  # tokens in the cache
     root_token: torch.Tensor  # 0-dim long: the target's next token, not yet in the cache
     last_hidden: torch.Tensor  # (H,): hidden state at the last cached position (the one that chose root_token)
@@ -196,7 +196,7 @@ def check_lengths(base, prompt_length: int, max_new_tokens: int) -> None:
 class SpeculativeGenerator:
     """`generate` for every model that pairs a target (`self.base`) with a proposer: Medusa heads, a draft model.
 
-    Subclasses provide `base`, `tokenizer`, `device` and `_make_proposer`; `default_sampling_rule` is the exact rule
+    Subclasses provide `base`, `tokenizer`, `device` and `make_proposer`; `default_sampling_rule` is the exact rule
     used when `do_sample=True` and no `acceptance` is named.
     """
 
@@ -204,16 +204,15 @@ class SpeculativeGenerator:
     feature_layers: (
         tuple | list
     ) = ()  # base layers the proposer reads besides the last (see medusa.heads.base_features)
-    default_engine = "eager"  # how the target runs (medusa.engine); `engine=` in generate overrides it
+    default_engine = "eager"  # how the target runs (medusa.runtime); `engine=` in generate overrides it
 
     def engine(self, name: str | None = None):
         """The execution engine `name` (default: `default_engine`) for the target, built once and kept."""
         return engine_for(self.base, name or self.default_engine)
 
-    def _make_proposer(
-        self, proposer: str | None, tree, sampling: SamplingConfig, generator, engine: str | None = None
-    ) -> Proposer:
-        """The proposer for one call; `engine`: the engine the target runs on in it (a draft model follows it)."""
+    def make_proposer(self, proposer: str | None, tree, sampling: SamplingConfig, generator, engine=None) -> Proposer:
+        """The proposer for one call; `engine`: the engine the target runs on in it (medusa.runtime.Engine; a draft
+        model runs on one of the same kind)."""
         raise NotImplementedError
 
     def _check_lengths(self, prompt_length: int, max_new_tokens: int) -> None:
@@ -259,7 +258,7 @@ class SpeculativeGenerator:
         `return_dict_in_generate=False`, the sequences tensor alone. `generator` seeds the draws.
         `proposer="plain"` decodes one token a step on the same engine (no guesses); `engine` picks how the target
         runs: "eager" (the exact reference), "compiled" (static cache, pre-packed weights) or "inductor" (static
-        cache, torch.compile; compiled when the engine is built, minutes in each new process); see medusa.engine.
+        cache, torch.compile; compiled when the engine is built, minutes in each new process); see medusa.runtime.
         """
         generate_args.refuse_unknown(transformers_kwargs)
         if input_ids is None:
@@ -290,9 +289,10 @@ class SpeculativeGenerator:
         self._check_lengths(input_ids.shape[1], settings.max_new_tokens)
         sampling = settings.sampling
         rule = get_rule(acceptance or (self.default_sampling_rule if sampling.do_sample else "greedy"))
+        target_engine = self.engine(engine)
         out = decode(
             self.base,
-            self._make_proposer(proposer, tree, sampling, generator, engine=engine or self.default_engine),
+            self.make_proposer(proposer, tree, sampling, generator, engine=target_engine),
             rule,
             input_ids,
             max_new_tokens=settings.max_new_tokens,
@@ -303,7 +303,7 @@ class SpeculativeGenerator:
             generator=generator,
             profile=profile,
             feature_layers=self.feature_layers,
-            engine=self.engine(engine),
+            engine=target_engine,
         )
         return out.sequences if settings.return_dict_in_generate is False else out
 
@@ -332,7 +332,7 @@ def decode(
     """input_ids (1, T) -> GenerateOutput. Callers validate inputs (see MedusaModel.generate). `feature_layers`:
     the base layers whose features the decode state carries besides the last hidden state (what the heads read).
     `stop_when(ids (1, T)) -> bool`: a stopping criterion checked after every new token (transformers' criteria).
-    `engine` runs the target (medusa.engine; default: eager on `model`)."""
+    `engine` runs the target (medusa.runtime; default: eager on `model`)."""
     engine = engine or EagerEngine(model)
     stats = DecodeStats()
     timer = _PhaseTimer(stats, profile, input_ids.device)

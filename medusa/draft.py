@@ -12,11 +12,10 @@ from torch import nn
 from transformers import StaticCache
 
 from medusa.decode import SpeculativeGenerator
-from medusa.engine import EagerEngine, engine_for, engines_set_aside
 from medusa.loading import BaseSource, load_base
-from medusa.propose import Candidates
+from medusa.runtime import EagerEngine, engine_for, engines_set_aside
 from medusa.sampling import SamplingConfig, target_probs
-from medusa.tree import TreeSpec, build_buffers, chain
+from medusa.tree import Candidates, TreeSpec, build_buffers, chain
 
 DRAFT_CACHE_HEADROOM = 128  # rows past what the first proposal needs, in a static draft cache (beyond: a new one)
 
@@ -26,7 +25,7 @@ class DraftProposer:
 
     It draws from its q, shaped by the same `sampling` as the target's p (argmax when greedy, q then a point mass),
     and returns the chain [root, d_1 .. d_gamma] with q in `Candidates.draft_probs`. The draft runs on an execution
-    engine of its own (medusa.engine; default eager): its cache keeps the committed tokens it has seen, and `observe`
+    engine of its own (medusa.runtime; default eager): its cache keeps the committed tokens it has seen, and `observe`
     moves its length back to the tokens the target committed, so the draft never recomputes the shared prefix.
     """
 
@@ -292,8 +291,8 @@ class DraftModel(SpeculativeGenerator, nn.Module):
                 f"beyond its context window of {window}: shorten the prompt or lower max_new_tokens"
             )
 
-    def _make_proposer(
-        self, proposer: str | None, tree, sampling: SamplingConfig, generator, engine: str | None = None
+    def make_proposer(
+        self, proposer: str | None, tree, sampling: SamplingConfig, generator, engine=None
     ) -> DraftProposer:
         if proposer not in (None, "draft"):
             raise ValueError(f"a DraftModel proposes with its draft model, got proposer={proposer!r}: leave it unset")
@@ -302,7 +301,8 @@ class DraftModel(SpeculativeGenerator, nn.Module):
                 "a draft model proposes a chain; tree= applies to Medusa heads: set num_speculative_tokens "
                 "in MedusaModel.from_draft_model instead"
             )
-        draft_engine = engine_for(self.draft, engine or self.default_engine)  # the target's engine, for the draft
+        # an engine of the target's kind, for the draft
+        draft_engine = engine_for(self.draft, engine.name if engine is not None else self.default_engine)
         return DraftProposer(
             self.draft, self.num_speculative_tokens, sampling, self.vocab_size, generator, engine=draft_engine
         )

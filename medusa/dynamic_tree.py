@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from medusa.ngram import copy_guesses, put_first
-from medusa.propose import Candidates, build_medusa_proposer
-from medusa.tree import TreeBuffers, TreeSpec, buffers_from_parents, build_buffers, chain
+from medusa.propose import build_medusa_proposer
+from medusa.tree import Candidates, TreeBuffers, TreeSpec, buffers_from_parents, build_buffers, chain
 
 DEFAULT_TOPK = 10  # children tried per node: the widest static Medusa trees use up to top-10 of head 0
 # How sure a copy guess is, for scoring paths: on 80 of the target's greedy training answers a copy guess (4- to

@@ -19,16 +19,16 @@ cut: it tells misses the target could not have avoided either from misses on tok
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from medusa.heads import base_features, following_tokens, head_target_offset, tokens_read
+from medusa.heads import following_tokens, head_target_offset, tokens_read
 from medusa.ngram import copy_chain, copy_guesses, put_first
 from medusa.propose import CandidateProjection
+from medusa.runtime import base_features
 
 CONFIDENCE_EDGES = (0.3, 0.5, 0.7, 0.9)  # bins of the target's probability of the emitted token: [0, .3), ... [.9, 1]
 
@@ -112,7 +112,7 @@ def head_rank_hits(model, input_ids, response_start: int, ranks: int = 10, chunk
     embed = model.base.get_input_embeddings() if heads.config.condition_on_next_token else None
     num_heads = heads.config.num_heads
     # the heads' own accuracy: the candidate projection in the model's proposing dtype, never the int8 weights a CPU
-    # proposes with (medusa.prepack.int8_copy; measured to accept as many tokens)
+    # proposes with (medusa.runtime.int8_copy; measured to accept as many tokens)
     projection = CandidateProjection.build(heads, lm_head, getattr(model, "projection_dtype", lm_head.weight.dtype))
     candidates = projection.weight.shape[-2]
     if not 1 <= ranks <= candidates:
@@ -226,39 +226,3 @@ def bench_data_dir() -> Path:
     if env:
         return Path(env)
     return Path(__file__).resolve().parent.parent.parent / "shared" / "bench_data"
-
-
-def load_questions(path: str | Path) -> list[dict]:
-    """Spec-Bench / MT-bench style JSONL: one `{question_id, category, turns: [str, ...]}` object a line."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"question file {path} does not exist")
-    questions = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{number} is not valid JSON ({err})") from err
-        turns = row.get("turns") if isinstance(row, dict) else None
-        if not turns or not isinstance(turns[0], str):
-            raise ValueError(
-                f"{path}:{number}: expected {{question_id, category, turns: [str, ...]}}, got {line[:80]!r}"
-            )
-        questions.append(
-            {"question_id": row.get("question_id", number), "category": row.get("category"), "turns": turns}
-        )
-    if not questions:
-        raise ValueError(f"{path} holds no questions")
-    return questions
-
-
-def spread(items: list, limit: int | None) -> list:
-    """`limit` items evenly spaced through `items` (all when None): Spec-Bench is grouped by category, so the
-    first N would all come from one category."""
-    if limit is None or limit >= len(items):
-        return list(items)
-    if limit <= 0:
-        raise ValueError(f"limit must be positive, got {limit}")
-    return [items[i * len(items) // limit] for i in range(limit)]

@@ -16,7 +16,8 @@ from __future__ import annotations
 import statistics
 import time
 
-from medusa.propose import Candidates, PlainProposer
+from medusa.propose import PlainProposer
+from medusa.tree import Candidates
 
 WINDOW = 8  # speculative steps per verdict
 BACKOFF = 16  # plain steps after a losing window; doubled after each losing retry, reset by a winning window

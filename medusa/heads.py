@@ -25,22 +25,6 @@ def storage_state(state: dict[str, torch.Tensor], dtype: torch.dtype | None = No
     }
 
 
-def base_features(hidden_states: tuple[torch.Tensor, ...], feature_layers=()) -> torch.Tensor:
-    """A base forward's `hidden_states` (embeddings, then each layer's output; the last one post-norm) -> what heads
-    read per position: the last hidden state, then the residual stream after each of `feature_layers`, concatenated
-    on the last axis ((..., H) without feature layers)."""
-    if not feature_layers:
-        return hidden_states[-1]
-    layers = len(hidden_states) - 1
-    for layer in feature_layers:
-        if layer >= layers:
-            raise ValueError(
-                f"the heads read the base's layer {layer} (feature_layers) but the base has {layers} "
-                f"layers (0 = embeddings .. {layers - 1}): use heads trained for this base"
-            )
-    return torch.cat([hidden_states[-1], *(hidden_states[layer] for layer in feature_layers)], dim=-1)
-
-
 def following_tokens(input_ids: torch.Tensor, count: int) -> torch.Tensor:
     """input_ids (..., T) -> (..., T, count): the tokens at t+1 .. t+count for each position t (0 past the end).
 
@@ -134,7 +118,7 @@ class ContextLayer(nn.Module):
             raise ValueError(
                 f"the context layer reads the last hidden state and {self.feature_layers} feature layers "
                 f"({size * (1 + self.feature_layers)} values per position), got {hidden.shape[-1]}: "
-                "take the base's hidden states with medusa.heads.base_features(..., feature_layers)"
+                "take the base's hidden states with medusa.runtime.base_features(..., feature_layers)"
             )
         hidden, extra = hidden[..., :size], hidden[..., size:]
         batch, length, _ = hidden.shape

@@ -12,7 +12,6 @@ from torch import nn
 from medusa.config import CONFIG_NAME, MedusaConfig
 from medusa.decode import SpeculativeGenerator
 from medusa.draft import DraftModel
-from medusa.engine import ENGINES
 from medusa.fileio import write_directory
 from medusa.guard import GuardedProposer
 from medusa.hardware import native_bf16
@@ -21,9 +20,9 @@ from medusa.heads_io import adapter_files, has_adapter, load_heads, merge_adapte
 from medusa.hub import EMBEDDED_HEADS_ROOT, push_to_hub, resolve_heads
 from medusa.loading import DEFAULT_BASE, BaseSource, load_base, resolve_dtype
 from medusa.plan import Plan, load_accuracy, load_or_calibrate, save_accuracy
-from medusa.prepack import int8_copy
 from medusa.propose import CandidateProjection
 from medusa.proposers import get_proposer
+from medusa.runtime import ENGINES, int8_copy
 from medusa.sampling import SamplingConfig
 from medusa.tree import TreeSpec, build_buffers, chain, load_tree
 
@@ -84,6 +83,11 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
     def default_engine(self) -> str:
         return self.engine_override or (self.plan.engine if self.plan else "eager")
 
+    @property
+    def best_plain_engine(self) -> str:
+        """The engine of the best plain decoding at hand: the plan's fastest measured, else the compiled engine."""
+        return self.plan.plain_engine if self.plan is not None else "compiled"
+
     def calibrate(self, recalibrate: bool = True, progress: bool = True, compile: bool | None = None) -> Plan:
         """Measure this machine and choose engine, tree and proposer (medusa.plan); cached, and used from now on.
         `compile`: whether torch.compile's engine is an option (default: `$MEDUSA_COMPILE` != "0")."""
@@ -93,7 +97,7 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
 
     def refresh_candidate_projection(self) -> None:
         """Rebuild what proposing uses (after changing the heads' weights, vocabulary subset or device): the
-        projection, and the heads it runs. On a CPU both compute on int8 weights (medusa.prepack.int8_copy: 14 small
+        projection, and the heads it runs. On a CPU both compute on int8 weights (medusa.runtime.int8_copy: 14 small
         GEMMs a step of the dynamic tree read a quarter of the bytes; the target verifies every guess exactly)."""
         int8 = self.base.device.type == "cpu" and self.base.dtype in (torch.float32, torch.bfloat16)
         self.candidate_projection = CandidateProjection.build(
@@ -297,7 +301,7 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         plan's tree, else the heads' own (a plain plan has none: its guard-free calls use the heads')."""
         return _tree_arg(tree) or (self.plan.tree if self.plan is not None else None) or self.tree
 
-    def _make_proposer(self, proposer: str | None, tree, sampling: SamplingConfig, generator, engine=None):
+    def make_proposer(self, proposer: str | None, tree, sampling: SamplingConfig, generator, engine=None):
         """The plan's proposer and tree by default (else Medusa heads over the heads' static tree); `proposer` names
         another from the registry (plain, dynamic, hybrid, ...). The heads run as they are on any `engine`."""
         chosen_by_plan = proposer is None and self.plan is not None

@@ -28,10 +28,10 @@ from pathlib import Path
 import torch
 
 from medusa.decode import prefill
-from medusa.engine import ENGINES, compile_seconds, engine_for
 from medusa.fileio import atomic_write_text
 from medusa.hardware import describe
 from medusa.loading import cache_root
+from medusa.runtime import ENGINES, compile_seconds, engine_for
 from medusa.sampling import SamplingConfig
 from medusa.tree_builder import check_accuracy, expected_tau, grow_tree, sync, time_step
 
@@ -77,7 +77,7 @@ class Option:
 def planned_engines(device, compile: bool | None = None) -> tuple[str, ...]:
     """The engines a plan times. `compile` (default: `$MEDUSA_COMPILE` != "0") lets it time `inductor`, whose
     torch.compile takes minutes on a small CPU in every new process (torch keeps only its C++ kernels on disk for
-    it: see medusa.engine). On a GPU the compiled engine is torch.compile already, so `inductor` adds nothing."""
+    it: see medusa.runtime). On a GPU the compiled engine is torch.compile already, so `inductor` adds nothing."""
     compile = os.environ.get("MEDUSA_COMPILE") != "0" if compile is None else compile
     skip = {"inductor"} if torch.device(device).type == "cuda" or not compile else set()
     return tuple(e for e in ENGINES if e not in skip)
@@ -209,8 +209,7 @@ def measure(model, engines=None, sizes=SIZES, repeats: int = 4, context: int = C
     fastest = min(plain_ms.values())
     engines = [name for name in engines if plain_ms[name] <= SLOW_ENGINE * fastest]
     proposers = {
-        (p, n): model._make_proposer(p, [list(path) for path in order[: n - 1]] or None, sampling, None)
-        for p, n in jobs
+        (p, n): model.make_proposer(p, [list(path) for path in order[: n - 1]] or None, sampling, None) for p, n in jobs
     }  # the same for every engine
     results = {}
     total = len(engines) * (repeats + 1) * len(jobs)
@@ -263,7 +262,7 @@ def _context_read_ms(model, state, repeats: int, rows: int = CONTEXT_ROWS) -> fl
 
 def _plain_ms(model, engine, state, repeats: int) -> float:
     """Median ms of a plain step (one token verified) on `engine`."""
-    proposer, sampling = model._make_proposer("plain", None, SamplingConfig(), None), SamplingConfig()
+    proposer, sampling = model.make_proposer("plain", None, SamplingConfig(), None), SamplingConfig()
     times = [sum(time_step(model, engine, proposer, state, sampling)) for _ in range(repeats)]
     return statistics.median(times[1:] or times)
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from medusa.ngram import ngram_continuation
-from medusa.propose import Candidates, build_medusa_proposer
-from medusa.tree import TreeBuffers, TreeSpec, buffers_from_parents, build_buffers, chain
+from medusa.propose import build_medusa_proposer
+from medusa.tree import Candidates, TreeBuffers, TreeSpec, buffers_from_parents, build_buffers, chain
 
 MAX_NGRAM = 3  # longest suffix tried first (prompt-lookup-decoding's default; transformers uses 2)
 NUM_TOKENS = 10  # continuation length, as transformers' prompt_lookup_num_tokens=10

@@ -10,15 +10,8 @@ from typing import Protocol
 import torch
 
 from medusa.ngram import copy_chain, copy_guesses, put_first
-from medusa.prepack import can_int8, can_prepack, int8_linear, pack, packed_linear, quantize_int8
-from medusa.tree import TreeBuffers, TreeSpec, build_buffers
-
-
-@dataclass(frozen=True)
-class Candidates:
-    tokens: torch.Tensor  # (N,) long: node 0 is the root (the target's own next token)
-    tree: TreeBuffers  # on the model's device
-    draft_probs: torch.Tensor | None = None  # (N, V): q that drew node i's token (draft-model sampling only)
+from medusa.runtime import can_int8, can_prepack, int8_linear, pack, packed_linear, quantize_int8
+from medusa.tree import Candidates, TreeBuffers, TreeSpec, build_buffers
 
 
 class Proposer(Protocol):
@@ -41,12 +34,12 @@ class CandidateProjection:
 
     weight: torch.Tensor  # (V', H) shared or (K, V', H) own
     token_ids: torch.Tensor | None  # (V',) candidate index -> token id; None: the full vocabulary
-    packed: torch.Tensor | None = None  # a shared weight pre-packed for oneDNN (CPU; medusa.prepack), else None
+    packed: torch.Tensor | None = None  # a shared weight pre-packed for oneDNN (CPU; medusa.runtime.pack), else None
     int8: tuple[torch.Tensor, torch.Tensor] | None = None  # a shared weight in int8 and its row scales, else None
 
     @classmethod
     def build(cls, heads, lm_head, dtype: torch.dtype, int8: bool = False) -> CandidateProjection:
-        """`int8`: rank on int8 weights (medusa.prepack.quantize_int8) where the CPU kernel takes the shape."""
+        """`int8`: rank on int8 weights (medusa.runtime.quantize_int8) where the CPU kernel takes the shape."""
         weight = heads.candidate_weight(lm_head).detach().to(dtype).contiguous()
         subset = getattr(heads, "vocab_subset", None)
         if int8 and weight.dim() == 2 and can_int8(weight.device, weight.shape[1]):

@@ -194,3 +194,10 @@ def load_tree(name_or_path: str | Path) -> list[list[int]]:
 def chain(depth: int) -> list[list[int]]:
     """The tree of width 1: top-1 of each of `depth` heads."""
     return [[0] * d for d in range(1, depth + 1)]
+
+
+@dataclass(frozen=True)
+class Candidates:
+    tokens: torch.Tensor  # (N,) long: node 0 is the root (the target's own next token)
+    tree: TreeBuffers  # on the model's device
+    draft_probs: torch.Tensor | None = None  # (N, V): q that drew node i's token (draft-model sampling only)

@@ -18,8 +18,8 @@ import torch
 
 from medusa.acceptance import greedy
 from medusa.decode import prefill
-from medusa.engine import EagerEngine
 from medusa.propose import build_medusa_proposer
+from medusa.runtime import EagerEngine
 from medusa.sampling import SamplingConfig
 from medusa.tree import TreeSpec, build_buffers
 

@@ -16,7 +16,6 @@ import time
 import torch
 
 from medusa import MedusaModel
-from medusa.cli.bench import plain_engine as best_plain_engine
 from medusa.plan import planned_engines
 
 PROMPTS = [
@@ -66,7 +65,7 @@ def main() -> None:
             + (f", compiling {plan.compile_s:.1f} s" if plan.compile_s else "")
             + f")\n{plan.describe()}"
         )
-    plain_engine = best_plain_engine(model)
+    plain_engine = model.best_plain_engine
     engine = model.engine(plain_engine)  # compiles first where it has to (torch.compile: minutes, in each process)
     print(
         f"plain decoding runs on the {plain_engine} engine: set up in {engine.setup_seconds:.1f} s"

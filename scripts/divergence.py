@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from medusa.cli.bench import answer_message, encode_conversation, load_questions
 from medusa.fileio import atomic_write_text
 from medusa.loading import load_base
+from medusa.questions import answer_message, encode_conversation, load_questions
 
 NEAR_TIE_LOGITS = 0.5  # probabilities within a factor e^0.5 = 1.65 of each other
 
@@ -112,7 +112,7 @@ def main(argv=None) -> dict:
     if settings["temperature"] > 0:
         raise SystemExit(f"{run} sampled (temperature {settings['temperature']}): outputs are not meant to match")
     records = [json.loads(line) for line in (run / "raw.jsonl").read_text().splitlines() if line.strip()]
-    questions = {q["question_id"]: q for q in load_questions(settings["questions"], None)}
+    questions = {q["question_id"]: q for q in load_questions(settings["questions"])}
     exact, tokenizer = load_base(settings["base"], dtype=torch.float32)  # load_base reads "embedded:..." too
     half, _ = load_base(settings["base"], dtype=getattr(torch, settings["dtype"]), tokenizer=tokenizer)
     cases = [score(case, exact, half, tokenizer) for case in divergences(records, questions)]

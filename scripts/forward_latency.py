@@ -12,9 +12,8 @@ import time
 
 import torch
 
-import medusa.prepack as prepack
 from medusa import MedusaModel
-from medusa.engine import CompiledEngine
+from medusa.runtime import CompiledEngine, prepacked_copy
 
 
 def main() -> None:
@@ -23,10 +22,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=300)
     args = parser.parse_args()
     base = MedusaModel.from_pretrained(plan="off").base
-    runners = {"fused": prepack.prepacked_copy(base)}
-    fusable, prepack.FUSABLE = prepack.FUSABLE, ()  # the same copy without fusion
-    runners["unfused"] = prepack.prepacked_copy(base)
-    prepack.FUSABLE = fusable
+    runners = {"fused": prepacked_copy(base), "unfused": prepacked_copy(base, fuse=False)}
     engine = CompiledEngine(base)
     cache = engine.new_cache(args.context + 64)
     times = {(q, name): [] for q in (1, 8, 16) for name in runners}

@@ -4,7 +4,9 @@
         --out runs/acc.json
 """
 
-from medusa.cli.accuracy import main
+import runpy
+import sys
 
 if __name__ == "__main__":
-    main()
+    sys.argv = ["medusa", "accuracy", *sys.argv[1:]]
+    runpy.run_module("medusa", run_name="__main__")  # the `medusa` command, as `python -m medusa accuracy`

@@ -21,8 +21,8 @@ import time
 import torch
 
 from medusa import MedusaModel, load_tree
-from medusa.engine import ENGINES
 from medusa.proposers import PROPOSERS
+from medusa.runtime import ENGINES
 
 PROMPTS = [
     "Write a short story about a robot learning to paint.",

@@ -7,10 +7,9 @@ import pytest
 import torch
 
 from medusa.acceptance import ACCEPTANCE_RULES, get_rule, greedy, rejection, speculative, typical
-from medusa.propose import Candidates
+from medusa.runtime import VerifyOutput
 from medusa.sampling import SamplingConfig, target_probs
-from medusa.tree import TreeSpec, build_buffers, chain
-from medusa.verify import VerifyOutput
+from medusa.tree import Candidates, TreeSpec, build_buffers, chain
 from tests.test_distribution import DETECTED, SIGNIFICANCE, bonus_from_p, chi_square
 
 SAMPLE = SamplingConfig(do_sample=True)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from medusa.cli import bench as benchmark
+from medusa.questions import encode_conversation, load_questions, per_group
 from tests.conftest import save_tiny_checkpoint, tiny_tokenizer
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
@@ -31,16 +32,16 @@ QUESTIONS = [
 def test_load_questions_groups_mt_bench_and_limits_per_group(tmp_path):
     path = tmp_path / "q.jsonl"
     path.write_text("\n".join(json.dumps(q) for q in QUESTIONS) + "\n")
-    selected = benchmark.load_questions(str(path), limit=2)
+    selected = per_group(load_questions(str(path)), limit=2)
     assert [(q["question_id"], q["group"]) for q in selected] == [
         (81, "mt_bench"),
         (82, "mt_bench"),
         (161, "translation"),
     ]
-    assert len(benchmark.load_questions(str(path), limit=None)) == 4
+    assert len(per_group(load_questions(str(path)), limit=None)) == 4
     path.write_text(json.dumps({"question_id": 1, "category": "x"}) + "\n")
     with pytest.raises(ValueError, match="turns"):
-        benchmark.load_questions(str(path), limit=None)
+        load_questions(str(path))
 
 
 def test_longest_context_bounds_every_turn_with_full_length_answers():
@@ -52,7 +53,7 @@ def test_longest_context_bounds_every_turn_with_full_length_answers():
         messages = []
         for text in q["turns"]:
             messages.append({"role": "user", "content": text})
-            rows = len(benchmark.encode_conversation(tokenizer, messages)) + max_new_tokens
+            rows = len(encode_conversation(tokenizer, messages)) + max_new_tokens
             assert rows + benchmark.PROPOSAL_ROWS <= bound
             messages.append({"role": "assistant", "content": "x" * max_new_tokens})
     assert benchmark.longest_context(QUESTIONS[2:3], tokenizer, 0) < bound

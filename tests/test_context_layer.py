@@ -12,8 +12,9 @@ import torch
 from medusa import MedusaConfig, MedusaHeads, MedusaModel
 from medusa.decode import prefill
 from medusa.evaluation import head_rank_hits
-from medusa.heads import ContextLayer, base_features, head_target_offset
+from medusa.heads import ContextLayer, head_target_offset
 from medusa.propose import build_medusa_proposer
+from medusa.runtime import base_features
 from medusa.sampling import SamplingConfig
 from medusa.tree import TreeSpec, build_buffers
 from tests.conftest import FAMILIES, HIDDEN, VOCAB, make_tiny_model
@@ -147,7 +148,7 @@ def test_cached_spans_hold_the_whole_window():
 @pytest.mark.parametrize("layers", [[], [0, 1]], ids=["last", "fused"])
 def test_proposer_reads_what_evaluation_scores(layers):
     """The decode-time read (context layer fed step by step) equals the whole-sequence features head_rank_hits uses
-    (both in float: on a CPU decoding proposes on int8 weights, medusa.prepack.int8_copy)."""
+    (both in float: on a CPU decoding proposes on int8 weights, medusa.runtime.int8_copy)."""
     torch.manual_seed(0)
     model = MedusaModel(
         make_tiny_model("qwen2"), context_heads(path=False, feature_layers=layers), tree=[[0], [0, 0], [0, 0, 0]]

@@ -13,7 +13,7 @@ from medusa import MedusaModel
 from medusa.acceptance import get_rule
 from medusa.decode import DecodeStats, decode
 from medusa.draft import DraftModel, DraftProposer
-from medusa.engine import CompiledEngine
+from medusa.runtime import CompiledEngine, InductorEngine
 from medusa.sampling import SamplingConfig, target_probs
 from tests.conftest import VOCAB, make_heads, make_tiny_model
 from tests.test_distribution import tiny_tokenizer
@@ -160,9 +160,9 @@ def test_int8_self_draft_keeps_greedy_identity_and_shares_the_embedding(family):
     assert out.stats.acceptance_rate > 0.5  # int8 per channel: the draft mostly agrees with the target
     with pytest.raises(ValueError, match="unknown quantized draft 'int3'"):
         medusa.draft.quantized_draft(target, "int3")
-    # the inductor engine compiles plain weights ahead of time (medusa.aot); torchao's go through torch.compile
-    assert not CompiledEngine(model.draft, torch_compile=True).ahead_of_time
-    assert CompiledEngine(target, torch_compile=True).ahead_of_time
+    # the inductor engine compiles plain weights ahead of time (medusa.runtime.aot); torchao's go through torch.compile
+    assert not InductorEngine(model.draft).ahead_of_time
+    assert InductorEngine(target).ahead_of_time
 
 
 def test_draft_cache_when_the_bonus_repeats_a_rejected_draft_token():

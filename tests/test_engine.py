@@ -4,17 +4,17 @@ import pytest
 import torch
 from torch import nn
 
-import medusa.aot
-import medusa.engine
+import medusa.runtime.aot
+import medusa.runtime.static
+import medusa.runtime.torch_patches
 from medusa import MedusaModel
 from medusa.decode import prefill
-from medusa.engine import CompiledEngine, EagerEngine, engine_for, make_engine
 from medusa.hardware import cpu_flags, native_bf16
 from medusa.loading import base_fingerprint
-from medusa.prepack import FusedMember, FusedProjections, PackedLinear, prepacked_copy
-from medusa.propose import Candidates
+from medusa.runtime import CompiledEngine, EagerEngine, InductorEngine, engine_for, make_engine, prepacked_copy
+from medusa.runtime.prepack import FusedMember, FusedProjections, PackedLinear
 from medusa.sampling import SamplingConfig
-from medusa.tree import TreeSpec, build_buffers
+from medusa.tree import Candidates, TreeSpec, build_buffers
 from tests.conftest import FAMILIES, make_heads, make_tiny_model, run_together
 from tests.test_tree import HAND_TREE
 
@@ -128,7 +128,7 @@ def test_ahead_of_time_packages_match_eager_and_load_in_a_new_engine(family, tmp
     hidden states equal eager's at one token and a tree, and a new engine on the same weights (as a new process)
     loads the package instead of compiling; other weights get another package."""
     monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
-    monkeypatch.setattr(medusa.engine, "INDUCTOR_CPU_OPTIONS", FAST_INDUCTOR)
+    monkeypatch.setattr(medusa.runtime.static, "INDUCTOR_CPU_OPTIONS", FAST_INDUCTOR)
     model = make_tiny_model(family)
     torch.manual_seed(2)
     prompt = torch.randint(1, 90, (1, 7))
@@ -146,25 +146,25 @@ def test_ahead_of_time_packages_match_eager_and_load_in_a_new_engine(family, tmp
     (package,) = (tmp_path / "aoti").glob("*.pt2")
     other = make_tiny_model(family, seed=1)
     options = dict(rows=512, options=FAST_INDUCTOR)
-    assert medusa.aot.package_path(other, weights=base_fingerprint(other), **options) != package
-    assert medusa.aot.package_path(model, weights=base_fingerprint(model), **options) == package
+    assert medusa.runtime.aot.package_path(other, weights=base_fingerprint(other), **options) != package
+    assert medusa.runtime.aot.package_path(model, weights=base_fingerprint(model), **options) == package
 
 
 def test_an_unreadable_package_is_compiled_again(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
     model = make_tiny_model("llama")
-    path = medusa.aot.package_path(model, 512, FAST_INDUCTOR, "weights")
+    path = medusa.runtime.aot.package_path(model, 512, FAST_INDUCTOR, "weights")
     path.parent.mkdir(parents=True)
     path.write_bytes(b"not a package")
     compiled = []
-    monkeypatch.setattr(medusa.aot, "_export", lambda model, rows: compiled.append(rows))
+    monkeypatch.setattr(medusa.runtime.aot, "_export", lambda model, rows: compiled.append(rows))
     monkeypatch.setattr(
         torch._inductor,
         "aoti_compile_and_package",
         lambda program, package_path, inductor_configs: open(package_path, "wb").close(),
     )
     monkeypatch.setattr(torch._inductor, "aoti_load_package", lambda p: "runner" if compiled else 1 / 0)
-    runner, _ = medusa.aot.load_or_compile(model, 512, FAST_INDUCTOR, "weights", progress=False)
+    runner, _ = medusa.runtime.aot.load_or_compile(model, 512, FAST_INDUCTOR, "weights", progress=False)
     assert runner == "runner" and compiled == [512]
     assert f"compiled package {path} is unreadable" in caplog.text
     assert not list(path.parent.glob(".*tmp*"))  # written under a temporary name, then renamed
@@ -184,7 +184,7 @@ def test_processes_wanting_one_package_compile_it_once(tmp_path, monkeypatch):
         compiled.append(threading.current_thread().name)
         time.sleep(0.5)
 
-    monkeypatch.setattr(medusa.aot, "_export", slow_export)
+    monkeypatch.setattr(medusa.runtime.aot, "_export", slow_export)
     monkeypatch.setattr(
         torch._inductor,
         "aoti_compile_and_package",
@@ -194,7 +194,7 @@ def test_processes_wanting_one_package_compile_it_once(tmp_path, monkeypatch):
     results = {}
 
     def load(name):
-        results[name] = medusa.aot.load_or_compile(model, 512, FAST_INDUCTOR, "weights", progress=False)
+        results[name] = medusa.runtime.aot.load_or_compile(model, 512, FAST_INDUCTOR, "weights", progress=False)
 
     run_together(load)
     assert len(compiled) == 1
@@ -207,8 +207,8 @@ def test_inductor_engine_greedy_identity_across_cache_sizes(tmp_path, monkeypatc
     """engine='inductor': one package per cache size serves trees of every size; a larger cache compiles its own
     once, as it is allocated (64, 128, then 512 rows here), and the output is plain greedy's."""
     monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
-    monkeypatch.setattr(medusa.engine, "INDUCTOR_CPU_OPTIONS", FAST_INDUCTOR)
-    monkeypatch.setattr(medusa.engine, "COMPILED_MIN_ROWS", 64)
+    monkeypatch.setattr(medusa.runtime.static, "INDUCTOR_CPU_OPTIONS", FAST_INDUCTOR)
+    monkeypatch.setattr(medusa.runtime.static, "COMPILED_MIN_ROWS", 64)
     base = make_tiny_model("llama")
     model = MedusaModel(base, make_heads(random=True), projection_dtype=torch.float32)
     engine = model.engine("inductor")  # compiles here, for 64 rows
@@ -233,8 +233,9 @@ def test_inductor_engine_greedy_identity_across_cache_sizes(tmp_path, monkeypatc
 
 
 def test_the_inductor_engine_on_cpu_compiles_ahead_of_time():
-    """CompiledEngine(torch_compile=True) on CPU is the inductor engine: ahead of time, no torch.compile wrapper."""
-    engine = CompiledEngine(make_tiny_model("qwen2"), torch_compile=True)
+    """The inductor engine on CPU compiles ahead of time: no torch.compile wrapper; the compiled engine never does."""
+    engine = InductorEngine(make_tiny_model("qwen2"))
+    assert not CompiledEngine(make_tiny_model("qwen2"), torch_compile=True).ahead_of_time
     assert engine.ahead_of_time and engine.verify_runner is engine.runner and not engine.prepacked
 
 
@@ -258,8 +259,8 @@ def test_compiling_parses_each_text_once_and_puts_inductor_back(monkeypatch):
         seen["freezing"] = torch._inductor.config.freezing
         return "runner", 0.0
 
-    monkeypatch.setattr(medusa.aot, "load_or_compile", compiling)
-    engine = CompiledEngine(make_tiny_model("llama"), torch_compile=True)
+    monkeypatch.setattr(medusa.runtime.aot, "load_or_compile", compiling)
+    engine = InductorEngine(make_tiny_model("llama"))
     engine.new_cache(16, progress=False)
     first, second = seen["templates"]
     expression = seen["expressions"][0]
@@ -278,7 +279,7 @@ def test_warm_up_compiles_every_cache_size_a_length_needs_once(monkeypatch):
     so that a benchmark or server compiles before it times or serves; later calls find their size compiled."""
     compiled = []
     monkeypatch.setattr(CompiledEngine, "_compile_for", lambda self, cache, progress: compiled.append(cache))
-    engine = CompiledEngine(make_tiny_model("qwen2"), torch_compile=True)
+    engine = InductorEngine(make_tiny_model("qwen2"))
     engine.warm_up(max_length=1500)
     assert [cache.layers[0].max_cache_len for cache in compiled] == [512, 1024, 2048]
     with torch.inference_mode():  # as generate runs: the caches' tensors become inference tensors
@@ -296,7 +297,7 @@ def test_shared_gqa_attention_is_transformers_sdpa_bit_for_bit():
 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from medusa.prepack import shared_gqa_sdpa
+    from medusa.runtime.attention import shared_gqa_sdpa
 
     torch.manual_seed(3)
     module = SimpleNamespace(num_key_value_groups=3, is_causal=True)
@@ -368,7 +369,7 @@ def test_packages_try_the_gemm_template_alone_then_with_aten(tmp_path, monkeypat
     tried, compile_package = [], torch._inductor.aoti_compile_and_package
 
     def recording(program, package_path, inductor_configs):
-        tried.append(inductor_configs[medusa.aot.GEMM_BACKENDS])
+        tried.append(inductor_configs[medusa.runtime.aot.GEMM_BACKENDS])
         return compile_package(program, package_path=package_path, inductor_configs=inductor_configs)
 
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", recording)
@@ -376,7 +377,7 @@ def test_packages_try_the_gemm_template_alone_then_with_aten(tmp_path, monkeypat
     module, x = _Projection(both_activations).eval(), torch.randn(4, 16)
     with torch.no_grad():
         program = torch.export.export(module, (x,))
-        medusa.aot.compile_package(program, tmp_path / "p.pt2", medusa.engine.INDUCTOR_CPU_OPTIONS)
+        medusa.runtime.aot.compile_package(program, tmp_path / "p.pt2", medusa.runtime.static.INDUCTOR_CPU_OPTIONS)
         out = torch._inductor.aoti_load_package(str(tmp_path / "p.pt2"))(x)
         torch.testing.assert_close(out, module(x))
     assert tried == (["CPP", "CPP,ATEN"] if both_activations else ["CPP"])
@@ -410,7 +411,7 @@ def test_the_wrapper_compiles_beside_the_kernels_and_the_link_waits(monkeypatch)
             events.append(("end", name))
 
     monkeypatch.setattr(CppBuilder, "build", slow_build)
-    with medusa.aot.wrapper_compiled_beside_kernels():
+    with medusa.runtime.torch_patches.wrapper_compiled_beside_kernels():
         _builder("m.wrapper.o").build()
         _builder("m.kernel.o").build()
         assert ("end", "wrapper") in events  # waited for by the kernels' build
@@ -436,7 +437,7 @@ def test_a_failed_wrapper_compile_is_raised_by_the_next_build(monkeypatch):
 
     monkeypatch.setattr(CppBuilder, "build", build)
     with pytest.raises(RuntimeError, match="the wrapper did not compile"):
-        with medusa.aot.wrapper_compiled_beside_kernels():
+        with medusa.runtime.torch_patches.wrapper_compiled_beside_kernels():
             _builder("m.wrapper.o").build()
             _builder("m.kernel.o").build()
     assert CppBuilder.build is build
@@ -456,7 +457,7 @@ def test_the_vector_isa_probe_runs_in_a_thread_and_its_failure_is_left_to_induct
         raise RuntimeError("no compiler")
 
     monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", probe)
-    medusa.aot._probe_vector_isas_meanwhile()
+    medusa.runtime.torch_patches.probe_vector_isas_meanwhile()
     assert called.wait(10) and threads[0] is not threading.main_thread()
 
 
@@ -472,7 +473,7 @@ def test_a_wrapper_compile_with_nothing_after_it_is_waited_for_on_leaving(monkey
         done.append(self._target_file)
 
     monkeypatch.setattr(CppBuilder, "build", build)
-    with medusa.aot.wrapper_compiled_beside_kernels():
+    with medusa.runtime.torch_patches.wrapper_compiled_beside_kernels():
         _builder("m.wrapper.o").build()
         assert done == []  # compiling in its thread
     assert done == ["m.wrapper.o"]

@@ -10,8 +10,9 @@ import torch
 from torch import nn
 
 from medusa import MedusaConfig, MedusaHeads, MedusaModel, evaluation, head_target_offset
-from medusa.evaluation import head_rank_accuracy, head_rank_accuracy_by_group, head_rank_hits, load_questions, spread
+from medusa.evaluation import head_rank_accuracy, head_rank_accuracy_by_group, head_rank_hits
 from medusa.propose import CandidateProjection
+from medusa.questions import load_questions, spread
 from tests.conftest import make_heads, make_tiny_model
 
 V = 16  # one-hot world: hidden size == vocabulary size

@@ -8,10 +8,9 @@ import torch
 
 from medusa import MedusaModel
 from medusa.decode import prefill
-from medusa.engine import CompiledEngine, EagerEngine
-from medusa.propose import Candidates
+from medusa.runtime import CompiledEngine, EagerEngine
 from medusa.sampling import SamplingConfig
-from medusa.tree import TreeSpec, build_buffers
+from medusa.tree import Candidates, TreeSpec, build_buffers
 from tests.conftest import FAMILIES, make_heads, make_tiny_model
 from tests.test_tree import HAND_TREE
 

@@ -6,9 +6,8 @@ import torch
 from medusa import MedusaModel
 from medusa.acceptance import get_rule
 from medusa.decode import decode
-from medusa.propose import Candidates
 from medusa.sampling import SamplingConfig
-from medusa.tree import TreeSpec, build_buffers, chain
+from medusa.tree import Candidates, TreeSpec, build_buffers, chain
 from tests.conftest import FAMILIES, VOCAB, make_heads, make_tiny_model
 
 TREES = {"default": None, "wide": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]], "chain": [[0]]}

@@ -3,8 +3,9 @@ layers below, and no chain of imports comes back to where it started. A lazy imp
 like any other: it may not dodge a cycle.
 
 Tiers, bottom to top (a module imports its own tier or lower ones):
-  low   data structures, files and the machine: no model code
-  mid   one decoding step and its parts: heads, proposing, verifying, accepting, the engines and the decode loop
+  low      data structures, files and the machine: no model code
+  runtime  medusa/runtime/, everything that runs the target (the engines); the only place for private torch names
+  mid      one decoding step and its parts: heads, proposing, accepting and the decode loop
   high  whole models and their files: loading heads in every layout, planning, the draft model, MedusaModel
   apps  the `medusa` command (medusa/cli/, one node of the graph)
 """
@@ -25,20 +26,18 @@ TIERS = {
         "fileio",
         "hardware",
         "ngram",
-        "prepack",
-        "kv_cache",
         "config",
         "loading",
         "generate_args",
         "hub",
+        "questions",
+        "llama_cpp",
     },
+    "runtime": {"runtime"},
     "mid": {
         "heads",
         "propose",
-        "verify",
         "acceptance",
-        "engine",
-        "aot",
         "decode",
         "guard",
         "dynamic_tree",
@@ -204,3 +203,100 @@ def test_a_sys_path_edit_is_caught():
     assert edits_sys_path("import sys\nsys.path.insert(0, '..')\n")
     assert edits_sys_path("from sys import path\npath.append('..')\n")
     assert not edits_sys_path("import os\nos.path.join('a', 'b')\n")
+
+
+# ------------------------------------------------------------------ the runtime's room
+RUNTIME = PACKAGE / "runtime"
+PRIVATE_ROOTS = ("torch", "transformers")
+
+
+def private_names(source: str) -> list[str]:
+    """torch's and transformers' private names `source` uses: `torch._x` anywhere in an attribute chain, imports
+    from or of a private module, and private names imported from theirs."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute):
+            chain, value = [node.attr], node.value
+            while isinstance(value, ast.Attribute):
+                chain.append(value.attr)
+                value = value.value
+            if isinstance(value, ast.Name) and value.id in PRIVATE_ROOTS:
+                parts = [value.id, *reversed(chain)]
+                if any(_private(part) for part in parts[1:]):
+                    found.append(".".join(parts))
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in PRIVATE_ROOTS:
+            names = node.module.split(".") + [alias.name for alias in node.names]
+            if any(_private(part) for part in names):
+                found.append(f"from {node.module} import {', '.join(a.name for a in node.names)}")
+        elif isinstance(node, ast.Import):
+            found += [
+                a.name
+                for a in node.names
+                if a.name.split(".")[0] in PRIVATE_ROOTS and any(map(_private, a.name.split(".")))
+            ]
+    # an attribute chain is walked at each of its links: keep the longest
+    return sorted({name for name in found if not any(other.startswith(name + ".") for other in found)})
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def test_private_torch_names_only_in_the_runtime():
+    outside = {
+        str(path.relative_to(PACKAGE.parent)): names
+        for path in sorted([*PACKAGE.rglob("*.py"), *SCRIPTS.glob("*.py")])
+        if RUNTIME not in path.parents
+        for names in [private_names(path.read_text())]
+        if names
+    }
+    assert not outside, (
+        f"private torch/transformers names outside medusa/runtime/ (move the workaround there): {outside}"
+    )
+
+
+def test_the_rest_of_the_library_imports_the_runtime_package_only():
+    """medusa.runtime's __init__ is its interface: no module outside reaches into medusa.runtime.<module>."""
+    reaching = sorted(
+        f"{path.relative_to(PACKAGE.parent)}: {name}"
+        for path in [*PACKAGE.rglob("*.py"), *SCRIPTS.glob("*.py")]
+        if RUNTIME not in path.parents
+        for node in ast.walk(ast.parse(path.read_text()))
+        for name in _imported_names(node)
+        if name.startswith("medusa.runtime.")
+    )
+    assert not reaching, f"imports of the runtime's own modules: {reaching}; import them from medusa.runtime"
+
+
+def test_apps_and_scripts_use_the_public_library():
+    """scripts/ and medusa/cli/ import no command module (medusa.cli) from scripts, and no private medusa name."""
+    problems = []
+    for path in [*SCRIPTS.glob("*.py"), *(PACKAGE / "cli").glob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("medusa"):
+                problems += [f"{path.name}: {node.module}.{a.name}" for a in node.names if _private(a.name)]
+                if path.parent == SCRIPTS and node.module.startswith("medusa.cli"):
+                    problems.append(f"{path.name}: from {node.module}")
+            if (
+                isinstance(node, ast.Attribute)
+                and _private(node.attr)
+                and getattr(node.value, "id", "") in ("model", "medusa")
+            ):
+                problems.append(f"{path.name}: {node.value.id}.{node.attr}")
+    assert not problems, f"private or command-module imports: {problems}"
+
+
+def _imported_names(node: ast.AST) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+        return [node.module]
+    return []
+
+
+def test_the_runtime_checks_can_fail():
+    assert private_names("import torch\ntorch._dynamo.mark_static(x, 1)\n") == ["torch._dynamo.mark_static"]
+    assert private_names("from torch._inductor import config\n") == ["from torch._inductor import config"]
+    assert private_names("from transformers.cache_utils import _private\n")
+    assert private_names("import torch\ntorch.ops.aten._weight_int8pack_mm(a, b, c)\n")
+    assert not private_names("import torch\nx = torch.nn.functional.linear(a, b)\ny = a.__version__\n")

@@ -1,4 +1,4 @@
-"""What proposes runs on int8 weights on a CPU (medusa.prepack.int8_copy): close to the float layers, following
+"""What proposes runs on int8 weights on a CPU (medusa.runtime.int8_copy): close to the float layers, following
 changes to their weights, and never changing what the target outputs."""
 
 import pytest
@@ -6,8 +6,9 @@ import torch
 from torch import nn
 
 from medusa import MedusaModel
-from medusa.prepack import INT8_BLOCK, Int8Linear, PackedLinear, can_int8, int8_copy, quantize_int8
 from medusa.propose import CandidateProjection
+from medusa.runtime import can_int8, int8_copy, quantize_int8
+from medusa.runtime.prepack import INT8_BLOCK, Int8Linear, PackedLinear
 from tests.conftest import FAMILIES, make_heads, make_tiny_model
 
 

@@ -8,8 +8,7 @@ import torch
 from medusa import MedusaModel
 from medusa.ngram import ngram_continuation
 from medusa.prompt_lookup import PromptLookupProposer, graft_chain
-from medusa.propose import Candidates
-from medusa.tree import TreeSpec, build_buffers
+from medusa.tree import Candidates, TreeSpec, build_buffers
 from tests.conftest import FAMILIES, make_heads, make_tiny_model
 
 

@@ -3,10 +3,8 @@
 import torch
 from transformers import DynamicCache
 
-from medusa import kv_cache
-from medusa.propose import Candidates
-from medusa.tree import TreeSpec, build_buffers
-from medusa.verify import verify
+from medusa.runtime import kv_cache, verify
+from medusa.tree import Candidates, TreeSpec, build_buffers
 from tests.test_tree import HAND_TREE
 
 

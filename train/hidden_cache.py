@@ -14,7 +14,8 @@ from tqdm import tqdm
 
 from medusa.config import MedusaConfig
 from medusa.fileio import atomic_file
-from medusa.heads import base_features, head_target_offset
+from medusa.heads import head_target_offset
+from medusa.runtime import base_features
 from train.batches import Conversation
 from train.data import collate
 

@@ -35,8 +35,6 @@ from medusa.evaluation import (
     RankAccuracy,
     bench_data_dir,
     head_rank_accuracy_by_group,
-    load_questions,
-    spread,
 )
 from medusa.fileio import atomic_write_text
 from medusa.heads import head_target_offset
@@ -44,6 +42,7 @@ from medusa.hub import resolve_heads
 from medusa.loading import DTYPES
 from medusa.model import DEFAULT_HEADS_DIR
 from medusa.plan import ACCURACY_NAME, save_accuracy
+from medusa.questions import load_questions, spread
 
 
 def answer_questions(model: MedusaModel, questions: list[dict], max_new_tokens: int, batch_size: int):

@@ -9,7 +9,7 @@ Methods (interleaved per question, after a warm-up):
   baseline        transformers greedy (or sampling, --temperature > 0) `generate` of the base model (eager)
   baseline_compiled  the best plain decoding at hand: this library's one-token-a-step decoding on the fastest plain
                   engine the plan measured (compiled: StaticCache, weights pre-packed on CPU, CUDA graphs on a GPU;
-                  inductor: torch.compile's C++ GEMMs on CPU; medusa.engine), the compiled engine without a plan
+                  inductor: torch.compile's C++ GEMMs on CPU; medusa.runtime), the compiled engine without a plan
   plain           one token a step in this library's loop on --engine (no guesses)
   planned         MedusaModel.generate with nothing named: the engine, proposer and tree of the calibrated plan
                   (medusa.plan; --plan auto), guarded online
@@ -52,7 +52,6 @@ import json
 import platform
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -63,15 +62,12 @@ from transformers import GenerationConfig
 from medusa import MedusaModel
 from medusa.config import CONFIG_NAME
 from medusa.decode import DecodeStats
-from medusa.engine import ENGINES, engine_for
-from medusa.evaluation import load_questions as read_questions
 from medusa.fileio import atomic_write_text
 from medusa.hardware import describe
 from medusa.model import DEFAULT_HEADS_DIR
+from medusa.questions import answer_message, encode_conversation, load_questions, per_group
+from medusa.runtime import ENGINES, engine_for
 
-MT_BENCH_CATEGORIES = frozenset(
-    {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
-)
 METHODS = (
     "baseline",
     "baseline_compiled",
@@ -142,7 +138,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--engine",
         default=None,
         choices=list(ENGINES),
-        help="how this library's methods run the target (medusa.engine; default: the plan's fastest plain engine, "
+        help="how this library's methods run the target (medusa.runtime; default: the plan's fastest plain engine, "
         "else compiled)",
     )
     parser.add_argument("--device", default=None, help="e.g. cuda (default: CPU)")
@@ -175,39 +171,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # ----------------------------------------------------------------------------------------------------- questions
-def load_questions(path: str, limit: int | None) -> list[dict]:
-    """Spec-Bench jsonl -> questions with a reporting `group` (MT-bench's categories: 'mt_bench'), `limit` per group."""
-    groups: dict[str, list[dict]] = defaultdict(list)
-    for q in read_questions(path):
-        category = q["category"] or "all"
-        group = "mt_bench" if category in MT_BENCH_CATEGORIES else category
-        groups[group].append({**q, "category": category, "group": group})
-    selected = []
-    for questions in groups.values():
-        by_category: dict[str, list[dict]] = defaultdict(list)
-        for q in questions:
-            by_category[q["category"]].append(q)
-        # round-robin across fine categories, so a small limit still samples all of MT-bench's kinds
-        mixed = [
-            q
-            for rank in range(max(map(len, by_category.values())))
-            for qs in by_category.values()
-            if rank < len(qs)
-            for q in [qs[rank]]
-        ]
-        selected += mixed[:limit] if limit else mixed
-    return selected
-
-
-def encode_conversation(tokenizer, messages: list[dict]) -> list[int]:
-    """Chat messages -> prompt ids ending with the assistant's turn opener (or plain text without a chat template)."""
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    text = "".join(f"{m['role'].capitalize()}: {m['content']}\n\n" for m in messages) + "Assistant:"
-    return tokenizer(text)["input_ids"]
-
-
 def longest_context(questions: list[dict], tokenizer, max_new_tokens: int) -> int:
     """The most cache rows a question's last turn can need: every turn's prompt and every answer at full length."""
     longest = 0
@@ -217,11 +180,6 @@ def longest_context(questions: list[dict], tokenizer, max_new_tokens: int) -> in
             messages += [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
         longest = max(longest, len(encode_conversation(tokenizer, messages[:-1])) + len(q["turns"]) * max_new_tokens)
     return longest + PROPOSAL_ROWS
-
-
-def answer_message(tokenizer, output_ids: list[int]) -> dict:
-    """A turn's generated ids -> the assistant message that goes back into the conversation before the next turn."""
-    return {"role": "assistant", "content": tokenizer.decode(output_ids, skip_special_tokens=True).strip()}
 
 
 # ------------------------------------------------------------------------------------------------------- timing
@@ -271,11 +229,6 @@ def steps_from_calls(calls: list[list]) -> tuple[list[int], list[int]]:
 
 
 # ------------------------------------------------------------------------------------------------------ methods
-def plain_engine(model) -> str:
-    """The engine of the best plain decoding at hand: the plan's fastest measured, else the compiled engine."""
-    return model.plan.plain_engine if model.plan is not None else "compiled"
-
-
 def build_methods(names: list[str], args, model, stop_ids: list[int]) -> tuple[dict, dict, object]:
     """-> ({name: run(input_ids, max_new_tokens, seed) -> dict}, {name: why it is skipped}, the draft LM or None)."""
     base, tokenizer = model.base, model.tokenizer
@@ -350,7 +303,7 @@ def build_methods(names: list[str], args, model, stop_ids: list[int]) -> tuple[d
         if name == "baseline":
             runs[name] = hf()
         elif name == "baseline_compiled":
-            runs[name] = ours(model, engine=plain_engine(model), proposer="plain")
+            runs[name] = ours(model, engine=model.best_plain_engine, proposer="plain")
         elif name == "planned":
             if model.plan is None:
                 skipped[name] = "needs --plan auto"
@@ -650,14 +603,14 @@ def main(argv=None) -> dict:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    questions = load_questions(args.questions, args.limit)
+    questions = per_group(load_questions(args.questions), args.limit)
     if not questions:
         raise ValueError(f"{args.questions} holds no questions")
 
     model = MedusaModel.from_pretrained(
         args.heads, base=args.base, dtype=args.dtype, device=args.device, plan=args.plan
     )
-    args.engine = args.engine or plain_engine(model)
+    args.engine = args.engine or model.best_plain_engine
     tokenizer = model.tokenizer
     if tokenizer is None:
         raise ValueError("the benchmark needs the base model's tokenizer (chat template): load a base that has one")
@@ -678,7 +631,8 @@ def main(argv=None) -> dict:
         "dtype": args.dtype,
         "device": str(model.device),
         "engine": args.engine,
-        "baseline_compiled": f"this library's plain decoding (proposer 'plain') on the {plain_engine(model)} engine: "
+        "baseline_compiled": "this library's plain decoding (proposer 'plain') on the "
+        f"{model.best_plain_engine} engine: "
         + {
             "eager": "transformers' forward and DynamicCache",
             "compiled": "StaticCache, "
@@ -688,7 +642,7 @@ def main(argv=None) -> dict:
                 else "linear weights pre-packed for oneDNN"
             ),
             "inductor": "StaticCache, torch.compile (inductor: frozen weights, C++ GEMM templates on CPU)",
-        }[plain_engine(model)],
+        }[model.best_plain_engine],
         "hardware": describe(model.device),
         "plan": None
         if model.plan is None
@@ -734,7 +688,7 @@ def main(argv=None) -> dict:
     # those forwards itself) and before any timing: a size compiled inside a timed turn would cost that turn minutes
     todo = [q for q in questions if any((q["question_id"], m) not in records for m in methods)]
     planned = model.plan.engine if "planned" in methods and model.plan is not None else None
-    engines = {args.engine, plain_engine(model)} | ({planned} if planned else set())
+    engines = {args.engine, model.best_plain_engine} | ({planned} if planned else set())
     longest = longest_context(todo, tokenizer, args.max_new_tokens)
     for name in sorted(engines):
         model.engine(name).warm_up(max_length=longest)

@@ -15,8 +15,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from medusa import MedusaModel
-from medusa.engine import ENGINES
 from medusa.fileio import atomic_write_text
+from medusa.runtime import ENGINES
 
 
 def main(argv=None) -> dict:

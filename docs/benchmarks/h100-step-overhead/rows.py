@@ -15,7 +15,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from medusa import MedusaModel
-from medusa.engine import engine_for
+from medusa.runtime import engine_for
 
 MODEL_DIR = sys.argv[1]
 torch.manual_seed(0)

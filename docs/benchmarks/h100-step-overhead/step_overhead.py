@@ -16,7 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from medusa import MedusaModel
-from medusa.engine import engine_for
+from medusa.runtime import engine_for
 
 MODEL_DIR = sys.argv[1]
 DTYPE = getattr(torch, sys.argv[2]) if len(sys.argv) > 2 else torch.float32

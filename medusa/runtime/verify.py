@@ -1,4 +1,5 @@
-"""One target forward over all tree nodes: the public `forward` with a 4D tree mask, position ids and the KV cache."""
+"""The target's forwards: prefill over the prompt, and one forward over all tree nodes (the public `forward` with a 4D
+tree mask, position ids and the KV cache); what heads read from either (`base_features`)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,36 @@ from dataclasses import dataclass
 
 import torch
 
-from medusa.heads import base_features
-from medusa.propose import Candidates
+from medusa.tree import Candidates
+
+
+def base_features(hidden_states: tuple[torch.Tensor, ...], feature_layers=()) -> torch.Tensor:
+    """A base forward's `hidden_states` (embeddings, then each layer's output; the last one post-norm) -> what heads
+    read per position: the last hidden state, then the residual stream after each of `feature_layers`, concatenated
+    on the last axis ((..., H) without feature layers)."""
+    if not feature_layers:
+        return hidden_states[-1]
+    layers = len(hidden_states) - 1
+    for layer in feature_layers:
+        if layer >= layers:
+            raise ValueError(
+                f"the heads read the base's layer {layer} (feature_layers) but the base has {layers} "
+                f"layers (0 = embeddings .. {layers - 1}): use heads trained for this base"
+            )
+    return torch.cat([hidden_states[-1], *(hidden_states[layer] for layer in feature_layers)], dim=-1)
+
+
+@dataclass(frozen=True)
+class PrefillOutput:
+    logits: torch.Tensor  # (V,): the target's next-token logits after the prompt
+    hidden: torch.Tensor  # (T, F): what heads read at every prompt position (base_features)
+
+
+@torch.inference_mode()
+def run_prefill(model, cache, input_ids: torch.Tensor, feature_layers=()) -> PrefillOutput:
+    """One ordinary forward over the prompt (1, T) into `cache`, logits kept for its last position only."""
+    out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, output_hidden_states=True, logits_to_keep=1)
+    return PrefillOutput(out.logits[0, -1], base_features(out.hidden_states, feature_layers)[0])
 
 
 @dataclass(frozen=True)

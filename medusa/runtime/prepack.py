@@ -1,16 +1,12 @@
 """Linear layers with weights reordered once into oneDNN's blocked layout (CPU): what inductor's freezing does for
-linears, without compiling anything. At one row, a 576 x 49152 projection took 3.5 ms instead of 7.6 on a 2-core
-AVX-512 CPU (5.9 vs 12.3 ms on an AVX2 one); the SmolLM2-135M forward 30 ms instead of 63.
+linears, without compiling anything (about half the time of a plain linear at one row).
 
-Sibling projections that read the same input (q/k/v, gate/up) are packed as one matrix and computed by one call:
-a small GEMV pays a fixed cost per call, so 30 layers of q, k and v took 3.6 ms instead of 6.2 at one row, gate and up
-8.7 instead of 10.4 (SmolLM2 shapes, 2-core AVX-512 CPU).
+Sibling projections that read the same input (q/k/v, gate/up) are packed as one matrix and computed by one call: a
+small GEMV pays a fixed cost per call.
 
 What proposes (the heads, their context layer, the candidate projection) only ranks guesses that the target then
 verifies exactly, so on a CPU it runs on int8 weights instead (one scale per output row, activations in bf16:
-`int8_copy`): a quarter of the bytes each step reads. The 8192 x 576 candidate projection took 0.54 ms instead of 1.14
-at one row (a cold cache, as in decoding; 0.42 instead of 0.86 limited to AVX2), and the shipped heads accepted as many
-tokens (tau 1.87 against 1.86)."""
+`int8_copy`): a quarter of the bytes each step reads. Figures: docs/engines.md."""
 
 from __future__ import annotations
 
@@ -19,10 +15,9 @@ import itertools
 
 import torch
 from torch import nn
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from medusa.hardware import native_bf16
+from medusa.runtime.attention import use_shared_gqa_sdpa
 
 
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -33,11 +28,7 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 # The rows oneDNN lays the weight out for. Packed for 1, a matrix read by 2-16 rows (a tree's verify, path heads)
-# cost as if each row read it again; packed for 8, one row costs the same and more rows little more. SmolLM2-sized
-# linears of 30 layers + lm_head, ms at 1 / 2 / 4 / 8 / 16 rows (2-core AVX2 EPYC): packed for 1 43.4 / 69.8 / 80.0
-# / 93.5 / 128.6, for 8 41.2 / 42.5 / 49.7 / 65.4 / 99.9 (for 2, 4 or 16 within 2 ms of that); the whole
-# forward over a 256-token context 87.5 / 119.0 / 129.6 / 145.4 at 1 / 2 / 4 / 8 tokens, packed for 4 81.6 /
-# 86.1 / 95.2 / 116.6.
+# cost as if each row read it again; packed for 8, one row costs the same and more rows little more (docs/engines.md).
 PACKED_ROWS = 8
 
 
@@ -191,33 +182,6 @@ def _fuse_siblings(module: nn.Module, skipped: set[int]) -> None:
             setattr(module, name, FusedMember(group, member))
 
 
-def shared_gqa_sdpa(
-    module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None, **kwargs
-):
-    """transformers' sdpa attention, except that a masked forward (a tree) over grouped key/value heads lets sdpa
-    share each key/value head (enable_gqa) instead of copying it for every query head (repeat_kv), as transformers
-    already does without a mask. The same numbers (compared bit for bit on SmolLM2); a 16-node verify at a 700-token
-    context took 80 ms instead of 83, an 8-node one 67 instead of 75 (2-core CPU). Everything else: transformers'."""
-    if (
-        attention_mask is None
-        or getattr(module, "num_key_value_groups", 1) == 1
-        or dropout
-        or kwargs.get("position_bias") is not None
-        or kwargs.get("softcap") is not None
-    ):
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
-        )
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True
-    )  # (B, heads, q, head_dim)
-    return out.transpose(1, 2).contiguous(), None
-
-
-SHARED_GQA_SDPA = "medusa_shared_gqa_sdpa"
-AttentionInterface.register(SHARED_GQA_SDPA, shared_gqa_sdpa)
-
-
 def _copy_sharing(model: nn.Module, skip: tuple[str, ...]) -> tuple[nn.Module, set[int]]:
     """A copy of `model` sharing every parameter and buffer, and the ids of its modules under children named in
     `skip`."""
@@ -227,18 +191,18 @@ def _copy_sharing(model: nn.Module, skip: tuple[str, ...]) -> tuple[nn.Module, s
     return copied, skipped
 
 
-def prepacked_copy(model: nn.Module, skip: tuple[str, ...] = ()) -> nn.Module:
+def prepacked_copy(model: nn.Module, skip: tuple[str, ...] = (), fuse: bool = True) -> nn.Module:
     """A copy of `model` whose nn.Linear layers are packed (except those under a child named in `skip`): sibling
-    projections of one input fused (FUSABLE), the others PackedLinear. Every parameter and buffer is shared, not
-    copied. A model on transformers' sdpa attention gets `shared_gqa_sdpa`."""
+    projections of one input fused (FUSABLE; not with `fuse=False`), the others PackedLinear. Every parameter and
+    buffer is shared, not copied. A model on transformers' sdpa attention gets `shared_gqa_sdpa`."""
     packed, skipped = _copy_sharing(model, skip)
     for module in list(packed.modules()):
-        _fuse_siblings(module, skipped)
+        if fuse:
+            _fuse_siblings(module, skipped)
         for name, child in list(module.named_children()):
             if type(child) is nn.Linear and id(child) not in skipped:
                 setattr(module, name, PackedLinear(child))
-    if getattr(getattr(packed, "config", None), "_attn_implementation", None) == "sdpa":
-        packed.set_attn_implementation(SHARED_GQA_SDPA)
+    use_shared_gqa_sdpa(packed)
     return packed
 
 

@@ -6,21 +6,19 @@ oneDNN-packed frozen weights: minutes there). `torch.export` traces the target's
 whose tensors are inputs, written in place, with the number of query tokens as the one dynamic dimension; AOTInductor
 compiles that with the inductor engine's settings (frozen weights, C++ GEMM templates) into one package per cache
 size. A package holds the weights it was compiled with, so its file name hashes every weight, the dtype, the cache
-size, this CPU, its threads and the versions of torch, transformers and this format (SmolLM2 fp32: 656 MB per size;
-delete them freely, they are compiled again when needed). It returns every layer's hidden states, so one package
-serves heads that read any of them (`feature_layers`).
+size, this CPU, its threads and the versions of torch, transformers and this format (hundreds of MB per size for a
+small model; delete them freely, they are compiled again when needed). It returns every layer's hidden states, so one
+package serves heads that read any of them (`feature_layers`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -30,8 +28,9 @@ from transformers import StaticCache
 
 from medusa.fileio import atomic_file, one_at_a_time
 from medusa.hardware import describe
-from medusa.heads import base_features
 from medusa.loading import cache_root
+from medusa.runtime.torch_patches import no_gemm_choice, probe_vector_isas_meanwhile, wrapper_compiled_beside_kernels
+from medusa.runtime.verify import base_features
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +165,7 @@ def _compile(model, rows: int, options: dict, path: Path, label: str, progress: 
     )
     done = _ticking(message) if progress else None
     if model.device.type == "cpu":
-        _probe_vector_isas_meanwhile()
+        probe_vector_isas_meanwhile()
     try:
         with torch.inference_mode(False), torch.no_grad():
             program = _export(model, rows)
@@ -196,76 +195,14 @@ def compile_package(program, path: Path, options: dict) -> None:
                 )
             return
         except Exception as err:
-            if settings is options or not _no_gemm_choice(err):
+            if settings is options or not no_gemm_choice(err):
                 raise
             logger.info("a GEMM has no C++ template; compiling again with aten's kernels among the choices")
 
 
-def _probe_vector_isas_meanwhile() -> None:
-    """Inductor finds which vector instruction sets this CPU and compiler can run (a test program compiled and loaded
-    per set) when it first lowers a graph: 7 s on a 2-core EPYC, with one core idle. Start that in a thread now, so it
-    runs beside the export and freezing's trace (25 s of Python on the other core). Its result is cached in the
-    process; should the thread fail or not be done, inductor probes again itself and reports what went wrong."""
-    from torch._inductor import cpu_vec_isa
-
-    def probe():
-        with contextlib.suppress(Exception):
-            cpu_vec_isa.valid_vec_isa_list()
-
-    threading.Thread(target=probe, daemon=True, name="medusa-isa-probe").start()
-
-
-@contextlib.contextmanager
-def wrapper_compiled_beside_kernels():
-    """AOTInductor (torch 2.13) compiles the package's wrapper (12 s on a 2-core EPYC for SmolLM2) and then its
-    kernels (10 s), each on one core. While inside, the wrapper's object file compiles in a thread, beside the next
-    thing built (the kernels), which then waits for it and raises its errors. A torch that names or builds its files
-    otherwise compiles as it is."""
-    from torch._inductor import cpp_builder
-
-    builder = getattr(cpp_builder, "CppBuilder", None)
-    build = getattr(builder, "build", None)
-    if build is None:
-        yield
-        return
-    pending = []
-
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="medusa-wrapper") as pool:
-
-        def build_or_start(self):
-            target = str(getattr(self, "_target_file", ""))
-            if getattr(self, "_compile_only", False) and target.endswith(".wrapper.o"):
-                pending.append(pool.submit(build, self))
-                return None
-            try:
-                return build(self)
-            finally:
-                while pending:
-                    pending.pop().result()
-
-        builder.build = build_or_start
-        try:
-            yield
-        finally:
-            builder.build = build
-            while pending:  # nothing was built after the wrapper: its errors still surface
-                pending.pop().result()
-
-
-def _no_gemm_choice(err: BaseException | None) -> bool:
-    """Whether `err` (or what it wraps) is inductor's 'no valid choices' for a GEMM."""
-    from torch._inductor.select_algorithm import NoValidChoicesError
-
-    while err is not None:
-        if isinstance(err, NoValidChoicesError) or "NoValidChoicesError" in str(err):
-            return True
-        err = err.__cause__ or err.__context__
-    return False
-
-
 def run(runner, cache: StaticCache, input_ids, position_ids, mask, past_length: int, feature_layers=()):
     """One verify forward through a loaded package, the cache's rows past_length .. + N written in place ->
-    (logits (N, V), what the heads read (N, F): medusa.heads.base_features)."""
+    (logits (N, V), what the heads read (N, F): base_features)."""
     keys = [layer.keys for layer in cache.layers]
     values = [layer.values for layer in cache.layers]
     length = torch.tensor(past_length, device=input_ids.device)

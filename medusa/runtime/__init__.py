@@ -1,0 +1,109 @@
+"""Everything that runs the target: the engines behind one protocol, and what they are built from (pre-packed and
+int8 weights, ahead-of-time packages, the tree-verify forward, the KV commit, the attention kernel). The rest of the
+library imports this package only, never its modules; private torch and transformers names stay in here
+(torch_patches names each, with the versions it was checked on).
+
+Engines, each a class of its own:
+- `eager`: transformers' DynamicCache and the model as it is; the exact reference.
+- `compiled`: transformers' StaticCache over a copy of the target with pre-packed weights on a CPU; torch.compile with
+  CUDA graphs on a GPU.
+- `inductor`: the compiled engine with the verify forward compiled by inductor (ahead of time on a CPU).
+What a step costs on each, where it was measured: docs/engines.md.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from medusa.runtime.eager import EagerEngine
+from medusa.runtime.inductor import InductorEngine
+from medusa.runtime.prepack import (
+    can_int8,
+    can_prepack,
+    int8_copy,
+    int8_linear,
+    pack,
+    packed_linear,
+    prepacked_copy,
+    quantize_int8,
+)
+from medusa.runtime.static import ENGINES_ATTRIBUTE, CompiledEngine, engines_set_aside
+from medusa.runtime.verify import PrefillOutput, VerifyOutput, base_features, verify
+from medusa.tree import Candidates
+
+ENGINES = ("eager", "compiled", "inductor")
+_ENGINE_CLASSES = {"eager": EagerEngine, "compiled": CompiledEngine, "inductor": InductorEngine}
+
+__all__ = [
+    "ENGINES",
+    "CompiledEngine",
+    "EagerEngine",
+    "Engine",
+    "InductorEngine",
+    "PrefillOutput",
+    "VerifyOutput",
+    "base_features",
+    "can_int8",
+    "can_prepack",
+    "compile_seconds",
+    "engine_for",
+    "engines_set_aside",
+    "int8_copy",
+    "int8_linear",
+    "make_engine",
+    "pack",
+    "packed_linear",
+    "prepacked_copy",
+    "quantize_int8",
+    "verify",
+]
+
+
+class Engine(Protocol):
+    """How the target runs over its KV cache. Building one prepares the target (packing, compiling hooks); the decode
+    loop then calls new_cache, prefill, verify and commit; warm_up compiles ahead of any timing."""
+
+    name: str  # one of ENGINES
+    compile_seconds: float  # spent compiling so far
+
+    def new_cache(self, max_length: int):
+        """A KV cache for a call of up to `max_length` rows (prompt + new tokens + a proposal's nodes)."""
+
+    def warm_up(self, progress: bool = True, max_length: int | None = None) -> float:
+        """Compile now what calls of up to `max_length` rows will run. -> seconds spent compiling."""
+
+    def prefill(self, cache, input_ids: torch.Tensor, feature_layers=()) -> PrefillOutput:
+        """One forward over the prompt (1, T) into `cache`."""
+
+    def verify(self, cache, candidates: Candidates, past_length: int, feature_layers=()) -> VerifyOutput:
+        """One forward over the candidates' N tokens with their tree mask, written at rows past_length .. + N."""
+
+    def commit(self, cache, past_length: int, accepted_nodes: torch.Tensor) -> None:
+        """Keep the accepted nodes' rows (past_length + accepted_nodes) at past_length .. + a; drop the rest."""
+
+    def truncate(self, cache, length: int) -> None:
+        """Forget every row past `length` (a verify that is not committed)."""
+
+
+def make_engine(name: str, model, **options) -> Engine:
+    if name not in _ENGINE_CLASSES:
+        raise ValueError(f"unknown engine {name!r}: use one of {list(ENGINES)}")
+    return _ENGINE_CLASSES[name](model, **options)
+
+
+def engine_for(model, name: str) -> Engine:
+    """The engine `name` for `model`, built once and kept with the model (every wrapper of one base, e.g. Medusa
+    heads and a draft model, shares its pre-packed copy). Kept in the model's __dict__: not a submodule, so never
+    saved, moved or counted as parameters."""
+    engines = model.__dict__.setdefault(ENGINES_ATTRIBUTE, {})
+    if name not in engines:
+        engines[name] = make_engine(name, model)
+    engines[name].warm_up()  # compiles once, before any generate or timing (a no-op after)
+    return engines[name]
+
+
+def compile_seconds(model) -> float:
+    """Seconds the engines engine_for built for `model` have spent compiling so far."""
+    return sum(engine.compile_seconds for engine in model.__dict__.get(ENGINES_ATTRIBUTE, {}).values())

@@ -1,0 +1,47 @@
+"""Attention for tree verifies: transformers' sdpa attention, sharing grouped key/value heads under a mask."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+SHARED_GQA_SDPA = "medusa_shared_gqa_sdpa"
+
+
+def shared_gqa_sdpa(
+    module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None, **kwargs
+):
+    """transformers' sdpa attention, except that a masked forward (a tree) over grouped key/value heads lets sdpa
+    share each key/value head (enable_gqa) instead of copying it for every query head (repeat_kv), as transformers
+    already does without a mask: the same numbers (compared bit for bit on SmolLM2), a cheaper verify
+    (docs/engines.md). Everything else: transformers'."""
+    if (
+        attention_mask is None
+        or getattr(module, "num_key_value_groups", 1) == 1
+        or dropout
+        or kwargs.get("position_bias") is not None
+        or kwargs.get("softcap") is not None
+    ):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True
+    )  # (B, heads, q, head_dim)
+    return out.transpose(1, 2).contiguous(), None
+
+
+@functools.cache
+def _register() -> None:
+    AttentionInterface.register(SHARED_GQA_SDPA, shared_gqa_sdpa)
+
+
+def use_shared_gqa_sdpa(model) -> None:
+    """Run `model` (an engine's copy of the target) on `shared_gqa_sdpa` if it is on transformers' sdpa attention;
+    registered with transformers when an engine first asks, not at import."""
+    if getattr(getattr(model, "config", None), "_attn_implementation", None) == "sdpa":
+        _register()
+        model.set_attn_implementation(SHARED_GQA_SDPA)

@@ -1,0 +1,41 @@
+"""The eager engine: transformers' DynamicCache and the model as it is, the reference every other engine is tested
+against (greedy output token-identical to transformers' `generate`)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from medusa.runtime import kv_cache
+from medusa.runtime.verify import PrefillOutput, VerifyOutput, run_prefill, verify
+from medusa.tree import Candidates
+
+
+class EagerEngine:
+    name = "eager"
+    compile_seconds = 0.0
+
+    def __init__(self, model):
+        self.model = model
+
+    def new_cache(self, max_length: int):
+        return DynamicCache(config=self.model.config)
+
+    def warm_up(self, progress: bool = True, max_length: int | None = None) -> float:
+        return 0.0  # nothing to compile
+
+    def prefill(self, cache, input_ids: torch.Tensor, feature_layers=()) -> PrefillOutput:
+        return run_prefill(self.model, cache, input_ids, feature_layers)
+
+    def verify(self, cache, candidates: Candidates, past_length: int, feature_layers=()) -> VerifyOutput:
+        return verify(self.model, cache, candidates, past_length, feature_layers)
+
+    def commit(self, cache, past_length: int, accepted_nodes: torch.Tensor) -> None:
+        kv_cache.commit(cache, past_length, accepted_nodes)
+
+    @torch.inference_mode()
+    def truncate(self, cache, length: int) -> None:
+        """Drop every row past `length` (after a verify that is not committed, e.g. when timing)."""
+        extra = cache.get_seq_length() - length
+        if extra > 0:
+            cache.crop(-extra)

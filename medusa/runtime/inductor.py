@@ -1,0 +1,69 @@
+"""The inductor engine: the compiled engine's StaticCache with the verify forward compiled by inductor. On a CPU it
+compiles ahead of time (medusa.runtime.aot: torch.export + AOTInductor, frozen weights and inductor's C++ GEMM
+templates), one package per cache size, once per machine, loaded by later processes in about a second: torch.compile
+would compile again in every process there (torch_patches.INTERNALS names why). Packages are paid when a cache is
+allocated (`warm_up`, or a call that needs a larger cache), never between a call's steps. torchao's quantized weights
+and CUDA go through torch.compile (CUDA graphs on a GPU). What each costs where: docs/engines.md."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from transformers import StaticCache
+
+from medusa.loading import base_fingerprint
+from medusa.runtime import aot, static
+from medusa.runtime.static import CompiledEngine
+from medusa.runtime.verify import VerifyOutput, verify_inputs
+from medusa.tree import Candidates
+
+logger = logging.getLogger(__name__)
+
+
+class InductorEngine(CompiledEngine):
+    name = "inductor"
+
+    def __init__(self, model, prepack: bool | None = None):
+        plain_weights = all(type(p) in (torch.Tensor, torch.nn.Parameter) for p in model.parameters())
+        self.ahead_of_time = model.device.type != "cuda" and plain_weights
+        self._packages: dict[int, object] = {}  # cache rows -> the loaded package's runner
+        self._weights: str | None = None  # the base's fingerprint, which names its packages
+        super().__init__(model, torch_compile=True, prepack=prepack)
+
+    @torch.inference_mode()
+    def verify(self, cache, candidates: Candidates, past_length: int, feature_layers=()) -> VerifyOutput:
+        rows = cache.layers[0].max_cache_len
+        package = self._packages.get(rows) if self.ahead_of_time else None
+        if package is None or candidates.tokens.numel() > aot.MAX_QUERY:
+            return super().verify(cache, candidates, past_length, feature_layers)
+        if past_length + candidates.tokens.numel() > rows:
+            raise RuntimeError(
+                f"the static cache has {rows} rows; this step needs {past_length + candidates.tokens.numel()}"
+            )
+        self._set_length(cache, past_length)
+        tokens, position_ids, mask = verify_inputs(candidates, past_length, self.model.dtype, rows)
+        return VerifyOutput(*aot.run(package, cache, tokens, position_ids, mask, past_length, feature_layers))
+
+    def _compile_graphs(self, cache: StaticCache, progress: bool) -> float:
+        """Load (or compile and save) the package for `cache`'s size; torch.compile where there is none.
+        -> seconds spent compiling (none when the package was on disk)."""
+        if not self.ahead_of_time:
+            return super()._compile_graphs(cache, progress)
+        rows = cache.layers[0].max_cache_len
+        try:
+            self._weights = self._weights or base_fingerprint(self.model)
+            with self._compile_config():  # as for torch.compile: the GEMM template choice reads the global
+                self._packages[rows], seconds = aot.load_or_compile(
+                    self.runner, rows, static.INDUCTOR_CPU_OPTIONS, self._weights, self.label, progress
+                )
+            return seconds
+        except Exception as err:  # noqa: BLE001 - a compiler failure must not stop generation: run uncompiled
+            logger.warning(
+                "compiling ahead of time failed (%s: %s); the %s engine runs uncompiled from now on",
+                type(err).__name__,
+                err,
+                self.name,
+            )
+            self.ahead_of_time = False
+            return 0.0

@@ -1,0 +1,267 @@
+"""The compiled engine: transformers' StaticCache (allocated once, written in place; the commit copies the accepted
+rows in place) over a copy of the target whose linear layers hold oneDNN pre-packed weights on a CPU (parameters
+shared). Its layers show attention only the rows written so far, as a DynamicCache does. With `torch_compile=True`
+(the default on CUDA: CUDA graphs) the verify forward runs through `torch.compile` instead, with fixed-size layers and
+a mask over the whole allocation. What each costs where: docs/engines.md."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import time
+
+import torch
+from transformers import StaticCache
+from transformers.cache_utils import StaticLayer
+
+from medusa.loading import cache_root
+from medusa.runtime.kv_cache import keep_rows
+from medusa.runtime.prepack import can_prepack, prepacked_copy
+from medusa.runtime.torch_patches import parses_kept, use_inductor_cache
+from medusa.runtime.verify import PrefillOutput, VerifyOutput, run_prefill, verify
+from medusa.tree import Candidates, TreeSpec, build_buffers, chain
+
+logger = logging.getLogger(__name__)
+
+CACHE_ROUNDING = 64  # static caches are sized in steps of this many rows, so nearby lengths reuse one cache
+# torch.compile's caches: 512 rows, then doubling (attention reads the whole allocation under a mask in a compiled
+# graph, and each size compiles graphs of its own: minutes on a small CPU)
+COMPILED_MIN_ROWS = 512
+# inductor on CPU: frozen (pre-packed) weights and its own C++ GEMM templates, aten's kernels where none applies
+INDUCTOR_CPU_OPTIONS = {
+    "freezing": True,
+    "max_autotune": True,
+    "max_autotune_gemm_backends": "CPP,ATEN",
+}
+ENGINES_ATTRIBUTE = "_medusa_engines"  # where medusa.runtime.engine_for keeps a model's engines
+
+
+@contextlib.contextmanager
+def engines_set_aside(model):
+    """Leave the engines engine_for keeps on `model` out of it for a while: a copy of the model (pre-packed,
+    quantized) must not copy them, and a compiled graph cannot be copied."""
+    engines = model.__dict__.pop(ENGINES_ATTRIBUTE, None)
+    try:
+        yield model
+    finally:
+        if engines is not None:
+            model.__dict__[ENGINES_ATTRIBUTE] = engines
+
+
+class PrefixStaticLayer(StaticLayer):
+    """transformers' static layer (allocated once, written in place) that hands attention only the rows written so
+    far, as a DynamicCache does: an uncompiled forward then attends over past + q rows rather than the whole
+    allocation, and a one-token step needs no mask. Not for torch.compile: the visible length varies."""
+
+    def __init__(self, max_cache_len: int):
+        super().__init__(max_cache_len=max_cache_len)
+        self.length = 0  # rows written, as a Python int (cumulative_length mirrors it on the device)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        self.length += key_states.shape[-2]
+        return keys[:, :, : self.length], values[:, :, : self.length]
+
+    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
+        query_length = args[0] if args and isinstance(args[0], int) else kwargs.get("query_length", 0)
+        return self.length + query_length, 0  # asked before the update
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+
+class GuardedStaticLayer(StaticLayer):
+    """transformers' static layer, its tensors marked as fixed-address inputs as transformers marks them, but guarded:
+    each cache size, at an address of its own, gets graphs of its own (inductor's, or CUDA graphs recorded for it)
+    instead of failing an assertion in those compiled for another."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        for rows in (self.keys, self.values):
+            torch._dynamo.mark_static_address(rows, guard=True)
+
+
+class CompiledEngine:
+    """StaticCache + pre-packed weights (CPU) + optionally torch.compile (CUDA graphs on a GPU).
+
+    Uncompiled, one cache is kept between calls and reallocated only when a call needs more rows. Compiled, each size
+    (512 rows, doubling) keeps its own cache and graphs, and a call runs on the smallest that fits it: attention reads
+    the whole allocation under a mask, so a larger cache costs every step (docs/engines.md). Sliding-window models run
+    only while prompt + new tokens + tree fit inside the window (as in the eager engine's commit).
+    """
+
+    name = "compiled"
+    ahead_of_time = False  # the inductor engine's packages (medusa.runtime.inductor) instead of torch.compile
+
+    def __init__(self, model, torch_compile: bool | None = None, prepack: bool | None = None):
+        start = time.perf_counter()
+        self.model = model
+        self.torch_compile = model.device.type == "cuda" if torch_compile is None else torch_compile
+        # inductor packs weights itself (freezing) and cannot lower ours
+        self.prepacked = (
+            (can_prepack(model.device, model.dtype) and not self.torch_compile) if prepack is None else prepack
+        )
+        self.runner = model
+        if self.prepacked:
+            with engines_set_aside(model):
+                self.runner = prepacked_copy(model)
+        self.verify_runner = self.runner
+        if self.torch_compile:
+            use_inductor_cache(cache_root() / "inductor")
+        if self.torch_compile and not self.ahead_of_time:
+            self.verify_runner = torch.compile(
+                self.runner,
+                mode="reduce-overhead" if model.device.type == "cuda" else None,
+                dynamic=False,  # dynamic only where verify marks it (the query length)
+            )
+        self._cache: StaticCache | None = None  # the last one handed out
+        self._sized: dict[int, StaticCache] = {}  # torch.compile: rows -> cache, each with graphs of its own
+        self.setup_seconds = time.perf_counter() - start  # packing; compiling happens as caches are allocated
+        self.label = os.path.basename(str(getattr(model, "name_or_path", "") or "")) or type(model).__name__
+        self.compile_seconds = 0.0
+        text = model.config.get_text_config()
+        self.window = (
+            getattr(text, "sliding_window", None)
+            if "sliding_attention" in (getattr(text, "layer_types", None) or ())
+            else None
+        )
+
+    def _compile_config(self):
+        """inductor's settings for this engine's compiles (which happen inside calls): set around each call, as
+        torch.compile's `options=` did not reach the GEMM template choice (docs/engines.md)."""
+        cpu = self.torch_compile and self.model.device.type != "cuda"
+        return torch._inductor.config.patch(INDUCTOR_CPU_OPTIONS) if cpu else contextlib.nullcontext()
+
+    @torch.inference_mode()  # a cache made under it (warm_up's) is written in place here
+    def new_cache(self, max_length: int, progress: bool = True) -> StaticCache:
+        if self.window is not None and max_length > self.window:
+            raise ValueError(
+                f"the compiled engine keeps sliding-window layers only inside their window ({self.window} tokens); "
+                f"this call needs {max_length}: lower max_new_tokens or use engine='eager'"
+            )
+        rows = -(-max_length // CACHE_ROUNDING) * CACHE_ROUNDING
+        if self.torch_compile:  # each size is a graph to compile: few sizes, doubling
+            rows = max(COMPILED_MIN_ROWS, 1 << (rows - 1).bit_length())
+        if self.window is not None:
+            rows = min(rows, self.window)
+        if self.torch_compile and rows in self._sized:  # the smallest compiled size that fits: reads no more
+            self._cache = self._sized[rows]
+        elif self.torch_compile:  # a size of its own, kept for the calls that fit; compiled now, not mid-call
+            self._cache = StaticCache(config=self.model.config, max_cache_len=rows)
+            self._cache.layers = [GuardedStaticLayer(rows) for _ in self._cache.layers]
+            self._sized[rows] = self._cache
+            self._compile_for(self._cache, progress)
+        elif self._cache is None or self._cache.layers[0].max_cache_len < rows:
+            self._cache = StaticCache(config=self.model.config, max_cache_len=rows)
+            # shapes may vary: attend over the written rows only
+            self._cache.layers = [PrefixStaticLayer(rows) for _ in self._cache.layers]
+        self._set_length(self._cache, 0)
+        return self._cache
+
+    @staticmethod
+    def _set_length(cache: StaticCache, length: int) -> None:
+        """Where the next forward writes: transformers' static layers keep that count themselves, in place."""
+        for layer in cache.layers:
+            if layer.is_initialized:
+                layer.cumulative_length.fill_(length)
+            if hasattr(layer, "cumulative_length_int"):
+                layer.cumulative_length_int = length
+            if isinstance(layer, PrefixStaticLayer):
+                layer.length = length
+
+    @torch.inference_mode()
+    def prefill(self, cache, input_ids: torch.Tensor, feature_layers=()) -> PrefillOutput:
+        self._set_length(cache, 0)
+        return run_prefill(self.runner, cache, input_ids, feature_layers)
+
+    @torch.inference_mode()
+    def verify(self, cache, candidates: Candidates, past_length: int, feature_layers=()) -> VerifyOutput:
+        """One forward over the N nodes, written at rows past_length .. past_length + N; the mask shows the past and
+        the tree's ancestry (and, for torch.compile's fixed shapes, (1, 1, N, rows) hides the rows beyond)."""
+        n, rows = candidates.tokens.numel(), cache.layers[0].max_cache_len
+        if past_length + n > rows:
+            raise RuntimeError(f"the static cache has {rows} rows; this step needs {past_length + n}")
+        self._set_length(cache, past_length)
+        # prefix layers show attention past + N rows, as in the eager engine; fixed-size ones the whole allocation
+        mask_rows = None if isinstance(cache.layers[0], PrefixStaticLayer) else rows
+        try:
+            with self._compile_config():
+                return verify(self.verify_runner, cache, candidates, past_length, feature_layers, mask_rows)
+        except Exception as err:  # noqa: BLE001 - a compiler failure must not end generation: run uncompiled
+            if self.verify_runner is self.runner:
+                raise
+            logger.warning(
+                "torch.compile failed (%s: %s); the compiled engine runs uncompiled from now on",
+                type(err).__name__,
+                err,
+            )
+            self.verify_runner = self.runner
+            self._set_length(cache, past_length)
+            return verify(self.runner, cache, candidates, past_length, feature_layers, mask_rows)
+
+    @torch.inference_mode()  # hands back caches made under it (their tensors are inference tensors)
+    def warm_up(self, progress: bool = True, max_length: int | None = None) -> float:
+        """Compile the verify graphs now for every cache a call of up to `max_length` rows (prompt + new tokens +
+        tree) will use, so that neither timing nor `generate` pays for it: minutes per size on a small CPU, less
+        once inductor's on-disk cache has them (a call that needs a larger cache later compiles its own as it is
+        allocated). -> seconds spent (0 when nothing was compiled)."""
+        if not self.torch_compile:
+            return 0.0
+        before = self.compile_seconds
+        max_length = max_length or COMPILED_MIN_ROWS
+        if self.window is not None:
+            max_length = min(max_length, self.window)
+        # each size the caches come in, up to the one max_length needs (a window may stop them short)
+        sizes = [COMPILED_MIN_ROWS]
+        while sizes[-1] < max_length:
+            sizes.append(sizes[-1] * 2)
+        if self.window is not None:
+            sizes = sorted({min(rows, self.window) for rows in sizes})
+        sizes = [rows for rows in sizes if rows not in self._sized]  # as new_cache keys them
+        for rows in sizes:
+            self.new_cache(rows, progress)  # allocates and compiles
+        return self.compile_seconds - before
+
+    @torch.inference_mode()
+    @parses_kept()  # while compiling only: entered around every verify, it made each verify dearer
+    def _compile_for(self, cache: StaticCache, progress: bool) -> None:
+        self.compile_seconds += self._compile_graphs(cache, progress)
+
+    def _compile_graphs(self, cache: StaticCache, progress: bool) -> float:
+        """Run the verify forward once per graph on `cache` (a scratch prompt, then set back): one token, and two
+        (every other length shares that dynamic graph; dynamo specialises a length of 1). -> seconds spent."""
+        start, rows = time.perf_counter(), cache.layers[0].max_cache_len
+        where = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "inductor's cache")
+        for n in (1, 2):
+            if progress:
+                print(
+                    f"\rcompiling {self.label} for {'one-token' if n == 1 else 'multi-token'} steps over {rows} cached "
+                    f"rows (torch.compile, in each new process; cache {where}), {time.perf_counter() - start:.0f} s",
+                    end="",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            self.prefill(cache, torch.zeros((1, 4), dtype=torch.long, device=self.model.device))
+            tree = build_buffers(TreeSpec(chain(n - 1)), max(n - 1, 1)).to(self.model.device)
+            tokens = torch.zeros(n, dtype=torch.long, device=self.model.device)
+            self.verify(cache, Candidates(tokens=tokens, tree=tree), 4)
+        seconds = time.perf_counter() - start
+        if progress:
+            print(f"\rcompiled {self.label} for {rows} cached rows in {seconds:.0f} s{' ' * 70}", file=sys.stderr)
+        return seconds
+
+    @torch.inference_mode()
+    def commit(self, cache, past_length: int, accepted_nodes: torch.Tensor) -> None:
+        """Rows past_length + accepted_nodes (src) -> past_length .. past_length + a (dst), in place; rows beyond are
+        stale and masked out by the next verify."""
+        if accepted_nodes.tolist() != list(range(accepted_nodes.numel())):  # a prefix of the rows stays where it is
+            for layer in cache.layers:
+                keep_rows(layer.keys, past_length, accepted_nodes)
+                keep_rows(layer.values, past_length, accepted_nodes)
+        self._set_length(cache, past_length + accepted_nodes.numel())
+
+    @torch.inference_mode()
+    def truncate(self, cache, length: int) -> None:
+        self._set_length(cache, length)

@@ -1,0 +1,212 @@
+"""Every workaround on torch's and transformers' internals, in one place.
+
+Each entry of INTERNALS names what is reached into, the versions it was checked on and the upstream issue where there
+is one; `moved_internals()` lists those no longer where they were, and tests/test_torch_patches.py fails on it, so an
+upgrade shows at once which workaround to look at again. The patches below fall back to torch's own behaviour when
+what they replace is missing: a moved internal costs speed, never correctness.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import pkgutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+CHECKED_ON = {"torch": "2.13.0", "transformers": "5.23.0"}
+
+
+@dataclass(frozen=True)
+class Internal:
+    module: str  # where it lives
+    name: str  # a dotted attribute path inside `module`
+    why: str  # what we use it for
+    upstream: str = ""  # the upstream issue or change, where one exists
+
+
+INTERNALS = (
+    Internal(
+        "torch._inductor.codegen.common",
+        "KernelTemplate._template_from_string",
+        "parses_kept: inductor parses its C++ GEMM template again for every GEMM it renders",
+    ),
+    Internal(
+        "torch._inductor.codegen.cpp_template_kernel",
+        "parse_expr_with_index_symbols",
+        "parses_kept: the template's index expressions are parsed again for every GEMM",
+    ),
+    Internal(
+        "torch._inductor.cpp_builder",
+        "CppBuilder.build",
+        "wrapper_compiled_beside_kernels: AOTInductor builds the wrapper and the kernels one after the other",
+    ),
+    Internal(
+        "torch._inductor.cpu_vec_isa",
+        "valid_vec_isa_list",
+        "probe_vector_isas_meanwhile: the ISA probe runs in a thread beside the export",
+    ),
+    Internal(
+        "torch._inductor.select_algorithm",
+        "NoValidChoicesError",
+        "no_gemm_choice: a GEMM the C++ template cannot take is compiled again with aten's kernels",
+    ),
+    Internal(
+        "torch._inductor.runtime.cache_dir_utils",
+        "default_cache_dir",
+        "use_medusa_inductor_cache: torch's default cache lives under /tmp",
+    ),
+    Internal(
+        "torch._inductor",
+        "aoti_compile_and_package",
+        "the inductor engine's ahead-of-time packages on a CPU: torch.compile bypasses its caches for a graph "
+        "holding oneDNN-packed frozen weights and compiles again in every process",
+        "pytorch/pytorch#117888 (mkldnn tensors bypass the FX graph cache)",
+    ),
+    Internal("torch._inductor", "aoti_load_package", "loading those packages"),
+    Internal("torch._dynamo", "mark_static_address", "a static cache's tensors guarded per size"),
+    Internal("torch", "ops.mkldnn._reorder_linear_weight", "pre-packed weights without compiling"),
+    Internal("torch", "ops.mkldnn._linear_pointwise", "the pre-packed linear"),
+    Internal(
+        "torch",
+        "ops.aten._weight_int8pack_mm",
+        "int8 proposing; only input widths that are a multiple of 16 (others give wrong numbers or crash)",
+        "pytorch/pytorch#136709 (crashes on other shapes)",
+    ),
+    Internal(
+        "transformers.cache_utils",
+        "StaticLayer.lazy_initialization",
+        "the static engine's layers (prefix view, guarded addresses) and the AOT package's cache over given tensors",
+    ),
+    Internal("transformers.cache_utils", "StaticLayer.get_mask_sizes", "the prefix view's mask sizes"),
+)
+
+
+def _resolve(internal: Internal):
+    return pkgutil.resolve_name(f"{internal.module}:{internal.name}")
+
+
+def moved_internals() -> list[str]:
+    """The INTERNALS missing from the torch and transformers installed, each with why we need it."""
+    import torch._inductor.compile_fx  # noqa: F401 - inductor's codegen modules import in this order only
+
+    moved = []
+    for internal in INTERNALS:
+        try:
+            _resolve(internal)
+        except (ImportError, AttributeError, RuntimeError):
+            moved.append(f"{internal.module}.{internal.name} ({internal.why})")
+    return moved
+
+
+@contextlib.contextmanager
+def parses_kept():
+    """While compiling: inductor parses the same text again for every GEMM it renders, its C++ GEMM template (a fresh
+    jinja2 Environment each time) and the template's index expressions (sympy). Keep what was parsed for the same text
+    during the compile instead; what is rendered is unchanged."""
+    import torch._inductor.compile_fx  # noqa: F401 - loads inductor's codegen modules in their import order
+    from torch._inductor.codegen import common, cpp_template_kernel
+
+    replacements = []
+    template = common.KernelTemplate.__dict__.get("_template_from_string")
+    if isinstance(template, staticmethod):
+        cached = staticmethod(functools.lru_cache(maxsize=None)(template.__func__))
+        replacements.append((common.KernelTemplate, "_template_from_string", template, cached))
+    parse = cpp_template_kernel.__dict__.get("parse_expr_with_index_symbols")
+    if callable(parse):
+        replacements.append((cpp_template_kernel, "parse_expr_with_index_symbols", parse, _text_kept(parse)))
+    for owner, name, _, replacement in replacements:
+        setattr(owner, name, replacement)
+    try:
+        yield
+    finally:
+        for owner, name, original, _ in replacements:
+            setattr(owner, name, original)
+
+
+def _text_kept(parse):
+    """`parse` with what it returned for each str or int argument kept (sympy expressions are immutable); other
+    arguments (lists of them, expressions) pass through, and a list's items come back through the module's name."""
+    parsed = {}
+
+    def kept(expr):
+        if not isinstance(expr, (str, int)):
+            return parse(expr)
+        key = (type(expr), expr)
+        if key not in parsed:
+            parsed[key] = parse(expr)
+        return parsed[key]
+
+    return kept
+
+
+def probe_vector_isas_meanwhile() -> None:
+    """Inductor finds which vector instruction sets this CPU and compiler can run (a test program compiled and loaded
+    per set) when it first lowers a graph, on one core. Start that in a thread now, beside the export and freezing's
+    trace (Python on the other core). Its result is cached in the process; should the thread fail or not be done,
+    inductor probes again itself and reports what went wrong."""
+    from torch._inductor import cpu_vec_isa
+
+    def probe():
+        with contextlib.suppress(Exception):
+            cpu_vec_isa.valid_vec_isa_list()
+
+    threading.Thread(target=probe, daemon=True, name="medusa-isa-probe").start()
+
+
+@contextlib.contextmanager
+def wrapper_compiled_beside_kernels():
+    """AOTInductor compiles the package's wrapper and then its kernels, each on one core. While inside, the wrapper's
+    object file compiles in a thread, beside the next thing built (the kernels), which then waits for it and raises
+    its errors. A torch that names or builds its files otherwise compiles as it is."""
+    from torch._inductor import cpp_builder
+
+    builder = getattr(cpp_builder, "CppBuilder", None)
+    build = getattr(builder, "build", None)
+    if build is None:
+        yield
+        return
+    pending = []
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="medusa-wrapper") as pool:
+
+        def build_or_start(self):
+            target = str(getattr(self, "_target_file", ""))
+            if getattr(self, "_compile_only", False) and target.endswith(".wrapper.o"):
+                pending.append(pool.submit(build, self))
+                return None
+            try:
+                return build(self)
+            finally:
+                while pending:
+                    pending.pop().result()
+
+        builder.build = build_or_start
+        try:
+            yield
+        finally:
+            builder.build = build
+            while pending:  # nothing was built after the wrapper: its errors still surface
+                pending.pop().result()
+
+
+def no_gemm_choice(err: BaseException | None) -> bool:
+    """Whether `err` (or what it wraps) is inductor's 'no valid choices' for a GEMM."""
+    from torch._inductor.select_algorithm import NoValidChoicesError
+
+    while err is not None:
+        if isinstance(err, NoValidChoicesError) or "NoValidChoicesError" in str(err):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def use_inductor_cache(directory) -> None:
+    """Compiled graphs go to `directory` unless the user chose a place: torch's default is under /tmp (gone at
+    reboot), and torch writes it into the environment once used."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(directory)
