@@ -38,13 +38,19 @@ from medusa.tree_builder import check_accuracy, expected_tau, grow_tree, sync, t
 logger = logging.getLogger(__name__)
 
 ACCURACY_NAME = "medusa_accuracy.json"  # in a heads directory: {"acc_given_prefix": [[...], ...], "source": ...}
-PLAN_VERSION = 8  # 3: the inductor engine is an option; 4: the dynamic tree skips heads that cannot matter (cheaper);
+PLAN_VERSION = 9  # 3: the inductor engine is an option; 4: the dynamic tree skips heads that cannot matter (cheaper);
 # 5: the inductor engine runs ahead-of-time packages on CPU; 6: a context layer's read of each step's positions costed;
 # 7: pre-packed weights laid out for 8 rows (cheaper heads, context reads and pre-packed verifies); 8: proposing on
-# int8 weights on a CPU (cheaper heads and context reads)
+# int8 weights on a CPU (cheaper heads and context reads); 9: more repeats, a verify curve that never falls, near-ties
+# go to the larger expected tau (choices that do not flip on noise)
 SIZES = (1, 2, 4, 6, 8, 12, 16, 24)  # tree nodes timed, root included (1 = plain decoding)
 SLOW_ENGINE = 1.25  # an engine whose plain step is this much slower than the fastest one's is not timed further
 MIN_GAIN = 1.05  # a speculative option must beat plain decoding by this much to be chosen
+# Options expected within this share of the best are a tie on this machine's noise (two calibrations of one CPU
+# differed by more): the tie goes to the most expected tokens per step, the part of the estimate timing noise
+# does not move.
+TIE_MARGIN = 0.03
+REPEATS = 6  # timed rounds per option (medians), after one warm-up round
 CONTEXT = 256  # tokens in the cache while timing: a typical chat prompt
 # tau of the proposers the accuracy model does not cover, relative to a static tree of the same size, as measured on
 # Spec-Bench (limit 10, shipped heads): dynamic 2.86 vs 2.74 (medusa); hybrid 3.21, at up to HYBRID_CHAIN more nodes.
@@ -180,7 +186,7 @@ def plan_path(key: dict) -> Path:
 
 # ------------------------------------------------------------------------------------------------------ measuring
 @torch.inference_mode()
-def measure(model, engines=None, sizes=SIZES, repeats: int = 4, context: int = CONTEXT, progress: bool = True):
+def measure(model, engines=None, sizes=SIZES, repeats: int = REPEATS, context: int = CONTEXT, progress: bool = True):
     """-> ({engine: {(proposer, nodes): (propose_ms, verify_ms)}} as medians, the static trees' path order).
 
     Static trees come from the heads' accuracy table (grow_tree), dynamic and hybrid trees from the same sizes; every
@@ -267,11 +273,31 @@ def _plain_ms(model, engine, state, repeats: int) -> float:
     return statistics.median(times[1:] or times)
 
 
+def verify_curve(jobs: dict) -> dict[int, float]:
+    """One engine's measurements -> {nodes: verify ms}: the median of every proposer's verify over that many nodes (the
+    same forward), fitted so that more nodes never cost less (adjacent sizes that noise put out of order are pooled,
+    weighted by how many measurements each has: the least-squares non-decreasing fit)."""
+    by_nodes: dict[int, list[float]] = {}
+    for (proposer, n), (_, verify_ms) in jobs.items():
+        if proposer != "hybrid":  # a hybrid verifies its chain too: more nodes than it is named by
+            by_nodes.setdefault(n, []).append(verify_ms)
+    blocks = []  # [mean, weight, sizes]
+    for n in sorted(by_nodes):
+        blocks.append([statistics.median(by_nodes[n]), len(by_nodes[n]), [n]])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (a, wa, na), (b, wb, nb) = blocks[-2], blocks.pop()
+            blocks[-1] = [(a * wa + b * wb) / (wa + wb), wa + wb, na + nb]
+    return {n: mean for mean, _, sizes in blocks for n in sizes}
+
+
 def choose(measured: dict, order, acc) -> tuple[Option, list[Option], Option]:
-    """Every option's expected speedup over the fastest plain decoding -> (best, all options, that plain option)."""
+    """Every option's expected speedup over the fastest plain decoding -> (best, all options, that plain option).
+    Options within TIE_MARGIN of the fastest expected are a tie, won by the most expected tokens per step."""
     options = []
     for engine, jobs in measured.items():
+        fitted = verify_curve(jobs)
         for (proposer, n), (propose_ms, verify_ms) in jobs.items():
+            verify_ms = fitted.get(n, verify_ms) if proposer != "hybrid" else verify_ms
             if proposer == "plain":
                 options.append(Option(engine, "plain", 1, 1.0, propose_ms + verify_ms))
                 continue
@@ -280,17 +306,20 @@ def choose(measured: dict, order, acc) -> tuple[Option, list[Option], Option]:
             step = propose_ms + verify_ms
             if proposer == "hybrid":  # costed as if the whole chain were grafted on
                 larger = [m for (p, m) in jobs if p == "medusa" and m >= n + HYBRID_CHAIN]
-                step = propose_ms + (jobs[("medusa", min(larger))][1] if larger else verify_ms * 2)
+                step = propose_ms + (fitted[min(larger)] if larger else verify_ms * 2)
             options.append(Option(engine, proposer, n, tau, step))
     plain = max((o for o in options if o.proposer == "plain"), key=lambda o: o.tokens_per_s)
     for o in options:
         o.speedup = o.tokens_per_s / plain.tokens_per_s
     best = max(options, key=lambda o: o.speedup)
+    tied = [o for o in options if o.proposer != "plain" and o.speedup >= max(MIN_GAIN, best.speedup * (1 - TIE_MARGIN))]
+    if tied:
+        best = max(tied, key=lambda o: (o.tau, o.speedup))
     return best, options, plain
 
 
 def calibrate(
-    model, engines=None, sizes=SIZES, repeats: int = 4, progress: bool = True, key: dict | None = None
+    model, engines=None, sizes=SIZES, repeats: int = REPEATS, progress: bool = True, key: dict | None = None
 ) -> Plan:
     """Measure on this machine and choose (nothing is read from or written to the cache). `key`: the model's
     plan_key when the caller has it already (it sums every heads tensor). `engines`: default planned_engines."""

@@ -13,7 +13,17 @@ import medusa.model
 import medusa.plan
 from medusa import MedusaModel
 from medusa.guard import BACKOFF, PROBE, WINDOW, GuardedProposer
-from medusa.plan import ACCURACY_NAME, MIN_GAIN, Plan, decide, load_accuracy, plan_path, save_accuracy
+from medusa.plan import (
+    ACCURACY_NAME,
+    MIN_GAIN,
+    TIE_MARGIN,
+    Plan,
+    decide,
+    load_accuracy,
+    plan_path,
+    save_accuracy,
+    verify_curve,
+)
 from medusa.sampling import SamplingConfig
 from medusa.tree_builder import grow_tree
 from tests.conftest import FAMILIES, make_heads, make_tiny_model, save_tiny_checkpoint
@@ -283,3 +293,25 @@ def test_the_plain_yardstick_is_the_fastest_plain_engine():
     measured["inductor"] = {job: (p, v / 2) for job, (p, v) in measured["compiled"].items()}
     plan = decide(measured, grow_tree(STRONG, 12), STRONG)
     assert plan.plain_engine == "inductor" and plan.plain_ms == pytest.approx(5.5)
+
+
+def test_a_near_tie_goes_to_the_most_expected_tokens_per_step():
+    """4 nodes expected 2.6% slower than 2 (within the noise of two calibrations): the plan takes 4, whose extra
+    tokens per step timing noise does not move; 4 nodes clearly slower stay unchosen."""
+    for verify_4, nodes in ((16.0, 4), (17.0, 2)):
+        measured = curve(lambda n, v=verify_4: {1: 10.0, 2: 10.0, 4: v, 8: 40.0, 12: 60.0}[n])
+        plan = decide(measured, grow_tree(STRONG, 12), STRONG)
+        fastest = max(o["speedup"] for o in plan.options)
+        assert (plan.proposer, len(plan.tree) + 1) == ("dynamic", nodes)
+        assert plan.expected_speedup >= fastest * (1 - TIE_MARGIN)
+    assert plan.expected_speedup == pytest.approx(fastest)
+
+
+def test_the_verify_curve_never_falls():
+    """A larger tree measured cheaper than a smaller one is noise: both get their pooled mean; the rest stand."""
+    jobs = {("plain", 1): (0.0, 10.0), ("medusa", 2): (0.5, 13.0), ("dynamic", 2): (0.5, 13.0)}
+    jobs |= {("medusa", 4): (0.5, 11.0), ("dynamic", 4): (0.5, 11.0), ("medusa", 8): (0.5, 20.0)}
+    jobs[("hybrid", 2)] = (0.5, 99.0)  # verifies its chain too: not a 2-node forward
+    assert verify_curve(jobs) == {1: 10.0, 2: 12.0, 4: 12.0, 8: 20.0}
+    increasing = {("plain", 1): (0.0, 10.0), ("medusa", 2): (0.5, 11.0), ("medusa", 4): (0.5, 12.0)}
+    assert verify_curve(increasing) == {1: 10.0, 2: 11.0, 4: 12.0}
