@@ -112,6 +112,13 @@ def _convert_gguf(gguf_path: Path, out: Path) -> None:
     write_directory(out, write)
 
 
+def base_gguf(source: str | os.PathLike | None) -> Path | None:
+    """The GGUF file a base reference names (the embedded default's included); None for a directory or Hub id."""
+    if source is None or str(source) == DEFAULT_BASE:
+        return default_gguf_path()
+    return Path(source) if str(source).endswith(".gguf") else None
+
+
 def resolve_base_path(source: str | os.PathLike | None) -> str:
     """A base reference (None/embedded default, GGUF file, directory, Hub id) -> what `from_pretrained` reads."""
     if source is None or str(source) == DEFAULT_BASE:

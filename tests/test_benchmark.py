@@ -10,6 +10,7 @@ import torch
 from medusa.cli import bench as benchmark
 from medusa.questions import encode_conversation, load_questions, per_group
 from tests.conftest import save_tiny_checkpoint, tiny_tokenizer
+from tests.test_llama_cpp import COMPLETION_STDERR, fake, write_gguf  # noqa: F401 - fake is a fixture
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
@@ -247,3 +248,32 @@ def test_divergence_report_on_a_half_precision_run(tmp_path):
     assert scored["near_tie"] == (
         abs(scored["float32_gap"]) <= max(2 * scored["half_error"], divergence.NEAR_TIE_LOGITS)
     )
+
+
+def test_llama_cpp_runs_beside_our_methods_timed_by_its_own_lines(tmp_path, fake, monkeypatch):  # noqa: F811
+    """The peer gets the same chat-templated prompt as text; its tokens/s come from llama.cpp's prompt-eval + eval
+    times (model load left out), its text is tokenized to compare outputs, and every method gets a vs llama.cpp
+    ratio. Without binaries, or without a GGUF base, the peer is skipped and says why."""
+    base_dir, heads_dir = save_tiny_checkpoint(tmp_path)
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps(QUESTIONS[3]) + "\n")
+    argv = ["--questions", str(questions), "--base", str(base_dir), "--heads", str(heads_dir)]
+    argv += ["--max-new-tokens", "12", "--threads", "1", "--plan", "off"]
+    skipped = benchmark.main([*argv, "--methods", "baseline,llama_cpp", "--out", str(tmp_path / "no-gguf")])
+    assert "GGUF" in skipped["settings"]["skipped"]["llama_cpp"] and list(skipped["overall"]) == ["baseline"]
+
+    monkeypatch.setattr(benchmark, "base_gguf", lambda source: write_gguf(tmp_path / "m.gguf", 0))  # F32
+    fake.behave(text="the cat sat", stderr=COMPLETION_STDERR)
+    summary = benchmark.main([*argv, "--methods", "baseline,llama_cpp", "--out", str(tmp_path / "run")])
+    peer = summary["overall"]["llama_cpp"]
+    assert peer["new_tokens"] == 64 and peer["time_s"] == pytest.approx((692.10 + 7433.03 + 3.13) / 1000)
+    assert peer["speedup_vs_llama_cpp"] == pytest.approx(1.0) and peer["tau"] == pytest.approx(1.0)
+    base = summary["overall"]["baseline"]
+    assert base["speedup_vs_llama_cpp"] == pytest.approx(base["tokens_per_s"] / peer["tokens_per_s"])
+    prompt = [c for c in fake.calls() if c["name"] == "llama-completion"][-1]["argv"]
+    assert QUESTIONS[3]["turns"][0] + " | assistant:" in prompt[prompt.index("-p") + 1]  # as templated text
+    assert "vs llama.cpp" in (tmp_path / "run" / "summary.md").read_text()
+
+    monkeypatch.setenv("LLAMA_CPP_BIN", str(tmp_path / "nowhere"))
+    absent = benchmark.main([*argv, "--methods", "baseline,llama_cpp_lookup", "--out", str(tmp_path / "absent")])
+    assert "build_llama_cpp.sh" in absent["settings"]["skipped"]["llama_cpp_lookup"]

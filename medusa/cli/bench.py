@@ -22,6 +22,13 @@ Methods (interleaved per question, after a warm-up):
   medusa_typical  Medusa static tree with typical acceptance (lossy; meant for --temperature > 0)
   draft           MedusaModel.from_draft_model(base, --draft): classic speculative decoding in this library's loop
                   (--draft early-exit:N drafts with the target's own first N layers; --gamma tokens per step)
+  llama_cpp       llama.cpp's plain decoding (`llama-completion`) of the same weights in the GGUF type matching --dtype
+                  (F32, BF16; made once from the base's GGUF with llama-quantize), same prompt text, greedy, same
+                  threads; timed by llama.cpp's own prompt-eval + eval lines (prefill included, model load not)
+  llama_cpp_lookup  llama.cpp's prompt lookup decoding (`llama-lookup`), the same way
+  The llama.cpp methods use the binaries in $LLAMA_CPP_BIN (default ~/.cache/medusa-peers/llama.cpp/bin, what
+  ../shared/peers/build_llama_cpp.sh builds) and are skipped, saying why, when they are absent or the base is no GGUF.
+  Their output ids are their text tokenized by the base's tokenizer.
 
 Questions are Spec-Bench jsonl (`{question_id, category, turns[]}`); the eight MT-bench categories are reported as
 one, `mt_bench`, as Spec-Bench does. `--limit N` keeps N questions per reported category (MT-bench questions taken
@@ -29,9 +36,9 @@ round-robin across its categories). Every turn's answer goes back into that meth
 template) before the next turn.
 
 Speedup = (total new tokens / total time) of a method over the same for `baseline`, per category and overall;
-speedup_vs_compiled the same over `baseline_compiled`. --engine runs this library's methods on the eager engine
-(the exact reference), the compiled one or the inductor one (default: the engine of the plan's fastest plain
-decoding, else compiled). identical_share / identical_share_vs_compiled: the share of
+speedup_vs_compiled the same over `baseline_compiled`, speedup_vs_llama_cpp over `llama_cpp`. --engine runs this
+library's methods on the eager engine (the exact reference), the compiled one or the inductor one (default: the engine
+of the plan's fastest plain decoding, else compiled). identical_share / identical_share_vs_compiled: the share of
 turns whose output equals baseline's / baseline_compiled's.
 tau = new tokens per target forward (counted with a forward hook, so also for transformers' methods; plain
 decoding = 1.00). `identical` = every output equals the baseline's (meaningful at temperature 0 only).
@@ -59,11 +66,12 @@ import transformers
 from tqdm import tqdm
 from transformers import GenerationConfig
 
-from medusa import MedusaModel
+from medusa import MedusaModel, llama_cpp
 from medusa.config import CONFIG_NAME
 from medusa.decode import DecodeStats
 from medusa.fileio import atomic_write_text
 from medusa.hardware import describe
+from medusa.loading import base_gguf
 from medusa.model import DEFAULT_HEADS_DIR
 from medusa.questions import answer_message, encode_conversation, load_questions, per_group
 from medusa.runtime import ENGINES, engine_for
@@ -81,9 +89,14 @@ METHODS = (
     "lookup",
     "medusa_typical",
     "draft",
+    "llama_cpp",
+    "llama_cpp_lookup",
 )
-MODEL_FREE = frozenset({"prompt_lookup"})  # transformers' n-gram proposals: c = 0 (ours are timed by the profiler)
-PLAIN = frozenset({"baseline", "baseline_compiled", "plain"})  # one token a step: no guesses to analyse
+PEERS = {"llama_cpp": "plain", "llama_cpp_lookup": "lookup"}  # method -> llama_cpp.generate's method
+MODEL_FREE = frozenset(
+    {"prompt_lookup", "llama_cpp_lookup"}
+)  # transformers' n-gram proposals: c = 0 (ours are timed by the profiler)
+PLAIN = frozenset({"baseline", "baseline_compiled", "plain", "llama_cpp"})  # one token a step: no guesses to analyse
 PROMPT_LOOKUP_TOKENS = 10
 WARMUP_TOKENS = 16
 PROPOSAL_ROWS = 96  # room past the last token for one proposal's nodes (trees and hybrid chains stay below this)
@@ -298,9 +311,46 @@ def build_methods(names: list[str], args, model, stop_ids: list[int]) -> tuple[d
 
         return run
 
+    def peer(method):
+        def run(input_ids, max_new_tokens, seed):
+            prompt = tokenizer.decode(input_ids[0].tolist(), skip_special_tokens=False)
+            done = llama_cpp.generate(peer_file, prompt, max_new_tokens, torch.get_num_threads(), method)
+            output_ids = tokenizer(done.text, add_special_tokens=False)["input_ids"]
+            output_ids = (output_ids + stop_ids[:1] if done.stopped_at_eos else output_ids)[:max_new_tokens]
+            accepted = done.n_accepted or 0  # lookup: tokens its target forwards took beyond one each
+            return {
+                "output_ids": output_ids,
+                "new_tokens": done.n_new_tokens,  # llama-lookup may overshoot max_new_tokens by a draft
+                "time_s": done.seconds,  # llama.cpp's own prefill + decode: its model load is not a user's wait
+                "forwards": 1 + max(done.n_new_tokens - accepted - 1, 0),
+                "accepted_lengths": [],
+                "proposed_lengths": [],
+                "propose_s": None,
+                "peer_gguf": done.gguf.name,
+            }
+
+        return run
+
+    peer_file, peer_skip = None, None
+    if set(PEERS) & set(names):
+        source = base_gguf(args.base or model.config.base_model_name_or_path)
+        precision = {"float32": "float32", "bfloat16": "bfloat16"}.get(args.dtype)
+        peer_skip = llama_cpp.missing_reason()
+        if peer_skip is None and source is None:
+            peer_skip = "llama.cpp runs GGUF files: pass --base FILE.gguf (or use the embedded default)"
+        elif peer_skip is None and precision is None:
+            peer_skip = f"no llama.cpp file type matches --dtype {args.dtype}"
+        elif peer_skip is None:
+            peer_file = llama_cpp.gguf_for(source, precision)
+
     tree = args.tree
     for name in names:
-        if name == "baseline":
+        if name in PEERS:
+            if peer_skip:
+                skipped[name] = peer_skip
+            else:
+                runs[name] = peer(PEERS[name])
+        elif name == "baseline":
             runs[name] = hf()
         elif name == "baseline_compiled":
             runs[name] = ours(model, engine=model.best_plain_engine, proposer="plain")
@@ -449,12 +499,14 @@ def summarize(records: dict, questions: list[dict], methods: list[str], settings
             stats["identical_share"] = identical_share(mine, "baseline")
             stats["identical_share_vs_compiled"] = identical_share(mine, "baseline_compiled")
             result[method] = stats
-        base, compiled = result.get("baseline"), result.get("baseline_compiled")
+        base, compiled, peer = result.get("baseline"), result.get("baseline_compiled"), result.get("llama_cpp")
         for method, stats in result.items():
-            stats["speedup"] = stats["tokens_per_s"] / base["tokens_per_s"] if base and base["tokens_per_s"] else None
-            stats["speedup_vs_compiled"] = (
-                stats["tokens_per_s"] / compiled["tokens_per_s"] if compiled and compiled["tokens_per_s"] else None
-            )
+            for key, yardstick in (
+                ("speedup", base),
+                ("speedup_vs_compiled", compiled),
+                ("speedup_vs_llama_cpp", peer),
+            ):
+                stats[key] = stats["tokens_per_s"] / yardstick["tokens_per_s"] if yardstick else None
             if base and base["verify_ms_per_step"] and stats["verify_ms_per_step"]:
                 stats["verify_cost"] = stats["verify_ms_per_step"] / base["verify_ms_per_step"]
             else:
@@ -501,13 +553,14 @@ def write_markdown(summary: dict, path: Path) -> None:
     lines += [
         "## Overall",
         "",
-        "| method | speedup | vs compiled | tokens/s | tau | identical | same as baseline / "
+        "| method | speedup | vs compiled | vs llama.cpp | tokens/s | tau | identical | same as baseline / "
         "compiled | alpha | gamma | c | predicted | verify cost | predicted / verify cost |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for m, st in summary["overall"].items():
         lines.append(
             f"| {m} | {_fmt(st['speedup'])} | {_fmt(st.get('speedup_vs_compiled'))} | "
+            f"{_fmt(st.get('speedup_vs_llama_cpp'))} | "
             f"{_fmt(st['tokens_per_s'])} | {_fmt(st['tau'])} | {_fmt(st['identical'])} | "
             f"{_fmt(st.get('identical_share'))} / {_fmt(st.get('identical_share_vs_compiled'))} | "
             f"{_fmt(st['alpha'])} | {_fmt(st['gamma'])} | {_fmt(st['c'], 3)} | "
