@@ -13,6 +13,7 @@ from transformers import StaticCache
 
 from medusa.decode import SpeculativeGenerator
 from medusa.loading import BaseSource, load_base
+from medusa.precision import load_target
 from medusa.runtime import EagerEngine, engine_for, engines_set_aside
 from medusa.sampling import SamplingConfig, target_probs
 from medusa.tree import Candidates, TreeSpec, build_buffers, chain
@@ -255,7 +256,7 @@ class DraftModel(SpeculativeGenerator, nn.Module):
                 f"target's tokenizer (e.g. a smaller model of the same family), '{EARLY_EXIT_PREFIX}N' "
                 "for the target's own first N layers, or 'int8' for the target with int8 weights"
             )
-        target_model, tokenizer = load_base(target, dtype=dtype, device=device, tokenizer=tokenizer)
+        target_model, tokenizer = load_target(target, dtype=dtype, device=device, tokenizer=tokenizer)
         if isinstance(draft, str) and draft in QUANTIZED_DRAFTS:
             return cls(target_model, quantized_draft(target_model, draft), tokenizer, num_speculative_tokens)
         if isinstance(draft, str) and draft.startswith(EARLY_EXIT_PREFIX):
@@ -266,8 +267,8 @@ class DraftModel(SpeculativeGenerator, nn.Module):
                     f"'{EARLY_EXIT_PREFIX}8'"
                 )
             return cls(target_model, early_exit_draft(target_model, int(count)), tokenizer, num_speculative_tokens)
-        draft_model, draft_tokenizer = load_base(
-            draft, dtype=dtype, device=device or target_model.device, tokenizer=draft_tokenizer
+        draft_model, draft_tokenizer = load_base(  # the draft computes as the target does
+            draft, dtype=target_model.dtype, device=device or target_model.device, tokenizer=draft_tokenizer
         )
         check_same_vocabulary(tokenizer, draft_tokenizer, target_model, draft_model)
         return cls(target_model, draft_model, tokenizer, num_speculative_tokens)

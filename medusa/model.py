@@ -18,8 +18,9 @@ from medusa.hardware import native_bf16
 from medusa.heads import MedusaHeads
 from medusa.heads_io import adapter_files, has_adapter, load_heads, merge_adapter, save_heads
 from medusa.hub import EMBEDDED_HEADS_ROOT, push_to_hub, resolve_heads
-from medusa.loading import DEFAULT_BASE, BaseSource, load_base, resolve_dtype
+from medusa.loading import DEFAULT_BASE, BaseSource, resolve_dtype
 from medusa.plan import Plan, load_accuracy, load_or_calibrate, save_accuracy
+from medusa.precision import load_target
 from medusa.propose import CandidateProjection
 from medusa.proposers import get_proposer
 from medusa.runtime import ENGINES, int8_copy
@@ -132,7 +133,7 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         tree=None,
     ) -> MedusaModel:
         """Fresh (untrained) heads on a base model: each head starts as the identity on the base projection."""
-        model, tokenizer = load_base(base, dtype=dtype, device=device, tokenizer=tokenizer)
+        model, tokenizer = load_target(base, dtype=dtype, device=device, tokenizer=tokenizer)
         lm_head = model.get_output_embeddings()
         config = MedusaConfig(
             hidden_size=model.config.get_text_config().hidden_size,
@@ -176,8 +177,9 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         compile: whether the plan may choose the `inductor` engine (torch.compile; default: `$MEDUSA_COMPILE` !=
         "0"). It decoded SmolLM2 twice as fast on a 2-core AVX2 CPU, after 2-8 minutes of compiling at load, in
         every new process: pass False for short scripts.
-        dtype "auto": bf16 where the hardware computes it natively (a GPU from Ampere on, a CPU with AVX512-BF16 or
-        AMX), else float32.
+        dtype: the target's precision, the user's choice (medusa.precision): "float32" (default, exact), "bfloat16",
+        "int8" (weight-only, CPU) or "auto" (bf16 where the hardware computes it natively, else float32); bf16 on a
+        CPU that only emulates it is refused.
         """
         model = cls._load(
             path,
@@ -202,8 +204,6 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
 
     @classmethod
     def _load(cls, path, *, base, dtype, device, tokenizer, tree, revision=None, device_map=None) -> MedusaModel:
-        if dtype == "auto":
-            dtype = torch.bfloat16 if native_bf16(device or "cpu") else torch.float32
         if path is None:
             if not (DEFAULT_HEADS_DIR / CONFIG_NAME).is_file():
                 logger.warning("no shipped heads found in %s: using untrained heads", DEFAULT_HEADS_DIR)
@@ -218,7 +218,7 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
             )
         adapter = has_adapter(path)
         named = base is None  # the heads' own base: at the revision they were trained on, when recorded
-        model, tokenizer = load_base(
+        model, tokenizer = load_target(
             heads.config.base_model_name_or_path if named else base,
             dtype=dtype,
             device=device,

@@ -31,7 +31,7 @@ from medusa.decode import prefill
 from medusa.fileio import atomic_write_text
 from medusa.hardware import describe
 from medusa.loading import cache_root
-from medusa.runtime import ENGINES, compile_seconds, engine_for
+from medusa.runtime import ENGINES, compile_seconds, engine_for, precision_of
 from medusa.sampling import SamplingConfig
 from medusa.tree_builder import check_accuracy, expected_tau, grow_tree, sync, time_step
 
@@ -174,7 +174,7 @@ def plan_key(model, engines: tuple[str, ...]) -> dict:
         "base": str(base.config.name_or_path),
         "base_parameters": sum(p.numel() for p in base.parameters()),
         "heads": heads_fingerprint(model),
-        "dtype": str(base.dtype).replace("torch.", ""),
+        "dtype": precision_of(base),
         "has_accuracy": model.accuracy is not None,
     }
 

@@ -311,6 +311,29 @@ def test_shared_gqa_attention_is_transformers_sdpa_bit_for_bit():
         assert torch.equal(ours, theirs)
 
 
+def test_bf16_attention_runs_in_fp32_on_a_cpu():
+    """bf16 queries, keys and values attend in fp32 (torch's CPU bf16 flash kernel is the slow one): exactly the fp32
+    result rounded to bf16, and within bf16's rounding of transformers' own bf16 attention, masked or not."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from medusa.runtime.attention import shared_gqa_sdpa
+
+    torch.manual_seed(4)
+    module = SimpleNamespace(num_key_value_groups=3, is_causal=True)
+    query, key, value = (torch.randn(1, heads, n, 16).bfloat16() for heads, n in ((9, 1), (3, 40), (3, 40)))
+    mask = torch.zeros(1, 1, 1, 40, dtype=torch.bfloat16)
+    mask[..., 30:] = torch.finfo(torch.bfloat16).min
+    for attention_mask in (mask, None):
+        ours, _ = shared_gqa_sdpa(module, query, key, value, attention_mask, scaling=0.25)
+        fp32_mask = None if attention_mask is None else attention_mask.float()
+        in_fp32, _ = shared_gqa_sdpa(module, query.float(), key.float(), value.float(), fp32_mask, scaling=0.25)
+        theirs, _ = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=0.25)
+        assert ours.dtype == torch.bfloat16 and torch.equal(ours, in_fp32.bfloat16())
+        torch.testing.assert_close(ours, theirs, atol=2e-2, rtol=2e-2)
+
+
 def test_packed_layers_follow_in_place_changes_to_the_shared_weight():
     linear = nn.Linear(8, 5)
     packed = PackedLinear(linear)

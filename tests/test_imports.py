@@ -37,6 +37,7 @@ TIERS = {
     "mid": {
         "heads",
         "propose",
+        "precision",
         "acceptance",
         "decode",
         "guard",

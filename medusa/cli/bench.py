@@ -140,7 +140,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--tree", default=None, help="shipped tree name (medusa/trees/) or JSON path (default: the heads')"
     )
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16", "int8"],
+        help="the target's precision (medusa.precision; int8: weight-only, CPU); llama.cpp runs the matching GGUF type",
+    )
     parser.add_argument(
         "--plan",
         default="auto",
@@ -334,7 +339,7 @@ def build_methods(names: list[str], args, model, stop_ids: list[int]) -> tuple[d
     peer_file, peer_skip = None, None
     if set(PEERS) & set(names):
         source = base_gguf(args.base or model.config.base_model_name_or_path)
-        precision = {"float32": "float32", "bfloat16": "bfloat16"}.get(args.dtype)
+        precision = args.dtype if args.dtype in llama_cpp.PRECISIONS else None
         peer_skip = llama_cpp.missing_reason()
         if peer_skip is None and source is None:
             peer_skip = "llama.cpp runs GGUF files: pass --base FILE.gguf (or use the embedded default)"

@@ -29,6 +29,7 @@ from medusa.runtime.prepack import (
     prepacked_copy,
     quantize_int8,
 )
+from medusa.runtime.quantize import QUANTIZED, precision_of, quantize_target
 from medusa.runtime.static import ENGINES_ATTRIBUTE, CompiledEngine, engines_set_aside
 from medusa.runtime.verify import PrefillOutput, VerifyOutput, base_features, verify
 from medusa.tree import Candidates
@@ -42,6 +43,7 @@ __all__ = [
     "EagerEngine",
     "Engine",
     "InductorEngine",
+    "QUANTIZED",
     "PrefillOutput",
     "VerifyOutput",
     "base_features",
@@ -55,8 +57,10 @@ __all__ = [
     "make_engine",
     "pack",
     "packed_linear",
+    "precision_of",
     "prepacked_copy",
     "quantize_int8",
+    "quantize_target",
     "verify",
 ]
 

@@ -34,7 +34,7 @@ from medusa.runtime.verify import base_features
 
 logger = logging.getLogger(__name__)
 
-AOT_FORMAT = 1  # bump when VerifyStep's inputs or outputs change, so old packages are not loaded
+AOT_FORMAT = 2  # bump when what is exported changes (2: medusa's attention), so old packages are not loaded
 MAX_QUERY = 256  # the most tokens one verify forward may take (a tree's nodes)
 GEMM_BACKENDS = "max_autotune_gemm_backends"
 

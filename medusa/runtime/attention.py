@@ -14,10 +14,20 @@ SHARED_GQA_SDPA = "medusa_shared_gqa_sdpa"
 def shared_gqa_sdpa(
     module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None, **kwargs
 ):
-    """transformers' sdpa attention, except that a masked forward (a tree) over grouped key/value heads lets sdpa
-    share each key/value head (enable_gqa) instead of copying it for every query head (repeat_kv), as transformers
-    already does without a mask: the same numbers (compared bit for bit on SmolLM2), a cheaper verify
-    (docs/engines.md). Everything else: transformers'."""
+    """transformers' sdpa attention, except that
+    - a masked forward (a tree) over grouped key/value heads lets sdpa share each key/value head (enable_gqa) instead
+      of copying it for every query head (repeat_kv), as transformers already does without a mask: the same numbers
+      (compared bit for bit on SmolLM2), a cheaper verify;
+    - on a CPU, bf16 and fp16 attend in fp32: torch's CPU flash kernel is slower in bf16 than in fp32 at every query
+      length, several times at one token (docs/engines.md), and fp32 loses nothing.
+    Everything else: transformers'."""
+    if query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16):
+        mask = attention_mask.float() if attention_mask is not None and attention_mask.is_floating_point() else None
+        mask = attention_mask if mask is None else mask
+        out, weights = shared_gqa_sdpa(
+            module, query.float(), key.float(), value.float(), mask, dropout, scaling, is_causal, **kwargs
+        )
+        return out.to(query.dtype), weights
     if (
         attention_mask is None
         or getattr(module, "num_key_value_groups", 1) == 1

@@ -14,6 +14,7 @@ from transformers import StaticCache
 
 from medusa.loading import base_fingerprint
 from medusa.runtime import aot, static
+from medusa.runtime.prepack import attention_copy
 from medusa.runtime.static import CompiledEngine
 from medusa.runtime.verify import VerifyOutput, verify_inputs
 from medusa.tree import Candidates
@@ -30,6 +31,13 @@ class InductorEngine(CompiledEngine):
         self._packages: dict[int, object] = {}  # cache rows -> the loaded package's runner
         self._weights: str | None = None  # the base's fingerprint, which names its packages
         super().__init__(model, torch_compile=True, prepack=prepack)
+
+    def _runner_for(self, model):
+        """On a CPU, a copy of the target (parameters shared) on medusa's attention (runtime.attention): what is
+        compiled and what runs the prefill; inductor packs the weights itself."""
+        if model.device.type == "cpu" and not self.prepacked:
+            return attention_copy(model)
+        return super()._runner_for(model)
 
     @torch.inference_mode()
     def verify(self, cache, candidates: Candidates, past_length: int, feature_layers=()) -> VerifyOutput:
@@ -55,7 +63,12 @@ class InductorEngine(CompiledEngine):
             self._weights = self._weights or base_fingerprint(self.model)
             with self._compile_config():  # as for torch.compile: the GEMM template choice reads the global
                 self._packages[rows], seconds = aot.load_or_compile(
-                    self.runner, rows, static.INDUCTOR_CPU_OPTIONS, self._weights, self.label, progress
+                    self.runner,
+                    rows,
+                    static.inductor_cpu_options(self.model.dtype),
+                    self._weights,
+                    self.label,
+                    progress,
                 )
             return seconds
         except Exception as err:  # noqa: BLE001 - a compiler failure must not stop generation: run uncompiled

@@ -191,6 +191,13 @@ def _copy_sharing(model: nn.Module, skip: tuple[str, ...]) -> tuple[nn.Module, s
     return copied, skipped
 
 
+def attention_copy(model: nn.Module) -> nn.Module:
+    """A copy of `model` sharing every parameter and buffer, on `shared_gqa_sdpa` if it is on transformers' sdpa."""
+    copied, _ = _copy_sharing(model, ())
+    use_shared_gqa_sdpa(copied)
+    return copied
+
+
 def prepacked_copy(model: nn.Module, skip: tuple[str, ...] = (), fuse: bool = True) -> nn.Module:
     """A copy of `model` whose nn.Linear layers are packed (except those under a child named in `skip`): sibling
     projections of one input fused (FUSABLE; not with `fuse=False`), the others PackedLinear. Every parameter and

@@ -35,7 +35,15 @@ INDUCTOR_CPU_OPTIONS = {
     "max_autotune": True,
     "max_autotune_gemm_backends": "CPP,ATEN",
 }
-ENGINES_ATTRIBUTE = "_medusa_engines"  # where medusa.runtime.engine_for keeps a model's engines
+ENGINES_ATTRIBUTE = "_medusa_engines"
+
+
+def inductor_cpu_options(dtype: torch.dtype) -> dict:
+    """inductor's settings on a CPU for a target of `dtype`: bf16 and fp16 GEMMs go to oneDNN (aten's packed linear):
+    inductor's C++ template widens them to fp32 on a CPU without AMX, and ran a bf16 step at half oneDNN's speed."""
+    if dtype in (torch.bfloat16, torch.float16) and "max_autotune_gemm_backends" in INDUCTOR_CPU_OPTIONS:
+        return {**INDUCTOR_CPU_OPTIONS, "max_autotune_gemm_backends": "ATEN"}
+    return dict(INDUCTOR_CPU_OPTIONS)  # where medusa.runtime.engine_for keeps a model's engines
 
 
 @contextlib.contextmanager
@@ -103,10 +111,8 @@ class CompiledEngine:
         self.prepacked = (
             (can_prepack(model.device, model.dtype) and not self.torch_compile) if prepack is None else prepack
         )
-        self.runner = model
-        if self.prepacked:
-            with engines_set_aside(model):
-                self.runner = prepacked_copy(model)
+        with engines_set_aside(model):
+            self.runner = self._runner_for(model)
         self.verify_runner = self.runner
         if self.torch_compile:
             use_inductor_cache(cache_root() / "inductor")
@@ -128,11 +134,15 @@ class CompiledEngine:
             else None
         )
 
+    def _runner_for(self, model):
+        """What runs the forward: a pre-packed copy where this engine packs, else the model itself."""
+        return prepacked_copy(model) if self.prepacked else model
+
     def _compile_config(self):
         """inductor's settings for this engine's compiles (which happen inside calls): set around each call, as
         torch.compile's `options=` did not reach the GEMM template choice (docs/engines.md)."""
         cpu = self.torch_compile and self.model.device.type != "cuda"
-        return torch._inductor.config.patch(INDUCTOR_CPU_OPTIONS) if cpu else contextlib.nullcontext()
+        return torch._inductor.config.patch(inductor_cpu_options(self.model.dtype)) if cpu else contextlib.nullcontext()
 
     @torch.inference_mode()  # a cache made under it (warm_up's) is written in place here
     def new_cache(self, max_length: int, progress: bool = True) -> StaticCache:

@@ -1,0 +1,53 @@
+"""Precision is the user's choice: it changes what the target says, so nothing else ever changes it. Exactness is
+relative to plain decoding of the same target at the same precision.
+
+- "float32" (the default): the exact reference, token-identical to transformers' fp32 `generate`.
+- "bfloat16" / "float16": on a CPU only where it computes bf16 natively (AVX512-BF16 or AMX); elsewhere it is
+  emulated and slower than float32, so it is refused with the faster choices named.
+- "int8": weight-only int8 linear layers (medusa.runtime.quantize) on bf16 activations where the CPU has native bf16,
+  else float32 ones; a CPU precision.
+- "auto": bfloat16 where the hardware computes it natively, else float32.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from medusa.hardware import native_bf16
+from medusa.loading import load_base, resolve_dtype
+from medusa.runtime import QUANTIZED, quantize_target
+
+PRECISIONS = ("float32", "bfloat16", "float16", *QUANTIZED, "auto")
+ALLOW_EMULATED = "MEDUSA_ALLOW_EMULATED_BF16"  # set to 1 to run bf16 where the CPU only emulates it
+
+
+def activation_dtype(dtype, device) -> torch.dtype:
+    """The torch dtype a target of precision `dtype` computes its activations in, after the checks above."""
+    device = torch.device(device or "cpu")
+    if dtype == "auto":
+        return torch.bfloat16 if native_bf16(device) else torch.float32
+    if dtype in QUANTIZED:
+        if device.type != "cpu":
+            raise ValueError(f"dtype={dtype!r} is a CPU precision here; on {device.type} use dtype='bfloat16'")
+        return torch.bfloat16 if native_bf16(device) else torch.float32
+    resolved = resolve_dtype(dtype) if isinstance(dtype, (str, torch.dtype)) or dtype is None else dtype
+    half = resolved in (torch.bfloat16, torch.float16)
+    if half and device.type == "cpu" and not native_bf16(device) and os.environ.get(ALLOW_EMULATED) != "1":
+        raise ValueError(
+            f"this CPU has no native bf16 (AVX512-BF16 or AMX): {str(resolved).replace('torch.', '')} would be "
+            "emulated and slower than float32. Use dtype='float32' (exact) or dtype='int8' (weight-only, a quarter "
+            f"of the bytes), or set {ALLOW_EMULATED}=1 to run it anyway"
+        )
+    return resolved
+
+
+def load_target(source, *, dtype=None, device=None, **options):
+    """load_base at a precision (PRECISIONS, or a torch dtype): -> (model, tokenizer)."""
+    if isinstance(dtype, str) and dtype not in PRECISIONS and dtype not in ("fp32", "bf16", "fp16"):
+        raise ValueError(f"unknown dtype {dtype!r}: use one of {list(PRECISIONS)}")
+    model, tokenizer = load_base(source, dtype=activation_dtype(dtype, device), device=device, **options)
+    if dtype in QUANTIZED:
+        quantize_target(model, dtype)
+    return model, tokenizer

@@ -1,0 +1,130 @@
+"""Precision as the user's choice (medusa.precision, medusa.runtime.quantize): int8 targets on every engine against
+their eager reference, speculative decoding exact relative to plain decoding of the same int8 target, and the
+precisions this machine refuses."""
+
+import pytest
+import torch
+
+import medusa.precision
+from medusa import MedusaModel
+from medusa.decode import prefill
+from medusa.plan import plan_key
+from medusa.precision import ALLOW_EMULATED, activation_dtype, load_target
+from medusa.runtime import CompiledEngine, EagerEngine, InductorEngine, precision_of, quantize_target
+from medusa.runtime.quantize import Int8WeightLinear
+from medusa.sampling import SamplingConfig
+from medusa.tree import Candidates, TreeSpec, build_buffers
+from tests.conftest import FAMILIES, make_heads, make_tiny_model, save_tiny_checkpoint
+from tests.test_tree import HAND_TREE
+
+# bf16 activations: the compiled engine's pre-packed attention and aten's int8 kernel round where eager does not
+INT8_TOL = dict(atol=3e-2, rtol=3e-2)
+NEAR_TIE = 2**-5  # two logits within a few bf16 roundings of each other (relative to the largest logit)
+
+
+def int8_target(family: str):
+    return quantize_target(make_tiny_model(family, dtype=torch.bfloat16), "int8")
+
+
+def _verify(engine, model, prompt, candidates):
+    state = prefill(model, prompt, SamplingConfig(), engine=engine, max_length=64)
+    return engine.verify(state.cache, candidates, state.length)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_int8_target_has_int8_linears_and_stays_near_its_float_self(family):
+    model = make_tiny_model(family, dtype=torch.bfloat16)
+    prompt = torch.randint(1, 90, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = model(prompt).logits.float()
+        quantize_target(model, "int8")
+        after = model(prompt).logits.float()
+    linears = [m for m in model.modules() if isinstance(m, Int8WeightLinear)]
+    assert linears and not [m for m in model.modules() if type(m) is torch.nn.Linear]  # every width is 16k here
+    assert all(m.weight_int8.dtype == torch.int8 for m in linears) and precision_of(model) == "int8"
+    assert (
+        model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        or not model.config.tie_word_embeddings
+    )
+    assert (after - before).abs().max() < 0.15 * before.abs().max()  # per-row int8: close, not equal
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("tree", [[], HAND_TREE], ids=["q=1", "tree"])
+def test_the_compiled_engine_runs_an_int8_target_as_eager_does(family, tree):
+    model = int8_target(family)
+    torch.manual_seed(0)
+    prompt = torch.randint(1, 90, (1, 11))
+    buffers = build_buffers(TreeSpec(tree, 3), 3)
+    candidates = Candidates(tokens=torch.randint(1, 90, (buffers.num_nodes,)), tree=buffers)
+    eager = _verify(EagerEngine(model), model, prompt, candidates)
+    compiled = _verify(CompiledEngine(model), model, prompt, candidates)
+    torch.testing.assert_close(compiled.logits.float(), eager.logits.float(), **INT8_TOL)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("engine", ["eager", "compiled"])
+def test_speculation_on_an_int8_target_is_its_plain_decoding(family, engine):
+    """Exactness is relative to plain decoding of the same int8 target on the same engine."""
+    model = MedusaModel(int8_target(family), make_heads(random=True).to(torch.bfloat16))
+    identical = 0
+    for seed in range(3):
+        prompt = torch.randint(1, 90, (1, 5 + 3 * seed), generator=torch.Generator().manual_seed(seed))
+        plain = model.generate(prompt, max_new_tokens=24, proposer="plain", engine=engine).sequences[0].tolist()
+        fast = model.generate(prompt, max_new_tokens=24, engine=engine).sequences[0].tolist()
+        at = next((i for i, (a, b) in enumerate(zip(plain, fast)) if a != b), None)
+        identical += at is None
+        if at is not None:  # several query tokens round otherwise than one in bf16: only a near-tie may swap
+            with torch.no_grad():
+                logits = model.base(torch.tensor([plain[:at]])).logits[0, -1].float()
+            assert abs(logits[plain[at]] - logits[fast[at]]) <= NEAR_TIE * max(1.0, logits.abs().max()), (seed, at)
+    assert identical >= 2
+
+
+@pytest.mark.slow
+def test_the_inductor_engine_compiles_an_int8_target_ahead_of_time(tmp_path, monkeypatch):
+    """The package holds the int8 weights (aten's weight-only op, lowered by inductor) and gives eager's logits."""
+    import medusa.runtime.static
+
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
+    monkeypatch.setattr(medusa.runtime.static, "INDUCTOR_CPU_OPTIONS", {"freezing": True})
+    monkeypatch.setattr(medusa.runtime.static, "COMPILED_MIN_ROWS", 64)
+    model = int8_target("llama")
+    engine = InductorEngine(model)
+    assert engine.ahead_of_time
+    torch.manual_seed(0)
+    prompt = torch.randint(1, 90, (1, 11))
+    buffers = build_buffers(TreeSpec(HAND_TREE, 3), 3)
+    candidates = Candidates(tokens=torch.randint(1, 90, (buffers.num_nodes,)), tree=buffers)
+    engine.warm_up(progress=False, max_length=64)
+    assert engine.ahead_of_time and engine._packages  # compiled, not fallen back to the uncompiled forward
+    eager = _verify(EagerEngine(model), model, prompt, candidates)
+    torch.testing.assert_close(
+        _verify(engine, model, prompt, candidates).logits.float(), eager.logits.float(), **INT8_TOL
+    )
+
+
+def test_unknown_and_slow_precisions_are_refused_with_the_fix(tmp_path, monkeypatch):
+    base_dir, _ = save_tiny_checkpoint(tmp_path)
+    with pytest.raises(ValueError, match=r"unknown dtype 'int3'.*float32.*int8"):
+        load_target(str(base_dir), dtype="int3")
+    monkeypatch.setattr(medusa.precision, "native_bf16", lambda device="cpu": False)
+    monkeypatch.delenv(ALLOW_EMULATED, raising=False)
+    with pytest.raises(ValueError, match=r"no native bf16.*dtype='float32'.*dtype='int8'"):
+        load_target(str(base_dir), dtype="bfloat16")
+    assert activation_dtype("int8", "cpu") == torch.float32  # int8 weights, fp32 activations where bf16 is emulated
+    assert activation_dtype("auto", "cpu") == torch.float32
+    monkeypatch.setenv(ALLOW_EMULATED, "1")
+    model, _ = load_target(str(base_dir), dtype="bfloat16")
+    assert model.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="CPU precision"):
+        activation_dtype("int8", "cuda")
+
+
+def test_the_plan_is_keyed_on_the_precision(tmp_path):
+    base_dir, heads_dir = save_tiny_checkpoint(tmp_path)
+    keys = {}
+    for dtype in ("bfloat16", "int8"):
+        model = MedusaModel.from_pretrained(heads_dir, base=base_dir, dtype=dtype, plan="off")
+        keys[dtype] = plan_key(model, ("eager",))
+    assert keys["int8"]["dtype"] == "int8" and keys["bfloat16"]["dtype"] == "bfloat16"
