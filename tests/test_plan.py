@@ -11,6 +11,7 @@ import medusa.decode
 import medusa.guard
 import medusa.model
 import medusa.plan
+import medusa.precision
 from medusa import MedusaModel
 from medusa.guard import BACKOFF, PROBE, WINDOW, GuardedProposer
 from medusa.plan import (
@@ -82,7 +83,7 @@ def test_without_an_accuracy_table_the_heads_own_tree_runs_on_the_fastest_engine
 def test_auto_dtype_is_bf16_only_with_native_support(tmp_path, monkeypatch):
     base_dir, heads_dir = save_tiny_checkpoint(tmp_path)
     for native, dtype in ((False, torch.float32), (True, torch.bfloat16)):
-        monkeypatch.setattr(medusa.model, "native_bf16", lambda device="cpu", native=native: native)
+        monkeypatch.setattr(medusa.precision, "native_bf16", lambda device="cpu", native=native: native)
         model = MedusaModel.from_pretrained(heads_dir, base=base_dir, dtype="auto", plan="off")
         assert model.base.dtype == dtype
 
