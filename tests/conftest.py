@@ -18,8 +18,8 @@ from medusa import MedusaConfig, MedusaHeads, MedusaModel
 os.environ.setdefault("MEDUSA_PLAN", "off")
 # Plans made in tests leave torch.compile out (minutes of compiling); tests/test_engine.py tests the inductor engine.
 os.environ.setdefault("MEDUSA_COMPILE", "0")
-# Half-precision tests run on every CPU of this machine kind, AVX2-only ones too, where a user asking for bf16 is refused
-# (slower than fp32 there); tests/test_precision.py checks that refusal with this unset.
+# Half-precision tests run on every CPU of this machine kind, AVX2-only ones too, where a user asking for bf16 is
+# refused (slower than fp32 there); tests/test_precision.py checks that refusal with this unset.
 os.environ.setdefault("MEDUSA_ALLOW_EMULATED_BF16", "1")
 # Under pytest-xdist (make test: a worker per core), each worker takes its share of the cores: torch's default of
 # every core per process would have the workers' thread pools contend.
