@@ -1,10 +1,16 @@
 """The main job on the embedded default: load SmolLM2-135M-Instruct + its shipped heads, calibrate a decoding plan
-for this machine (once; cached), then generate for a few prompts with transformers' plain `generate`, with plain
-decoding on the plan's fastest plain engine and with the plan, and print tokens/s side by side, tau and whether
-outputs match.
+for this machine (once; cached), then generate for a few prompts and print tokens/s side by side, tau and whether
+outputs match, at two precisions:
+
+- float32, the exact one: transformers' plain `generate`, plain decoding on the plan's fastest plain engine, and the
+  plan (identical to transformers, token for token);
+- the fastest precision this machine runs well (int8 weights on a CPU, bf16 on a GPU): plain decoding on our engine
+  and the plan at that precision (identical to that plain decoding, or parting at a near-tie).
+Each next to llama.cpp at the same precision (F32, Q8_0/BF16) when its binaries are present
+(../shared/peers/build_llama_cpp.sh; $LLAMA_CPP_BIN). It ends saying which to pick.
 
     python scripts/demo.py [--heads DIR] [--max-new-tokens 128] [--dtype float32|bfloat16|auto] [--prompts N]
-                           [--plan auto|off] [--recalibrate]
+                           [--fast-dtype auto|int8|bfloat16|none] [--plan auto|off] [--recalibrate]
 """
 
 from __future__ import annotations
@@ -15,7 +21,8 @@ import time
 
 import torch
 
-from medusa import MedusaModel
+from medusa import MedusaModel, llama_cpp
+from medusa.loading import base_gguf
 from medusa.plan import planned_engines
 
 PROMPTS = [
@@ -30,26 +37,28 @@ NEAR_TIE_LOGITS = 0.5  # as scripts/divergence.py: probabilities within a factor
 
 @torch.inference_mode()
 def logit_gap(base, context: torch.Tensor, wanted: int, got: int) -> float:
-    """How much more the target (eager, its own dtype) prefers `wanted` over `got` after `context` (1, T)."""
+    """How much more the target (eager, its own precision) prefers `wanted` over `got` after `context` (1, T)."""
     logits = base(input_ids=context).logits[0, -1].float()
     return float(logits[wanted] - logits[got])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--heads", default=None, help="heads directory (default: the shipped SmolLM2 heads)")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--dtype", default="float32", help="float32 (default: exact), bfloat16, or auto")
-    parser.add_argument("--prompts", type=int, default=len(PROMPTS))
-    parser.add_argument("--plan", default="auto", choices=["auto", "off"])
-    parser.add_argument("--recalibrate", action="store_true", help="measure again instead of using the cached plan")
-    args = parser.parse_args()
+def parts_at_near_tie(base, reference: torch.Tensor, other: torch.Tensor) -> bool | None:
+    """None when the outputs are identical; else whether they part where the target's two choices nearly tie."""
+    if torch.equal(reference, other):
+        return None
+    a, b = reference[0].tolist(), other[0].tolist()
+    at = next(i for i, (x, y) in enumerate(zip(a + [-1], b + [-1])) if x != y)
+    if at >= min(len(a), len(b)):
+        return False
+    return abs(logit_gap(base, reference[:, :at], a[at], b[at])) <= NEAR_TIE_LOGITS
 
+
+def load_planned(args, dtype: str) -> MedusaModel:
     start = time.perf_counter()
-    model = MedusaModel.from_pretrained(args.heads, dtype=args.dtype, plan="off")
+    model = MedusaModel.from_pretrained(args.heads, dtype=dtype, plan="off")
     print(
-        f"loaded {model.config.base_model_name_or_path} + {model.config.num_heads} heads "
-        f"({str(model.base.dtype).replace('torch.', '')}) in {time.perf_counter() - start:.1f} s"
+        f"\n== {dtype}: loaded {model.config.base_model_name_or_path} + {model.config.num_heads} heads "
+        f"in {time.perf_counter() - start:.1f} s"
     )
     if args.plan == "auto":
         for name in planned_engines(model.device):  # built first: compiling is the engine's, once per machine
@@ -63,69 +72,131 @@ def main() -> None:
             f"{'calibrated' if plan.calibration_s and took > 1 else 'cached plan loaded'} in {took:.1f} s "
             f"(timing {plan.calibration_s:.1f} s"
             + (f", compiling {plan.compile_s:.1f} s" if plan.compile_s else "")
-            + f")\n{plan.describe()}"
+            + ")"
         )
-    plain_engine = model.best_plain_engine
-    engine = model.engine(plain_engine)  # compiles first where it has to (torch.compile: minutes, in each process)
+        print(plan.describe())
+    engine = model.engine(model.best_plain_engine)
     print(
-        f"plain decoding runs on the {plain_engine} engine: set up in {engine.setup_seconds:.1f} s"
-        # with a plan, every planned engine was built (and its compile printed) before calibrating
+        f"plain decoding runs on the {model.best_plain_engine} engine: set up in {engine.setup_seconds:.1f} s"
         + (f", compiled in {engine.compile_seconds:.1f} s" if engine.compile_seconds and args.plan == "off" else "")
     )
+    return model
+
+
+def peer_file(dtype: str) -> tuple:
+    """(the GGUF llama.cpp runs at `dtype`, None) or (None, why it does not run)."""
+    missing = llama_cpp.missing_reason(("plain", "quantize"))
+    if missing or dtype not in llama_cpp.PRECISIONS:
+        return None, missing or f"no llama.cpp type for {dtype}"
+    return llama_cpp.gguf_for(base_gguf(None), dtype), None
+
+
+def run_precision(args, model: MedusaModel, dtype: str, with_transformers: bool) -> dict:
+    """Every prompt with plain decoding on our engine, the plan, llama.cpp (when present) and, for the exact
+    precision, transformers' generate. -> the medians."""
+    gguf, why = peer_file(dtype)
+    if why:
+        print(f"llama.cpp: not run ({why})")
     chat = lambda text: model.tokenizer.apply_chat_template(  # noqa: E731
         [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt"
     )["input_ids"]
+    plain_engine, threads = model.best_plain_engine, torch.get_num_threads()
     warm = chat("Hi")
-    model.base.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=8, do_sample=False)
+    if with_transformers:
+        model.base.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=8, do_sample=False)
     model.generate(warm, max_new_tokens=8, proposer="plain", engine=plain_engine)
     model.generate(warm, max_new_tokens=8)
-
-    ratios, over_engine, taus, identical, near_ties = [], [], [], [], 0
-    print(
-        f"\n{'prompt':<40} {'transformers':>12} {'engine plain':>12} {'medusa':>7} {'speedup':>7} "
-        f"{'vs plain':>8} {'tau':>5} same"
+    columns = (
+        (["transformers"] if with_transformers else []) + ["engine plain", "medusa"] + (["llama.cpp"] if gguf else [])
     )
+    print(f"\n{'prompt':<40} " + " ".join(f"{c:>12}" for c in columns) + f" {'vs plain':>8} {'tau':>5} same")
+    rows = []
     for text in PROMPTS[: args.prompts]:
-        ids = chat(text)
-        t0 = time.perf_counter()
-        plain = model.base.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens, do_sample=False
-        )
-        t1 = time.perf_counter()
-        engine_plain = model.generate(ids, max_new_tokens=args.max_new_tokens, proposer="plain", engine=plain_engine)
-        t2 = time.perf_counter()
+        ids, rates = chat(text), {}
+        if with_transformers:
+            start = time.perf_counter()
+            reference = model.base.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens, do_sample=False
+            )
+            rates["transformers"] = (reference.shape[1] - ids.shape[1]) / (time.perf_counter() - start)
+        start = time.perf_counter()
+        plain = model.generate(ids, max_new_tokens=args.max_new_tokens, proposer="plain", engine=plain_engine)
+        rates["engine plain"] = plain.stats.new_tokens / (time.perf_counter() - start)
+        start = time.perf_counter()
         fast = model.generate(ids, max_new_tokens=args.max_new_tokens)
-        t3 = time.perf_counter()
-        rates = [
-            (plain.shape[1] - ids.shape[1]) / (t1 - t0),
-            engine_plain.stats.new_tokens / (t2 - t1),
-            fast.stats.new_tokens / (t3 - t2),
-        ]
-        same = torch.equal(plain, fast.sequences)
-        if not same:  # where did they part, and was it a near-tie for the target itself?
-            a, b = plain[0].tolist(), fast.sequences[0].tolist()
-            at = next(i for i, (x, y) in enumerate(zip(a + [-1], b + [-1])) if x != y)
-            if at < min(len(a), len(b)):
-                near_ties += abs(logit_gap(model.base, plain[:, :at], a[at], b[at])) <= NEAR_TIE_LOGITS
-        ratios.append(rates[2] / rates[0])
-        over_engine.append(rates[2] / rates[1])
-        taus.append(fast.stats.mean_accepted_tokens)
-        identical.append(same)
+        rates["medusa"] = fast.stats.new_tokens / (time.perf_counter() - start)
+        if gguf:
+            prompt = model.tokenizer.decode(ids[0].tolist(), skip_special_tokens=False)
+            rates["llama.cpp"] = llama_cpp.generate(gguf, prompt, args.max_new_tokens, threads).tokens_per_second
+        # exact: against transformers (fp32); otherwise against plain decoding of the same target on our engine
+        near_tie = parts_at_near_tie(model.base, reference if with_transformers else plain.sequences, fast.sequences)
+        rows.append({**rates, "tau": fast.stats.mean_accepted_tokens, "near_tie": near_tie})
+        same = "yes" if near_tie is None else ("near-tie" if near_tie else "NO")
         print(
-            f"{text[:39]:<40} {rates[0]:>9.1f}t/s {rates[1]:>9.1f}t/s {rates[2]:>6.1f} {ratios[-1]:>6.2f}x "
-            f"{over_engine[-1]:>7.2f}x {taus[-1]:>5.2f} {same}"
+            f"{text[:39]:<40} "
+            + " ".join(f"{rates[c]:>8.1f}t/s" for c in columns)
+            + f" {rates['medusa'] / rates['engine plain']:>7.2f}x {rows[-1]['tau']:>5.2f} {same}"
+        )
+    medians = {c: statistics.median(r[c] for r in rows) for c in columns}
+    identical = sum(r["near_tie"] is None for r in rows)
+    ties = sum(bool(r["near_tie"]) for r in rows)
+    reference_name = "transformers' generate" if with_transformers else f"plain {dtype} decoding on our engine"
+    ratio = lambda column: statistics.median(r["medusa"] / r[column] for r in rows)  # noqa: E731
+    parts = [f"median {medians['medusa']:.1f} tok/s", f"{ratio('engine plain'):.2f}x plain decoding on {plain_engine}"]
+    parts += [f"{ratio('transformers'):.2f}x transformers' generate"] if with_transformers else []
+    parts += [f"{ratio('llama.cpp'):.2f}x llama.cpp's plain decoding"] if gguf else []
+    parts += [f"mean tau {statistics.mean(r['tau'] for r in rows):.2f}"]
+    parts += [f"identical to {reference_name} {identical}/{len(rows)}"]
+    parts += [f"the others part at a near-tie {ties}/{len(rows) - identical}"] if identical < len(rows) else []
+    print(f"\n{dtype}: " + ", ".join(parts))
+    return {"dtype": dtype, "medians": medians, "identical": identical, "rows": len(rows), "ties": ties}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--heads", default=None, help="heads directory (default: the shipped SmolLM2 heads)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument(
+        "--dtype", default="float32", help="the exact run's precision: float32 (default), bfloat16, auto"
+    )
+    parser.add_argument(
+        "--fast-dtype",
+        default="auto",
+        help="the second run's precision: auto (int8 on a CPU, bfloat16 on a GPU), int8, bfloat16, or none",
+    )
+    parser.add_argument("--prompts", type=int, default=len(PROMPTS))
+    parser.add_argument("--plan", default="auto", choices=["auto", "off"])
+    parser.add_argument("--recalibrate", action="store_true", help="measure again instead of using the cached plan")
+    args = parser.parse_args()
+
+    exact = run_precision(args, load_planned(args, args.dtype), args.dtype, with_transformers=True)
+    fast_dtype = args.fast_dtype
+    if fast_dtype == "auto":
+        fast_dtype = "bfloat16" if torch.cuda.is_available() else "int8"
+    results = [exact]
+    if fast_dtype != "none" and fast_dtype != args.dtype:
+        results.append(run_precision(args, load_planned(args, fast_dtype), fast_dtype, with_transformers=False))
+    best = max(results, key=lambda r: r["medians"]["medusa"])
+    print("\nwhich to pick:")
+    for r in results:
+        peer = r["medians"].get("llama.cpp")
+        print(
+            f"  {r['dtype']:<9} {r['medians']['medusa']:6.1f} tok/s"
+            + (
+                f" ({r['medians']['medusa'] / peer:.2f}x llama.cpp at {llama_cpp.PRECISIONS[r['dtype']]})"
+                if peer
+                else ""
+            )
+            + (
+                ": says what transformers' fp32 generate says"
+                if r is exact
+                else ": another model (its weights rounded)"
+            )
         )
     print(
-        f"\nmedian speedup {statistics.median(ratios):.2f}x over transformers' generate (lowest "
-        f"{min(ratios):.2f}x), {statistics.median(over_engine):.2f}x over plain decoding on the {plain_engine} engine; "
-        f"mean tau {statistics.mean(taus):.2f}; identical outputs {sum(identical)}/{len(identical)}"
-        + (
-            f" (the others part at a near-tie: {near_ties}/{len(identical) - sum(identical)})"
-            if not all(identical)
-            else ""
-        )
+        f"  -> {best['dtype']} for speed"
+        + (f"; {exact['dtype']} when the output must be transformers' own" if best is not exact else "")
     )
-    print("\nsample output:\n" + model.tokenizer.decode(fast.sequences[0, ids.shape[1] :], skip_special_tokens=True))
 
 
 if __name__ == "__main__":

@@ -128,3 +128,12 @@ def test_the_plan_is_keyed_on_the_precision(tmp_path):
         model = MedusaModel.from_pretrained(heads_dir, base=base_dir, dtype=dtype, plan="off")
         keys[dtype] = plan_key(model, ("eager",))
     assert keys["int8"]["dtype"] == "int8" and keys["bfloat16"]["dtype"] == "bfloat16"
+
+
+def test_inductor_takes_onednn_for_bf16_gemms_and_its_template_for_int8_ones():
+    from medusa.runtime.static import inductor_cpu_options
+
+    backends = "max_autotune_gemm_backends"
+    assert inductor_cpu_options(make_tiny_model("llama"))[backends] == "CPP,ATEN"
+    assert inductor_cpu_options(make_tiny_model("llama", dtype=torch.bfloat16))[backends] == "ATEN"
+    assert inductor_cpu_options(int8_target("llama"))[backends] == "CPP,ATEN"

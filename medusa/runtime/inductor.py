@@ -65,7 +65,7 @@ class InductorEngine(CompiledEngine):
                 self._packages[rows], seconds = aot.load_or_compile(
                     self.runner,
                     rows,
-                    static.inductor_cpu_options(self.model.dtype),
+                    static.inductor_cpu_options(self.model),
                     self._weights,
                     self.label,
                     progress,

@@ -19,6 +19,7 @@ from transformers.cache_utils import StaticLayer
 from medusa.loading import cache_root
 from medusa.runtime.kv_cache import keep_rows
 from medusa.runtime.prepack import can_prepack, prepacked_copy
+from medusa.runtime.quantize import QUANTIZED, precision_of
 from medusa.runtime.torch_patches import parses_kept, use_inductor_cache
 from medusa.runtime.verify import PrefillOutput, VerifyOutput, run_prefill, verify
 from medusa.tree import Candidates, TreeSpec, build_buffers, chain
@@ -38,10 +39,12 @@ INDUCTOR_CPU_OPTIONS = {
 ENGINES_ATTRIBUTE = "_medusa_engines"
 
 
-def inductor_cpu_options(dtype: torch.dtype) -> dict:
-    """inductor's settings on a CPU for a target of `dtype`: bf16 and fp16 GEMMs go to oneDNN (aten's packed linear):
-    inductor's C++ template widens them to fp32 on a CPU without AMX, and ran a bf16 step at half oneDNN's speed."""
-    if dtype in (torch.bfloat16, torch.float16) and "max_autotune_gemm_backends" in INDUCTOR_CPU_OPTIONS:
+def inductor_cpu_options(model) -> dict:
+    """inductor's settings on a CPU for `model`: bf16 and fp16 GEMMs go to oneDNN (aten's packed linear): inductor's
+    C++ template widens them to fp32 on a CPU without AMX, and ran a bf16 step at half oneDNN's speed. An int8 target's
+    weight-only GEMMs keep the template first (its int8 kernels beat aten's at 1-4 rows)."""
+    half = model.dtype in (torch.bfloat16, torch.float16) and precision_of(model) not in QUANTIZED
+    if half and "max_autotune_gemm_backends" in INDUCTOR_CPU_OPTIONS:
         return {**INDUCTOR_CPU_OPTIONS, "max_autotune_gemm_backends": "ATEN"}
     return dict(INDUCTOR_CPU_OPTIONS)  # where medusa.runtime.engine_for keeps a model's engines
 
@@ -142,7 +145,7 @@ class CompiledEngine:
         """inductor's settings for this engine's compiles (which happen inside calls): set around each call, as
         torch.compile's `options=` did not reach the GEMM template choice (docs/engines.md)."""
         cpu = self.torch_compile and self.model.device.type != "cuda"
-        return torch._inductor.config.patch(inductor_cpu_options(self.model.dtype)) if cpu else contextlib.nullcontext()
+        return torch._inductor.config.patch(inductor_cpu_options(self.model)) if cpu else contextlib.nullcontext()
 
     @torch.inference_mode()  # a cache made under it (warm_up's) is written in place here
     def new_cache(self, max_length: int, progress: bool = True) -> StaticCache:
