@@ -1,13 +1,15 @@
-"""Why did a half-precision benchmark run's outputs differ from its baseline? Near-ties, or a bug?
+"""Why did a half-precision (or int8) benchmark run's outputs differ from its reference? Near-ties, or a bug?
 
-    python scripts/divergence.py runs/bench            # a medusa bench output folder (greedy, bf16/fp16)
+    python scripts/divergence.py runs/bench [--reference baseline|baseline_compiled]   # greedy, bf16/fp16/int8
 
 In half precision, verifying several tokens in one forward is not bit-identical to feeding them one at a time, so
-two tokens whose logits are nearly equal can swap. For every output that differs from the baseline's, this finds
-the first differing token, rebuilds the context both runs shared up to it, and scores it once in float32 (the
-arbiter) and once in the run's dtype. The divergence is a near-tie when the float32 logits of the two tokens lie
-within NEAR_TIE_LOGITS of each other (or within twice the half-precision error measured on them, if larger). The
-measured error is that of one full forward; the baseline decodes token by token on a KV cache, whose rounding
+two tokens whose logits are nearly equal can swap. For every output that differs from the reference's (transformers'
+`generate`, or plain decoding at the run's precision on this library's engine), this finds the first differing
+token, rebuilds the context both runs shared up to it, and scores it once in float32 (the arbiter: the run's weights,
+int8 ones included, computed in float32) and once in the run's precision. The divergence is a near-tie when the
+float32 logits of the two tokens lie within NEAR_TIE_LOGITS of each other (or within twice the half-precision error
+measured on them, if larger). The measured error is that of one full forward; the reference decodes token by token
+on a KV cache, whose rounding
 differs again, so the measured error alone understates the noise. A bug (a wrong mask, position or cache row)
 gives a token the target does not want at all: gaps of several logits, reported as suspects.
 Writes <run>/divergence.json and prints a table per method.
@@ -23,7 +25,9 @@ import torch
 
 from medusa.fileio import atomic_write_text
 from medusa.loading import load_base
+from medusa.precision import load_target
 from medusa.questions import answer_message, encode_conversation, load_questions
+from medusa.runtime import QUANTIZED, quantize_target
 
 NEAR_TIE_LOGITS = 0.5  # probabilities within a factor e^0.5 = 1.65 of each other
 
@@ -36,13 +40,14 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def divergences(records: list[dict], questions: dict) -> list[dict]:
-    """Each (question, method) whose output differs from the baseline's -> its first differing turn and position."""
-    baseline = {r["question_id"]: r for r in records if r["method"] == "baseline"}
+def divergences(records: list[dict], questions: dict, reference: str = "baseline") -> list[dict]:
+    """Each (question, method) whose output differs from the `reference` method's -> its first differing turn and
+    position."""
+    baseline = {r["question_id"]: r for r in records if r["method"] == reference}
     found = []
     for r in records:
         base = baseline.get(r["question_id"])
-        if r["method"] == "baseline" or base is None:
+        if r["method"] == reference or base is None:
             continue
         for turn, (mine, ref) in enumerate(zip(r["turns"], base["turns"])):
             position = first_difference(mine["output_ids"], ref["output_ids"])
@@ -104,6 +109,12 @@ def score(case: dict, exact, half, tokenizer) -> dict:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run", help="medusa bench output folder (settings.json + raw.jsonl)")
+    parser.add_argument(
+        "--reference",
+        default=None,
+        help="the method the others are compared with: baseline (transformers' generate; the default when it ran) or "
+        "baseline_compiled (plain decoding at the run's precision on this library's engine)",
+    )
     args = parser.parse_args(argv)
     run = Path(args.run)
     if not (run / "settings.json").is_file() or not (run / "raw.jsonl").is_file():
@@ -113,10 +124,14 @@ def main(argv=None) -> dict:
         raise SystemExit(f"{run} sampled (temperature {settings['temperature']}): outputs are not meant to match")
     records = [json.loads(line) for line in (run / "raw.jsonl").read_text().splitlines() if line.strip()]
     questions = {q["question_id"]: q for q in load_questions(settings["questions"])}
-    exact, tokenizer = load_base(settings["base"], dtype=torch.float32)  # load_base reads "embedded:..." too
-    half, _ = load_base(settings["base"], dtype=getattr(torch, settings["dtype"]), tokenizer=tokenizer)
-    cases = [score(case, exact, half, tokenizer) for case in divergences(records, questions)]
-    outputs = {m: sum(r["method"] == m for r in records) for m in settings["methods"] if m != "baseline"}
+    reference = args.reference or ("baseline" if "baseline" in settings["methods"] else "baseline_compiled")
+    # the arbiter: the run's weights (int8 ones too) computed in float32; load_base reads "embedded:..." too
+    exact, tokenizer = load_base(settings["base"], dtype=torch.float32)
+    if settings["dtype"] in QUANTIZED:
+        quantize_target(exact, settings["dtype"])
+    half, _ = load_target(settings["base"], dtype=settings["dtype"], tokenizer=tokenizer)
+    cases = [score(case, exact, half, tokenizer) for case in divergences(records, questions, reference)]
+    outputs = {m: sum(r["method"] == m for r in records) for m in settings["methods"] if m != reference}
     summary = {}
     for m, n in outputs.items():
         mine = [c for c in cases if c["method"] == m]
@@ -127,10 +142,10 @@ def main(argv=None) -> dict:
             "float32_prefers_method": sum(c["float32_prefers"] == "method" for c in mine),
             "max_abs_float32_gap": max((abs(c["float32_gap"]) for c in mine), default=0.0),
         }
-    result = {"run": str(run), "dtype": settings["dtype"], "summary": summary, "cases": cases}
+    result = {"run": str(run), "dtype": settings["dtype"], "reference": reference, "summary": summary, "cases": cases}
     atomic_write_text(run / "divergence.json", json.dumps(result, indent=2))
     print(
-        "| method | outputs | differ from baseline | near-ties | suspects | float32 sides with the method | "
+        f"| method | outputs | differ from {reference} | near-ties | suspects | float32 sides with the method | "
         "largest float32 gap |\n|---|---|---|---|---|---|---|"
     )
     for m, s in summary.items():

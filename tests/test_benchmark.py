@@ -277,3 +277,29 @@ def test_llama_cpp_runs_beside_our_methods_timed_by_its_own_lines(tmp_path, fake
     monkeypatch.setenv("LLAMA_CPP_BIN", str(tmp_path / "nowhere"))
     absent = benchmark.main([*argv, "--methods", "baseline,llama_cpp_lookup", "--out", str(tmp_path / "absent")])
     assert "build_llama_cpp.sh" in absent["settings"]["skipped"]["llama_cpp_lookup"]
+
+
+def test_an_int8_run_is_judged_against_plain_decoding_of_the_int8_target(tmp_path):
+    """Without transformers' baseline in the run, divergences are found against baseline_compiled (plain decoding at
+    the run's precision on our engine) and scored by the int8 weights computed in float32."""
+    base_dir, heads_dir = save_tiny_checkpoint(tmp_path)
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("\n".join(json.dumps(q) for q in QUESTIONS[:2]) + "\n")
+    run = tmp_path / "run"
+    argv = [
+        "--questions",
+        str(questions),
+        "--methods",
+        "baseline_compiled,medusa",
+        "--out",
+        str(run),
+        "--dtype",
+        "int8",
+    ]
+    benchmark.main(
+        argv + ["--base", str(base_dir), "--heads", str(heads_dir), "--max-new-tokens", "16", "--plan", "off"]
+    )
+    result = load_script("divergence").main([str(run)])
+    assert result["reference"] == "baseline_compiled" and result["dtype"] == "int8"
+    assert set(result["summary"]) == {"medusa"} and result["summary"]["medusa"]["outputs"] == 2
+    assert all(case["near_tie"] for case in result["cases"])  # a bf16-activation rounding, never a wrong token
