@@ -174,9 +174,8 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         plan: "auto" (default; `$MEDUSA_PLAN` changes it) measures this machine once and chooses the engine, tree
         and proposer generate uses (medusa.plan; cached, see `model.plan`); "off" keeps the eager engine and the
         heads' own tree. `tree=` and `engine=` here, and `tree=` / `proposer=` / `engine=` in generate, override it.
-        compile: whether the plan may choose the `inductor` engine (torch.compile; default: `$MEDUSA_COMPILE` !=
-        "0"). It decoded SmolLM2 twice as fast on a 2-core AVX2 CPU, after 2-8 minutes of compiling at load, in
-        every new process: pass False for short scripts.
+        compile: whether the plan may choose the `inductor` engine (default: `$MEDUSA_COMPILE` != "0"): on a CPU it
+        compiles once per machine (minutes, then cached; docs/engines.md), on a GPU in each process.
         dtype: the target's precision, the user's choice (medusa.precision): "float32" (default, exact), "bfloat16",
         "int8" (weight-only, CPU) or "auto" (bf16 where the hardware computes it natively, else float32); bf16 on a
         CPU that only emulates it is refused.
