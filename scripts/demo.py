@@ -149,7 +149,7 @@ def run_precision(args, model: MedusaModel, dtype: str, with_transformers: bool)
     parts += [f"identical to {reference_name} {identical}/{len(rows)}"]
     parts += [f"the others part at a near-tie {ties}/{len(rows) - identical}"] if identical < len(rows) else []
     print(f"\n{dtype}: " + ", ".join(parts))
-    return {"dtype": dtype, "medians": medians, "identical": identical, "rows": len(rows), "ties": ties}
+    return {"dtype": dtype, "medians": medians, "vs_peer": ratio("llama.cpp") if gguf else None}
 
 
 def main() -> None:
@@ -179,14 +179,9 @@ def main() -> None:
     best = max(results, key=lambda r: r["medians"]["medusa"])
     print("\nwhich to pick:")
     for r in results:
-        peer = r["medians"].get("llama.cpp")
         print(
             f"  {r['dtype']:<9} {r['medians']['medusa']:6.1f} tok/s"
-            + (
-                f" ({r['medians']['medusa'] / peer:.2f}x llama.cpp at {llama_cpp.PRECISIONS[r['dtype']]})"
-                if peer
-                else ""
-            )
+            + (f" ({r['vs_peer']:.2f}x llama.cpp at {llama_cpp.PRECISIONS[r['dtype']]})" if r["vs_peer"] else "")
             + (
                 ": says what transformers' fp32 generate says"
                 if r is exact
