@@ -148,3 +148,28 @@ def test_the_exportable_heads_keep_greedy_identity_and_export_to_both_layouts(sh
             imported = import_heads(out).float()
             theirs = imported(hidden, shipped.base.get_output_embeddings())
             torch.testing.assert_close(theirs[..., subset], ours[..., subset], rtol=1e-4, atol=1e-4)
+
+
+def test_make_demo_runs_both_precisions_and_says_which_to_pick(tmp_path):
+    """The README's first command, cut short: one prompt, eight tokens, no plan (no compiling), llama.cpp absent (its
+    column says why it did not run). fp32 stays identical to transformers; int8 is judged against its own plain
+    decoding."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "demo.py"
+    env = {**os.environ, "LLAMA_CPP_BIN": str(tmp_path / "no-llama.cpp")}
+    done = subprocess.run(
+        [sys.executable, str(script), "--prompts", "1", "--max-new-tokens", "8", "--plan", "off"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert "== float32" in out and "== int8" in out and "llama.cpp: not run" in out
+    assert "identical to transformers' generate 1/1" in out
+    assert "which to pick:" in out and "-> " in out
