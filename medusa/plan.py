@@ -297,7 +297,7 @@ def choose(measured: dict, order, acc) -> tuple[Option, list[Option], Option]:
     for engine, jobs in measured.items():
         fitted = verify_curve(jobs)
         for (proposer, n), (propose_ms, verify_ms) in jobs.items():
-            verify_ms = fitted.get(n, verify_ms) if proposer != "hybrid" else verify_ms
+            verify_ms = fitted[n] if proposer != "hybrid" else verify_ms
             if proposer == "plain":
                 options.append(Option(engine, "plain", 1, 1.0, propose_ms + verify_ms))
                 continue

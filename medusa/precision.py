@@ -16,7 +16,7 @@ import os
 import torch
 
 from medusa.hardware import native_bf16
-from medusa.loading import load_base, resolve_dtype
+from medusa.loading import DTYPES, load_base, resolve_dtype
 from medusa.runtime import QUANTIZED, quantize_target
 
 PRECISIONS = ("float32", "bfloat16", "float16", *QUANTIZED, "auto")
@@ -26,13 +26,11 @@ ALLOW_EMULATED = "MEDUSA_ALLOW_EMULATED_BF16"  # set to 1 to run bf16 where the 
 def activation_dtype(dtype, device) -> torch.dtype:
     """The torch dtype a target of precision `dtype` computes its activations in, after the checks above."""
     device = torch.device(device or "cpu")
-    if dtype == "auto":
+    if dtype in QUANTIZED and device.type != "cpu":
+        raise ValueError(f"dtype={dtype!r} is a CPU precision here; on {device.type} use dtype='bfloat16'")
+    if dtype == "auto" or dtype in QUANTIZED:
         return torch.bfloat16 if native_bf16(device) else torch.float32
-    if dtype in QUANTIZED:
-        if device.type != "cpu":
-            raise ValueError(f"dtype={dtype!r} is a CPU precision here; on {device.type} use dtype='bfloat16'")
-        return torch.bfloat16 if native_bf16(device) else torch.float32
-    resolved = resolve_dtype(dtype) if isinstance(dtype, (str, torch.dtype)) or dtype is None else dtype
+    resolved = resolve_dtype(dtype)
     half = resolved in (torch.bfloat16, torch.float16)
     if half and device.type == "cpu" and not native_bf16(device) and os.environ.get(ALLOW_EMULATED) != "1":
         raise ValueError(
@@ -45,7 +43,7 @@ def activation_dtype(dtype, device) -> torch.dtype:
 
 def load_target(source, *, dtype=None, device=None, **options):
     """load_base at a precision (PRECISIONS, or a torch dtype): -> (model, tokenizer)."""
-    if isinstance(dtype, str) and dtype not in PRECISIONS and dtype not in ("fp32", "bf16", "fp16"):
+    if isinstance(dtype, str) and dtype not in PRECISIONS and dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}: use one of {list(PRECISIONS)}")
     model, tokenizer = load_base(source, dtype=activation_dtype(dtype, device), device=device, **options)
     if dtype in QUANTIZED:

@@ -7,14 +7,13 @@ import torch
 
 import medusa.precision
 from medusa import MedusaModel
-from medusa.decode import prefill
 from medusa.plan import plan_key
 from medusa.precision import ALLOW_EMULATED, activation_dtype, load_target
 from medusa.runtime import CompiledEngine, EagerEngine, InductorEngine, precision_of, quantize_target
 from medusa.runtime.quantize import Int8WeightLinear
-from medusa.sampling import SamplingConfig
 from medusa.tree import Candidates, TreeSpec, build_buffers
 from tests.conftest import FAMILIES, make_heads, make_tiny_model, save_tiny_checkpoint
+from tests.test_engine import _verify
 from tests.test_tree import HAND_TREE
 
 # bf16 activations: the compiled engine's pre-packed attention and aten's int8 kernel round where eager does not
@@ -24,11 +23,6 @@ NEAR_TIE = 2**-5  # two logits within a few bf16 roundings of each other (relati
 
 def int8_target(family: str):
     return quantize_target(make_tiny_model(family, dtype=torch.bfloat16), "int8")
-
-
-def _verify(engine, model, prompt, candidates):
-    state = prefill(model, prompt, SamplingConfig(), engine=engine, max_length=64)
-    return engine.verify(state.cache, candidates, state.length)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -57,8 +51,8 @@ def test_the_compiled_engine_runs_an_int8_target_as_eager_does(family, tree):
     prompt = torch.randint(1, 90, (1, 11))
     buffers = build_buffers(TreeSpec(tree, 3), 3)
     candidates = Candidates(tokens=torch.randint(1, 90, (buffers.num_nodes,)), tree=buffers)
-    eager = _verify(EagerEngine(model), model, prompt, candidates)
-    compiled = _verify(CompiledEngine(model), model, prompt, candidates)
+    _, eager = _verify(EagerEngine(model), model, prompt, candidates)
+    _, compiled = _verify(CompiledEngine(model), model, prompt, candidates)
     torch.testing.assert_close(compiled.logits.float(), eager.logits.float(), **INT8_TOL)
 
 
@@ -98,10 +92,9 @@ def test_the_inductor_engine_compiles_an_int8_target_ahead_of_time(tmp_path, mon
     candidates = Candidates(tokens=torch.randint(1, 90, (buffers.num_nodes,)), tree=buffers)
     engine.warm_up(progress=False, max_length=64)
     assert engine.ahead_of_time and engine._packages  # compiled, not fallen back to the uncompiled forward
-    eager = _verify(EagerEngine(model), model, prompt, candidates)
-    torch.testing.assert_close(
-        _verify(engine, model, prompt, candidates).logits.float(), eager.logits.float(), **INT8_TOL
-    )
+    _, eager = _verify(EagerEngine(model), model, prompt, candidates)
+    _, compiled = _verify(engine, model, prompt, candidates)
+    torch.testing.assert_close(compiled.logits.float(), eager.logits.float(), **INT8_TOL)
 
 
 def test_unknown_and_slow_precisions_are_refused_with_the_fix(tmp_path, monkeypatch):

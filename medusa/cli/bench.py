@@ -93,9 +93,8 @@ METHODS = (
     "llama_cpp_lookup",
 )
 PEERS = {"llama_cpp": "plain", "llama_cpp_lookup": "lookup"}  # method -> llama_cpp.generate's method
-MODEL_FREE = frozenset(
-    {"prompt_lookup", "llama_cpp_lookup"}
-)  # transformers' n-gram proposals: c = 0 (ours are timed by the profiler)
+# n-gram proposals made outside our loop (transformers', llama.cpp's): c = 0 (ours are timed by the profiler)
+MODEL_FREE = frozenset({"prompt_lookup", "llama_cpp_lookup"})
 PLAIN = frozenset({"baseline", "baseline_compiled", "plain", "llama_cpp"})  # one token a step: no guesses to analyse
 PROMPT_LOOKUP_TOKENS = 10
 WARMUP_TOKENS = 16
@@ -511,7 +510,8 @@ def summarize(records: dict, questions: list[dict], methods: list[str], settings
                 ("speedup_vs_compiled", compiled),
                 ("speedup_vs_llama_cpp", peer),
             ):
-                stats[key] = stats["tokens_per_s"] / yardstick["tokens_per_s"] if yardstick else None
+                rate = yardstick["tokens_per_s"] if yardstick else 0.0
+                stats[key] = stats["tokens_per_s"] / rate if rate else None
             if base and base["verify_ms_per_step"] and stats["verify_ms_per_step"]:
                 stats["verify_cost"] = stats["verify_ms_per_step"] / base["verify_ms_per_step"]
             else:

@@ -22,8 +22,8 @@ def shared_gqa_sdpa(
       length, several times at one token (docs/engines.md), and fp32 loses nothing.
     Everything else: transformers'."""
     if query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16):
-        mask = attention_mask.float() if attention_mask is not None and attention_mask.is_floating_point() else None
-        mask = attention_mask if mask is None else mask
+        floating = attention_mask is not None and attention_mask.is_floating_point()
+        mask = attention_mask.float() if floating else attention_mask  # a boolean mask stays as it is
         out, weights = shared_gqa_sdpa(
             module, query.float(), key.float(), value.float(), mask, dropout, scaling, is_causal, **kwargs
         )

@@ -45,11 +45,7 @@ class InductorEngine(CompiledEngine):
         package = self._packages.get(rows) if self.ahead_of_time else None
         if package is None or candidates.tokens.numel() > aot.MAX_QUERY:
             return super().verify(cache, candidates, past_length, feature_layers)
-        if past_length + candidates.tokens.numel() > rows:
-            raise RuntimeError(
-                f"the static cache has {rows} rows; this step needs {past_length + candidates.tokens.numel()}"
-            )
-        self._set_length(cache, past_length)
+        self._start_step(cache, candidates, past_length)
         tokens, position_ids, mask = verify_inputs(candidates, past_length, self.model.dtype, rows)
         return VerifyOutput(*aot.run(package, cache, tokens, position_ids, mask, past_length, feature_layers))
 

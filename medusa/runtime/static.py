@@ -184,6 +184,14 @@ class CompiledEngine:
             if isinstance(layer, PrefixStaticLayer):
                 layer.length = length
 
+    def _start_step(self, cache, candidates: Candidates, past_length: int) -> int:
+        """Check that the step's N nodes fit in `cache` and write from past_length on. -> the cache's rows."""
+        n, rows = candidates.tokens.numel(), cache.layers[0].max_cache_len
+        if past_length + n > rows:
+            raise RuntimeError(f"the static cache has {rows} rows; this step needs {past_length + n}")
+        self._set_length(cache, past_length)
+        return rows
+
     @torch.inference_mode()
     def prefill(self, cache, input_ids: torch.Tensor, feature_layers=()) -> PrefillOutput:
         self._set_length(cache, 0)
@@ -193,10 +201,7 @@ class CompiledEngine:
     def verify(self, cache, candidates: Candidates, past_length: int, feature_layers=()) -> VerifyOutput:
         """One forward over the N nodes, written at rows past_length .. past_length + N; the mask shows the past and
         the tree's ancestry (and, for torch.compile's fixed shapes, (1, 1, N, rows) hides the rows beyond)."""
-        n, rows = candidates.tokens.numel(), cache.layers[0].max_cache_len
-        if past_length + n > rows:
-            raise RuntimeError(f"the static cache has {rows} rows; this step needs {past_length + n}")
-        self._set_length(cache, past_length)
+        rows = self._start_step(cache, candidates, past_length)
         # prefix layers show attention past + N rows, as in the eager engine; fixed-size ones the whole allocation
         mask_rows = None if isinstance(cache.layers[0], PrefixStaticLayer) else rows
         try:
