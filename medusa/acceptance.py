@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from medusa.runtime import VerifyOutput
-from medusa.sampling import SamplingConfig, select_token, target_probs
+from medusa.sampling import SamplingConfig, greedy_tokens, select_token, target_probs
 from medusa.tree import Candidates
 
 
@@ -47,7 +47,7 @@ def _row(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def greedy(candidates: Candidates, verified: VerifyOutput, sampling: SamplingConfig, generator=None) -> Acceptance:
     """Longest root-to-leaf path whose every token is the argmax of its parent's logits, plus that argmax at its end."""
     tree = candidates.tree
-    predicted = verified.logits.argmax(-1)  # (N,)
+    predicted = greedy_tokens(verified.logits)  # (N,)
     lengths = _accepted_depths(tree, candidates.tokens == predicted[tree.parent])  # (L,)
     best = lengths.argmax()
     path = tree.leaf_paths[best]  # (D + 1,)

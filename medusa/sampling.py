@@ -66,6 +66,12 @@ def shape_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor
     return logits
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """logits (..., V) -> (...) the most likely token ids. bf16 logits are widened first: the same ids (the widening is
+    exact and ties go to the first index either way), and torch's CPU argmax over bf16 takes several times as long."""
+    return logits.float().argmax(-1)
+
+
 def target_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
     """logits (..., V) -> the distribution p the target samples from (..., V), fp32."""
     return shape_logits(logits, sampling).softmax(-1)
@@ -76,5 +82,5 @@ def select_token(
 ) -> torch.Tensor:
     """logits (V,) -> one token (0-dim long): argmax when greedy, else a draw from the shaped distribution."""
     if not sampling.do_sample:
-        return logits.argmax(-1)
+        return greedy_tokens(logits)
     return torch.multinomial(target_probs(logits, sampling), 1, generator=generator)[0]

@@ -8,7 +8,7 @@ import torch
 
 from medusa.acceptance import ACCEPTANCE_RULES, get_rule, greedy, rejection, speculative, typical
 from medusa.runtime import VerifyOutput
-from medusa.sampling import SamplingConfig, target_probs
+from medusa.sampling import SamplingConfig, greedy_tokens, target_probs
 from medusa.tree import Candidates, TreeSpec, build_buffers, chain
 from tests.test_distribution import DETECTED, SIGNIFICANCE, bonus_from_p, chi_square
 
@@ -240,3 +240,11 @@ def test_typical_samples_its_bonus_from_the_shaped_p():
     assert all(o.nodes.tolist()[-1] == last for o in outs)
     counts = torch.bincount(torch.tensor([o.tokens[-1] for o in outs]), minlength=6)
     assert chi_square(counts, p[last])["p_value"] > SIGNIFICANCE
+
+
+def test_greedy_tokens_of_bf16_logits_are_bf16_argmax_ties_included():
+    torch.manual_seed(0)
+    logits = torch.randn(5, 300).bfloat16()
+    logits[1, 7] = logits[1, 200] = logits[1].max() + 1  # a tie: the first index wins
+    assert torch.equal(greedy_tokens(logits), logits.argmax(-1))
+    assert int(greedy_tokens(logits)[1]) == 7

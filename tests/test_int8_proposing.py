@@ -24,6 +24,19 @@ def test_int8_linear_is_close_to_the_float_layer_at_any_row_count():
         assert (got - expected).abs().max() <= 0.02 * expected.abs().max()
 
 
+def test_int8_linear_on_a_prompt_computes_what_the_kernel_computes_row_by_row():
+    from medusa.runtime.prepack import DEQUANTIZED_FROM_ROWS, int8_linear
+
+    torch.manual_seed(0)
+    quantized, scales = quantize_int8(torch.randn(48, 64))
+    rows = torch.randn(DEQUANTIZED_FROM_ROWS + 5, 64, dtype=torch.bfloat16)
+    together = int8_linear(rows, quantized, scales)  # a prompt's rows: bf16 GEMM over the converted weights
+    alone = torch.cat([int8_linear(row[None], quantized, scales) for row in rows])  # aten's weight-only kernel
+    assert together.shape == alone.shape == (rows.shape[0], 48)
+    # the same sums, rounded to bf16 once more on the way (8 bits of mantissa: 1/128 relative)
+    assert ((together.float() - alone.float()).abs() <= alone.float().abs() / 64 + 1e-2).all()
+
+
 def test_quantized_weights_round_trip_within_half_a_step_per_row():
     weight = torch.randn(7, 32) * torch.logspace(-3, 1, 7)[:, None]  # rows of very different sizes
     quantized, scales = quantize_int8(weight)

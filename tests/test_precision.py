@@ -130,3 +130,12 @@ def test_inductor_takes_onednn_for_bf16_gemms_and_its_template_for_int8_ones():
     assert inductor_cpu_options(make_tiny_model("llama"))[backends] == "CPP,ATEN"
     assert inductor_cpu_options(make_tiny_model("llama", dtype=torch.bfloat16))[backends] == "ATEN"
     assert inductor_cpu_options(int8_target("llama"))[backends] == "CPP,ATEN"
+
+
+def test_inductor_concatenates_float_projections_but_not_int8_ones():
+    from medusa.runtime.static import inductor_cpu_options
+
+    concat = "cpp.enable_concat_linear"
+    assert inductor_cpu_options(make_tiny_model("llama"))[concat] is True
+    assert inductor_cpu_options(make_tiny_model("llama", dtype=torch.bfloat16))[concat] is True
+    assert not inductor_cpu_options(int8_target("llama")).get(concat, False)

@@ -3,7 +3,7 @@
 
 `torch.compile` compiles again in each new process on a CPU (torch bypasses its caches for a graph holding
 oneDNN-packed frozen weights: minutes there). `torch.export` traces the target's public forward over a static cache
-whose tensors are inputs, written in place, with the number of query tokens as the one dynamic dimension; AOTInductor
+whose tensors are inputs, written in place, with the query length and the rows attended dynamic; AOTInductor
 compiles that with the inductor engine's settings (frozen weights, C++ GEMM templates) into one package per cache
 size. A package holds the weights it was compiled with, so its file name hashes every weight, the dtype, the cache
 size, this CPU, its threads and the versions of torch, transformers and this format (hundreds of MB per size for a
@@ -25,6 +25,7 @@ import torch
 import transformers
 from torch import nn
 from transformers import StaticCache
+from transformers.cache_utils import StaticLayer
 
 from medusa.fileio import atomic_file, one_at_a_time
 from medusa.hardware import describe
@@ -34,15 +35,38 @@ from medusa.runtime.verify import base_features
 
 logger = logging.getLogger(__name__)
 
-AOT_FORMAT = 2  # bump when what is exported changes (2: medusa's attention), so old packages are not loaded
+AOT_FORMAT = 3  # bump when what is exported changes (2: medusa's attention, 3: the rows written), so old packages
+# are not loaded
 MAX_QUERY = 256  # the most tokens one verify forward may take (a tree's nodes)
 GEMM_BACKENDS = "max_autotune_gemm_backends"
 
 
-def _cache_over(config, keys: list[torch.Tensor], values: list[torch.Tensor], length: torch.Tensor) -> StaticCache:
+class WrittenRowsLayer(StaticLayer):
+    """transformers' static layer over given tensors that hands attention only their first `visible` rows (the rows
+    written, this step's included): a step costs the context it reads, not the cache's allocation."""
+
+    def __init__(self, max_cache_len: int, visible: int):
+        super().__init__(max_cache_len=max_cache_len)
+        self.visible = visible
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        return keys[:, :, : self.visible], values[:, :, : self.visible]
+
+
+def takes(rows: int, past_length: int, query: int) -> bool:
+    """Whether a package over `rows` rows runs a step of `query` tokens after `past_length`: at most MAX_QUERY tokens,
+    attending over fewer rows than the whole allocation (export cannot keep that one size dynamic with the others)."""
+    return query <= MAX_QUERY and past_length + query < rows
+
+
+def _cache_over(
+    config, keys: list[torch.Tensor], values: list[torch.Tensor], length: torch.Tensor, visible: int
+) -> StaticCache:
     """A transformers StaticCache whose layers are the given tensors (written in place by the forward), `length`
-    rows already written."""
+    rows already written, attention shown the first `visible` rows."""
     cache = StaticCache(config=config, max_cache_len=keys[0].shape[2])
+    cache.layers = [WrittenRowsLayer(keys[0].shape[2], visible) for _ in cache.layers]
     for layer, k, v in zip(cache.layers, keys, values):
         layer.keys, layer.values = k, v
         layer.cumulative_length = length.clone()  # each layer advances its own count
@@ -52,8 +76,9 @@ def _cache_over(config, keys: list[torch.Tensor], values: list[torch.Tensor], le
 
 
 class VerifyStep(nn.Module):
-    """What is exported: one forward of the target over N tokens with a (1, 1, N, rows) mask, into a static cache
-    given as per-layer tensors -> (logits (N, V), hidden states (layers + 1, 1, N, H))."""
+    """What is exported: one forward of the target over N tokens with a (1, 1, N, past + N) mask, into a static cache
+    given as per-layer tensors, attending over the rows written -> (logits (N, V), hidden states (layers + 1, 1, N,
+    H))."""
 
     def __init__(self, model):
         super().__init__()
@@ -64,7 +89,7 @@ class VerifyStep(nn.Module):
             input_ids=input_ids,
             position_ids=position_ids,
             attention_mask=mask,
-            past_key_values=_cache_over(self.model.config, keys, values, length),
+            past_key_values=_cache_over(self.model.config, keys, values, length, mask.shape[-1]),
             use_cache=True,
             output_hidden_states=True,
         )
@@ -87,28 +112,30 @@ def package_path(model, rows: int, options: dict, weights: str) -> Path:
 
 
 def _export(model, rows: int):
-    """torch.export of VerifyStep over a fresh cache of `rows` rows, the query length dynamic (1 .. MAX_QUERY)."""
+    """torch.export of VerifyStep over a fresh cache of `rows` rows, the query length (1 .. MAX_QUERY) and the rows
+    attended (1 .. rows - 1) dynamic."""
     config = model.config.get_text_config()
     heads = config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     blank = lambda: torch.zeros((1, heads, rows, head_dim), dtype=model.dtype, device=model.device)  # noqa: E731
     keys = [blank() for _ in range(config.num_hidden_layers)]
     values = [blank() for _ in range(config.num_hidden_layers)]
-    n = 2  # an example length that is neither 0 nor 1 (export would specialise on those)
+    n, past = 2, 3  # example lengths that are neither 0 nor 1 (export would specialise on those)
     example = (
         torch.zeros((1, n), dtype=torch.long, device=model.device),
-        torch.arange(n, device=model.device)[None],
-        torch.zeros((1, 1, n, rows), dtype=model.dtype, device=model.device),
-        torch.tensor(0, device=model.device),
+        torch.arange(past, past + n, device=model.device)[None],
+        torch.zeros((1, 1, n, past + n), dtype=model.dtype, device=model.device),
+        torch.tensor(past, device=model.device),
         keys,
         values,
     )
     query = torch.export.Dim("query", min=1, max=MAX_QUERY)
+    visible = torch.export.Dim("visible", min=1, max=rows - 1)  # see `takes`
     layers = [None] * config.num_hidden_layers
     return torch.export.export(
         VerifyStep(model).eval(),
         example,
-        dynamic_shapes=({1: query}, {1: query}, {2: query}, None, layers, layers),
+        dynamic_shapes=({1: query}, {1: query}, {2: query, 3: visible}, None, layers, layers),
         strict=False,
     )
 

@@ -43,10 +43,13 @@ class InductorEngine(CompiledEngine):
     def verify(self, cache, candidates: Candidates, past_length: int, feature_layers=()) -> VerifyOutput:
         rows = cache.layers[0].max_cache_len
         package = self._packages.get(rows) if self.ahead_of_time else None
-        if package is None or candidates.tokens.numel() > aot.MAX_QUERY:
+        if package is None or not aot.takes(rows, past_length, candidates.tokens.numel()):
             return super().verify(cache, candidates, past_length, feature_layers)
         self._start_step(cache, candidates, past_length)
-        tokens, position_ids, mask = verify_inputs(candidates, past_length, self.model.dtype, rows)
+        # the package attends over the rows written: the mask is as wide as them
+        tokens, position_ids, mask = verify_inputs(
+            candidates, past_length, self.model.dtype, past_length + candidates.tokens.numel()
+        )
         return VerifyOutput(*aot.run(package, cache, tokens, position_ids, mask, past_length, feature_layers))
 
     def _compile_graphs(self, cache: StaticCache, progress: bool) -> float:

@@ -65,10 +65,18 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantized, scales.to(torch.bfloat16)
 
 
+# From this many rows (a prompt), converting the int8 weights to bf16 and running oneDNN's bf16 GEMM beats aten's
+# weight-only kernel (docs/engines.md: 3x at 768 rows; the crossover is near 20 rows on AVX-512 and on AVX2)
+DEQUANTIZED_FROM_ROWS = 32
+
+
 def int8_linear(x: torch.Tensor, quantized: torch.Tensor, scales: torch.Tensor, bias=None) -> torch.Tensor:
     """x (..., in) @ (quantized * scales).T + bias in bf16 -> (..., out) in x's dtype."""
     rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-    out = torch.ops.aten._weight_int8pack_mm(rows, quantized, scales).to(x.dtype)
+    if not torch.compiler.is_compiling() and rows.shape[0] >= DEQUANTIZED_FROM_ROWS:  # graphs keep the int8 op
+        out = ((rows @ quantized.to(torch.bfloat16).T) * scales).to(x.dtype)
+    else:
+        out = torch.ops.aten._weight_int8pack_mm(rows, quantized, scales).to(x.dtype)
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], quantized.shape[0])

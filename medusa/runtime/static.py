@@ -36,17 +36,22 @@ INDUCTOR_CPU_OPTIONS = {
     "max_autotune": True,
     "max_autotune_gemm_backends": "CPP,ATEN",
 }
-ENGINES_ATTRIBUTE = "_medusa_engines"
+ENGINES_ATTRIBUTE = "_medusa_engines"  # where medusa.runtime.engine_for keeps a model's engines
 
 
 def inductor_cpu_options(model) -> dict:
     """inductor's settings on a CPU for `model`: bf16 and fp16 GEMMs go to oneDNN (aten's packed linear): inductor's
     C++ template widens them to fp32 on a CPU without AMX, and ran a bf16 step at half oneDNN's speed. An int8 target's
-    weight-only GEMMs keep the template first (its int8 kernels beat aten's at 1-4 rows)."""
-    half = model.dtype in (torch.bfloat16, torch.float16) and precision_of(model) not in QUANTIZED
-    if half and "max_autotune_gemm_backends" in INDUCTOR_CPU_OPTIONS:
-        return {**INDUCTOR_CPU_OPTIONS, "max_autotune_gemm_backends": "ATEN"}
-    return dict(INDUCTOR_CPU_OPTIONS)  # where medusa.runtime.engine_for keeps a model's engines
+    weight-only GEMMs keep the template first (its int8 kernels beat aten's at 1-4 rows). Float targets have the
+    linear layers that read one input (q/k/v, gate/up) concatenated into one GEMM each (fewer, larger calls); an int8
+    target does not (its concatenated pattern leaves the template: a slower step, docs/engines.md)."""
+    options = dict(INDUCTOR_CPU_OPTIONS)
+    if precision_of(model) in QUANTIZED:
+        return options
+    options["cpp.enable_concat_linear"] = True
+    if model.dtype in (torch.bfloat16, torch.float16) and "max_autotune_gemm_backends" in options:
+        options["max_autotune_gemm_backends"] = "ATEN"
+    return options
 
 
 @contextlib.contextmanager
