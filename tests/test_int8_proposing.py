@@ -8,7 +8,7 @@ from torch import nn
 from medusa import MedusaModel
 from medusa.propose import CandidateProjection
 from medusa.runtime import can_int8, int8_copy, quantize_int8
-from medusa.runtime.prepack import INT8_BLOCK, Int8Linear, PackedLinear
+from medusa.runtime.prepack import INT8_BLOCK, Int8Linear, PackedLinear, int8_linear
 from tests.conftest import FAMILIES, make_heads, make_tiny_model
 
 
@@ -24,17 +24,24 @@ def test_int8_linear_is_close_to_the_float_layer_at_any_row_count():
         assert (got - expected).abs().max() <= 0.02 * expected.abs().max()
 
 
-def test_int8_linear_on_a_prompt_computes_what_the_kernel_computes_row_by_row():
-    from medusa.runtime.prepack import DEQUANTIZED_FROM_ROWS, int8_linear
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int8_linear_on_a_prompt_computes_what_the_kernel_computes_row_by_row(dtype, monkeypatch):
+    import medusa.runtime.prepack
 
+    monkeypatch.setattr(medusa.runtime.prepack, "native_bf16", lambda: False)  # fp32 prompts convert too (AVX2)
     torch.manual_seed(0)
     quantized, scales = quantize_int8(torch.randn(48, 64))
-    rows = torch.randn(DEQUANTIZED_FROM_ROWS + 5, 64, dtype=torch.bfloat16)
-    together = int8_linear(rows, quantized, scales)  # a prompt's rows: bf16 GEMM over the converted weights
+    rows = torch.randn(70, 64, dtype=dtype)
+    assert medusa.runtime.prepack.dequantizing_pays(rows.shape[0], dtype)
+    assert not medusa.runtime.prepack.dequantizing_pays(1, dtype)
+    together = int8_linear(rows, quantized, scales)  # a prompt's rows: a float GEMM over the converted weights
     alone = torch.cat([int8_linear(row[None], quantized, scales) for row in rows])  # aten's weight-only kernel
-    assert together.shape == alone.shape == (rows.shape[0], 48)
-    # the same sums, rounded to bf16 once more on the way (8 bits of mantissa: 1/128 relative)
-    assert ((together.float() - alone.float()).abs() <= alone.float().abs() / 64 + 1e-2).all()
+    assert together.shape == alone.shape == (rows.shape[0], 48) and together.dtype == dtype
+    # both are the product with the dequantised weights, up to bf16 roundings (8 bits of mantissa: 1/128 relative)
+    weight = quantized.float() * scales.float()[:, None]
+    exact = rows.float() @ weight.T
+    bound = (rows.float().abs() @ weight.abs().T) / 64 + 1e-3
+    assert ((together.float() - exact).abs() <= bound).all() and ((alone.float() - exact).abs() <= bound).all()
 
 
 def test_quantized_weights_round_trip_within_half_a_step_per_row():

@@ -65,18 +65,23 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantized, scales.to(torch.bfloat16)
 
 
-# From this many rows (a prompt), converting the int8 weights to bf16 and running oneDNN's bf16 GEMM beats aten's
-# weight-only kernel (docs/engines.md: 3x at 768 rows; the crossover is near 20 rows on AVX-512 and on AVX2)
-DEQUANTIZED_FROM_ROWS = 32
+def dequantizing_pays(rows: int, dtype: torch.dtype) -> bool:
+    """Whether a float GEMM over the int8 weights converted to the activations' dtype beats aten's weight-only kernel
+    for `rows` rows (a prompt): from 32 rows of bf16 activations, from 64 of fp32 ones on a CPU that emulates bf16
+    (the kernel's arithmetic there); never for fewer rows or elsewhere (docs/engines.md)."""
+    if dtype == torch.bfloat16:
+        return rows >= 32
+    return dtype == torch.float32 and rows >= 64 and not native_bf16()
 
 
 def int8_linear(x: torch.Tensor, quantized: torch.Tensor, scales: torch.Tensor, bias=None) -> torch.Tensor:
-    """x (..., in) @ (quantized * scales).T + bias in bf16 -> (..., out) in x's dtype."""
-    rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-    if not torch.compiler.is_compiling() and rows.shape[0] >= DEQUANTIZED_FROM_ROWS:  # graphs keep the int8 op
-        out = ((rows @ quantized.to(torch.bfloat16).T) * scales).to(x.dtype)
+    """x (..., in) @ (quantized * scales).T + bias -> (..., out) in x's dtype."""
+    rows = x.reshape(-1, x.shape[-1])
+    # a compiled graph keeps the int8 op (and tests no shapes)
+    if not torch.compiler.is_compiling() and dequantizing_pays(rows.shape[0], x.dtype):
+        out = (rows @ quantized.to(x.dtype).T) * scales.to(x.dtype)
     else:
-        out = torch.ops.aten._weight_int8pack_mm(rows, quantized, scales).to(x.dtype)
+        out = torch.ops.aten._weight_int8pack_mm(rows.to(torch.bfloat16), quantized, scales).to(x.dtype)
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], quantized.shape[0])
