@@ -4,8 +4,8 @@ relative to plain decoding of the same target at the same precision.
 - "float32" (the default): the exact reference, token-identical to transformers' fp32 `generate`.
 - "bfloat16" / "float16": on a CPU only where it computes bf16 natively (AVX512-BF16 or AMX); elsewhere it is
   emulated and slower than float32, so it is refused with the faster choices named.
-- "int8": weight-only int8 linear layers (medusa.runtime.quantize) on bf16 activations where the CPU has native bf16,
-  else float32 ones; a CPU precision.
+- "int8" / "int4": weight-only int8 or 4-bit linear layers (medusa.runtime.quantize; int4 is llama.cpp's Q4_1
+  scheme) on bf16 activations where the CPU has native bf16, else float32 ones; CPU precisions.
 - "auto": bfloat16 where the hardware computes it natively, else float32.
 """
 
@@ -35,8 +35,8 @@ def activation_dtype(dtype, device) -> torch.dtype:
     if half and device.type == "cpu" and not native_bf16(device) and os.environ.get(ALLOW_EMULATED) != "1":
         raise ValueError(
             f"this CPU has no native bf16 (AVX512-BF16 or AMX): {str(resolved).replace('torch.', '')} would be "
-            "emulated and slower than float32. Use dtype='float32' (exact) or dtype='int8' (weight-only, a quarter "
-            f"of the bytes), or set {ALLOW_EMULATED}=1 to run it anyway"
+            "emulated and slower than float32. Use dtype='float32' (exact), or dtype='int8' or 'int4' (weight-only, a "
+            f"quarter or an eighth of the bytes), or set {ALLOW_EMULATED}=1 to run it anyway"
         )
     return resolved
 

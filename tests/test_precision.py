@@ -1,16 +1,25 @@
-"""Precision as the user's choice (medusa.precision, medusa.runtime.quantize): int8 targets on every engine against
-their eager reference, speculative decoding exact relative to plain decoding of the same int8 target, and the
-precisions this machine refuses."""
+"""Precision as the user's choice (medusa.precision, medusa.runtime.quantize): int8 and int4 targets on every engine
+against their eager reference, speculative decoding exact relative to plain decoding of the same quantised target,
+and the precisions this machine refuses."""
 
 import pytest
 import torch
 
 import medusa.precision
+import medusa.runtime.prepack
 from medusa import MedusaModel
 from medusa.plan import plan_key
 from medusa.precision import ALLOW_EMULATED, activation_dtype, load_target
-from medusa.runtime import CompiledEngine, EagerEngine, InductorEngine, precision_of, quantize_target
-from medusa.runtime.quantize import Int8WeightLinear
+from medusa.runtime import QUANTIZED, CompiledEngine, EagerEngine, InductorEngine, precision_of, quantize_target
+from medusa.runtime.prepack import dequantizing_pays
+from medusa.runtime.quantize import (
+    INT4_DEQUANTIZED_FROM_ROWS,
+    INT4_GROUP,
+    Int4WeightLinear,
+    Int8WeightLinear,
+    QuantizedLinear,
+    quantize_int4,
+)
 from medusa.tree import Candidates, TreeSpec, build_buffers
 from tests.conftest import FAMILIES, make_heads, make_tiny_model, save_tiny_checkpoint
 from tests.test_engine import _verify
@@ -21,32 +30,65 @@ INT8_TOL = dict(atol=3e-2, rtol=3e-2)
 NEAR_TIE = 2**-5  # two logits within a few bf16 roundings of each other (relative to the largest logit)
 
 
-def int8_target(family: str):
-    return quantize_target(make_tiny_model(family, dtype=torch.bfloat16), "int8")
+def quantised_target(family: str, precision: str = "int8"):
+    return quantize_target(make_tiny_model(family, dtype=torch.bfloat16), precision)
+
+
+LAYERS = {"int8": Int8WeightLinear, "int4": Int4WeightLinear}
+DRIFT = {"int8": 0.15, "int4": 0.5}  # the largest logit change quantising makes, relative to the largest logit
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_an_int8_target_has_int8_linears_and_stays_near_its_float_self(family):
+@pytest.mark.parametrize("precision", QUANTIZED)
+def test_a_quantised_target_has_quantised_linears_and_stays_near_its_float_self(family, precision):
     model = make_tiny_model(family, dtype=torch.bfloat16)
     prompt = torch.randint(1, 90, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         before = model(prompt).logits.float()
-        quantize_target(model, "int8")
+        quantize_target(model, precision)
         after = model(prompt).logits.float()
-    linears = [m for m in model.modules() if isinstance(m, Int8WeightLinear)]
-    assert linears and not [m for m in model.modules() if type(m) is torch.nn.Linear]  # every width is 16k here
-    assert all(m.weight_int8.dtype == torch.int8 for m in linears) and precision_of(model) == "int8"
+    linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    # every shape is one the kernels take here
+    assert linears and not [m for m in model.modules() if type(m) is torch.nn.Linear]
+    assert all(type(m) is LAYERS[precision] for m in linears) and precision_of(model) == precision
     assert (
         model.get_output_embeddings().weight is model.get_input_embeddings().weight
         or not model.config.tie_word_embeddings
     )
-    assert (after - before).abs().max() < 0.15 * before.abs().max()  # per-row int8: close, not equal
+    assert (after - before).abs().max() < DRIFT[precision] * before.abs().max()  # close, not equal
+
+
+def test_int4_keeps_q4_1_weights_as_they_are_and_dequantises_them_back(monkeypatch):
+    """Weights already on a 16-level grid per group of 32 (what transformers makes of a Q4_1 GGUF) come back exactly:
+    the kernel over the identity returns them, and a row through the layer is that row times them."""
+    torch.manual_seed(0)
+    out_features, in_features = 48, 2 * INT4_GROUP
+    levels = torch.randint(0, 16, (out_features, in_features)).float()
+    levels[:, ::INT4_GROUP] = 0  # each group holds its minimum and maximum, as llama.cpp's Q4_1 blocks do
+    levels[:, 1::INT4_GROUP] = 15
+    step = torch.rand(out_features, 2, 1) + 0.01
+    minimum = torch.randn(out_features, 2, 1)
+    weight = (levels.view(out_features, 2, INT4_GROUP) * step + minimum).view(out_features, in_features)
+    linear = torch.nn.Linear(in_features, out_features, bias=False)
+    linear.weight.data.copy_(weight)
+    layer = Int4WeightLinear(linear)
+    torch.testing.assert_close(layer.weight, weight, atol=1e-5, rtol=1e-5)
+    x = torch.randn(3, in_features)
+    torch.testing.assert_close(layer(x), x @ weight.T, atol=1e-4, rtol=1e-4)
+    packed, scales_and_zeros, nibbles = quantize_int4(weight, torch.float32)
+    assert packed.dtype == nibbles.dtype == torch.uint8 and packed.shape == nibbles.shape == (48, in_features // 2)
+    assert scales_and_zeros.shape == (in_features // INT4_GROUP, out_features, 2)
+    monkeypatch.setattr(medusa.runtime.prepack, "native_bf16", lambda: False)  # fp32 prompts dequantise (AVX2)
+    prompt = torch.randn(INT4_DEQUANTIZED_FROM_ROWS, in_features)  # a prompt: a float GEMM, weights dequantised
+    assert dequantizing_pays(INT4_DEQUANTIZED_FROM_ROWS, torch.float32)
+    torch.testing.assert_close(layer(prompt), prompt @ weight.T, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("tree", [[], HAND_TREE], ids=["q=1", "tree"])
-def test_the_compiled_engine_runs_an_int8_target_as_eager_does(family, tree):
-    model = int8_target(family)
+@pytest.mark.parametrize("precision", QUANTIZED)
+def test_the_compiled_engine_runs_a_quantised_target_as_eager_does(family, tree, precision):
+    model = quantised_target(family, precision)
     torch.manual_seed(0)
     prompt = torch.randint(1, 90, (1, 11))
     buffers = build_buffers(TreeSpec(tree, 3), 3)
@@ -58,9 +100,10 @@ def test_the_compiled_engine_runs_an_int8_target_as_eager_does(family, tree):
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("engine", ["eager", "compiled"])
-def test_speculation_on_an_int8_target_is_its_plain_decoding(family, engine):
-    """Exactness is relative to plain decoding of the same int8 target on the same engine."""
-    model = MedusaModel(int8_target(family), make_heads(random=True).to(torch.bfloat16))
+@pytest.mark.parametrize("precision", QUANTIZED)
+def test_speculation_on_a_quantised_target_is_its_plain_decoding(family, engine, precision):
+    """Exactness is relative to plain decoding of the same quantised target on the same engine."""
+    model = MedusaModel(quantised_target(family, precision), make_heads(random=True).to(torch.bfloat16))
     identical = 0
     for seed in range(3):
         prompt = torch.randint(1, 90, (1, 5 + 3 * seed), generator=torch.Generator().manual_seed(seed))
@@ -76,14 +119,16 @@ def test_speculation_on_an_int8_target_is_its_plain_decoding(family, engine):
 
 
 @pytest.mark.slow
-def test_the_inductor_engine_compiles_an_int8_target_ahead_of_time(tmp_path, monkeypatch):
-    """The package holds the int8 weights (aten's weight-only op, lowered by inductor) and gives eager's logits."""
+@pytest.mark.parametrize("precision", QUANTIZED)
+def test_the_inductor_engine_compiles_a_quantised_target_ahead_of_time(tmp_path, monkeypatch, precision):
+    """The package holds the quantised weights (aten's weight-only op, lowered by inductor) and gives eager's
+    logits."""
     import medusa.runtime.static
 
     monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
     monkeypatch.setattr(medusa.runtime.static, "INDUCTOR_CPU_OPTIONS", {"freezing": True})
     monkeypatch.setattr(medusa.runtime.static, "COMPILED_MIN_ROWS", 64)
-    model = int8_target("llama")
+    model = quantised_target("llama", precision)
     engine = InductorEngine(model)
     assert engine.ahead_of_time
     torch.manual_seed(0)
@@ -129,7 +174,7 @@ def test_inductor_takes_onednn_for_bf16_gemms_and_its_template_for_int8_ones():
     backends = "max_autotune_gemm_backends"
     assert inductor_cpu_options(make_tiny_model("llama"))[backends] == "CPP,ATEN"
     assert inductor_cpu_options(make_tiny_model("llama", dtype=torch.bfloat16))[backends] == "ATEN"
-    assert inductor_cpu_options(int8_target("llama"))[backends] == "CPP,ATEN"
+    assert inductor_cpu_options(quantised_target("llama"))[backends] == "CPP,ATEN"
 
 
 def test_inductor_concatenates_float_projections_but_not_int8_ones():
@@ -138,4 +183,4 @@ def test_inductor_concatenates_float_projections_but_not_int8_ones():
     concat = "cpp.enable_concat_linear"
     assert inductor_cpu_options(make_tiny_model("llama"))[concat] is True
     assert inductor_cpu_options(make_tiny_model("llama", dtype=torch.bfloat16))[concat] is True
-    assert not inductor_cpu_options(int8_target("llama")).get(concat, False)
+    assert not inductor_cpu_options(quantised_target("llama")).get(concat, False)

@@ -74,7 +74,7 @@ from medusa.hardware import describe
 from medusa.loading import base_gguf
 from medusa.model import DEFAULT_HEADS_DIR
 from medusa.questions import answer_message, encode_conversation, load_questions, per_group
-from medusa.runtime import ENGINES, engine_for
+from medusa.runtime import ENGINES, QUANTIZED, engine_for
 
 METHODS = (
     "baseline",
@@ -142,8 +142,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--dtype",
         default="float32",
-        choices=["float32", "bfloat16", "float16", "int8"],
-        help="the target's precision (medusa.precision; int8: weight-only, CPU); llama.cpp runs the matching GGUF type",
+        choices=["float32", "bfloat16", "float16", *QUANTIZED],
+        help="the target's precision (medusa.precision; int8 and int4: weight-only, CPU); llama.cpp runs the matching "
+        "GGUF type",
     )
     parser.add_argument(
         "--plan",

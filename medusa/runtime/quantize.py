@@ -1,10 +1,15 @@
-"""Weight-only quantised targets: precision as the user's choice. An int8 target is another model than the float one
-(it says other things); speculative decoding on it is exact relative to plain decoding of that same int8 target.
+"""Weight-only quantised targets: precision as the user's choice. A quantised target is another model than the float
+one (it says other things); speculative decoding on it is exact relative to plain decoding of that same target.
 
-int8: every linear layer whose input width aten's kernel takes (a multiple of INT8_BLOCK) holds int8 weights with one
-scale per output row (symmetric, rounded to nearest) and computes with aten's weight-only int8 kernel on bf16
-activations; inductor lowers the same op to its C++ weight-only template when the inductor engine compiles the
-target. Embeddings and norms stay in the activations' dtype.
+- int8: every linear layer whose input width aten's kernel takes (a multiple of INT8_BLOCK) holds int8 weights with
+  one scale per output row (symmetric, rounded to nearest) and computes with aten's weight-only int8 kernel on bf16
+  activations.
+- int4: every linear layer whose shape aten's int4 kernel takes (input width a multiple of INT4_GROUP, output rows of
+  INT4_ROWS) holds 4-bit weights, each group of INT4_GROUP inputs with its own scale and minimum: llama.cpp's Q4_1
+  scheme, so a Q4_1 GGUF base (the weights transformers dequantised on loading) comes back as it was stored.
+
+inductor lowers both kernels to its C++ weight-only templates when the inductor engine compiles the target.
+Embeddings and norms stay in the activations' dtype.
 """
 
 from __future__ import annotations
@@ -12,33 +17,122 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from medusa.runtime.prepack import INT8_BLOCK, can_int8, int8_linear, quantize_int8
+from medusa.runtime.prepack import INT8_BLOCK, can_int8, dequantizing_pays, int8_linear, quantize_int8
 
-QUANTIZED = ("int8",)
+QUANTIZED = ("int8", "int4")
+INT4_GROUP = 32  # inputs sharing one scale and minimum (Q4_1's block)
+INT4_ROWS = 16  # aten's int4 packing takes output rows in blocks of this many
+# Unpacking every int4 weight costs a fixed time per forward: a float GEMM over them pays from this many rows of a
+# prompt (where it pays for int8 weights at all; docs/engines.md)
+INT4_DEQUANTIZED_FROM_ROWS = 256
 
 
-class Int8WeightLinear(nn.Module):
-    """A linear layer of an int8 target. `weight` (what heads sharing the target's projection read) is the float
-    matrix for a layer tied to the input embeddings (held by them anyway), else the int8 one dequantised on read."""
+def can_int4(device: torch.device, in_features: int, out_features: int) -> bool:
+    """Whether a linear layer of this shape can run on int4 weights here (CPU)."""
+    return (
+        torch.device(device).type == "cpu"
+        and in_features % INT4_GROUP == 0
+        and out_features % INT4_ROWS == 0
+        and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+    )
+
+
+def quantize_int4(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, in) float weight -> (aten's packed int4 weight (out, in / 2) uint8, scales and zeros (in / INT4_GROUP,
+    out, 2) in the activations' `dtype`, the levels two to a byte (out, in / 2) uint8, even inputs in the low four
+    bits): per group, 16 levels from its minimum to its maximum, rounded to nearest."""
+    out_features, in_features = weight.shape
+    groups = weight.detach().float().reshape(out_features, in_features // INT4_GROUP, INT4_GROUP)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+    levels = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32)
+    levels = levels.reshape(out_features, in_features)
+    zero = low + 8 * scale  # the kernel computes (level - 8) * scale + zero = level * scale + minimum
+    scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).to(dtype).contiguous()
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels, 1)
+    nibbles = (levels[:, 0::2] | (levels[:, 1::2] << 4)).to(torch.uint8)
+    return packed, scales_and_zeros, nibbles
+
+
+def dequantize_int4(nibbles: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """quantize_int4's levels and scales -> the (out, in) weight in the scales' dtype."""
+    out_features = nibbles.shape[0]
+    levels = torch.stack([nibbles & 15, nibbles >> 4], dim=-1).reshape(out_features, -1, INT4_GROUP)
+    scale, zero = scales_and_zeros.transpose(0, 1).unbind(-1)  # each (out, in / INT4_GROUP)
+    minimum = zero - 8 * scale
+    return (levels.to(scale.dtype) * scale[..., None] + minimum[..., None]).reshape(out_features, -1)
+
+
+def int4_linear(
+    x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, nibbles: torch.Tensor, bias=None
+) -> torch.Tensor:
+    """x (..., in) @ dequantised(packed).T + bias -> (..., out) in x's dtype: aten's int4 kernel, or for a prompt's
+    many rows a float GEMM over the weights dequantised (as int8_linear does)."""
+    rows = x.reshape(-1, x.shape[-1]).to(scales_and_zeros.dtype)
+    many = rows.shape[0] >= INT4_DEQUANTIZED_FROM_ROWS
+    if not torch.compiler.is_compiling() and many and dequantizing_pays(rows.shape[0], rows.dtype):
+        out = (rows @ dequantize_int4(nibbles, scales_and_zeros).T).to(x.dtype)
+    else:
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, INT4_GROUP, scales_and_zeros).to(x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+class QuantizedLinear(nn.Module):
+    """A linear layer of a quantised target. `weight` (what heads sharing the target's projection read) is the float
+    matrix for a layer tied to the input embeddings (held by them anyway), else the quantised one dequantised on
+    read."""
 
     def __init__(self, linear: nn.Linear, tied: torch.Tensor | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        quantized, scales = quantize_int8(linear.weight)
-        self.register_buffer("weight_int8", quantized)
-        self.register_buffer("scales", scales)
         self.bias = linear.bias
         self._tied = [tied]  # in a list: not registered, so never saved, exported or counted as a parameter
 
     @property
     def weight(self) -> torch.Tensor:
         tied = self._tied[0]
-        if tied is not None:
-            return tied
+        return tied if tied is not None else self.dequantized()
+
+    def dequantized(self) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Int8WeightLinear(QuantizedLinear):
+    def __init__(self, linear: nn.Linear, tied: torch.Tensor | None = None):
+        super().__init__(linear, tied)
+        quantized, scales = quantize_int8(linear.weight)
+        self.register_buffer("weight_int8", quantized)
+        self.register_buffer("scales", scales)
+
+    def dequantized(self) -> torch.Tensor:
         return (self.weight_int8.float() * self.scales.float()[:, None]).to(self.scales.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return int8_linear(x, self.weight_int8, self.scales, self.bias)
+
+
+class Int4WeightLinear(QuantizedLinear):
+    def __init__(self, linear: nn.Linear, tied: torch.Tensor | None = None):
+        super().__init__(linear, tied)
+        packed, scales_and_zeros, nibbles = quantize_int4(linear.weight, linear.weight.dtype)
+        self.register_buffer("weight_int4", packed)  # what the kernel reads (its own layout)
+        self.register_buffer("scales_and_zeros", scales_and_zeros)
+        self.register_buffer("levels", nibbles)  # the same levels in a plain layout, for prompts and `weight`
+
+    def dequantized(self) -> torch.Tensor:
+        return dequantize_int4(self.levels, self.scales_and_zeros)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return int4_linear(x, self.weight_int4, self.scales_and_zeros, self.levels, self.bias)
+
+
+def _quantized_layer(precision: str, device: torch.device, linear: nn.Linear):
+    """The quantised layer class for `linear` at `precision`, or None where the kernel does not take its shape."""
+    if precision == "int8":
+        return Int8WeightLinear if can_int8(device, linear.in_features) else None
+    return Int4WeightLinear if can_int4(device, linear.in_features, linear.out_features) else None
 
 
 def quantize_target(model: nn.Module, precision: str) -> nn.Module:
@@ -48,15 +142,15 @@ def quantize_target(model: nn.Module, precision: str) -> nn.Module:
     device = next(model.parameters()).device
     if not can_int8(device, INT8_BLOCK):
         raise ValueError(
-            f"an int8 target needs aten's weight-only int8 kernel on a CPU; this is {device.type}: "
+            f"a {precision} target needs aten's weight-only kernels on a CPU; this is {device.type}: "
             "use dtype='bfloat16' on a GPU"
         )
     embeddings = model.get_input_embeddings().weight
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if type(child) is nn.Linear and can_int8(device, child.in_features):
-                tied = embeddings if child.weight is embeddings else None
-                setattr(module, name, Int8WeightLinear(child, tied))
+            layer = _quantized_layer(precision, device, child) if type(child) is nn.Linear else None
+            if layer is not None:
+                setattr(module, name, layer(child, embeddings if child.weight is embeddings else None))
     model.medusa_precision = precision  # what plans and packages are keyed on
     return model
 
