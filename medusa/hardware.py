@@ -62,6 +62,12 @@ def native_bf16(device: torch.device | str = "cpu") -> bool:
     return bool(cpu_flags() & set(BF16_FLAGS))
 
 
+def vector_int4(device: torch.device | str = "cpu") -> bool:
+    """aten's int4 weight-only kernel at vector speed: a CPU running torch's AVX-512 kernels (where torch runs its AVX2
+    ones, that kernel is a reference loop: docs/engines.md)."""
+    return torch.device(device).type == "cpu" and torch.backends.cpu.get_cpu_capability() == "AVX512"
+
+
 def describe(device: torch.device | str = "cpu") -> dict:
     """What a latency measurement depends on: the processor, its usable ISA, threads and torch's version."""
     device = torch.device(device)

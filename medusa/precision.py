@@ -5,7 +5,8 @@ relative to plain decoding of the same target at the same precision.
 - "bfloat16" / "float16": on a CPU only where it computes bf16 natively (AVX512-BF16 or AMX); elsewhere it is
   emulated and slower than float32, so it is refused with the faster choices named.
 - "int8" / "int4": weight-only int8 or 4-bit linear layers (medusa.runtime.quantize; int4 is llama.cpp's Q4_1
-  scheme) on bf16 activations where the CPU has native bf16, else float32 ones; CPU precisions.
+  scheme) on bf16 activations where the CPU has native bf16, else float32 ones; CPU precisions. int4 only where torch
+  runs its AVX-512 kernels (elsewhere its kernel is a reference loop), so it is refused there, naming int8.
 - "auto": bfloat16 where the hardware computes it natively, else float32.
 """
 
@@ -15,12 +16,13 @@ import os
 
 import torch
 
-from medusa.hardware import native_bf16
+from medusa.hardware import native_bf16, vector_int4
 from medusa.loading import DTYPES, load_base, resolve_dtype
 from medusa.runtime import QUANTIZED, quantize_target
 
 PRECISIONS = ("float32", "bfloat16", "float16", *QUANTIZED, "auto")
-ALLOW_EMULATED = "MEDUSA_ALLOW_EMULATED_BF16"  # set to 1 to run bf16 where the CPU only emulates it
+# set to 1 to run bf16 where the CPU only emulates it, and int4 where its kernel has no vector path
+ALLOW_EMULATED = "MEDUSA_ALLOW_EMULATED_BF16"
 
 
 def activation_dtype(dtype, device) -> torch.dtype:
@@ -28,6 +30,12 @@ def activation_dtype(dtype, device) -> torch.dtype:
     device = torch.device(device or "cpu")
     if dtype in QUANTIZED and device.type != "cpu":
         raise ValueError(f"dtype={dtype!r} is a CPU precision here; on {device.type} use dtype='bfloat16'")
+    if dtype == "int4" and not vector_int4(device) and os.environ.get(ALLOW_EMULATED) != "1":
+        raise ValueError(
+            "torch runs its AVX2 kernels on this CPU, where aten's int4 kernel is a reference loop, about ten times "
+            f"slower than int8. Use dtype='int8' (weight-only, a quarter of the bytes), or set {ALLOW_EMULATED}=1 to "
+            "run int4 anyway"
+        )
     if dtype == "auto" or dtype in QUANTIZED:
         return torch.bfloat16 if native_bf16(device) else torch.float32
     resolved = resolve_dtype(dtype)

@@ -151,6 +151,9 @@ def test_unknown_and_slow_precisions_are_refused_with_the_fix(tmp_path, monkeypa
     with pytest.raises(ValueError, match=r"no native bf16.*dtype='float32'.*dtype='int8'"):
         load_target(str(base_dir), dtype="bfloat16")
     assert activation_dtype("int8", "cpu") == torch.float32  # int8 weights, fp32 activations where bf16 is emulated
+    monkeypatch.setattr(medusa.precision, "vector_int4", lambda device="cpu": False)  # torch's AVX2 kernels
+    with pytest.raises(ValueError, match=r"int4 kernel is a reference loop.*dtype='int8'.*MEDUSA_ALLOW_EMULATED"):
+        load_target(str(base_dir), dtype="int4")
     assert activation_dtype("auto", "cpu") == torch.float32
     monkeypatch.setenv(ALLOW_EMULATED, "1")
     model, _ = load_target(str(base_dir), dtype="bfloat16")

@@ -6,7 +6,8 @@ one (it says other things); speculative decoding on it is exact relative to plai
   activations.
 - int4: every linear layer whose shape aten's int4 kernel takes (input width a multiple of INT4_GROUP, output rows of
   INT4_ROWS) holds 4-bit weights, each group of INT4_GROUP inputs with its own scale and minimum: llama.cpp's Q4_1
-  scheme, so a Q4_1 GGUF base (the weights transformers dequantised on loading) comes back as it was stored.
+  scheme, so a Q4_1 GGUF base (the weights transformers dequantised on loading) gets its stored levels back, its
+  scales and minimums rounded to the activations' dtype.
 
 inductor lowers both kernels to its C++ weight-only templates when the inductor engine compiles the target.
 Embeddings and norms stay in the activations' dtype.
