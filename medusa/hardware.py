@@ -63,9 +63,10 @@ def native_bf16(device: torch.device | str = "cpu") -> bool:
 
 
 def vector_int4(device: torch.device | str = "cpu") -> bool:
-    """aten's int4 weight-only kernel at vector speed: a CPU running torch's AVX-512 kernels (where torch runs its AVX2
-    ones, that kernel is a reference loop: docs/engines.md)."""
-    return torch.device(device).type == "cpu" and torch.backends.cpu.get_cpu_capability() == "AVX512"
+    """aten's int4 weight-only kernel at vector speed: on bf16 activations (a CPU with native bf16) under torch's
+    AVX-512 kernels. Under its AVX2 ones, or on fp32 activations, it is a reference loop (docs/engines.md)."""
+    device = torch.device(device)
+    return device.type == "cpu" and torch.backends.cpu.get_cpu_capability() == "AVX512" and native_bf16(device)
 
 
 def describe(device: torch.device | str = "cpu") -> dict:

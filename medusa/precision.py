@@ -6,7 +6,8 @@ relative to plain decoding of the same target at the same precision.
   emulated and slower than float32, so it is refused with the faster choices named.
 - "int8" / "int4": weight-only int8 or 4-bit linear layers (medusa.runtime.quantize; int4 is llama.cpp's Q4_1
   scheme) on bf16 activations where the CPU has native bf16, else float32 ones; CPU precisions. int4 only where torch
-  runs its AVX-512 kernels (elsewhere its kernel is a reference loop), so it is refused there, naming int8.
+  runs its AVX-512 kernels on bf16 activations (elsewhere its kernel is a reference loop), so it is refused there,
+  naming int8.
 - "auto": bfloat16 where the hardware computes it natively, else float32.
 """
 
@@ -32,9 +33,9 @@ def activation_dtype(dtype, device) -> torch.dtype:
         raise ValueError(f"dtype={dtype!r} is a CPU precision here; on {device.type} use dtype='bfloat16'")
     if dtype == "int4" and not vector_int4(device) and os.environ.get(ALLOW_EMULATED) != "1":
         raise ValueError(
-            "torch runs its AVX2 kernels on this CPU, where aten's int4 kernel is a reference loop, about ten times "
-            f"slower than int8. Use dtype='int8' (weight-only, a quarter of the bytes), or set {ALLOW_EMULATED}=1 to "
-            "run int4 anyway"
+            "aten's int4 kernel runs at vector speed only on bf16 activations under torch's AVX-512 kernels; on this "
+            "CPU it is a reference loop, about ten times slower than int8. Use dtype='int8' (weight-only, a quarter "
+            f"of the bytes), or set {ALLOW_EMULATED}=1 to run int4 anyway"
         )
     if dtype == "auto" or dtype in QUANTIZED:
         return torch.bfloat16 if native_bf16(device) else torch.float32

@@ -27,7 +27,7 @@ from medusa.fileio import atomic_write_text
 from medusa.loading import load_base
 from medusa.precision import load_target
 from medusa.questions import answer_message, encode_conversation, load_questions
-from medusa.runtime import QUANTIZED, quantize_target
+from medusa.runtime import QUANTIZED, dequantize_target, quantize_target
 
 NEAR_TIE_LOGITS = 0.5  # probabilities within a factor e^0.5 = 1.65 of each other
 
@@ -125,10 +125,11 @@ def main(argv=None) -> dict:
     records = [json.loads(line) for line in (run / "raw.jsonl").read_text().splitlines() if line.strip()]
     questions = {q["question_id"]: q for q in load_questions(settings["questions"])}
     reference = args.reference or ("baseline" if "baseline" in settings["methods"] else "baseline_compiled")
-    # the arbiter: the run's weights (int8 ones too) computed in float32; load_base reads "embedded:..." too
+    # the arbiter: the run's weights (quantised ones too, dequantised) computed in float32; load_base reads
+    # "embedded:..." too
     exact, tokenizer = load_base(settings["base"], dtype=torch.float32)
     if settings["dtype"] in QUANTIZED:
-        quantize_target(exact, settings["dtype"])
+        dequantize_target(quantize_target(exact, settings["dtype"]))
     half, _ = load_target(settings["base"], dtype=settings["dtype"], tokenizer=tokenizer)
     cases = [score(case, exact, half, tokenizer) for case in divergences(records, questions, reference)]
     outputs = {m: sum(r["method"] == m for r in records) for m in settings["methods"] if m != reference}

@@ -10,7 +10,15 @@ import medusa.runtime.prepack
 from medusa import MedusaModel
 from medusa.plan import plan_key
 from medusa.precision import ALLOW_EMULATED, activation_dtype, load_target
-from medusa.runtime import QUANTIZED, CompiledEngine, EagerEngine, InductorEngine, precision_of, quantize_target
+from medusa.runtime import (
+    QUANTIZED,
+    CompiledEngine,
+    EagerEngine,
+    InductorEngine,
+    dequantize_target,
+    precision_of,
+    quantize_target,
+)
 from medusa.runtime.prepack import dequantizing_pays
 from medusa.runtime.quantize import (
     INT4_DEQUANTIZED_FROM_ROWS,
@@ -152,7 +160,7 @@ def test_unknown_and_slow_precisions_are_refused_with_the_fix(tmp_path, monkeypa
         load_target(str(base_dir), dtype="bfloat16")
     assert activation_dtype("int8", "cpu") == torch.float32  # int8 weights, fp32 activations where bf16 is emulated
     monkeypatch.setattr(medusa.precision, "vector_int4", lambda device="cpu": False)  # torch's AVX2 kernels
-    with pytest.raises(ValueError, match=r"int4 kernel is a reference loop.*dtype='int8'.*MEDUSA_ALLOW_EMULATED"):
+    with pytest.raises(ValueError, match=r"int4 kernel.*reference loop.*dtype='int8'.*MEDUSA_ALLOW_EMULATED"):
         load_target(str(base_dir), dtype="int4")
     assert activation_dtype("auto", "cpu") == torch.float32
     monkeypatch.setenv(ALLOW_EMULATED, "1")
@@ -187,3 +195,18 @@ def test_inductor_concatenates_float_projections_but_not_int8_ones():
     assert inductor_cpu_options(make_tiny_model("llama"))[concat] is True
     assert inductor_cpu_options(make_tiny_model("llama", dtype=torch.bfloat16))[concat] is True
     assert not inductor_cpu_options(quantised_target("llama")).get(concat, False)
+
+
+@pytest.mark.parametrize("precision", QUANTIZED)
+def test_a_dequantised_target_computes_the_quantised_weights_in_float32(precision):
+    """scripts/divergence.py's arbiter: every quantised layer an nn.Linear holding what it computed with, the tied
+    projection's quantised weights included."""
+    model = quantize_target(make_tiny_model("gemma"), precision)  # gemma ties its embeddings
+    prompt = torch.randint(1, 90, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        quantised = model(prompt).logits
+        dequantize_target(model)
+        exact = model(prompt).logits
+    assert not [m for m in model.modules() if isinstance(m, QuantizedLinear)] and precision_of(model) == "float32"
+    assert not torch.equal(model.get_output_embeddings().weight, model.get_input_embeddings().weight)
+    torch.testing.assert_close(exact, quantised, **INT8_TOL)  # the kernels round activations to bf16 on the way

@@ -29,7 +29,7 @@ from medusa.runtime.prepack import (
     prepacked_copy,
     quantize_int8,
 )
-from medusa.runtime.quantize import QUANTIZED, precision_of, quantize_target
+from medusa.runtime.quantize import QUANTIZED, dequantize_target, precision_of, quantize_target
 from medusa.runtime.static import ENGINES_ATTRIBUTE, CompiledEngine, engines_set_aside
 from medusa.runtime.verify import PrefillOutput, VerifyOutput, base_features, verify
 from medusa.tree import Candidates
@@ -61,6 +61,7 @@ __all__ = [
     "prepacked_copy",
     "quantize_int8",
     "quantize_target",
+    "dequantize_target",
     "verify",
 ]
 

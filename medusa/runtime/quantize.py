@@ -156,6 +156,25 @@ def quantize_target(model: nn.Module, precision: str) -> nn.Module:
     return model
 
 
+def dequantize_target(model: nn.Module) -> nn.Module:
+    """`model` with each quantised linear layer replaced by an nn.Linear holding its dequantised weights in float32,
+    in place: the quantised target's weights in plain float arithmetic (what scripts/divergence.py judges with). ->
+    model."""
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, QuantizedLinear):
+                linear = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
+                weight = child.dequantized()  # what it computes with, a tied layer's too (`weight` is the float one)
+                linear.to(weight.device)
+                with torch.no_grad():
+                    linear.weight.copy_(weight.float())
+                    if child.bias is not None:
+                        linear.bias.copy_(child.bias.float())
+                setattr(module, name, linear)
+    model.medusa_precision = None
+    return model
+
+
 def precision_of(model: nn.Module) -> str:
     """What the user chose for `model`: a weight-only precision, else its dtype's name (float32, bfloat16...)."""
     return getattr(model, "medusa_precision", None) or str(model.dtype).replace("torch.", "")
