@@ -243,6 +243,8 @@ class SpeculativeGenerator:
         generator: torch.Generator | None = None,
         profile: bool = False,
         engine: str | None = None,
+        inputs=None,
+        tokenizer=None,
         **transformers_kwargs,
     ) -> GenerateOutput | torch.Tensor:
         """Speculative generation for one sequence, called as transformers' `generate` is. Greedy output equals the
@@ -259,8 +261,14 @@ class SpeculativeGenerator:
         `proposer="plain"` decodes one token a step on the same engine (no guesses); `engine` picks how the target
         runs: "eager" (the exact reference), "compiled" (static cache, pre-packed weights) or "inductor" (static
         cache, torch.compile; compiled when the engine is built, minutes in each new process); see medusa.runtime.
+        As in transformers, the prompt may come as `inputs`, and `tokenizer` (default: the model's) reads
+        `stop_strings` and the end-of-sequence token.
         """
         generate_args.refuse_unknown(transformers_kwargs)
+        if inputs is not None and input_ids is not None:
+            raise ValueError("generate got both inputs and input_ids: pass the prompt once (either name)")
+        input_ids = inputs if input_ids is None else input_ids
+        tokenizer = tokenizer or self.tokenizer
         if input_ids is None:
             raise ValueError(
                 "generate needs input_ids: the prompt's token ids (or **tokenizer(text, return_tensors='pt'))"
@@ -297,8 +305,8 @@ class SpeculativeGenerator:
             input_ids,
             max_new_tokens=settings.max_new_tokens,
             sampling=sampling,
-            stop_ids=stop_token_ids(self.base, self.tokenizer, settings.eos_token_id),
-            stop_when=generate_args.stopping(stopping_criteria, settings.stop_strings, self.tokenizer),
+            stop_ids=stop_token_ids(self.base, tokenizer, settings.eos_token_id),
+            stop_when=generate_args.stopping(stopping_criteria, settings.stop_strings, tokenizer),
             streamer=streamer,
             generator=generator,
             profile=profile,

@@ -44,6 +44,11 @@ UNSUPPORTED = dict(
     watermarking_config=None,
     prompt_lookup_num_tokens=None,
 )
+# Unsupported settings whose job this library does another way: the refusal names that way
+ALTERNATIVES = {
+    "prompt_lookup_num_tokens": "pass proposer='prompt_lookup' (guesses copied from the context, as transformers' "
+    "prompt lookup does; 'hybrid' adds the heads' guesses)",
+}
 # transformers' generate arguments that do not change one unpadded sequence's tokens: taken and ignored
 ACCEPTED = {"pad_token_id", "bos_token_id", "use_cache", "cache_implementation", "token_type_ids"}
 
@@ -85,10 +90,10 @@ def resolve(
 
     for name, off in UNSUPPORTED.items():
         if value(name, off) not in (off, None):
+            fix = ALTERNATIVES.get(name, f"pass {name}={off!r}, or call model.base.generate for it")
             raise ValueError(
                 f"generate does not support {name}={value(name)!r} (a transformers generation setting that "
-                f"the tree verify does not reproduce exactly): pass {name}={off!r}, or call "
-                "model.base.generate for it"
+                f"the tree verify does not reproduce exactly): {fix}"
             )
     max_new_tokens = value("max_new_tokens")
     if max_new_tokens is None and value("max_length") is not None:
@@ -118,21 +123,25 @@ def resolve(
     )
 
 
-# generate arguments of transformers that are not generation settings, refused with what they are
+# generate arguments of transformers that are not generation settings, refused with what they are and the way out
+BASE_GENERATE = "call model.base.generate for it"
 UNSUPPORTED_ARGUMENTS = {
-    "logits_processor": "logits processors",
-    "prefix_allowed_tokens_fn": "constrained decoding",
-    "synced_gpus": "synced GPUs",
-    "negative_prompt_ids": "guidance",
-    "assistant_model": "an assistant model; MedusaModel.from_pretrained(draft=...) runs one",
+    "logits_processor": ("logits processors", BASE_GENERATE),
+    "prefix_allowed_tokens_fn": ("constrained decoding", BASE_GENERATE),
+    "synced_gpus": ("synced GPUs", BASE_GENERATE),
+    "negative_prompt_ids": ("guidance", BASE_GENERATE),
+    "assistant_model": (
+        "an assistant model",
+        "MedusaModel.from_draft_model(target, draft) decodes with a draft model (Leviathan et al.) in this loop",
+    ),
 }
 
 
 def refuse_unknown(unknown: dict) -> None:
     """generate's **kwargs: what transformers takes and we can ignore passes, the rest is named."""
-    for name, what in UNSUPPORTED_ARGUMENTS.items():
+    for name, (what, fix) in UNSUPPORTED_ARGUMENTS.items():
         if unknown.get(name):
-            raise ValueError(f"generate does not support {name} ({what}): call model.base.generate for it")
+            raise ValueError(f"generate does not support {name} ({what}): {fix}")
     rest = sorted(set(unknown) - set(UNSUPPORTED_ARGUMENTS) - set(UNSUPPORTED) - ACCEPTED)
     if rest:
         raise TypeError(f"generate got unexpected arguments {rest}: see help(model.generate) for what it takes")

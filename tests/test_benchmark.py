@@ -30,6 +30,15 @@ QUESTIONS = [
 ]
 
 
+def test_without_matplotlib_the_chart_is_left_out_with_a_note(tmp_path, monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # an import of it raises ImportError
+    benchmark.plot_speedups({"per_category": {}, "overall": {}, "settings": {}}, tmp_path / "speedup.png")
+    assert not (tmp_path / "speedup.png").exists()
+    assert "matplotlib is not installed" in capsys.readouterr().out
+
+
 def test_load_questions_groups_mt_bench_and_limits_per_group(tmp_path):
     path = tmp_path / "q.jsonl"
     path.write_text("\n".join(json.dumps(q) for q in QUESTIONS) + "\n")

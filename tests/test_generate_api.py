@@ -67,6 +67,21 @@ def test_stopping_criteria_and_stop_strings_stop_where_transformers_stops(model)
     assert torch.equal(ours, theirs) and ours.shape[1] < full.shape[1]
 
 
+def test_inputs_and_tokenizer_are_taken_by_their_transformers_names(model):
+    """generate(inputs=..., tokenizer=..., stop_strings=...) as transformers' generate takes it, on a model loaded
+    without a tokenizer too: the tokenizer given reads the stop strings."""
+    inputs = _inputs(model)
+    full = model.generate(**inputs, max_new_tokens=16).sequences
+    prompt_length = inputs["input_ids"].shape[1]
+    text = model.tokenizer.decode(full[0, prompt_length + 3 : prompt_length + 5])
+    bare = MedusaModel(model.base, model.heads, projection_dtype=torch.float32)  # no tokenizer of its own
+    ours = bare.generate(inputs=inputs["input_ids"], tokenizer=model.tokenizer, max_new_tokens=16, stop_strings=[text])
+    theirs = model.base.generate(
+        inputs=inputs["input_ids"], max_new_tokens=16, do_sample=False, stop_strings=[text], tokenizer=model.tokenizer
+    )
+    assert torch.equal(ours.sequences, theirs) and theirs.shape[1] < full.shape[1]
+
+
 def test_settings_follow_transformers_precedence():
     base = make_tiny_model("llama")
     settings = resolve(base, 5, None, dict(do_sample=True), 0.09, 0.3)

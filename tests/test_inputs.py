@@ -62,6 +62,9 @@ BAD_CALLS = [
     ),
     ("beam search", dict(num_beams=4), ValueError, "does not support num_beams=4"),
     ("a logits processor", dict(logits_processor=[lambda ids, scores: scores]), ValueError, "logits_processor"),
+    ("an assistant model", dict(assistant_model=object()), ValueError, "MedusaModel.from_draft_model(target, draft)"),
+    ("transformers' prompt lookup", dict(prompt_lookup_num_tokens=3), ValueError, "pass proposer='prompt_lookup'"),
+    ("the prompt twice", dict(inputs=PROMPT), ValueError, "both inputs and input_ids"),
     ("an unknown argument", dict(temprature=0.7), TypeError, "unexpected arguments ['temprature']"),
     (
         "max_length inside the prompt",

@@ -605,7 +605,12 @@ def write_markdown(summary: dict, path: Path) -> None:
 
 
 def plot_speedups(summary: dict, path: Path) -> None:
-    import matplotlib
+    """The speedup chart at `path`; without matplotlib (an extra: medusa[bench]) a note instead, the tables kept."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib is not installed: no {path.name} (pip install 'medusa[bench]'); the tables are written")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
