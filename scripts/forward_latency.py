@@ -13,7 +13,7 @@ import time
 import torch
 
 from medusa import MedusaModel
-from medusa.runtime import CompiledEngine, prepacked_copy
+from medusa.runtime import CompiledEngine, prepacked_copy, with_cache
 
 
 def main() -> None:
@@ -35,7 +35,7 @@ def main() -> None:
                 start = time.perf_counter()
                 runners[name](
                     input_ids=tokens,
-                    past_key_values=cache,
+                    **with_cache(runners[name], cache),
                     position_ids=positions,
                     cache_position=positions[0],
                     use_cache=True,

@@ -1,10 +1,13 @@
 """The key invariant: one tree-verify forward gives every node the logits of running its path sequentially."""
 
+import inspect
+
 import torch
 from transformers import DynamicCache
 
-from medusa.runtime import kv_cache, verify
+from medusa.runtime import kv_cache, verify, with_cache
 from medusa.tree import Candidates, TreeSpec, build_buffers
+from tests.conftest import make_tiny_model
 from tests.test_tree import HAND_TREE
 
 
@@ -57,3 +60,16 @@ def test_commit_keeps_accepted_rows_and_next_step_matches(tiny_model):
     torch.testing.assert_close(
         after_commit, _sequential_logits(tiny_model, committed.tolist() + [7]), atol=1e-4, rtol=1e-4
     )
+
+
+def test_the_cache_goes_by_the_name_the_forward_takes():
+    """transformers 5.23 renamed forward's past_key_values to cache (the old name warns, and goes in 5.40)."""
+    model = make_tiny_model("llama")
+    name = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    assert list(with_cache(model, "the cache")) == [name] and with_cache(model, "the cache")[name] == "the cache"
+
+    class OldForward(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values=None):
+            return past_key_values
+
+    assert with_cache(OldForward(), 1) == {"past_key_values": 1}

@@ -222,7 +222,7 @@ class ForwardRecorder:
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
             ids = kwargs["inputs_embeds"]
-        cache = kwargs.get("past_key_values")
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))  # transformers' name for it, new or old
         past = cache.get_seq_length() if cache is not None else 0
         self.calls.append([int(past), int(ids.shape[1]), 0.0])
         self._start = self._now()

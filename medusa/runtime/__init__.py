@@ -31,7 +31,7 @@ from medusa.runtime.prepack import (
 )
 from medusa.runtime.quantize import QUANTIZED, dequantize_target, precision_of, quantize_target
 from medusa.runtime.static import ENGINES_ATTRIBUTE, CompiledEngine, engines_set_aside
-from medusa.runtime.verify import PrefillOutput, VerifyOutput, base_features, verify
+from medusa.runtime.verify import PrefillOutput, VerifyOutput, base_features, verify, with_cache
 from medusa.tree import Candidates
 
 ENGINES = ("eager", "compiled", "inductor")
@@ -63,6 +63,7 @@ __all__ = [
     "quantize_target",
     "dequantize_target",
     "verify",
+    "with_cache",
 ]
 
 

@@ -31,7 +31,7 @@ from medusa.fileio import atomic_file, one_at_a_time
 from medusa.hardware import describe
 from medusa.loading import cache_root
 from medusa.runtime.torch_patches import no_gemm_choice, probe_vector_isas_meanwhile, wrapper_compiled_beside_kernels
-from medusa.runtime.verify import base_features
+from medusa.runtime.verify import base_features, with_cache
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class VerifyStep(nn.Module):
             input_ids=input_ids,
             position_ids=position_ids,
             attention_mask=mask,
-            past_key_values=_cache_over(self.model.config, keys, values, length, mask.shape[-1]),
+            **with_cache(self.model, _cache_over(self.model.config, keys, values, length, mask.shape[-1])),
             use_cache=True,
             output_hidden_states=True,
         )

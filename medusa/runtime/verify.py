@@ -3,11 +3,25 @@ tree mask, position ids and the KV cache); what heads read from either (`base_fe
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 
 import torch
 
 from medusa.tree import Candidates
+
+
+@functools.cache
+def _cache_keyword(model_class: type) -> str:
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def with_cache(model, cache) -> dict:
+    """{keyword: cache} for `model`'s forward: transformers 5.23 takes the KV cache as `cache` (`past_key_values`
+    warns there, and goes in 5.40), earlier 5.x releases as `past_key_values`. A wrapper whose forward names neither
+    (torch.compile's) gets the old name, which those releases still take."""
+    return {_cache_keyword(type(model)): cache}
 
 
 def base_features(hidden_states: tuple[torch.Tensor, ...], feature_layers=()) -> torch.Tensor:
@@ -35,7 +49,9 @@ class PrefillOutput:
 @torch.inference_mode()
 def run_prefill(model, cache, input_ids: torch.Tensor, feature_layers=()) -> PrefillOutput:
     """One ordinary forward over the prompt (1, T) into `cache`, logits kept for its last position only."""
-    out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, output_hidden_states=True, logits_to_keep=1)
+    out = model(
+        input_ids=input_ids, **with_cache(model, cache), use_cache=True, output_hidden_states=True, logits_to_keep=1
+    )
     return PrefillOutput(out.logits[0, -1], base_features(out.hidden_states, feature_layers)[0])
 
 
@@ -94,7 +110,7 @@ def verify(
         input_ids=tokens,
         attention_mask=mask,
         position_ids=position_ids,
-        past_key_values=cache,
+        **with_cache(model, cache),
         use_cache=True,
         output_hidden_states=True,
     )
