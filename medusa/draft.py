@@ -15,7 +15,7 @@ from medusa.decode import SpeculativeGenerator
 from medusa.loading import BaseSource, load_base
 from medusa.precision import load_target
 from medusa.runtime import EagerEngine, engine_for, engines_set_aside
-from medusa.sampling import SamplingConfig, target_probs
+from medusa.sampling import SamplingConfig, greedy_tokens, target_probs
 from medusa.tree import Candidates, TreeSpec, build_buffers, chain
 
 DRAFT_CACHE_HEADROOM = 128  # rows past what the first proposal needs, in a static draft cache (beyond: a new one)
@@ -60,7 +60,7 @@ class DraftProposer:
             logits = torch.cat([logits, logits.new_full((extra,), float("-inf"))])
         if self.sampling.do_sample:
             return target_probs(logits, self.sampling)
-        return torch.nn.functional.one_hot(logits.argmax(), self.vocab_size).float()
+        return torch.nn.functional.one_hot(greedy_tokens(logits), self.vocab_size).float()
 
     def _feed(self, tokens: torch.Tensor, past: int) -> torch.Tensor:
         """Run the draft over `tokens` (P,) written at rows past .. past + P -> the logits after the last."""

@@ -59,8 +59,7 @@ def main() -> None:
             engine.prefill(cache, tokens(args.context), model.feature_layers)
             steps = []
             for query in args.queries:
-                tree = build_buffers(TreeSpec(chain(query - 1)), max(query - 1, 1)) if query > 1 else None
-                tree = tree or build_buffers(TreeSpec([]), 1)
+                tree = build_buffers(TreeSpec(chain(query - 1)), max(query - 1, 1))  # query = 1: the root alone
                 candidates = Candidates(tokens=tokens(query)[0], tree=tree)
                 step = functools.partial(engine.verify, cache, candidates, args.context, model.feature_layers)
                 ms = median_ms(step, args.repeats)

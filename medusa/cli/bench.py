@@ -73,8 +73,9 @@ from medusa.fileio import atomic_write_text
 from medusa.hardware import describe
 from medusa.loading import base_gguf
 from medusa.model import DEFAULT_HEADS_DIR
+from medusa.precision import PRECISIONS
 from medusa.questions import answer_message, encode_conversation, load_questions, per_group
-from medusa.runtime import ENGINES, QUANTIZED, engine_for
+from medusa.runtime import ENGINES, engine_for
 
 METHODS = (
     "baseline",
@@ -142,7 +143,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--dtype",
         default="float32",
-        choices=["float32", "bfloat16", "float16", *QUANTIZED],
+        choices=[p for p in PRECISIONS if p != "auto"],  # a benchmark names the precision it measures
         help="the target's precision (medusa.precision; int8 and int4: weight-only, CPU); llama.cpp runs the matching "
         "GGUF type",
     )

@@ -65,13 +65,14 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantized, scales.to(torch.bfloat16)
 
 
-def dequantizing_pays(rows: int, dtype: torch.dtype) -> bool:
+def dequantizing_pays(rows: int, dtype: torch.dtype, least_rows: int = 0) -> bool:
     """Whether a float GEMM over the int8 weights converted to the activations' dtype beats aten's weight-only kernel
     for `rows` rows (a prompt): from 32 rows of bf16 activations, from 64 of fp32 ones on a CPU that emulates bf16
-    (the kernel's arithmetic there); never for fewer rows or elsewhere (docs/engines.md)."""
+    (the kernel's arithmetic there); never for fewer rows or elsewhere (docs/engines.md). `least_rows`: a higher
+    floor, for weights whose conversion costs more (int4's unpacking)."""
     if dtype == torch.bfloat16:
-        return rows >= 32
-    return dtype == torch.float32 and rows >= 64 and not native_bf16()
+        return rows >= max(32, least_rows)
+    return dtype == torch.float32 and rows >= max(64, least_rows) and not native_bf16()
 
 
 def int8_linear(x: torch.Tensor, quantized: torch.Tensor, scales: torch.Tensor, bias=None) -> torch.Tensor:
@@ -204,6 +205,16 @@ def _copy_sharing(model: nn.Module, skip: tuple[str, ...]) -> tuple[nn.Module, s
     return copied, skipped
 
 
+def replace_children(model: nn.Module, replacement) -> nn.Module:
+    """Swap, in place, every module inside `model` for `replacement(module)` where that is not None. -> model."""
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            new = replacement(child)
+            if new is not None:
+                setattr(module, name, new)
+    return model
+
+
 def attention_copy(model: nn.Module) -> nn.Module:
     """A copy of `model` sharing every parameter and buffer, on `shared_gqa_sdpa` if it is on transformers' sdpa."""
     copied, _ = _copy_sharing(model, ())
@@ -216,12 +227,10 @@ def prepacked_copy(model: nn.Module, skip: tuple[str, ...] = (), fuse: bool = Tr
     projections of one input fused (FUSABLE; not with `fuse=False`), the others PackedLinear. Every parameter and
     buffer is shared, not copied. A model on transformers' sdpa attention gets `shared_gqa_sdpa`."""
     packed, skipped = _copy_sharing(model, skip)
-    for module in list(packed.modules()):
-        if fuse:
+    if fuse:
+        for module in list(packed.modules()):
             _fuse_siblings(module, skipped)
-        for name, child in list(module.named_children()):
-            if type(child) is nn.Linear and id(child) not in skipped:
-                setattr(module, name, PackedLinear(child))
+    replace_children(packed, lambda m: PackedLinear(m) if type(m) is nn.Linear and id(m) not in skipped else None)
     use_shared_gqa_sdpa(packed)
     return packed
 
@@ -230,12 +239,12 @@ def int8_copy(model: nn.Module, skip: tuple[str, ...] = ()) -> nn.Module:
     """A copy of `model` (parameters and buffers shared) whose nn.Linear layers outside `skip` compute on int8
     weights (Int8Linear) where `can_int8` allows, else pre-packed where `can_prepack` does: for proposing only."""
     quantized, skipped = _copy_sharing(model, skip)
-    for module in list(quantized.modules()):
-        for name, child in list(module.named_children()):
-            if type(child) is not nn.Linear or id(child) in skipped:
-                continue
-            if can_int8(child.weight.device, child.in_features):
-                setattr(module, name, Int8Linear(child))
-            elif can_prepack(child.weight.device, child.weight.dtype):
-                setattr(module, name, PackedLinear(child))
-    return quantized
+
+    def proposing(child: nn.Module) -> nn.Module | None:
+        if type(child) is not nn.Linear or id(child) in skipped:
+            return None
+        if can_int8(child.weight.device, child.in_features):
+            return Int8Linear(child)
+        return PackedLinear(child) if can_prepack(child.weight.device, child.weight.dtype) else None
+
+    return replace_children(quantized, proposing)

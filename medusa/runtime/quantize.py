@@ -18,13 +18,20 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from medusa.runtime.prepack import INT8_BLOCK, can_int8, dequantizing_pays, int8_linear, quantize_int8
+from medusa.runtime.prepack import (
+    INT8_BLOCK,
+    can_int8,
+    dequantizing_pays,
+    int8_linear,
+    quantize_int8,
+    replace_children,
+)
 
 QUANTIZED = ("int8", "int4")
 INT4_GROUP = 32  # inputs sharing one scale and minimum (Q4_1's block)
 INT4_ROWS = 16  # aten's int4 packing takes output rows in blocks of this many
 # Unpacking every int4 weight costs a fixed time per forward: a float GEMM over them pays from this many rows of a
-# prompt (where it pays for int8 weights at all; docs/engines.md)
+# prompt (prepack.dequantizing_pays' floor for int4; docs/engines.md)
 INT4_DEQUANTIZED_FROM_ROWS = 256
 
 
@@ -70,8 +77,8 @@ def int4_linear(
     """x (..., in) @ dequantised(packed).T + bias -> (..., out) in x's dtype: aten's int4 kernel, or for a prompt's
     many rows a float GEMM over the weights dequantised (as int8_linear does)."""
     rows = x.reshape(-1, x.shape[-1]).to(scales_and_zeros.dtype)
-    many = rows.shape[0] >= INT4_DEQUANTIZED_FROM_ROWS
-    if not torch.compiler.is_compiling() and many and dequantizing_pays(rows.shape[0], rows.dtype):
+    prompt = dequantizing_pays(rows.shape[0], rows.dtype, least_rows=INT4_DEQUANTIZED_FROM_ROWS)
+    if not torch.compiler.is_compiling() and prompt:
         out = (rows @ dequantize_int4(nibbles, scales_and_zeros).T).to(x.dtype)
     else:
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, INT4_GROUP, scales_and_zeros).to(x.dtype)
@@ -147,11 +154,12 @@ def quantize_target(model: nn.Module, precision: str) -> nn.Module:
             "use dtype='bfloat16' on a GPU"
         )
     embeddings = model.get_input_embeddings().weight
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            layer = _quantized_layer(precision, device, child) if type(child) is nn.Linear else None
-            if layer is not None:
-                setattr(module, name, layer(child, embeddings if child.weight is embeddings else None))
+
+    def quantized(child: nn.Module) -> nn.Module | None:
+        layer = _quantized_layer(precision, device, child) if type(child) is nn.Linear else None
+        return layer(child, embeddings if child.weight is embeddings else None) if layer is not None else None
+
+    replace_children(model, quantized)
     model.medusa_precision = precision  # what plans and packages are keyed on
     return model
 
@@ -160,17 +168,19 @@ def dequantize_target(model: nn.Module) -> nn.Module:
     """`model` with each quantised linear layer replaced by an nn.Linear holding its dequantised weights in float32,
     in place: the quantised target's weights in plain float arithmetic (what scripts/divergence.py judges with). ->
     model."""
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, QuantizedLinear):
-                linear = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
-                weight = child.dequantized()  # what it computes with, a tied layer's too (`weight` is the float one)
-                linear.to(weight.device)
-                with torch.no_grad():
-                    linear.weight.copy_(weight.float())
-                    if child.bias is not None:
-                        linear.bias.copy_(child.bias.float())
-                setattr(module, name, linear)
+
+    def dequantized(child: nn.Module) -> nn.Module | None:
+        if not isinstance(child, QuantizedLinear):
+            return None
+        weight = child.dequantized()  # what it computes with, a tied layer's too (`weight` is the float one)
+        linear = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None, device=weight.device)
+        with torch.no_grad():
+            linear.weight.copy_(weight.float())
+            if child.bias is not None:
+                linear.bias.copy_(child.bias.float())
+        return linear
+
+    replace_children(model, dequantized)
     model.medusa_precision = None
     return model
 
