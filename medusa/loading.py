@@ -72,8 +72,13 @@ def default_gguf_path() -> Path:
 
 
 def gguf_cache_dir(gguf_path: Path) -> Path:
-    stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
+    """Keyed by the file's bytes (0.1 s for 100 MB), not its path: every checkout and virtual environment holding the
+    same GGUF shares one conversion (hundreds of MB each, else)."""
+    digest = hashlib.sha256()
+    with open(gguf_path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 24), b""):
+            digest.update(block)
+    key = digest.hexdigest()[:12]
     return cache_root() / "gguf" / f"{gguf_path.stem}-{key}"
 
 

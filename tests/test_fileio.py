@@ -191,3 +191,53 @@ def test_processes_converting_one_gguf_together_convert_it_once(tmp_path, monkey
     run_together(convert)
     assert not errors and len(conversions) == 1
     assert results["first"] == results["second"] and (results["first"] / "config.json").is_file()
+
+
+def test_a_gguf_copied_elsewhere_shares_its_conversion(tmp_path, monkeypatch):
+    """Each checkout's virtual environment holds the embedded GGUF at its own path; keyed by path, every fresh clone
+    converted it again (500 MB each) until CI's disk was full."""
+    from medusa.loading import gguf_cache_dir
+
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "cache"))
+    first, copy, other = tmp_path / "a" / "model.gguf", tmp_path / "b" / "model.gguf", tmp_path / "c" / "model.gguf"
+    for path, content in ((first, b"GGUF weights"), (copy, b"GGUF weights"), (other, b"GGUF other weights")):
+        path.parent.mkdir()
+        path.write_bytes(content)
+    assert gguf_cache_dir(first) == gguf_cache_dir(copy)
+    assert gguf_cache_dir(other) != gguf_cache_dir(first)
+
+
+def test_compiled_packages_past_the_limit_go_least_recently_used_first(tmp_path, monkeypatch):
+    from medusa.runtime import aot
+
+    folder = tmp_path / "aoti"
+    folder.mkdir()
+    packages = {}
+    for age, name in enumerate(("used-just-now", "used-a-minute-ago", "used-an-hour-ago", "used-a-day-ago")):
+        path = folder / f"512-{name}.pt2"
+        path.write_bytes(b"x" * 400)
+        (folder / f".{path.name}.lock").touch()
+        seconds = (0, 60, 3600, 86400)[age]
+        os.utime(path, ns=((1_000_000 - seconds) * 10**9, 5 * 10**9))
+        packages[name] = path
+    new = folder / "1024-new.pt2"
+    new.write_bytes(b"x" * 400)
+    monkeypatch.setenv("MEDUSA_AOT_CACHE_GB", str(1200 / 2**30))  # room for three packages of 400 bytes
+    deleted = aot.prune(keep=new)
+    assert set(deleted) == {packages["used-an-hour-ago"], packages["used-a-day-ago"]}
+    assert sorted(p.name for p in folder.glob("*.pt2")) == [
+        "1024-new.pt2",
+        "512-used-a-minute-ago.pt2",
+        "512-used-just-now.pt2",
+    ]
+    assert not (folder / ".512-used-a-day-ago.pt2.lock").exists()
+
+    aot._mark_used(packages["used-a-minute-ago"])  # loaded now: newer than "used-just-now"
+    assert aot.prune(keep=new) == []
+    monkeypatch.setenv("MEDUSA_AOT_CACHE_GB", str(800 / 2**30))
+    assert aot.prune(keep=new) == [packages["used-just-now"]]
+    assert packages["used-a-minute-ago"].stat().st_mtime_ns == 5 * 10**9  # _version tells packages apart by it
+
+    monkeypatch.setenv("MEDUSA_AOT_CACHE_GB", "eight")
+    with pytest.raises(ValueError, match="MEDUSA_AOT_CACHE_GB='eight' is not a number"):
+        aot.prune(keep=new)

@@ -7,8 +7,9 @@ whose tensors are inputs, written in place, with the query length and the rows a
 compiles that with the inductor engine's settings (frozen weights, C++ GEMM templates) into one package per cache
 size. A package holds the weights it was compiled with, so its file name hashes every weight, the dtype, the cache
 size, this CPU, its threads and the versions of torch, transformers and this format (hundreds of MB per size for a
-small model; delete them freely, they are compiled again when needed). It returns every layer's hidden states, so one
-package serves heads that read any of them (`feature_layers`).
+small model; delete them freely, they are compiled again when needed; past `$MEDUSA_AOT_CACHE_GB`, default 8, the
+least recently used are deleted). It returns every layer's hidden states, so one package serves heads that read any
+of them (`feature_layers`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import sys
 import threading
 import time
@@ -37,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 AOT_FORMAT = 3  # bump when what is exported changes (2: medusa's attention, 3: the rows written), so old packages
 # are not loaded
+DEFAULT_CACHE_GB = 8  # a few models' packages at two or three cache sizes each
 MAX_QUERY = 256  # the most tokens one verify forward may take (a tree's nodes)
 GEMM_BACKENDS = "max_autotune_gemm_backends"
 
@@ -178,10 +181,60 @@ def _version(path: Path):
 def _load(path: Path):
     """The runner in the package at `path`; None when it is unreadable (a warning: it is compiled again)."""
     try:
-        return torch._inductor.aoti_load_package(str(path))
+        runner = torch._inductor.aoti_load_package(str(path))
     except Exception as err:  # noqa: BLE001 - any unreadable package is compiled again
         logger.warning("compiled package %s is unreadable (%s: %s); compiling it again", path, type(err).__name__, err)
         return None
+    _mark_used(path)
+    return runner
+
+
+def _mark_used(path: Path) -> None:
+    """Set the package's access time (mounts often skip that on reads), which `prune` keeps the newest of; the
+    modification time stays, since `_version` tells packages apart by it."""
+    try:
+        os.utime(path, ns=(time.time_ns(), path.stat().st_mtime_ns))
+    except OSError:  # a read-only cache or one pruned meanwhile: only the order of pruning suffers
+        pass
+
+
+def cache_limit_bytes() -> int:
+    """How much the packages may take in all: `$MEDUSA_AOT_CACHE_GB` (default 8)."""
+    value = os.environ.get("MEDUSA_AOT_CACHE_GB", str(DEFAULT_CACHE_GB))
+    try:
+        gigabytes = float(value)
+    except ValueError:
+        raise ValueError(
+            f"MEDUSA_AOT_CACHE_GB={value!r} is not a number of GB; set it to e.g. 8, or unset it"
+        ) from None
+    return int(gigabytes * 2**30)
+
+
+def prune(keep: Path) -> list[Path]:
+    """Delete the least recently used packages beside `keep` until they and it fit in `cache_limit_bytes()`: each
+    version of torch, transformers, the weights or this format compiles new packages of hundreds of MB, and the
+    old ones are never read again. -> the packages deleted."""
+    limit, deleted = cache_limit_bytes(), []
+    others = []
+    for package in keep.parent.glob("*.pt2"):
+        try:
+            others.append((package.stat(), package))
+        except FileNotFoundError:  # another process pruned it meanwhile
+            continue
+    total = keep.stat().st_size
+    for stat, package in sorted(others, key=lambda item: item[0].st_atime_ns, reverse=True):
+        if package == keep:
+            continue
+        total += stat.st_size
+        if total > limit:
+            package.unlink(missing_ok=True)
+            package.with_name(f".{package.name}.lock").unlink(missing_ok=True)
+            deleted.append(package)
+    if deleted:
+        logger.warning(
+            "deleted %d compiled packages not used lately from %s (over MEDUSA_AOT_CACHE_GB)", len(deleted), keep.parent
+        )
+    return deleted
 
 
 def _compile(model, rows: int, options: dict, path: Path, label: str, progress: bool):
@@ -204,6 +257,7 @@ def _compile(model, rows: int, options: dict, path: Path, label: str, progress: 
     seconds = time.perf_counter() - start
     if progress:
         print(f"\r{message}: {seconds:.0f} s{' ' * 20}", file=sys.stderr)
+    prune(keep=path)
     return torch._inductor.aoti_load_package(str(path)), seconds
 
 
