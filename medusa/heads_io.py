@@ -291,7 +291,7 @@ def export_heads(
         raise ValueError(f"unknown export format {format!r}: use one of {FORMATS}")
     config = heads.config
     check_exportable(config)
-    _check_out_dir(Path(out_dir), overwrite)
+    check_out_dir(Path(out_dir), overwrite)
     if format == "medusa" and config.vocab_subset_size:
         logger.warning(
             "the official layout cannot carry the %d-token candidate subset: engines will rank the full "
@@ -370,7 +370,7 @@ def export_directory(
     heads_dir, out_dir = resolve_heads(heads_dir), Path(out_dir)  # a directory, Hub id or embedded:<name>
     if out_dir.resolve() == heads_dir.resolve():
         raise ValueError(f"export into a different directory than the source ({heads_dir})")
-    _check_out_dir(out_dir, overwrite)  # before the (possibly slow) base model load
+    check_out_dir(out_dir, overwrite)  # before the (possibly slow) base model load
     heads = load_heads(heads_dir)
     check_exportable(heads.config)  # before the base model load
     if (heads_dir / "adapter_config.json").is_file():
@@ -408,7 +408,7 @@ def _check_no_bias(lm_head) -> None:
         )
 
 
-def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
+def check_out_dir(out_dir: Path, overwrite: bool) -> None:
     if out_dir.exists() and not out_dir.is_dir():
         raise FileExistsError(f"{out_dir} is a file: choose a directory path for the export")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
@@ -419,7 +419,7 @@ def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
 
 def _write_directory(out_dir: Path, write, overwrite: bool) -> Path:
     """Write an export atomically; another layout's leftovers would mislead foreign_layout, so they go."""
-    _check_out_dir(out_dir, overwrite)
+    check_out_dir(out_dir, overwrite)
     return write_directory(out_dir, write, stale=(OFFICIAL_WEIGHTS, OFFICIAL_PICKLE, VLLM_WEIGHTS))
 
 

@@ -12,6 +12,8 @@ from torch import nn
 from medusa.config import CONFIG_NAME, MedusaConfig
 from medusa.decode import SpeculativeGenerator
 from medusa.draft import DraftModel
+from medusa.eagle3 import Eagle3Draft, Eagle3Model
+from medusa.eagle3_io import is_eagle3, load_eagle3
 from medusa.fileio import write_directory
 from medusa.guard import GuardedProposer
 from medusa.hardware import native_bf16
@@ -247,7 +249,18 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         """Classic speculative decoding (Leviathan et al.): `draft`, a smaller causal LM with the target's tokenizer,
         proposes `num_speculative_tokens` tokens per step. target/draft: Hub id, directory, .gguf or loaded model
         (target None: the embedded SmolLM2). Returns a `medusa.draft.DraftModel` with this class's `generate`.
+        An EAGLE-3 draft (a directory in the speculators or EAGLE-3 layout, or a `medusa.eagle3.Eagle3Draft`) reads
+        the target's hidden states: that returns a `medusa.eagle3.Eagle3Model`.
         """
+        if isinstance(draft, Eagle3Draft) or (isinstance(draft, (str, os.PathLike)) and is_eagle3(draft)):
+            if draft_tokenizer is not None:
+                raise ValueError(
+                    "an EAGLE-3 draft uses the target's tokenizer and embeddings: leave draft_tokenizer unset"
+                )
+            target_model, tokenizer = load_target(target, dtype=dtype, device=device, tokenizer=tokenizer)
+            if not isinstance(draft, Eagle3Draft):
+                draft, _ = load_eagle3(draft)
+            return Eagle3Model(target_model, draft.to(target_model.dtype), tokenizer, num_speculative_tokens)
         return DraftModel.load(
             target,
             draft,

@@ -47,7 +47,7 @@ TIERS = {
         "evaluation",
         "answers",
     },
-    "high": {"heads_io", "tree_builder", "plan", "draft", "model", INIT},
+    "high": {"heads_io", "tree_builder", "plan", "draft", "eagle3", "eagle3_io", "model", INIT},
     "apps": {"cli", "__main__"},
 }
 RANK = {module: rank for rank, tier in enumerate(TIERS.values()) for module in tier}

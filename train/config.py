@@ -288,6 +288,31 @@ def _check_range(cfg, name: str, minimum: float) -> None:
 
 
 @dataclass
+class Eagle3Config:
+    """An EAGLE-3 draft instead of heads (train/eagle3.py): `training` still sets the steps, rates, lengths and
+    where the draft and its checkpoints go; the heads section is ignored."""
+
+    enabled: bool = False  # train an EAGLE-3 draft (medusa.eagle3) rather than Medusa heads
+    aux_layers: list[int] | None = None  # the target layers fc reads (transformers' hidden_states index); null:
+    # EAGLE-3's [2, L // 2, L - 3]
+    draft_vocab_size: int = 8192  # the most frequent response tokens of the training data
+    ttt_steps: int = 5  # training-time test: steps the draft is unrolled over its own outputs
+    step_decay: float = 0.8  # step j's loss weighs step_decay**j (EAGLE-3's)
+    speculative_tokens: int = 5  # the chain length recorded in the saved config (what vLLM drafts)
+    # also score prompt positions against the target's distribution there (prompt-only data, data.answer false,
+    # becomes usable); answers alone otherwise
+    prompt_tokens: bool = False
+
+    def __post_init__(self):
+        if self.ttt_steps < 1:
+            raise ValueError(f"eagle3.ttt_steps must be >= 1, got {self.ttt_steps}")
+        if self.draft_vocab_size < 1:
+            raise ValueError(f"eagle3.draft_vocab_size must be >= 1, got {self.draft_vocab_size}")
+        if not 0 < self.step_decay <= 1:
+            raise ValueError(f"eagle3.step_decay must lie in (0, 1], got {self.step_decay}")
+
+
+@dataclass
 class Config:
     """A whole config file."""
 
@@ -295,6 +320,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     heads: HeadsConfig = field(default_factory=HeadsConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    eagle3: Eagle3Config = field(default_factory=Eagle3Config)
 
 
 def load_config(config_path: str | None, overrides: list[str] = ()) -> Config:

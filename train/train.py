@@ -57,6 +57,10 @@ def train(cfg: Config, *, resume: bool = False, stop_after_steps: int | None = N
     from accelerate.utils import set_seed
     from transformers import get_scheduler
 
+    if cfg.eagle3.enabled:  # an EAGLE-3 draft instead of heads
+        from train.eagle3 import train_eagle3
+
+        return train_eagle3(cfg, resume=resume, stop_after_steps=stop_after_steps)
     tcfg = cfg.training
     if tcfg.distill and cfg.heads.projection != "shared":
         raise ValueError(

@@ -22,6 +22,8 @@ Methods (interleaved per question, after a warm-up):
   medusa_typical  Medusa static tree with typical acceptance (lossy; meant for --temperature > 0)
   draft           MedusaModel.from_draft_model(base, --draft): classic speculative decoding in this library's loop
                   (--draft early-exit:N drafts with the target's own first N layers; --gamma tokens per step)
+  eagle3          an EAGLE-3 draft (--eagle3 DIR, speculators or EAGLE-3 layout) drafting --gamma tokens a step from
+                  the target's hidden states (medusa.eagle3), in this library's loop on --engine
   llama_cpp       llama.cpp's plain decoding (`llama-completion`) of the same weights in the GGUF type matching --dtype
                   (F32, BF16; made once from the base's GGUF with llama-quantize), same prompt text, greedy, same
                   threads; timed by llama.cpp's own prompt-eval + eval lines (prefill included, model load not)
@@ -90,6 +92,7 @@ METHODS = (
     "lookup",
     "medusa_typical",
     "draft",
+    "eagle3",
     "llama_cpp",
     "llama_cpp_lookup",
 )
@@ -110,6 +113,7 @@ RESUME_KEYS = (
     "max_new_tokens",
     "temperature",
     "draft",
+    "eagle3",
     "gamma",
     "threads",
     "seed",
@@ -169,7 +173,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="draft model for 'assisted' and 'draft' (same tokenizer), "
         "early-exit:N for the target's own first N layers, or int8 for the target with int8 weights (torchao)",
     )
-    parser.add_argument("--gamma", type=int, default=5, help="tokens the draft model proposes per step")
+    parser.add_argument(
+        "--eagle3", default=None, help="EAGLE-3 draft directory for the 'eagle3' method (speculators or EAGLE-3 layout)"
+    )
+    parser.add_argument(
+        "--gamma", type=int, default=5, help="tokens the draft model (or EAGLE-3 draft) proposes per step"
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -261,6 +270,11 @@ def build_methods(names: list[str], args, model, stop_ids: list[int]) -> tuple[d
             base, args.draft, dtype=args.dtype, tokenizer=tokenizer, num_speculative_tokens=args.gamma
         )
         draft_hf = draft_model.draft
+    eagle3_model = None
+    if args.eagle3 and "eagle3" in names:
+        eagle3_model = MedusaModel.from_draft_model(
+            base, args.eagle3, tokenizer=tokenizer, num_speculative_tokens=args.gamma
+        )
 
     def hf(assistant_model=None, **options):
         """transformers' generate; `options` go into its GenerationConfig (e.g. prompt_lookup_num_tokens)."""
@@ -379,6 +393,11 @@ def build_methods(names: list[str], args, model, stop_ids: list[int]) -> tuple[d
                 skipped[name] = "needs --draft PATH (a smaller model with the target's tokenizer)"
             else:
                 runs[name] = ours(draft_model)
+        elif name == "eagle3":
+            if eagle3_model is None:
+                skipped[name] = "needs --eagle3 DIR (an EAGLE-3 draft trained for this target: train/train.py, eagle3)"
+            else:
+                runs[name] = ours(eagle3_model)
         elif name == "medusa_typical":
             runs[name] = ours(model, proposer="medusa", tree=tree, acceptance="typical")
         else:
@@ -718,6 +737,7 @@ def main(argv=None) -> dict:
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature,
         "draft": args.draft,
+        "eagle3": args.eagle3,
         "gamma": args.gamma,
         "threads": torch.get_num_threads(),
         "seed": args.seed,

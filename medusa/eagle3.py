@@ -1,0 +1,317 @@
+"""The EAGLE-3 drafter (Li et al. 2025): one decoder layer of the target's family that drafts from three of the
+target's layers (low, middle, high) fused by `fc`, then from its own output and the embedding of the token it drafted;
+its output layer covers a draft vocabulary (the most frequent target tokens, mapped back by `d2t`).
+
+At an anchor position t the draft reads fc(target features at t) and the embedding of token t+1 and predicts token
+t+2; step j of a chain reads step j-1's output and the token it drafted, at position t+j. Its KV cache keeps the rows
+computed from the target's own features (committed positions) and, while it drafts, one row per drafted token.
+
+The layer is transformers' own (built from the target's config), with its q/k/v projections widened to read the
+embedding and the hidden state side by side; nothing of the family's forward is written here. Stored in the
+speculators format that vLLM loads (medusa.eagle3_io).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+from transformers import AutoModel, DynamicCache, PretrainedConfig
+
+from medusa.decode import SpeculativeGenerator
+from medusa.runtime import with_cache
+from medusa.sampling import SamplingConfig, greedy_tokens, target_probs
+from medusa.tree import Candidates, TreeSpec, build_buffers, chain
+
+ATTENTION_INPUTS = ("q_proj", "k_proj", "v_proj")  # read [embedding, hidden]: twice the hidden size
+LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's low, middle and high layers, as indices into transformers' `hidden_states` (0: the embeddings, i: the
+    output of layer i): the residual stream entering layers 2, L/2 and L-3."""
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def layer_config(target_config: PretrainedConfig) -> PretrainedConfig:
+    """The target's text config cut to the one layer the draft holds."""
+    config = copy.deepcopy(target_config.get_text_config())
+    config.num_hidden_layers = 1
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:1]
+    config.use_cache = True
+    return config
+
+
+class Eagle3Draft(nn.Module):
+    """The draft network. `forward` runs the layer; `logits` maps its output to the draft vocabulary; `target_ids`
+    maps draft-vocabulary indices to the target's token ids. The token embeddings are the target's (not held here)."""
+
+    def __init__(self, config: PretrainedConfig, aux_layers: list[int], draft_vocab_size: int, target_vocab_size: int):
+        super().__init__()
+        config = layer_config(config)
+        hidden = config.hidden_size
+        if len(aux_layers) < 1:
+            raise ValueError("an EAGLE-3 draft reads at least one target layer (aux_layers); EAGLE-3 uses three")
+        if not 1 <= draft_vocab_size <= target_vocab_size:
+            raise ValueError(f"draft_vocab_size must lie in [1, {target_vocab_size}], got {draft_vocab_size}")
+        self.config, self.aux_layers = config, list(aux_layers)
+        # transformers builds the family's layer, norm and rotary embedding; the embeddings are the target's, so a
+        # one-row table stands in for them while building
+        shell = AutoModel.from_config(
+            _one_row_vocabulary(config), attn_implementation="sdpa", dtype=torch.get_default_dtype()
+        )
+        layer = shell.layers[0]
+        missing = [part for part in LAYER_PARTS if not hasattr(layer, part)]
+        if missing or any(not hasattr(layer.self_attn, name) for name in ATTENTION_INPUTS):
+            raise ValueError(
+                f"an EAGLE-3 draft is built from a decoder layer with {LAYER_PARTS} and q/k/v projections: "
+                f"{type(layer).__name__} lacks {missing or ATTENTION_INPUTS}: use a llama-, qwen2- or gemma-like target"
+            )
+        for name in ATTENTION_INPUTS:
+            old = getattr(layer.self_attn, name)
+            setattr(layer.self_attn, name, nn.Linear(2 * hidden, old.out_features, bias=old.bias is not None))
+        layer.hidden_norm = copy.deepcopy(layer.input_layernorm)
+        self.fc = nn.Linear(len(aux_layers) * hidden, hidden, bias=False)
+        self.layers = nn.ModuleList([layer])
+        self.norm = shell.norm
+        self.rotary_emb = shell.rotary_emb
+        self.lm_head = nn.Linear(hidden, draft_vocab_size, bias=False)
+        # target id of draft index i: i + d2t[i]; t2d[token]: whether the draft vocabulary holds it
+        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(target_vocab_size, dtype=torch.bool))
+        self.set_vocabulary(torch.arange(draft_vocab_size))
+
+    def set_vocabulary(self, token_ids: torch.Tensor) -> None:
+        """The target ids the draft vocabulary holds, ascending (draft index i -> token_ids[i])."""
+        token_ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+        if token_ids.numel() != self.d2t.numel() or not bool((token_ids[1:] > token_ids[:-1]).all()):
+            raise ValueError(f"the draft vocabulary takes {self.d2t.numel()} distinct target ids in ascending order")
+        if int(token_ids[0]) < 0 or int(token_ids[-1]) >= self.t2d.numel():
+            raise ValueError(f"draft vocabulary ids must lie in [0, {self.t2d.numel()})")
+        token_ids = token_ids.to(self.d2t.device)
+        self.d2t.copy_(token_ids - torch.arange(token_ids.numel(), device=token_ids.device))
+        self.t2d.zero_()
+        self.t2d[token_ids] = True
+
+    @property
+    def target_ids(self) -> torch.Tensor:
+        """(V_draft,) the target token id of each draft index."""
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """(..., len(aux_layers) * H) target features -> (..., H): what step 0 reads as its hidden state."""
+        return self.fc(features.to(self.fc.weight.dtype))
+
+    def forward(self, hidden, token_embeds, position_ids, attention_mask, cache=None) -> torch.Tensor:
+        """hidden, token_embeds (B, T, H); position_ids (B, T); attention_mask (B, 1, T, K) additive over the K rows
+        the cache holds after this call -> the layer's output (B, T, H), the next step's hidden state."""
+        layer = self.layers[0]
+        position_embeddings = self.rotary_emb(hidden, position_ids)
+        inputs = torch.cat([layer.input_layernorm(token_embeds.to(hidden.dtype)), layer.hidden_norm(hidden)], dim=-1)
+        attended, _ = layer.self_attn(
+            hidden_states=inputs,
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            **with_cache(layer.self_attn, cache),
+        )
+        hidden = hidden + attended
+        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(..., H) layer output -> (..., V_draft) logits over the draft vocabulary."""
+        return self.lm_head(self.norm(hidden))
+
+
+def _one_row_vocabulary(config: PretrainedConfig) -> PretrainedConfig:
+    config = copy.deepcopy(config)
+    config.vocab_size = 1
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        if hasattr(config, name):
+            setattr(config, name, None)
+    config.tie_word_embeddings = False
+    return config
+
+
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(T, K) bool, True where a query may attend -> (1, 1, T, K) additive mask."""
+    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    return mask.masked_fill(~visible, torch.finfo(dtype).min)[None, None]
+
+
+def unrolled_visibility(length: int, step: int, device=None) -> torch.Tensor:
+    """Training-time test: which rows the queries of step `step` see, anchors 0..length-1.
+
+    Rows are the cache after steps 0..step, each `length` rows (anchor-major within a step). The query of anchor a
+    at step j sees step 0's rows of anchors <= a (computed from the target's features, as in decoding) and, from
+    each step 1..j, the row of its own anchor (the tokens it drafted before): what its cache holds when it drafts.
+    -> (length, (step + 1) * length) bool."""
+    anchors = torch.arange(length, device=device)
+    causal = anchors[None, :] <= anchors[:, None]
+    diagonal = torch.eye(length, dtype=torch.bool, device=device)
+    return torch.cat([causal] + [diagonal] * step, dim=1)
+
+
+class Eagle3Proposer:
+    """Drafts a chain of `depth` tokens with an Eagle3Draft after the target's root token.
+
+    Each call first feeds the draft the positions the target committed since the previous call (their features from
+    `state.new_hidden`, columns `feature_columns`), dropping the rows it drafted then; the chain's rows follow. It
+    draws from the draft's q shaped by `sampling` (argmax when greedy) and hands q to the acceptance rule, so the
+    "speculative" rule keeps sampling exact; greedy output is the target's whatever the draft says.
+    """
+
+    def __init__(
+        self,
+        draft: Eagle3Draft,
+        embed_tokens: nn.Module,
+        feature_columns: slice,
+        depth: int,
+        sampling: SamplingConfig,
+        vocab_size: int,
+        generator: torch.Generator | None = None,
+    ):
+        self.draft, self.embed_tokens, self.columns = draft, embed_tokens, feature_columns
+        self.depth, self.sampling, self.vocab_size, self.generator = depth, sampling, vocab_size, generator
+        self.max_nodes = depth + 1
+        self.tree = build_buffers(TreeSpec(chain(depth)), depth).to(draft.d2t.device)
+        self.cache = DynamicCache()
+        self.seen = 0  # committed positions whose rows (from the target's features) the cache holds
+        self._unread: list[torch.Tensor] = []  # features of positions committed since, oldest first
+
+    def _rows(self) -> int:
+        return self.cache.get_seq_length()
+
+    def _run(self, hidden: torch.Tensor, tokens: torch.Tensor, first_position: int) -> torch.Tensor:
+        """Feed (n, H) hidden states and the (n,) tokens after them at positions first_position.. -> (n, H)."""
+        n, past = hidden.shape[0], self._rows()
+        visible = torch.ones((n, past + n), dtype=torch.bool, device=hidden.device).tril(past)
+        positions = torch.arange(first_position, first_position + n, device=hidden.device)[None]
+        embeds = self.embed_tokens(tokens)[None]
+        mask = additive_mask(visible, hidden.dtype)
+        return self.draft(hidden[None], embeds, positions, mask, self.cache)[0]
+
+    def _draw(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(V_draft,) draft logits -> (target token id, q over the target's vocabulary or None when greedy)."""
+        if not self.sampling.do_sample:
+            return self.draft.target_ids[greedy_tokens(logits)], None
+        full = logits.new_full((self.vocab_size,), float("-inf"), dtype=torch.float32)
+        full[self.draft.target_ids] = logits.float()
+        q = target_probs(full, self.sampling)
+        return torch.multinomial(q, 1, generator=self.generator)[0], q
+
+    @torch.inference_mode()
+    def propose(self, state) -> Candidates:
+        if state.new_hidden is None:
+            raise ValueError("an EAGLE-3 draft reads the target's features: the decode state must carry new_hidden")
+        unread = self._unread or [state.new_hidden]
+        features = torch.cat(unread)[-(state.length - self.seen) :, self.columns]
+        self._unread = []
+        extra = self._rows() - self.seen  # rows drafted last time
+        if extra > 0:
+            self.cache.crop(-extra)
+        following = torch.tensor(state.tokens[self.seen + 1 : state.length + 1], device=features.device)
+        hidden = self._run(self.draft.fuse(features), following, self.seen)[-1:]
+        self.seen = state.length
+        tokens, probs = [], []
+        for step in range(self.depth):
+            token, q = self._draw(self.draft.logits(hidden[-1]))
+            tokens.append(token)
+            probs.append(q)
+            if step + 1 < self.depth:
+                hidden = self._run(hidden, token.view(1), state.length + step)
+        drafted = torch.stack(tokens)
+        draft_probs = None
+        if self.sampling.do_sample:
+            draft_probs = torch.stack([torch.zeros_like(probs[0])] + probs)  # (N, V); the root row is unused
+        return Candidates(
+            tokens=torch.cat([state.root_token.view(1).to(drafted.device), drafted]),
+            tree=self.tree,
+            draft_probs=draft_probs,
+        )
+
+    def observe(self, state, accepted_tokens: list[int]) -> None:
+        self._unread.append(state.new_hidden)
+
+
+class Eagle3Model(SpeculativeGenerator, nn.Module):
+    """A target and an EAGLE-3 draft behind `MedusaModel`'s `generate` (build with `MedusaModel.from_draft_model`
+    and an EAGLE-3 draft). Greedy output is the target's greedy output; `do_sample=True` samples exactly from its
+    distribution (acceptance "speculative", with the draft's q)."""
+
+    default_sampling_rule = "speculative"
+
+    def __init__(self, target, draft: Eagle3Draft, tokenizer=None, num_speculative_tokens: int = 5):
+        super().__init__()
+        if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int):
+            raise ValueError(f"num_speculative_tokens must be a positive integer, got {num_speculative_tokens!r}")
+        if num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be a positive integer, got {num_speculative_tokens!r}")
+        text = target.config.get_text_config()
+        if draft.config.hidden_size != text.hidden_size:
+            raise ValueError(
+                f"the EAGLE-3 draft reads hidden states of size {draft.config.hidden_size} but the target's are "
+                f"{text.hidden_size}: use a draft trained on this target"
+            )
+        if max(draft.aux_layers) >= text.num_hidden_layers:
+            raise ValueError(
+                f"the EAGLE-3 draft reads the target's layers {draft.aux_layers} but the target has "
+                f"{text.num_hidden_layers}: use a draft trained on this target"
+            )
+        vocab = target.get_output_embeddings().weight.shape[0]
+        if draft.t2d.numel() != vocab:
+            raise ValueError(
+                f"the EAGLE-3 draft maps a vocabulary of {draft.t2d.numel()} tokens but the target has {vocab}: "
+                "use a draft trained on this target"
+            )
+        self.target, self.draft, self.tokenizer = target, draft.to(target.device), tokenizer
+        self.num_speculative_tokens, self.vocab_size = num_speculative_tokens, vocab
+        self.feature_layers = list(draft.aux_layers)
+
+    @property
+    def base(self):
+        return self.target
+
+    @property
+    def device(self) -> torch.device:
+        return self.target.device
+
+    def make_proposer(self, proposer: str | None, tree, sampling: SamplingConfig, generator, engine=None):
+        if proposer not in (None, "eagle3"):
+            raise ValueError(f"an EAGLE-3 model proposes with its draft, got proposer={proposer!r}: leave it unset")
+        if tree is not None:
+            raise ValueError("an EAGLE-3 draft proposes a chain here: set num_speculative_tokens instead of tree=")
+        hidden = self.draft.config.hidden_size
+        return Eagle3Proposer(
+            self.draft,
+            self.target.get_input_embeddings(),
+            slice(hidden, None),  # base_features puts the last hidden state first, then the aux layers
+            self.num_speculative_tokens,
+            sampling,
+            self.vocab_size,
+            generator,
+        )
+
+
+def unrolled_outputs(
+    draft: Eagle3Draft, embed_tokens: nn.Module, features, input_ids, steps: int
+) -> list[torch.Tensor]:
+    """Training-time test over whole sequences: features (B, T, F) at the aux layers, input_ids (B, T) -> for each
+    step j < `steps`, the layer's output (B, T-1, H) at every anchor a, which predicts token a + j + 2.
+
+    Step j reads step j-1's outputs and the true token a + j + 1 (the target's own answer: what the chain holds where
+    the target accepts it) and sees what `unrolled_visibility` says, so each anchor computes exactly what decoding
+    computes there (tests/test_eagle3.py checks it). Past the sequence's end the token is 0; those outputs are
+    not scored."""
+    anchors = input_ids.shape[1] - 1
+    hidden = draft.fuse(features[:, :anchors])
+    positions = torch.arange(anchors, device=input_ids.device)[None]
+    padded = torch.nn.functional.pad(input_ids, (0, steps))
+    cache, outputs = DynamicCache(), []
+    for step in range(steps):
+        embeds = embed_tokens(padded[:, 1 + step : 1 + step + anchors])
+        mask = additive_mask(unrolled_visibility(anchors, step, input_ids.device), hidden.dtype)
+        hidden = draft(hidden, embeds, positions + step, mask, cache)
+        outputs.append(hidden)
+    return outputs

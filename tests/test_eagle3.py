@@ -1,0 +1,226 @@
+"""The EAGLE-3 drafter: training-time test computes what decoding computes, and decoding with it is exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from medusa import MedusaModel
+from medusa.eagle3 import (
+    Eagle3Draft,
+    Eagle3Model,
+    additive_mask,
+    default_aux_layers,
+    unrolled_outputs,
+    unrolled_visibility,
+)
+from tests.conftest import FAMILIES, HIDDEN, VOCAB, make_tiny_model
+
+AUX = [0, 1]  # the tiny targets have 2 layers: the residual streams entering each
+
+
+def random_draft(target, seed: int = 3, draft_vocab: int = VOCAB // 2, scale: float = 0.5) -> Eagle3Draft:
+    torch.manual_seed(seed)
+    draft = Eagle3Draft(target.config, AUX, draft_vocab, VOCAB)
+    for parameter in draft.parameters():
+        torch.nn.init.normal_(parameter, std=scale / parameter.shape[-1] ** 0.5)
+    draft.set_vocabulary(torch.randperm(VOCAB)[:draft_vocab].sort().values)
+    return draft.eval()
+
+
+def test_default_aux_layers_are_eagle3s_low_middle_and_high():
+    assert default_aux_layers(30) == [2, 15, 27]  # SmolLM2-135M
+    assert default_aux_layers(32) == [2, 16, 29]  # Llama-3.1-8B, as EAGLE-3 picks them
+
+
+def test_the_unrolled_mask_shows_each_step_what_its_cache_holds():
+    visible = unrolled_visibility(3, 2)
+    assert visible.tolist() == [
+        [1, 0, 0, 1, 0, 0, 1, 0, 0],
+        [1, 1, 0, 0, 1, 0, 0, 1, 0],
+        [1, 1, 1, 0, 0, 1, 0, 0, 1],
+    ]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.inference_mode()
+def test_training_time_test_computes_what_decoding_computes(family):
+    """Every anchor of the unrolled training forward against a decode-style run: the committed positions fed on a
+    fresh cache, then one drafted token at a time. A mask that let a step see another anchor's drafts (or its own
+    future) would differ here."""
+    target = make_tiny_model(family)
+    draft = random_draft(target)
+    embed = target.get_input_embeddings()
+    length, steps = 9, 3
+    ids = torch.randint(1, VOCAB, (1, length), generator=torch.Generator().manual_seed(0))
+    features = torch.randn(1, length, len(AUX) * HIDDEN, generator=torch.Generator().manual_seed(1))
+    unrolled = unrolled_outputs(draft, embed, features, ids, steps)
+    for anchor in (0, 3, length - 1 - steps):
+        cache = DynamicCache()
+        n = anchor + 1
+        mask = additive_mask(torch.ones(n, n, dtype=torch.bool).tril(), torch.float32)
+        hidden = draft(draft.fuse(features[:, :n]), embed(ids[:, 1 : n + 1]), torch.arange(n)[None], mask, cache)
+        hidden = hidden[:, -1:]
+        torch.testing.assert_close(hidden[0, 0], unrolled[0][0, anchor], atol=1e-5, rtol=1e-5)
+        for step in range(1, steps):
+            rows = cache.get_seq_length() + 1
+            mask = additive_mask(torch.ones(1, rows, dtype=torch.bool), torch.float32)
+            token = ids[:, anchor + step + 1 : anchor + step + 2]
+            hidden = draft(hidden, embed(token), torch.tensor([[anchor + step]]), mask, cache)
+            torch.testing.assert_close(hidden[0, 0], unrolled[step][0, anchor], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("depth", [1, 4])
+def test_greedy_output_is_the_targets_greedy_output(family, depth):
+    target = make_tiny_model(family)
+    model = Eagle3Model(target, random_draft(target), num_speculative_tokens=depth)
+    prompt = torch.randint(1, VOCAB, (1, 7), generator=torch.Generator().manual_seed(2))
+    want = target.generate(prompt, max_new_tokens=40, do_sample=False, pad_token_id=0)
+    out = model.generate(prompt, max_new_tokens=40)
+    assert torch.equal(out.sequences, want)
+    assert max(out.stats.proposed_lengths) == depth
+
+
+def test_a_draft_that_guesses_right_is_always_accepted():
+    """An oracle in place of the draft's output layer: it names the token of the target's greedy continuation at the
+    position the proposer drafts for (the rows its cache holds, plus one). Every chain is then accepted whole; a
+    proposer that fed the draft the wrong tokens or positions would not line up with it."""
+    target = make_tiny_model("llama")
+    draft = random_draft(target, draft_vocab=VOCAB)
+    prompt = torch.randint(1, VOCAB, (1, 7), generator=torch.Generator().manual_seed(2))
+    sequence = target.generate(prompt, max_new_tokens=40, do_sample=False, pad_token_id=0)[0]
+    model = Eagle3Model(target, draft, num_speculative_tokens=3)
+    proposers, make_proposer = [], model.make_proposer
+
+    def capture(*args, **kwargs):
+        proposers.append(make_proposer(*args, **kwargs))
+        return proposers[-1]
+
+    def oracle(hidden):
+        logits = torch.full((VOCAB,), -1e9)
+        logits[sequence[proposers[-1].cache.get_seq_length() + 1]] = 0.0
+        return logits
+
+    model.make_proposer, draft.logits = capture, oracle
+    out = model.generate(prompt, max_new_tokens=33)
+    assert torch.equal(out.sequences[0], sequence[: 7 + 33])
+    assert out.stats.accepted_lengths == [4] * 8  # 1 (prefill) + 8 steps of 4 = 33 tokens
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(aux=[0, 1, 5]), "reads the target's layers"),
+        (dict(vocab=VOCAB + 4), "maps a vocabulary of"),
+    ],
+)
+def test_a_draft_for_another_target_is_refused(change, message):
+    target = make_tiny_model("llama")
+    draft = Eagle3Draft(target.config, change.get("aux", AUX), 8, change.get("vocab", VOCAB))
+    with pytest.raises(ValueError, match=message):
+        Eagle3Model(target, draft)
+
+
+def test_bad_vocabularies_are_named():
+    target = make_tiny_model("llama")
+    draft = Eagle3Draft(target.config, AUX, 4, VOCAB)
+    with pytest.raises(ValueError, match="distinct target ids in ascending order"):
+        draft.set_vocabulary(torch.tensor([3, 2, 5, 7]))
+    with pytest.raises(ValueError, match=r"must lie in \[0, 96\)"):
+        draft.set_vocabulary(torch.tensor([3, 5, 7, 200]))
+    draft.set_vocabulary(torch.tensor([3, 5, 7, 90]))
+    assert draft.target_ids.tolist() == [3, 5, 7, 90]
+    assert draft.t2d.nonzero().flatten().tolist() == [3, 5, 7, 90]
+
+
+@pytest.mark.parametrize("format", ["speculators", "eagle3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@torch.inference_mode()
+def test_a_saved_draft_loads_back_to_the_same_logits(tmp_path, format, family):
+    from medusa.eagle3_io import is_eagle3, load_eagle3, save_eagle3
+
+    target = make_tiny_model(family)
+    draft = random_draft(target)
+    save_eagle3(
+        draft,
+        tmp_path / "draft",
+        format=format,
+        verifier="org/target",
+        verifier_architectures=["X"],
+        embed_tokens=target.get_input_embeddings().weight,
+    )
+    assert is_eagle3(tmp_path / "draft")
+    loaded, config = load_eagle3(tmp_path / "draft")
+    features = torch.randn(1, 6, len(AUX) * HIDDEN, generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
+    embed = target.get_input_embeddings()
+    for want, got in zip(
+        unrolled_outputs(draft, embed, features, ids, 2), unrolled_outputs(loaded, embed, features, ids, 2)
+    ):
+        assert torch.equal(draft.logits(want), loaded.logits(got))
+    assert torch.equal(loaded.target_ids, draft.target_ids)
+    if format == "speculators":
+        assert config["speculators_config"]["verifier"] == {"name_or_path": "org/target", "architectures": ["X"]}
+        assert config["norm_before_residual"] is False  # vLLM assumes True where the key is absent
+        assert config["transformer_layer_config"]["model_type"] == family
+    else:
+        assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    model = MedusaModel.from_draft_model(target, str(tmp_path / "draft"))
+    assert isinstance(model, Eagle3Model)
+    prompt = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(4))
+    want = target.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(prompt, max_new_tokens=12).sequences, want)
+
+
+def test_unreadable_drafts_are_named(tmp_path):
+    import json
+
+    from medusa.eagle3_io import load_eagle3, save_eagle3
+
+    target = make_tiny_model("llama")
+    with pytest.raises(ValueError, match="holds no EAGLE-3 draft"):
+        load_eagle3(tmp_path)
+    directory = save_eagle3(random_draft(target), tmp_path / "draft", embed_tokens=target.get_input_embeddings().weight)
+    config = json.loads((directory / "config.json").read_text())
+    del config["eagle_aux_hidden_state_layer_ids"]
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="does not record which target layers"):
+        load_eagle3(directory)
+    config["eagle_aux_hidden_state_layer_ids"] = [0, 1, 1]
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"tensor fc.weight has shape \(64, 128\), its config implies \(64, 192\)"):
+        load_eagle3(directory)
+    (directory / "model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        load_eagle3(directory)
+    (directory / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="safetensors only"):
+        load_eagle3(directory)
+
+
+def test_export_adds_the_targets_embeddings_and_refuses_heads_formats(tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from medusa.cli.export import main as export
+    from medusa.eagle3_io import load_eagle3, save_eagle3
+    from medusa.loading import load_base
+    from tests.test_train import save_tiny_base
+
+    base_dir = save_tiny_base(tmp_path / "base")
+    target, _ = load_base(str(base_dir))
+    draft = random_draft(target)
+    save_eagle3(draft, tmp_path / "draft", verifier=str(base_dir), verifier_architectures=["LlamaForCausalLM"])
+    assert "embed_tokens.weight" not in load_file(str(tmp_path / "draft" / "model.safetensors"))
+    for format in ("speculators", "eagle3"):
+        out = export([str(tmp_path / "draft"), str(tmp_path / format), "--format", format, "--base-name", "org/t"])
+        weights = load_file(str(out / "model.safetensors"))
+        assert torch.equal(weights["embed_tokens.weight"], target.get_input_embeddings().weight)
+        loaded, config = load_eagle3(out)
+        assert torch.equal(loaded.fc.weight, draft.fc.weight)
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert load_eagle3(tmp_path / "speculators")[1]["speculators_config"]["verifier"]["name_or_path"] == "org/t"
+    with pytest.raises(SystemExit):
+        export([str(tmp_path / "draft"), str(tmp_path / "x"), "--format", "vllm"])
+    assert "holds an EAGLE-3 draft: export it with --format speculators or eagle3" in capsys.readouterr().err

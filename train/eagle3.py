@@ -1,0 +1,210 @@
+"""Train an EAGLE-3 draft (medusa.eagle3) on the frozen target with training-time test: `train/train.py` with
+`eagle3.enabled: true` comes here.
+
+    accelerate launch train/train.py --config configs/smollm2-135m-eagle3.yaml [--resume]
+
+Each micro-step runs the target over one conversation (its hidden states at the aux layers and its distribution at
+every position: online, nothing cached on disk), unrolls the draft `eagle3.ttt_steps` steps over its own outputs
+(medusa.eagle3.unrolled_outputs) and scores step j against the target's distribution over the draft vocabulary at
+the position it predicts, weighted eagle3.step_decay**j (EAGLE-3's loss). Answer positions only; positions whose
+target choice lies outside the draft vocabulary are not scored (the draft cannot name it). The output directory is a
+speculators-format draft (medusa.eagle3_io), loadable with `MedusaModel.from_draft_model(target, directory)`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict
+
+import torch
+from tqdm import tqdm
+
+from medusa.eagle3 import Eagle3Draft, default_aux_layers, unrolled_outputs
+from medusa.eagle3_io import save_eagle3
+from medusa.loading import DEFAULT_BASE, load_base
+from train import checkpoints
+from train.batches import data_fingerprint, load_conversations, split_eval
+from train.config import Config
+from train.data import frequent_tokens
+
+
+def build_draft(cfg: Config, base, vocabulary: torch.Tensor) -> Eagle3Draft:
+    """A fresh draft whose output layer and final norm start as the target's own rows and norm (EAGLE-3 and
+    speculators start there too): step 0 then begins near the target's next-token choice."""
+    text = base.config.get_text_config()
+    aux = cfg.eagle3.aux_layers or default_aux_layers(text.num_hidden_layers)
+    draft = Eagle3Draft(base.config, aux, cfg.eagle3.draft_vocab_size, base.get_output_embeddings().weight.shape[0])
+    draft.set_vocabulary(vocabulary)
+    with torch.no_grad():
+        draft.lm_head.weight.copy_(base.get_output_embeddings().weight[draft.target_ids])
+        final_norm = base.get_decoder().norm
+        draft.norm.load_state_dict(final_norm.state_dict())
+    return draft
+
+
+def step_losses(draft, base, ids: torch.Tensor, first_scored: int, steps: int, decay: float):
+    """One conversation (1, T) -> (weighted loss, per-step [scored positions, top-1 agreements]). Predictions of
+    tokens before `first_scored` are not scored."""
+    with torch.no_grad():
+        out = base(ids, output_hidden_states=True)
+        features = torch.cat([out.hidden_states[layer] for layer in draft.aux_layers], dim=-1).float()
+        target_logits = out.logits[0].float()  # (T, V): position t predicts token t + 1
+        chosen = target_logits.argmax(-1)
+        target_p = target_logits[:, draft.target_ids].softmax(-1)  # (T, V_draft)
+        in_vocabulary = draft.t2d[chosen]
+    outputs = unrolled_outputs(draft, base.get_input_embeddings(), features, ids, steps)
+    length, total, stats = ids.shape[1], 0.0, []
+    for step, hidden in enumerate(outputs):
+        # anchor a predicts token a + step + 2, which the target predicts at position a + step + 1
+        positions = torch.arange(length - 1, device=ids.device) + step + 1
+        valid = positions < length - 1  # the last position predicts past the conversation
+        positions = positions.clamp(max=length - 1)
+        scored = valid & (positions + 1 >= first_scored) & in_vocabulary[positions]
+        log_q = draft.logits(hidden[0]).float().log_softmax(-1)
+        per_position = -(target_p[positions] * log_q).sum(-1)
+        count = int(scored.sum())
+        if count:
+            total = total + decay**step * per_position[scored].mean()
+        agree = (draft.target_ids[log_q.argmax(-1)] == chosen[positions]) & scored
+        stats.append([count, int(agree.sum())])
+    return total, stats
+
+
+def train_eagle3(cfg: Config, *, resume: bool = False, stop_after_steps: int | None = None):
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from transformers import get_scheduler
+
+    from train.train import TrainResult
+
+    tcfg, ecfg = cfg.training, cfg.eagle3
+    accelerator = Accelerator(project_config=checkpoints.project_configuration(tcfg))
+    main = accelerator.is_main_process
+    set_seed(tcfg.seed)
+    ckpt_root = checkpoints.checkpoint_root(tcfg)
+    if main:
+        for directory in (ckpt_root, type(ckpt_root)(tcfg.output_dir).parent):
+            checkpoints.check_writable(directory)
+    resume_from = checkpoints.check_resume(ckpt_root, resume)
+
+    with accelerator.main_process_first():
+        base, _ = load_base(cfg.model.base, dtype=cfg.model.dtype, device=accelerator.device)
+    base.requires_grad_(False)
+    vocab_size = base.get_output_embeddings().weight.shape[0]
+    convs = []
+    for data_dir in [cfg.data.out_dir, *cfg.data.extra_dirs]:
+        convs += load_conversations(data_dir, tcfg.max_length, vocab_size, prompt_only=ecfg.prompt_tokens)
+    train_idx, eval_idx = split_eval(convs, tcfg.eval_conversations)
+    vocabulary = (
+        frequent_tokens((convs[i].ids[convs[i].response_start :] for i in train_idx), ecfg.draft_vocab_size, vocab_size)
+        .sort()
+        .values
+    )
+    draft = build_draft(cfg, base, vocabulary).to(accelerator.device)
+
+    steps_per_epoch = math.ceil(len(train_idx) / (tcfg.grad_accum * accelerator.num_processes))
+    max_steps = tcfg.max_steps or tcfg.epochs * steps_per_epoch
+    optimizer = torch.optim.AdamW(
+        [p for p in draft.parameters() if p.requires_grad], lr=tcfg.lr, weight_decay=tcfg.weight_decay
+    )
+    scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=tcfg.warmup_steps, num_training_steps=max_steps)
+    draft, optimizer, scheduler = accelerator.prepare(draft, optimizer, scheduler)
+    snapshot = {
+        "eagle3": asdict(ecfg),
+        "training": {k: v for k, v in asdict(tcfg).items() if k not in checkpoints.RESUMABLE_CHANGES},
+        "data": data_fingerprint(convs),
+        "base": cfg.model.base or DEFAULT_BASE,
+        "processes": accelerator.num_processes,
+    }
+    step = 0
+    if resume_from is not None:
+        checkpoints.resume(accelerator, resume_from, snapshot)
+        step = json.loads((resume_from / checkpoints.STATE_NAME).read_text())["step"]
+        accelerator.print(f"resumed from {resume_from} at step {step}")
+    order = list(train_idx)
+    mine = order[accelerator.process_index :: accelerator.num_processes]
+    unwrapped = accelerator.unwrap_model(draft)
+
+    def conversation(index: int, evaluating: bool = False):
+        """(ids (1, T), the first position scored): held-out conversations score their answers only."""
+        conv = convs[index]
+        first = 2 if ecfg.prompt_tokens and not evaluating else conv.response_start
+        return torch.tensor([conv.ids], device=accelerator.device), first
+
+    def evaluate() -> dict:
+        unwrapped.eval()
+        totals = [[0, 0] for _ in range(ecfg.ttt_steps)]
+        with torch.no_grad():
+            for index in eval_idx:
+                _, stats = step_losses(unwrapped, base, *conversation(index, True), ecfg.ttt_steps, ecfg.step_decay)
+                for total, (count, agree) in zip(totals, stats):
+                    total[0] += count
+                    total[1] += agree
+        unwrapped.train()
+        return {f"eval/step{j}/top1": agree / max(count, 1) for j, (count, agree) in enumerate(totals)}
+
+    start, history, done = time.perf_counter(), [], 0
+    bar = tqdm(total=max_steps, initial=step, desc="eagle3", disable=not main)
+    draft.train()
+    while step < max_steps:
+        epoch, within = divmod(step * tcfg.grad_accum, max(len(mine), 1))
+        random.Random(tcfg.seed + epoch).shuffle(epoch_order := list(mine))
+        for micro in range(tcfg.grad_accum):
+            index = epoch_order[(within + micro) % len(epoch_order)]
+            loss, _ = step_losses(draft, base, *conversation(index), ecfg.ttt_steps, ecfg.step_decay)
+            if torch.is_tensor(loss):
+                accelerator.backward(loss / tcfg.grad_accum)
+        if tcfg.max_grad_norm:
+            accelerator.clip_grad_norm_(draft.parameters(), tcfg.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        step += 1
+        done += 1
+        bar.update(1)
+        if main and tcfg.log_every and step % tcfg.log_every == 0:
+            bar.set_postfix(
+                loss=f"{float(loss.detach() if torch.is_tensor(loss) else loss):.3f}",
+                lr=f"{scheduler.get_last_lr()[0]:.2e}",
+            )
+        if tcfg.eval_every and step % tcfg.eval_every == 0 and step < max_steps:
+            history.append({"step": step, **evaluate()})
+            tqdm.write(json.dumps(history[-1]))
+        if tcfg.save_every and step % tcfg.save_every == 0 and step < max_steps:
+            checkpoints.save(accelerator, step, snapshot)
+        if stop_after_steps is not None and done >= stop_after_steps:
+            checkpoints.save(accelerator, step, snapshot)
+            return TrainResult(None, step, history, 0.0, time.perf_counter() - start)
+    bar.close()
+    history.append({"step": step, **evaluate()})
+    tqdm.write(json.dumps(history[-1]))
+    output = None
+    if main:
+        card = model_card(cfg, history[-1], len(train_idx), sum(convs[i].response_tokens for i in train_idx), step)
+        output = save_eagle3(
+            unwrapped,
+            tcfg.output_dir,
+            verifier=cfg.model.base or DEFAULT_BASE,
+            verifier_architectures=list(base.config.architectures or []),
+            speculative_tokens=ecfg.speculative_tokens,
+            dtype=torch.bfloat16 if tcfg.save_dtype == "bfloat16" else None,
+            extra_files={"README.md": card, "training_history.json": json.dumps(history, indent=2) + "\n"},
+        )
+    accelerator.wait_for_everyone()
+    return TrainResult(output, step, history, 0.0, time.perf_counter() - start)
+
+
+def model_card(cfg: Config, final: dict, conversations: int, tokens: int, steps: int) -> str:
+    accuracy = " / ".join(f"{final[f'eval/step{j}/top1']:.3f}" for j in range(cfg.eagle3.ttt_steps))
+    return (
+        f"# EAGLE-3 draft for {cfg.model.base or 'SmolLM2-135M-Instruct (embedded)'}\n\n"
+        f"Trained by medusa's train/train.py (training-time test, {cfg.eagle3.ttt_steps} steps) on {conversations} "
+        f"self-distilled conversations ({tokens} answer tokens; data: {cfg.data.out_dir}, {cfg.data.extra_dirs}), "
+        f"{steps} optimizer steps.\n\nHeld-out top-1 agreement with the target per draft step: {accuracy}.\n\n"
+        f"Reads the target's layers {cfg.eagle3.aux_layers or 'EAGLE-3 default [2, L/2, L-3]'}; draft vocabulary "
+        f"{cfg.eagle3.draft_vocab_size} tokens. Load: `MedusaModel.from_draft_model(target, this_directory)`; "
+        'serve: `vllm serve <target> --speculative-config \'{"model": "<this directory>", "method": "eagle3"}\'`.\n'
+    )
