@@ -35,7 +35,7 @@ def copy_first_logp(
     return merged, torch.where((guesses >= 0)[:, None], mixed, own)
 
 
-def _prune(beam: torch.Tensor, paths: torch.Tensor, scores_so_far: torch.Tensor, budget: int):
+def prune_beam(beam: torch.Tensor, paths: torch.Tensor, scores_so_far: torch.Tensor, budget: int):
     """The previous level's kept nodes (scores `beam` (B,), sorted descending, and their `paths`) whose children can
     still make the final cut. A child scores at most its parent (log-probabilities <= 0) and comes after every
     shallower node in the cut's stable order, so once `budget` nodes score at least t, a parent scoring <= t has no
@@ -46,6 +46,36 @@ def _prune(beam: torch.Tensor, paths: torch.Tensor, scores_so_far: torch.Tensor,
     threshold = scores_so_far.topk(budget).values[-1]
     keep = int((beam > threshold).sum())  # host sync: how many rows the next head runs on
     return beam[:keep], paths[:keep]
+
+
+def keep_best(beam: torch.Tensor, top_logp: torch.Tensor, top_tokens: torch.Tensor, budget: int):
+    """One level of the search: the kept parents' scores `beam` (B,), their children's log-probabilities and tokens
+    (B, s) -> the best `budget` children (scores, index of the parent in the beam, tokens), sorted descending in one
+    stable order (score, then parent, then rank)."""
+    scores = (beam[:, None] + top_logp).flatten()  # (B * s,) ordered by parent, then rank
+    order = torch.sort(scores, descending=True, stable=True).indices[:budget]
+    return scores[order], order // top_logp.shape[1], top_tokens.flatten()[order]
+
+
+def cut_tree(root: torch.Tensor, level_scores, level_parents, level_tokens, budget: int) -> Candidates:
+    """The best `budget` nodes across the levels `keep_best` kept, as a tree rooted at `root` (1,). Within a level the
+    stable global order equals the level's own, so each level contributes a prefix of its sorted list, and since a
+    child never scores above its parent the cut is prefix-closed."""
+    all_scores = torch.cat(level_scores)
+    level_of = torch.cat([torch.full_like(s, d, dtype=torch.long) for d, s in enumerate(level_scores)])
+    chosen = torch.sort(all_scores, descending=True, stable=True).indices[:budget]
+    counts = torch.bincount(level_of[chosen], minlength=len(level_scores)).tolist()  # host sync: sizes are data
+
+    starts = [1 + sum(counts[:d]) for d in range(len(counts))]  # node index of each level's first node
+    tokens, parents, depths = [root], [root.new_zeros(1)], [root.new_zeros(1)]
+    for d, count in enumerate(counts):
+        if count == 0:
+            break
+        tokens.append(level_tokens[d][:count])
+        parents.append(starts[d - 1] + level_parents[d][:count] if d else root.new_zeros(count))
+        depths.append(root.new_full((count,), d + 1))
+    tree = buffers_from_parents(torch.cat(parents), torch.cat(depths))
+    return Candidates(tokens=torch.cat(tokens), tree=tree)
 
 
 class DynamicTreeProposer:
@@ -83,8 +113,8 @@ class DynamicTreeProposer:
         )  # (B,) scores of the previous level's kept nodes (the root: log 1)
         paths = root.new_zeros(1, 0)  # (B, d) tokens of the kept nodes' paths after the root
         for d in range(self.depth):
-            if d:  # only nodes above the budget-th best score so far can have a child in the final cut: see _prune
-                beam, paths = _prune(beam, paths, torch.cat(level_scores), budget)
+            if d:  # only nodes above the budget-th best score so far can have a child in the final cut: see prune_beam
+                beam, paths = prune_beam(beam, paths, torch.cat(level_scores), budget)
                 if beam.numel() == 0:  # nothing deeper can be chosen: the remaining heads need not run
                     break
             # (B, V') when each kept node's children depend on its path, else (1, V') shared by all
@@ -97,31 +127,12 @@ class DynamicTreeProposer:
                 top_tokens, top_logp = copy_first_logp(
                     top_tokens, top_logp.expand(beam.shape[0], width), guesses.expand(beam.shape[0])
                 )
-            scores = (beam[:, None] + top_logp).flatten()  # (B * s,) ordered by parent, then rank
-            order = torch.sort(scores, descending=True, stable=True).indices[:budget]
-            level_scores.append(scores[order])
-            level_parents.append(order // width)  # index into the previous level's kept list
-            level_tokens.append(top_tokens.flatten()[order])
+            kept = keep_best(beam, top_logp, top_tokens, budget)
+            for level, part in zip((level_scores, level_parents, level_tokens), kept):
+                level.append(part)
             beam = level_scores[-1]
             paths = torch.cat([paths[level_parents[-1]], level_tokens[-1][:, None]], dim=1)
-
-        # Global cut: the best `budget` across levels. Within a level the stable global order equals the level's own
-        # order, so each level contributes a prefix of its sorted list.
-        all_scores = torch.cat(level_scores)
-        level_of = torch.cat([torch.full_like(s, d, dtype=torch.long) for d, s in enumerate(level_scores)])
-        chosen = torch.sort(all_scores, descending=True, stable=True).indices[:budget]
-        counts = torch.bincount(level_of[chosen], minlength=len(level_scores)).tolist()  # host sync: sizes are data
-
-        starts = [1 + sum(counts[:d]) for d in range(len(counts))]  # node index of each level's first node
-        tokens, parents, depths = [root], [root.new_zeros(1)], [root.new_zeros(1)]
-        for d, count in enumerate(counts):
-            if count == 0:
-                break
-            tokens.append(level_tokens[d][:count])
-            parents.append(starts[d - 1] + level_parents[d][:count] if d else root.new_zeros(count))
-            depths.append(root.new_full((count,), d + 1))
-        tree = buffers_from_parents(torch.cat(parents), torch.cat(depths))
-        return Candidates(tokens=torch.cat(tokens), tree=tree)
+        return cut_tree(root, level_scores, level_parents, level_tokens, budget)
 
     def observe(self, state, accepted_tokens: list[int]) -> None:
         pass

@@ -20,6 +20,7 @@ from torch import nn
 from transformers import AutoModel, DynamicCache, PretrainedConfig
 
 from medusa.decode import SpeculativeGenerator
+from medusa.dynamic_tree import DEFAULT_TOPK, cut_tree, keep_best, prune_beam
 from medusa.runtime import with_cache
 from medusa.sampling import SamplingConfig, greedy_tokens, target_probs
 from medusa.tree import Candidates, TreeSpec, build_buffers, chain
@@ -154,12 +155,16 @@ def unrolled_visibility(length: int, step: int, device=None) -> torch.Tensor:
 
 
 class Eagle3Proposer:
-    """Drafts a chain of `depth` tokens with an Eagle3Draft after the target's root token.
+    """Drafts with an Eagle3Draft after the target's root token: a chain of `depth` tokens, or with `num_nodes` a tree
+    of that many nodes (root included) at most `depth` deep, EAGLE-2's search: each level runs the draft once over the
+    nodes that can still make the cut (their ancestors' rows visible to each, as a tree mask), expands each into its
+    `topk` likeliest tokens and keeps the best by the product of the draft's probabilities along the path.
 
     Each call first feeds the draft the positions the target committed since the previous call (their features from
-    `state.new_hidden`, columns `feature_columns`), dropping the rows it drafted then; the chain's rows follow. It
-    draws from the draft's q shaped by `sampling` (argmax when greedy) and hands q to the acceptance rule, so the
-    "speculative" rule keeps sampling exact; greedy output is the target's whatever the draft says.
+    `state.new_hidden`, columns `feature_columns`), dropping the rows it drafted then. A chain draws from the draft's
+    q shaped by `sampling` (argmax when greedy) and hands q to the acceptance rule, so the "speculative" rule keeps
+    sampling exact; a tree is a deterministic set of guesses, exact under the "rejection" rule. Greedy output is the
+    target's whatever the draft says.
     """
 
     def __init__(
@@ -171,10 +176,15 @@ class Eagle3Proposer:
         sampling: SamplingConfig,
         vocab_size: int,
         generator: torch.Generator | None = None,
+        num_nodes: int | None = None,
+        topk: int = DEFAULT_TOPK,
     ):
+        if num_nodes is not None and (num_nodes < 2 or topk < 1):
+            raise ValueError(f"an EAGLE-3 tree needs num_nodes >= 2 and topk >= 1, got {num_nodes} and {topk}")
         self.draft, self.embed_tokens, self.columns = draft, embed_tokens, feature_columns
         self.depth, self.sampling, self.vocab_size, self.generator = depth, sampling, vocab_size, generator
-        self.max_nodes = depth + 1
+        self.num_nodes, self.topk = num_nodes, topk
+        self.max_nodes = depth + 1 if num_nodes is None else num_nodes
         self.tree = build_buffers(TreeSpec(chain(depth)), depth).to(draft.d2t.device)
         self.cache = DynamicCache()
         self.seen = 0  # committed positions whose rows (from the target's features) the cache holds
@@ -214,6 +224,8 @@ class Eagle3Proposer:
         following = torch.tensor(state.tokens[self.seen + 1 : state.length + 1], device=features.device)
         hidden = self._run(self.draft.fuse(features), following, self.seen)[-1:]
         self.seen = state.length
+        if self.num_nodes is not None:
+            return self._tree(state, hidden)
         tokens, probs = [], []
         for step in range(self.depth):
             token, q = self._draw(self.draft.logits(hidden[-1]))
@@ -231,19 +243,53 @@ class Eagle3Proposer:
             draft_probs=draft_probs,
         )
 
+    def _tree(self, state, hidden: torch.Tensor) -> Candidates:
+        """The dynamic tree from the root's output `hidden` (1, H) (see the class docstring)."""
+        root, budget = state.root_token.view(1).to(hidden.device), self.num_nodes - 1
+        beam = hidden.new_zeros(1, dtype=torch.float32)  # the kept nodes' path scores; the root: log 1
+        sees = torch.zeros((1, 0), dtype=torch.bool, device=hidden.device)  # which drafted rows each kept node sees
+        levels = ([], [], [])  # per level: scores, parent index in the previous level, tokens
+        for depth in range(self.depth):
+            if depth:  # run the level's nodes that can still have a child in the cut
+                beam, parents = prune_beam(beam, levels[1][-1], torch.cat(levels[0]), budget)
+                if beam.numel() == 0:
+                    break
+                count = beam.numel()
+                sees = torch.cat([sees[parents], torch.eye(count, dtype=torch.bool, device=hidden.device)], dim=1)
+                committed = torch.ones((count, self.seen), dtype=torch.bool, device=hidden.device)
+                mask = additive_mask(torch.cat([committed, sees], dim=1), hidden.dtype)
+                positions = torch.full((1, count), state.length + depth - 1, device=hidden.device)
+                embeds = self.embed_tokens(levels[2][-1][:count])[None]
+                hidden = self.draft(hidden[parents][None], embeds, positions, mask, self.cache)[0]
+            logp = self.draft.logits(hidden).float().log_softmax(-1)
+            top_logp, top_index = logp.topk(min(self.topk, budget, logp.shape[-1]), dim=-1)
+            for level, part in zip(levels, keep_best(beam, top_logp, self.draft.target_ids[top_index], budget)):
+                level.append(part)
+            beam = levels[0][-1]
+        return cut_tree(root, *levels, budget)
+
     def observe(self, state, accepted_tokens: list[int]) -> None:
         self._unread.append(state.new_hidden)
 
 
 class Eagle3Model(SpeculativeGenerator, nn.Module):
     """A target and an EAGLE-3 draft behind `MedusaModel`'s `generate` (build with `MedusaModel.from_draft_model`
-    and an EAGLE-3 draft). Greedy output is the target's greedy output; `do_sample=True` samples exactly from its
-    distribution (acceptance "speculative", with the draft's q)."""
+    and an EAGLE-3 draft): a chain of `num_speculative_tokens` a step, or with `num_nodes` a dynamic tree that deep.
+    Greedy output is the target's greedy output; `do_sample=True` samples exactly from its distribution (acceptance
+    "speculative" with the draft's q for a chain, "rejection" for a tree)."""
 
-    default_sampling_rule = "speculative"
-
-    def __init__(self, target, draft: Eagle3Draft, tokenizer=None, num_speculative_tokens: int = 5):
+    def __init__(
+        self,
+        target,
+        draft: Eagle3Draft,
+        tokenizer=None,
+        num_speculative_tokens: int = 5,
+        num_nodes: int | None = None,
+        topk: int = DEFAULT_TOPK,
+    ):
         super().__init__()
+        self.num_nodes, self.topk = num_nodes, topk
+        self.default_sampling_rule = "speculative" if num_nodes is None else "rejection"
         if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int):
             raise ValueError(f"num_speculative_tokens must be a positive integer, got {num_speculative_tokens!r}")
         if num_speculative_tokens < 1:
@@ -291,6 +337,8 @@ class Eagle3Model(SpeculativeGenerator, nn.Module):
             sampling,
             self.vocab_size,
             generator,
+            num_nodes=self.num_nodes,
+            topk=self.topk,
         )
 
 

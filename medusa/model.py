@@ -245,12 +245,14 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         device=None,
         tokenizer=None,
         draft_tokenizer=None,
+        num_nodes: int | None = None,
     ):
         """Classic speculative decoding (Leviathan et al.): `draft`, a smaller causal LM with the target's tokenizer,
         proposes `num_speculative_tokens` tokens per step. target/draft: Hub id, directory, .gguf or loaded model
         (target None: the embedded SmolLM2). Returns a `medusa.draft.DraftModel` with this class's `generate`.
         An EAGLE-3 draft (a directory in the speculators or EAGLE-3 layout, or a `medusa.eagle3.Eagle3Draft`) reads
-        the target's hidden states: that returns a `medusa.eagle3.Eagle3Model`.
+        the target's hidden states: that returns a `medusa.eagle3.Eagle3Model`, which with `num_nodes` drafts a
+        dynamic tree of that many nodes (root included), `num_speculative_tokens` deep, instead of a chain.
         """
         if isinstance(draft, Eagle3Draft) or (isinstance(draft, (str, os.PathLike)) and is_eagle3(draft)):
             if draft_tokenizer is not None:
@@ -260,7 +262,13 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
             target_model, tokenizer = load_target(target, dtype=dtype, device=device, tokenizer=tokenizer)
             if not isinstance(draft, Eagle3Draft):
                 draft, _ = load_eagle3(draft)
-            return Eagle3Model(target_model, draft.to(target_model.dtype), tokenizer, num_speculative_tokens)
+            return Eagle3Model(
+                target_model, draft.to(target_model.dtype), tokenizer, num_speculative_tokens, num_nodes=num_nodes
+            )
+        if num_nodes is not None:
+            raise ValueError(
+                "num_nodes applies to EAGLE-3 drafts: a draft model proposes a chain (num_speculative_tokens)"
+            )
         return DraftModel.load(
             target,
             draft,

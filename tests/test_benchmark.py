@@ -312,3 +312,26 @@ def test_an_int8_run_is_judged_against_plain_decoding_of_the_int8_target(tmp_pat
     assert result["reference"] == "baseline_compiled" and result["dtype"] == "int8"
     assert set(result["summary"]) == {"medusa"} and result["summary"]["medusa"]["outputs"] == 2
     assert all(case["near_tie"] for case in result["cases"])  # a bf16-activation rounding, never a wrong token
+
+
+def test_benchmark_eagle3_row(tmp_path):
+    """The eagle3 method: a (random) EAGLE-3 draft drafting --gamma tokens a step, greedy identical; skipped, saying
+    what it needs, without --eagle3."""
+    from medusa.eagle3_io import save_eagle3
+    from medusa.loading import load_base
+    from tests.test_eagle3 import random_draft
+
+    base_dir, heads_dir = save_tiny_checkpoint(tmp_path)
+    target, _ = load_base(str(base_dir))
+    save_eagle3(random_draft(target), tmp_path / "eagle3", verifier=str(base_dir))
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps(QUESTIONS[3]) + "\n")
+    common = ["--questions", str(questions), "--base", str(base_dir), "--heads", str(heads_dir)]
+    common += ["--max-new-tokens", "10", "--threads", "1", "--gamma", "3", "--methods", "baseline,eagle3"]
+    summary = benchmark.main(common + ["--eagle3", str(tmp_path / "eagle3"), "--out", str(tmp_path / "run")])
+    eagle3 = summary["overall"]["eagle3"]
+    assert eagle3["identical"] is True and eagle3["gamma"] == pytest.approx(3.0) and eagle3["tau"] >= 1.0
+    assert summary["settings"]["eagle3"] == str(tmp_path / "eagle3")
+    skipped = benchmark.main(common + ["--out", str(tmp_path / "without")])
+    assert list(skipped["overall"]) == ["baseline"]
+    assert "--eagle3 DIR" in skipped["settings"]["skipped"]["eagle3"]

@@ -15,6 +15,7 @@ from medusa.eagle3 import (
     unrolled_outputs,
     unrolled_visibility,
 )
+from medusa.sampling import SamplingConfig
 from tests.conftest import FAMILIES, HIDDEN, VOCAB, make_tiny_model
 
 AUX = [0, 1]  # the tiny targets have 2 layers: the residual streams entering each
@@ -224,3 +225,66 @@ def test_export_adds_the_targets_embeddings_and_refuses_heads_formats(tmp_path, 
     with pytest.raises(SystemExit):
         export([str(tmp_path / "draft"), str(tmp_path / "x"), "--format", "vllm"])
     assert "holds an EAGLE-3 draft: export it with --format speculators or eagle3" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@torch.inference_mode()
+def test_each_tree_node_expands_into_what_the_draft_says_along_its_path(family):
+    """Every node's children in a drafted tree are the likeliest tokens of the draft's logits computed by feeding the
+    node's path one token at a time on a copy of the committed cache: the tree mask shows each node exactly its
+    ancestors, at the right positions."""
+    import copy
+
+    from medusa.decode import prefill
+
+    target = make_tiny_model(family)
+    draft = random_draft(target, scale=1.0)
+    for projection in (draft.layers[0].self_attn.q_proj, draft.layers[0].self_attn.k_proj):
+        projection.weight.mul_(8.0)  # sharp attention: a row shown or hidden, or a position off by one, shows
+    embed = target.get_input_embeddings()
+    prompt = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(5))
+    state = prefill(target, prompt, SamplingConfig(), feature_layers=AUX)
+    model = Eagle3Model(target, draft, num_speculative_tokens=4, num_nodes=24, topk=3)
+    candidates = model.make_proposer(None, None, SamplingConfig(), None).propose(state)
+    tokens, parent = candidates.tokens.tolist(), candidates.tree.parent.tolist()
+    depth = candidates.tree.depth.tolist()
+    assert len(tokens) == 24 and max(depth) >= 3
+    # siblings with children of their own: a mask that showed a node its parent's siblings would differ
+    assert len({parent[i] for i in range(1, 24) if depth[i] == 3}) > 1
+
+    length = state.length
+    cache = DynamicCache()
+    following = torch.tensor([state.tokens[1 : length + 1]])
+    mask = additive_mask(torch.ones(length, length, dtype=torch.bool).tril(), torch.float32)
+    root_hidden = draft(
+        draft.fuse(state.new_hidden[None, :, HIDDEN:]), embed(following), torch.arange(length)[None], mask, cache
+    )[:, -1:]
+
+    def path_logits(node: int) -> torch.Tensor:
+        path = []
+        while node:
+            path.insert(0, tokens[node])
+            node = parent[node]
+        rows, hidden = copy.deepcopy(cache), root_hidden
+        for step, token in enumerate(path):
+            visible = additive_mask(torch.ones(1, rows.get_seq_length() + 1, dtype=torch.bool), torch.float32)
+            hidden = draft(hidden, embed(torch.tensor([[token]])), torch.tensor([[length + step]]), visible, rows)
+        return draft.logits(hidden[0, -1])
+
+    for node in range(len(tokens)):
+        children = {tokens[i] for i in range(1, len(tokens)) if parent[i] == node}
+        if children:
+            # a node's children in the cut are the likeliest of its top-k (scores add the same parent score)
+            top = set(draft.target_ids[path_logits(node).topk(len(children)).indices].tolist())
+            assert children == top, (node, children, top)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_drafted_tree_keeps_greedy_identity(family):
+    target = make_tiny_model(family)
+    model = Eagle3Model(target, random_draft(target), num_speculative_tokens=3, num_nodes=8, topk=3)
+    prompt = torch.randint(1, VOCAB, (1, 7), generator=torch.Generator().manual_seed(2))
+    want = target.generate(prompt, max_new_tokens=30, do_sample=False, pad_token_id=0)
+    out = model.generate(prompt, max_new_tokens=30)
+    assert torch.equal(out.sequences, want)
+    assert max(out.stats.proposed_lengths) <= 3
