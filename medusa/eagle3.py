@@ -21,7 +21,7 @@ from transformers import AutoModel, DynamicCache, PretrainedConfig
 
 from medusa.decode import SpeculativeGenerator
 from medusa.dynamic_tree import DEFAULT_TOPK, cut_tree, keep_best, prune_beam
-from medusa.runtime import with_cache
+from medusa.runtime import int8_copy, with_cache
 from medusa.sampling import SamplingConfig, greedy_tokens, target_probs
 from medusa.tree import Candidates, TreeSpec, build_buffers, chain
 
@@ -286,6 +286,7 @@ class Eagle3Model(SpeculativeGenerator, nn.Module):
         num_speculative_tokens: int = 5,
         num_nodes: int | None = None,
         topk: int = DEFAULT_TOPK,
+        int8: bool | None = None,
     ):
         super().__init__()
         self.num_nodes, self.topk = num_nodes, topk
@@ -312,6 +313,10 @@ class Eagle3Model(SpeculativeGenerator, nn.Module):
                 "use a draft trained on this target"
             )
         self.target, self.draft, self.tokenizer = target, draft.to(target.device), tokenizer
+        # on a CPU the draft proposes on int8 weights, as the heads do (runtime.int8_copy): a quarter of the bytes
+        # each draft step reads; the target verifies every guess, so outputs do not change
+        int8 = target.device.type == "cpu" if int8 is None else int8
+        self.proposal_draft = int8_copy(self.draft) if int8 else self.draft
         self.num_speculative_tokens, self.vocab_size = num_speculative_tokens, vocab
         self.feature_layers = list(draft.aux_layers)
 
@@ -330,7 +335,7 @@ class Eagle3Model(SpeculativeGenerator, nn.Module):
             raise ValueError("an EAGLE-3 draft proposes a chain here: set num_speculative_tokens instead of tree=")
         hidden = self.draft.config.hidden_size
         return Eagle3Proposer(
-            self.draft,
+            self.proposal_draft,
             self.target.get_input_embeddings(),
             slice(hidden, None),  # base_features puts the last hidden state first, then the aux layers
             self.num_speculative_tokens,

@@ -332,6 +332,10 @@ def test_benchmark_eagle3_row(tmp_path):
     eagle3 = summary["overall"]["eagle3"]
     assert eagle3["identical"] is True and eagle3["gamma"] == pytest.approx(3.0) and eagle3["tau"] >= 1.0
     assert summary["settings"]["eagle3"] == str(tmp_path / "eagle3")
+    tree = benchmark.main(
+        common + ["--eagle3", str(tmp_path / "eagle3"), "--eagle3-nodes", "6", "--out", str(tmp_path / "tree")]
+    )
+    assert tree["overall"]["eagle3"]["identical"] is True and tree["settings"]["eagle3_nodes"] == 6
     skipped = benchmark.main(common + ["--out", str(tmp_path / "without")])
     assert list(skipped["overall"]) == ["baseline"]
     assert "--eagle3 DIR" in skipped["settings"]["skipped"]["eagle3"]

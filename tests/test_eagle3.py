@@ -104,7 +104,7 @@ def test_a_draft_that_guesses_right_is_always_accepted():
         logits[sequence[proposers[-1].cache.get_seq_length() + 1]] = 0.0
         return logits
 
-    model.make_proposer, draft.logits = capture, oracle
+    model.make_proposer, model.proposal_draft.logits = capture, oracle
     out = model.generate(prompt, max_new_tokens=33)
     assert torch.equal(out.sequences[0], sequence[: 7 + 33])
     assert out.stats.accepted_lengths == [4] * 8  # 1 (prefill) + 8 steps of 4 = 33 tokens
@@ -138,7 +138,7 @@ def test_bad_vocabularies_are_named():
 
 @pytest.mark.parametrize("format", ["speculators", "eagle3"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: the int8 copy the model proposes with tracks its weights' versions
 def test_a_saved_draft_loads_back_to_the_same_logits(tmp_path, format, family):
     from medusa.eagle3_io import is_eagle3, load_eagle3, save_eagle3
 
@@ -244,7 +244,7 @@ def test_each_tree_node_expands_into_what_the_draft_says_along_its_path(family):
     embed = target.get_input_embeddings()
     prompt = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(5))
     state = prefill(target, prompt, SamplingConfig(), feature_layers=AUX)
-    model = Eagle3Model(target, draft, num_speculative_tokens=4, num_nodes=24, topk=3)
+    model = Eagle3Model(target, draft, num_speculative_tokens=4, num_nodes=24, topk=3, int8=False)
     candidates = model.make_proposer(None, None, SamplingConfig(), None).propose(state)
     tokens, parent = candidates.tokens.tolist(), candidates.tree.parent.tolist()
     depth = candidates.tree.depth.tolist()

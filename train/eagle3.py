@@ -183,7 +183,9 @@ def train_eagle3(cfg: Config, *, resume: bool = False, stop_after_steps: int | N
     tqdm.write(json.dumps(history[-1]))
     output = None
     if main:
-        card = model_card(cfg, history[-1], len(train_idx), sum(convs[i].response_tokens for i in train_idx), step)
+        card = model_card(
+            cfg, unwrapped, history[-1], len(train_idx), sum(convs[i].response_tokens for i in train_idx), step
+        )
         output = save_eagle3(
             unwrapped,
             tcfg.output_dir,
@@ -197,14 +199,14 @@ def train_eagle3(cfg: Config, *, resume: bool = False, stop_after_steps: int | N
     return TrainResult(output, step, history, 0.0, time.perf_counter() - start)
 
 
-def model_card(cfg: Config, final: dict, conversations: int, tokens: int, steps: int) -> str:
+def model_card(cfg: Config, draft: Eagle3Draft, final: dict, conversations: int, tokens: int, steps: int) -> str:
     accuracy = " / ".join(f"{final[f'eval/step{j}/top1']:.3f}" for j in range(cfg.eagle3.ttt_steps))
     return (
         f"# EAGLE-3 draft for {cfg.model.base or 'SmolLM2-135M-Instruct (embedded)'}\n\n"
         f"Trained by medusa's train/train.py (training-time test, {cfg.eagle3.ttt_steps} steps) on {conversations} "
         f"self-distilled conversations ({tokens} answer tokens; data: {cfg.data.out_dir}, {cfg.data.extra_dirs}), "
         f"{steps} optimizer steps.\n\nHeld-out top-1 agreement with the target per draft step: {accuracy}.\n\n"
-        f"Reads the target's layers {cfg.eagle3.aux_layers or 'EAGLE-3 default [2, L/2, L-3]'}; draft vocabulary "
+        f"Reads the target's layers {draft.aux_layers} (transformers' hidden_states index); draft vocabulary "
         f"{cfg.eagle3.draft_vocab_size} tokens. Load: `MedusaModel.from_draft_model(target, this_directory)`; "
         'serve: `vllm serve <target> --speculative-config \'{"model": "<this directory>", "method": "eagle3"}\'`.\n'
     )

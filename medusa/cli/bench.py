@@ -23,7 +23,8 @@ Methods (interleaved per question, after a warm-up):
   draft           MedusaModel.from_draft_model(base, --draft): classic speculative decoding in this library's loop
                   (--draft early-exit:N drafts with the target's own first N layers; --gamma tokens per step)
   eagle3          an EAGLE-3 draft (--eagle3 DIR, speculators or EAGLE-3 layout) drafting --gamma tokens a step from
-                  the target's hidden states (medusa.eagle3), in this library's loop on --engine
+                  the target's hidden states (medusa.eagle3), or a dynamic tree of --eagle3-nodes nodes, in this
+                  library's loop on --engine
   llama_cpp       llama.cpp's plain decoding (`llama-completion`) of the same weights in the GGUF type matching --dtype
                   (F32, BF16; made once from the base's GGUF with llama-quantize), same prompt text, greedy, same
                   threads; timed by llama.cpp's own prompt-eval + eval lines (prefill included, model load not)
@@ -114,6 +115,7 @@ RESUME_KEYS = (
     "temperature",
     "draft",
     "eagle3",
+    "eagle3_nodes",
     "gamma",
     "threads",
     "seed",
@@ -175,6 +177,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--eagle3", default=None, help="EAGLE-3 draft directory for the 'eagle3' method (speculators or EAGLE-3 layout)"
+    )
+    parser.add_argument(
+        "--eagle3-nodes",
+        type=int,
+        default=None,
+        help="the eagle3 method drafts a dynamic tree of this many nodes, --gamma deep (default: a chain of --gamma)",
     )
     parser.add_argument(
         "--gamma", type=int, default=5, help="tokens the draft model (or EAGLE-3 draft) proposes per step"
@@ -273,7 +281,7 @@ def build_methods(names: list[str], args, model, stop_ids: list[int]) -> tuple[d
     eagle3_model = None
     if args.eagle3 and "eagle3" in names:
         eagle3_model = MedusaModel.from_draft_model(
-            base, args.eagle3, tokenizer=tokenizer, num_speculative_tokens=args.gamma
+            base, args.eagle3, tokenizer=tokenizer, num_speculative_tokens=args.gamma, num_nodes=args.eagle3_nodes
         )
 
     def hf(assistant_model=None, **options):
@@ -738,6 +746,7 @@ def main(argv=None) -> dict:
         "temperature": args.temperature,
         "draft": args.draft,
         "eagle3": args.eagle3,
+        "eagle3_nodes": args.eagle3_nodes,
         "gamma": args.gamma,
         "threads": torch.get_num_threads(),
         "seed": args.seed,
