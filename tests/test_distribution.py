@@ -358,3 +358,34 @@ def test_planted_wrong_rules_are_detected(monkeypatch, target, medusa, draft_mod
     result = chi_square(counts, exact_continuations(target, PROMPT, **settings))
     report(f"{method}, planted {planted} (must be detected)", result)
     assert result["p_value"] < DETECTED, result
+
+
+def eagle3_model(target, **options):
+    """A random EAGLE-3 draft over the target's embeddings (layer 0) with 8 of the 12 tokens in its vocabulary: the
+    four it cannot draft are reached only through rejection, so a wrong residual shows."""
+    from medusa.eagle3 import Eagle3Draft, Eagle3Model
+
+    torch.manual_seed(4)
+    draft = Eagle3Draft(target.config, [0], 8, V)
+    for parameter in draft.parameters():
+        torch.nn.init.normal_(parameter, std=1.5 / parameter.shape[-1] ** 0.5)
+    draft.set_vocabulary(torch.tensor([0, 1, 2, 3, 5, 7, 8, 11]))
+    return Eagle3Model(target, draft, **options)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_eagle3_sampling_is_exact(target, shape):
+    """A chain samples from the draft's q and is judged by the speculative rule; a tree is a deterministic set of
+    guesses judged by the rejection rule (each the model's default for its shape)."""
+    options = (
+        dict(num_speculative_tokens=2) if shape == "chain" else dict(num_speculative_tokens=2, num_nodes=5, topk=2)
+    )
+    settings = DRAFT_SETTINGS if shape == "chain" else MEDUSA_SETTINGS
+    model = eagle3_model(target, **options)
+    exact = exact_continuations(target, PROMPT, **settings)
+    counts = sample_counts(model, EXACT_SAMPLES, seed=5, **settings)
+    result = chi_square(counts, exact)
+    report(f"eagle3 {shape} (exact)", result)
+    assert result["impossible"] == 0
+    assert result["p_value"] > SIGNIFICANCE, result
