@@ -95,7 +95,7 @@ def original_config(draft: Eagle3Draft, dtype) -> dict:
         eagle_aux_hidden_state_layer_ids=list(draft.aux_layers),
         num_hidden_layers=1,
         tie_word_embeddings=False,
-        torch_dtype=str(dtype).removeprefix("torch."),
+        dtype=str(dtype).removeprefix("torch."),
     )
     return config
 
