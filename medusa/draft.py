@@ -210,16 +210,11 @@ def check_same_vocabulary(tokenizer, draft_tokenizer, target, draft) -> None:
         )
 
 
-class DraftModel(SpeculativeGenerator, nn.Module):
-    """A target and a draft model behind `MedusaModel`'s `generate` (build with `MedusaModel.from_draft_model`).
+class TargetAndDraft(SpeculativeGenerator, nn.Module):
+    """What a target paired with a draft of its own holds (DraftModel, medusa.eagle3.Eagle3Model): the target, what
+    every output is exact for; the draft; the tokenizer; the tokens drafted per step (gamma), checked here."""
 
-    `generate(do_sample=True)` samples exactly from the target's distribution (acceptance "speculative");
-    greedy output is token-for-token the target's greedy output.
-    """
-
-    default_sampling_rule = "speculative"  # Leviathan et al.: exact with the draft's q
-
-    def __init__(self, target, draft, tokenizer=None, num_speculative_tokens: int = 5):
+    def __init__(self, target, draft, tokenizer, num_speculative_tokens: int):
         super().__init__()
         if (
             isinstance(num_speculative_tokens, bool)
@@ -229,13 +224,35 @@ class DraftModel(SpeculativeGenerator, nn.Module):
             raise ValueError(
                 f"num_speculative_tokens must be a positive integer (gamma), got {num_speculative_tokens!r}"
             )
+        self.target, self.draft, self.tokenizer = target, draft, tokenizer
+        self.num_speculative_tokens = num_speculative_tokens
+        self.vocab_size = target.get_output_embeddings().weight.shape[0]
+
+    @property
+    def base(self):
+        """The target: what plain `generate` runs, and what every output is exact for."""
+        return self.target
+
+    @property
+    def device(self) -> torch.device:
+        return self.target.device
+
+
+class DraftModel(TargetAndDraft):
+    """A target and a draft model behind `MedusaModel`'s `generate` (build with `MedusaModel.from_draft_model`).
+
+    `generate(do_sample=True)` samples exactly from the target's distribution (acceptance "speculative");
+    greedy output is token-for-token the target's greedy output.
+    """
+
+    default_sampling_rule = "speculative"  # Leviathan et al.: exact with the draft's q
+
+    def __init__(self, target, draft, tokenizer=None, num_speculative_tokens: int = 5):
+        super().__init__(target, draft, tokenizer, num_speculative_tokens)
         if draft.device != target.device:
             raise ValueError(
                 f"the draft model is on {draft.device} and the target on {target.device}: put both on one device"
             )
-        self.target, self.draft, self.tokenizer = target, draft, tokenizer
-        self.num_speculative_tokens = num_speculative_tokens
-        self.vocab_size = target.get_output_embeddings().weight.shape[0]
 
     @classmethod
     def load(
@@ -272,15 +289,6 @@ class DraftModel(SpeculativeGenerator, nn.Module):
         )
         check_same_vocabulary(tokenizer, draft_tokenizer, target_model, draft_model)
         return cls(target_model, draft_model, tokenizer, num_speculative_tokens)
-
-    @property
-    def base(self):
-        """The target: what plain `generate` runs, and what every output is exact for."""
-        return self.target
-
-    @property
-    def device(self) -> torch.device:
-        return self.target.device
 
     def _check_lengths(self, prompt_length: int, max_new_tokens: int) -> None:
         super()._check_lengths(prompt_length, max_new_tokens)

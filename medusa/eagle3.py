@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from transformers import AutoModel, DynamicCache, PretrainedConfig
 
-from medusa.decode import SpeculativeGenerator
+from medusa.draft import TargetAndDraft
 from medusa.dynamic_tree import DEFAULT_TOPK, cut_tree, keep_best, prune_beam
 from medusa.runtime import int8_copy, with_cache
 from medusa.sampling import SamplingConfig, greedy_tokens, target_probs
@@ -272,7 +272,7 @@ class Eagle3Proposer:
         self._unread.append(state.new_hidden)
 
 
-class Eagle3Model(SpeculativeGenerator, nn.Module):
+class Eagle3Model(TargetAndDraft):
     """A target and an EAGLE-3 draft behind `MedusaModel`'s `generate` (build with `MedusaModel.from_draft_model`
     and an EAGLE-3 draft): a chain of `num_speculative_tokens` a step, or with `num_nodes` a dynamic tree that deep.
     Greedy output is the target's greedy output; `do_sample=True` samples exactly from its distribution (acceptance
@@ -288,13 +288,9 @@ class Eagle3Model(SpeculativeGenerator, nn.Module):
         topk: int = DEFAULT_TOPK,
         int8: bool | None = None,
     ):
-        super().__init__()
+        super().__init__(target, draft.to(target.device), tokenizer, num_speculative_tokens)
         self.num_nodes, self.topk = num_nodes, topk
         self.default_sampling_rule = "speculative" if num_nodes is None else "rejection"
-        if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int):
-            raise ValueError(f"num_speculative_tokens must be a positive integer, got {num_speculative_tokens!r}")
-        if num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be a positive integer, got {num_speculative_tokens!r}")
         text = target.config.get_text_config()
         if draft.config.hidden_size != text.hidden_size:
             raise ValueError(
@@ -306,27 +302,16 @@ class Eagle3Model(SpeculativeGenerator, nn.Module):
                 f"the EAGLE-3 draft reads the target's layers {draft.aux_layers} but the target has "
                 f"{text.num_hidden_layers}: use a draft trained on this target"
             )
-        vocab = target.get_output_embeddings().weight.shape[0]
-        if draft.t2d.numel() != vocab:
+        if draft.t2d.numel() != self.vocab_size:
             raise ValueError(
-                f"the EAGLE-3 draft maps a vocabulary of {draft.t2d.numel()} tokens but the target has {vocab}: "
-                "use a draft trained on this target"
+                f"the EAGLE-3 draft maps a vocabulary of {draft.t2d.numel()} tokens but the target has "
+                f"{self.vocab_size}: use a draft trained on this target"
             )
-        self.target, self.draft, self.tokenizer = target, draft.to(target.device), tokenizer
         # on a CPU the draft proposes on int8 weights, as the heads do (runtime.int8_copy): a quarter of the bytes
         # each draft step reads; the target verifies every guess, so outputs do not change
         int8 = target.device.type == "cpu" if int8 is None else int8
         self.proposal_draft = int8_copy(self.draft) if int8 else self.draft
-        self.num_speculative_tokens, self.vocab_size = num_speculative_tokens, vocab
         self.feature_layers = list(draft.aux_layers)
-
-    @property
-    def base(self):
-        return self.target
-
-    @property
-    def device(self) -> torch.device:
-        return self.target.device
 
     def make_proposer(self, proposer: str | None, tree, sampling: SamplingConfig, generator, engine=None):
         if proposer not in (None, "eagle3"):

@@ -18,6 +18,7 @@ import math
 import random
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -86,7 +87,7 @@ def train_eagle3(cfg: Config, *, resume: bool = False, stop_after_steps: int | N
     set_seed(tcfg.seed)
     ckpt_root = checkpoints.checkpoint_root(tcfg)
     if main:
-        for directory in (ckpt_root, type(ckpt_root)(tcfg.output_dir).parent):
+        for directory in (ckpt_root, Path(tcfg.output_dir).parent):
             checkpoints.check_writable(directory)
     resume_from = checkpoints.check_resume(ckpt_root, resume)
 
