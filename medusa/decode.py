@@ -15,7 +15,7 @@ from medusa import generate_args
 from medusa.acceptance import AcceptanceRule, get_rule
 from medusa.propose import PlainProposer, Proposer
 from medusa.runtime import EagerEngine, engine_for
-from medusa.sampling import SamplingConfig, select_token
+from medusa.sampling import SamplingConfig, select_token, shape_logits
 
 
 @dataclass
@@ -28,6 +28,7 @@ class DecodeState:
     # (n, H): hidden states of the positions the last prefill / commit added to the cache (last row: last_hidden);
     # what a heads' context layer reads. None: only last_hidden is known.
     new_hidden: torch.Tensor | None = None
+    root_logits: torch.Tensor | None = None  # (V,): the target's logits that chose root_token (after the prefill)
 
 
 @dataclass
@@ -64,8 +65,9 @@ class DecodeStats:
 
 @dataclass
 class GenerateOutput(GenerateDecoderOnlyOutput):
-    """transformers' generate output (`sequences`: (1, prompt + new)) with this library's DecodeStats. An integer
-    index gives a sequence, as on the tensor transformers' generate returns by default: `tokenizer.decode(out[0])`."""
+    """transformers' generate output (`sequences`: (1, prompt + new); `scores` / `logits` when asked: one (1, V)
+    float32 tensor per new token) with this library's DecodeStats. An integer index gives a sequence, as on the
+    tensor transformers' generate returns by default: `tokenizer.decode(out[0])`."""
 
     stats: DecodeStats | None = None
 
@@ -110,7 +112,8 @@ def prefill(
     out = engine.prefill(cache, input_ids, feature_layers)
     root = select_token(out.logits, sampling, generator)
     hidden = out.hidden  # (T, H) or (T, H * (1 + feature layers))
-    return DecodeState(cache, input_ids.shape[1], root, hidden[-1], input_ids[0].tolist() + [int(root)], hidden)
+    tokens = input_ids[0].tolist() + [int(root)]
+    return DecodeState(cache, input_ids.shape[1], root, hidden[-1], tokens, hidden, root_logits=out.logits)
 
 
 def prepare_input_ids(input_ids, device, vocab_size: int | None = None, attention_mask=None) -> torch.Tensor:
@@ -215,6 +218,11 @@ class SpeculativeGenerator:
         model runs on one of the same kind)."""
         raise NotImplementedError
 
+    def compute_transition_scores(self, sequences, scores, beam_indices=None, normalize_logits: bool = False):
+        """transformers' `compute_transition_scores` on the target: each new token's score from generate's
+        `output_scores` (log-probabilities with `normalize_logits=True`)."""
+        return self.base.compute_transition_scores(sequences, scores, beam_indices, normalize_logits)
+
     def _check_lengths(self, prompt_length: int, max_new_tokens: int) -> None:
         check_lengths(self.base, prompt_length, max_new_tokens)
 
@@ -235,6 +243,8 @@ class SpeculativeGenerator:
         stop_strings: str | list[str] | None = None,
         streamer=None,
         return_dict_in_generate: bool | None = None,
+        output_scores: bool | None = None,
+        output_logits: bool | None = None,
         acceptance: str | None = None,
         proposer: str | None = None,
         posterior_threshold: float = 0.09,
@@ -256,8 +266,9 @@ class SpeculativeGenerator:
         do_sample, temperature, top_k, top_p, eos_token_id, stop_strings) come with transformers' precedence: this
         call, then `generation_config`, then the base's generation config, then transformers' defaults (see
         medusa.generate_args; with no length set anywhere, 128 new tokens). `stopping_criteria` and `streamer` are
-        transformers'. Returns a GenerateOutput (`.sequences`, `.stats`; `out[0]` is the sequence); with
-        `return_dict_in_generate=False`, the sequences tensor alone. `generator` seeds the draws.
+        transformers'. Returns what transformers' generate returns: the sequences tensor (1, prompt + new), or with
+        `return_dict_in_generate=True` a GenerateOutput (`.sequences`, `.stats`: steps, tau, acceptance; `.scores` /
+        `.logits` with `output_scores` / `output_logits`). `generator` seeds the draws.
         `proposer="plain"` decodes one token a step on the same engine (no guesses); `engine` picks how the target
         runs: "eager" (the exact reference), "compiled" (static cache, pre-packed weights) or "inductor" (static
         cache, torch.compile; compiled when the engine is built, minutes in each new process); see medusa.runtime.
@@ -289,6 +300,8 @@ class SpeculativeGenerator:
                 eos_token_id=eos_token_id,
                 stop_strings=stop_strings,
                 return_dict_in_generate=return_dict_in_generate,
+                output_scores=output_scores,
+                output_logits=output_logits,
                 **transformers_kwargs,
             ),
             posterior_threshold,
@@ -312,8 +325,10 @@ class SpeculativeGenerator:
             profile=profile,
             feature_layers=self.feature_layers,
             engine=target_engine,
+            output_scores=settings.return_dict_in_generate and settings.output_scores,
+            output_logits=settings.return_dict_in_generate and settings.output_logits,
         )
-        return out.sequences if settings.return_dict_in_generate is False else out
+        return out if settings.return_dict_in_generate else out.sequences
 
 
 def _stop_index(tokens: list[int], stop_ids: set[int]) -> int | None:
@@ -336,11 +351,14 @@ def decode(
     profile: bool = False,
     feature_layers=(),
     engine=None,
+    output_scores: bool = False,
+    output_logits: bool = False,
 ) -> GenerateOutput:
     """input_ids (1, T) -> GenerateOutput. Callers validate inputs (see MedusaModel.generate). `feature_layers`:
     the base layers whose features the decode state carries besides the last hidden state (what the heads read).
     `stop_when(ids (1, T)) -> bool`: a stopping criterion checked after every new token (transformers' criteria).
-    `engine` runs the target (medusa.runtime; default: eager on `model`)."""
+    `engine` runs the target (medusa.runtime; default: eager on `model`). `output_logits` / `output_scores`: keep the
+    target's logits behind each new token, raw / processed as transformers' are (the verify computes them anyway)."""
     engine = engine or EagerEngine(model)
     stats = DecodeStats()
     timer = _PhaseTimer(stats, profile, input_ids.device)
@@ -352,11 +370,14 @@ def decode(
         state = prefill(model, input_ids, sampling, generator, feature_layers, engine=engine, max_length=rows)
     stats.steps = 1
     new: list[int] = []
+    keep_logits = output_scores or output_logits
+    new_logits: list[torch.Tensor] = []  # (V,) float32 per new token, when kept
 
     prompt = input_ids[0].tolist()  # what a stopping criterion sees before the new tokens
 
-    def emit(tokens: list[int]) -> bool:
-        """Append tokens up to max_new_tokens and the first stop token (kept, as transformers does); True when done."""
+    def emit(tokens: list[int], logits: torch.Tensor | None) -> bool:
+        """Append tokens (and the logits rows that chose them) up to max_new_tokens and the first stop token (kept, as
+        transformers does); True when done."""
         room = max_new_tokens - len(new)
         stop = _stop_index(tokens[:room], stop_ids)
         kept = tokens[: room if stop is None else stop + 1]
@@ -365,11 +386,13 @@ def decode(
             if first is not None:
                 kept, stop = kept[: first + 1], first
         new.extend(kept)
+        if keep_logits:
+            new_logits.extend(logits[: len(kept)].to(torch.float32, copy=True).unbind())  # engines reuse buffers
         if streamer is not None and kept:
             streamer.put(torch.tensor(kept))
         return stop is not None or len(new) >= max_new_tokens
 
-    done = emit([int(state.root_token)])
+    done = emit([int(state.root_token)], state.root_logits[None] if keep_logits else None)
     window = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     while not done:
         with timer("propose"):
@@ -393,9 +416,21 @@ def decode(
         stats.steps += 1
         stats.accepted_lengths.append(len(accepted.tokens))
         stats.proposed_lengths.append(candidates.tree.max_depth)
-        done = emit(accepted.tokens)
+        done = emit(accepted.tokens, verified.logits[accepted.nodes] if keep_logits else None)
     if streamer is not None:
         streamer.end()
     stats.new_tokens = len(new)
     sequences = torch.cat([input_ids, torch.tensor([new], dtype=input_ids.dtype, device=input_ids.device)], dim=1)
-    return GenerateOutput(sequences=sequences, stats=stats)
+    logits = tuple(row[None] for row in new_logits)
+    return GenerateOutput(
+        sequences=sequences,
+        stats=stats,
+        logits=logits if output_logits else None,
+        scores=tuple(_processed(row, sampling) for row in logits) if output_scores else None,
+    )
+
+
+def _processed(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """What transformers' generate reports as a token's score: its logits after the warpers (temperature, top-k,
+    top-p) when sampling, the logits as they are when greedy (no processor applies)."""
+    return shape_logits(logits, sampling) if sampling.do_sample else logits

@@ -37,8 +37,6 @@ UNSUPPORTED = dict(
     sequence_bias=None,
     penalty_alpha=None,
     guidance_scale=None,
-    output_scores=False,
-    output_logits=False,
     output_attentions=False,
     output_hidden_states=False,
     watermarking_config=None,
@@ -59,7 +57,9 @@ class GenerateSettings:
     sampling: SamplingConfig
     eos_token_id: object  # None: the tokenizer's (see medusa.decode.stop_token_ids)
     stop_strings: object
-    return_dict_in_generate: bool | None  # None: not asked for either way (generate returns its GenerateOutput)
+    return_dict_in_generate: bool  # as in transformers: False returns the sequences tensor alone
+    output_scores: bool  # with return_dict_in_generate: the processed logits behind each new token
+    output_logits: bool  # with return_dict_in_generate: the target's raw logits behind each new token
 
 
 def resolve(
@@ -118,8 +118,9 @@ def resolve(
         sampling=sampling,
         eos_token_id=value("eos_token_id"),
         stop_strings=value("stop_strings"),
-        # the call and its generation_config only: a model's default does not change our type
-        return_dict_in_generate=value("return_dict_in_generate", layers=asked),
+        return_dict_in_generate=bool(value("return_dict_in_generate", False)),
+        output_scores=bool(value("output_scores", False)),
+        output_logits=bool(value("output_logits", False)),
     )
 
 

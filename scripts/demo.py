@@ -120,10 +120,12 @@ def run_precision(args, model: MedusaModel, dtype: str, with_transformers: bool)
             )
             rates["transformers"] = (reference.shape[1] - ids.shape[1]) / (time.perf_counter() - start)
         start = time.perf_counter()
-        plain = model.generate(ids, max_new_tokens=args.max_new_tokens, proposer="plain", engine=plain_engine)
+        plain = model.generate(
+            ids, max_new_tokens=args.max_new_tokens, proposer="plain", engine=plain_engine, return_dict_in_generate=True
+        )
         rates["engine plain"] = plain.stats.new_tokens / (time.perf_counter() - start)
         start = time.perf_counter()
-        fast = model.generate(ids, max_new_tokens=args.max_new_tokens)
+        fast = model.generate(ids, max_new_tokens=args.max_new_tokens, return_dict_in_generate=True)
         rates["medusa"] = fast.stats.new_tokens / (time.perf_counter() - start)
         if gguf:
             prompt = model.tokenizer.decode(ids[0].tolist(), skip_special_tokens=False)

@@ -71,6 +71,7 @@ def main() -> None:
                 proposer=proposer,
                 engine=args.engine,
                 profile=True,
+                return_dict_in_generate=True,
             )
             fast_s = time.perf_counter() - start
             if not torch.equal(plain, out.sequences):

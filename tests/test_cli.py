@@ -42,7 +42,7 @@ def test_chat_from_a_pipe_streams_each_answer_with_its_rate_and_tau(monkeypatch,
         [{"role": "user", "content": "hello"}], add_generation_prompt=True, return_tensors="pt"
     )
     first = model.tokenizer.decode(
-        model.generate(ids, max_new_tokens=10).sequences[0, ids["input_ids"].shape[1] :], skip_special_tokens=True
+        model.generate(ids, max_new_tokens=10)[0, ids["input_ids"].shape[1] :], skip_special_tokens=True
     )
     assert out.out.startswith(first)  # greedy: the same answer as generate, streamed
 

@@ -215,10 +215,10 @@ def test_context_heads_keep_greedy_identity_and_round_trip(tmp_path, family, lay
     expected = model.base.generate(prompt, max_new_tokens=30, do_sample=False, min_new_tokens=30)
     for proposer in ("medusa", "dynamic", "hybrid"):
         out = model.generate(prompt, max_new_tokens=30, proposer=proposer)
-        assert torch.equal(out.sequences, expected), (family, proposer)
+        assert torch.equal(out, expected), (family, proposer)
     model.save_pretrained(tmp_path / "heads", dtype=torch.bfloat16)
     loaded = MedusaModel.from_pretrained(tmp_path / "heads", base=model.base)
     assert loaded.config.context_window == WINDOW and loaded.config.feature_layers == layers
     for name, value in model.heads.state_dict().items():
         torch.testing.assert_close(loaded.heads.state_dict()[name], value.to(torch.bfloat16).float(), rtol=0, atol=0)
-    assert torch.equal(loaded.generate(prompt, max_new_tokens=30).sequences, expected)
+    assert torch.equal(loaded.generate(prompt, max_new_tokens=30), expected)

@@ -189,11 +189,9 @@ def sample_counts(model, n: int, seed: int, prompt: torch.Tensor = PROMPT, **kwa
     generator = torch.Generator().manual_seed(seed)
     index = torch.empty(n, dtype=torch.long)
     for i in range(n):
-        x1, x2, x3 = (
-            model.generate(prompt, max_new_tokens=NEW, do_sample=True, generator=generator, **kwargs)
-            .sequences[0, -NEW:]
-            .tolist()
-        )
+        x1, x2, x3 = model.generate(prompt, max_new_tokens=NEW, do_sample=True, generator=generator, **kwargs)[
+            0, -NEW:
+        ].tolist()
         index[i] = x1 * V * V + x2 * V + x3
     return torch.bincount(index, minlength=V**3)
 
@@ -274,7 +272,7 @@ def test_seeded_generator_reproduces_a_sample(medusa, draft_model):
             )
             for _ in range(2)
         ]
-        assert torch.equal(runs[0].sequences, runs[1].sequences)
+        assert torch.equal(runs[0], runs[1])
 
 
 # ---------------------------------------------------------------- planted wrong rules (negative controls)

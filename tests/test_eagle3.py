@@ -79,7 +79,7 @@ def test_greedy_output_is_the_targets_greedy_output(family, depth):
     model = Eagle3Model(target, random_draft(target), num_speculative_tokens=depth)
     prompt = torch.randint(1, VOCAB, (1, 7), generator=torch.Generator().manual_seed(2))
     want = target.generate(prompt, max_new_tokens=40, do_sample=False, pad_token_id=0)
-    out = model.generate(prompt, max_new_tokens=40)
+    out = model.generate(prompt, max_new_tokens=40, return_dict_in_generate=True)
     assert torch.equal(out.sequences, want)
     assert max(out.stats.proposed_lengths) == depth
 
@@ -105,7 +105,7 @@ def test_a_draft_that_guesses_right_is_always_accepted():
         return logits
 
     model.make_proposer, model.proposal_draft.logits = capture, oracle
-    out = model.generate(prompt, max_new_tokens=33)
+    out = model.generate(prompt, max_new_tokens=33, return_dict_in_generate=True)
     assert torch.equal(out.sequences[0], sequence[: 7 + 33])
     assert out.stats.accepted_lengths == [4] * 8  # 1 (prefill) + 8 steps of 4 = 33 tokens
 
@@ -172,7 +172,7 @@ def test_a_saved_draft_loads_back_to_the_same_logits(tmp_path, format, family):
     assert isinstance(model, Eagle3Model)
     prompt = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(4))
     want = target.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
-    assert torch.equal(model.generate(prompt, max_new_tokens=12).sequences, want)
+    assert torch.equal(model.generate(prompt, max_new_tokens=12), want)
 
 
 def test_unreadable_drafts_are_named(tmp_path):
@@ -285,6 +285,6 @@ def test_a_drafted_tree_keeps_greedy_identity(family):
     model = Eagle3Model(target, random_draft(target), num_speculative_tokens=3, num_nodes=8, topk=3)
     prompt = torch.randint(1, VOCAB, (1, 7), generator=torch.Generator().manual_seed(2))
     want = target.generate(prompt, max_new_tokens=30, do_sample=False, pad_token_id=0)
-    out = model.generate(prompt, max_new_tokens=30)
+    out = model.generate(prompt, max_new_tokens=30, return_dict_in_generate=True)
     assert torch.equal(out.sequences, want)
     assert max(out.stats.proposed_lengths) <= 3

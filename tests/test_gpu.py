@@ -56,7 +56,9 @@ def test_cuda_graph_engine_greedy_identity(family):
     prompt = torch.tensor([[3, 4, 5, 6, 3, 4]], device="cuda")
     reference = base.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=40, do_sample=False)
     for proposer in ("plain", "medusa", "dynamic", "hybrid"):
-        out = model.generate(prompt, max_new_tokens=40, proposer=proposer, engine="compiled")
+        out = model.generate(
+            prompt, max_new_tokens=40, proposer=proposer, engine="compiled", return_dict_in_generate=True
+        )
         assert torch.equal(out.sequences, reference), proposer
         assert out.stats.new_tokens == 40
 

@@ -26,7 +26,7 @@ def test_greedy_identity(family, random_heads, tree):
     for seed in range(3):
         torch.manual_seed(seed)
         prompt = torch.randint(1, 90, (1, 5 + 4 * seed))
-        out = model.generate(prompt, max_new_tokens=48)
+        out = model.generate(prompt, max_new_tokens=48, return_dict_in_generate=True)
         assert torch.equal(out.sequences, _reference(base, prompt, 48))
         assert out.stats.new_tokens == 48 and out.stats.steps >= 1
         assert sum(out.stats.accepted_lengths) + 1 >= 48  # every verify step commits at least one token
@@ -77,8 +77,8 @@ def test_stop_token_in_the_middle_of_an_accepted_path(family):
     for stop in dict.fromkeys(free[3:12]):  # several stop tokens, wherever they fall within a step
         want = _reference(base, prompt, 40, eos_token_id=stop, pad_token_id=0)
         got = model.generate(prompt, max_new_tokens=40, eos_token_id=stop)
-        assert torch.equal(got.sequences, want), stop
-        assert got.sequences[0, -1] == stop
+        assert torch.equal(got, want), stop
+        assert got[0, -1] == stop
 
 
 def test_several_stop_ids_and_exact_max_new_tokens():
@@ -87,9 +87,9 @@ def test_several_stop_ids_and_exact_max_new_tokens():
     prompt = torch.tensor([[1, 2, 3]])
     free = _reference(base, prompt, 30)[0, 3:].tolist()
     got = model.generate(prompt, max_new_tokens=30, eos_token_id=[free[20], free[9]])
-    assert got.sequences[0, 3:].tolist() == free[:10]
+    assert got[0, 3:].tolist() == free[:10]
     for n in (1, 2, 7, 13):
-        assert model.generate(prompt, max_new_tokens=n).sequences.shape[1] == 3 + n
+        assert model.generate(prompt, max_new_tokens=n).shape[1] == 3 + n
 
 
 def test_streamer_receives_exactly_the_new_tokens():
@@ -108,13 +108,13 @@ def test_streamer_receives_exactly_the_new_tokens():
     streamer = Collect()
     out = model.generate(prompt, max_new_tokens=25, streamer=streamer)
     assert streamer.ended and streamer.chunks[0] == [9, 8, 7]
-    assert sum(streamer.chunks[1:], []) == out.sequences[0, 3:].tolist()
+    assert sum(streamer.chunks[1:], []) == out[0, 3:].tolist()
 
 
 def test_accepts_batch_encoding_and_lists():
     model = MedusaModel(make_tiny_model("llama"), make_heads())
-    a = model.generate({"input_ids": torch.tensor([[4, 5, 6]])}, max_new_tokens=5).sequences
-    b = model.generate([4, 5, 6], max_new_tokens=5).sequences
+    a = model.generate({"input_ids": torch.tensor([[4, 5, 6]])}, max_new_tokens=5)
+    b = model.generate([4, 5, 6], max_new_tokens=5)
     assert torch.equal(a, b)
 
 
@@ -123,7 +123,7 @@ def test_half_precision_runs(dtype):
     base = make_tiny_model("llama", dtype=dtype)
     model = MedusaModel(base, make_heads(random=True))
     out = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=20)
-    assert out.sequences.shape == (1, 23) and model.heads.blocks[0][0].linear.weight.dtype == dtype
+    assert out.shape == (1, 23) and model.heads.blocks[0][0].linear.weight.dtype == dtype
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -132,4 +132,4 @@ def test_cuda_greedy_identity():
     base = make_tiny_model("llama").cuda()
     model = MedusaModel(base, make_heads(random=True))
     prompt = torch.tensor([[1, 2, 3]], device="cuda")
-    assert torch.equal(model.generate(prompt, max_new_tokens=32).sequences, _reference(base, prompt, 32))
+    assert torch.equal(model.generate(prompt, max_new_tokens=32), _reference(base, prompt, 32))

@@ -96,14 +96,14 @@ def test_tree_files_that_are_not_trees_are_named(model, tmp_path):
 
 def test_good_variants_are_accepted_as_what_they_mean(model):
     """An all-ones mask, ids in a dict, eos as a tensor or list: the same output as the plain form."""
-    reference = model.generate(PROMPT, max_new_tokens=12).sequences
+    reference = model.generate(PROMPT, max_new_tokens=12)
     inputs = {"input_ids": torch.tensor(PROMPT), "attention_mask": torch.ones(1, 4, dtype=torch.long)}
-    assert torch.equal(model.generate(inputs, max_new_tokens=12).sequences, reference)
-    assert torch.equal(model.generate(torch.tensor(PROMPT, dtype=torch.int32), max_new_tokens=12).sequences, reference)
+    assert torch.equal(model.generate(inputs, max_new_tokens=12), reference)
+    assert torch.equal(model.generate(torch.tensor(PROMPT, dtype=torch.int32), max_new_tokens=12), reference)
     stop = int(reference[0, 6])  # the third new token
     for eos in (torch.tensor([stop]), [stop], stop):
         out = model.generate(PROMPT, max_new_tokens=12, eos_token_id=eos)
-        assert out.sequences[0, -1] == stop and out.sequences.shape[1] <= 7
+        assert out[0, -1] == stop and out.shape[1] <= 7
 
 
 def test_trees_shrink_near_the_end_of_a_learned_position_window():
@@ -120,7 +120,7 @@ def test_trees_shrink_near_the_end_of_a_learned_position_window():
     )
     for proposer in ("medusa", "dynamic", "hybrid"):
         out = model.generate(prompt, max_new_tokens=12, proposer=proposer, tree=[[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]])
-        assert torch.equal(out.sequences, reference), proposer
+        assert torch.equal(out, reference), proposer
 
 
 @pytest.mark.parametrize(

@@ -20,9 +20,7 @@ def test_save_load_round_trip(tmp_path, projection):
         assert torch.equal(a, b), name
     assert loaded.tree == [[0], [1], [0, 0]]
     prompt = torch.tensor([[3, 1, 4, 1, 5]])
-    assert torch.equal(
-        model.generate(prompt, max_new_tokens=20).sequences, loaded.generate(prompt, max_new_tokens=20).sequences
-    )
+    assert torch.equal(model.generate(prompt, max_new_tokens=20), loaded.generate(prompt, max_new_tokens=20))
     # shared projection stores only the blocks: no [V, H] matrix in the file
     from safetensors.torch import load_file
 
@@ -141,7 +139,7 @@ def test_vocab_subset_restricts_candidates_keeps_identity_and_round_trips(tmp_pa
     assert set(proposer.propose(state).tokens[1:].tolist()) <= set(subset.tolist())
     prompt = torch.tensor([[7, 8, 9]])
     reference = base.generate(prompt, max_new_tokens=30, do_sample=False)
-    assert torch.equal(model.generate(prompt, max_new_tokens=30).sequences, reference)
+    assert torch.equal(model.generate(prompt, max_new_tokens=30), reference)
     model.save_pretrained(tmp_path / "h")
     loaded = MedusaModel.from_pretrained(tmp_path / "h", base=base)
     assert loaded.config.vocab_subset_size == 32 and torch.equal(loaded.heads.vocab_subset, subset)
@@ -169,5 +167,5 @@ def test_heads_stored_in_bf16_keep_their_token_ids(tmp_path):
         assert value.dtype == original.dtype and torch.equal(value, expected), name
     prompt = torch.tensor([[7, 8, 9]])
     assert torch.equal(
-        loaded.generate(prompt, max_new_tokens=20).sequences, base.generate(prompt, max_new_tokens=20, do_sample=False)
+        loaded.generate(prompt, max_new_tokens=20), base.generate(prompt, max_new_tokens=20, do_sample=False)
     )

@@ -137,11 +137,11 @@ def test_planned_generate_is_exact_and_arguments_override_the_plan(tmp_path, mon
     model = MedusaModel.from_pretrained(heads_dir, base=base_dir, plan="auto")
     prompt = torch.tensor([[3, 4, 5, 6, 3, 4]])
     reference = model.base.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=30, do_sample=False)
-    assert torch.equal(model.generate(prompt, max_new_tokens=30).sequences, reference)
+    assert torch.equal(model.generate(prompt, max_new_tokens=30), reference)
     assert model.default_engine == model.plan.engine
     eager = MedusaModel.from_pretrained(heads_dir, base=base_dir, plan="auto", engine="eager")
     assert eager.default_engine == "eager"
-    out = eager.generate(prompt, max_new_tokens=30, proposer="medusa", tree=[[0], [0, 0]])
+    out = eager.generate(prompt, max_new_tokens=30, proposer="medusa", tree=[[0], [0, 0]], return_dict_in_generate=True)
     assert torch.equal(out.sequences, reference) and max(out.stats.proposed_lengths) == 2
     with pytest.raises(ValueError, match="plan must be"):
         MedusaModel.from_pretrained(heads_dir, base=base_dir, plan="yes")
@@ -171,7 +171,7 @@ def test_guard_falls_back_to_plain_decoding_when_guessing_loses_and_stays_exact(
     model = _guarded(plain_ms=1e-6, context=context)  # no step can beat a plain step this cheap
     prompt = torch.tensor([[3, 4, 5, 6, 7]])
     reference = model.base.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=80, do_sample=False)
-    out = model.generate(prompt, max_new_tokens=80)
+    out = model.generate(prompt, max_new_tokens=80, return_dict_in_generate=True)
     assert torch.equal(out.sequences, reference)
     depths = out.stats.proposed_lengths
     guessed = 1 + WINDOW  # the untimed first step and one window of guessing, then plain steps (depth 0), a retry
@@ -253,13 +253,15 @@ def test_a_clear_window_needs_no_probe(monkeypatch, guess_ms, fallbacks):
 
 def test_guard_keeps_guessing_while_it_pays():
     model = _guarded(plain_ms=1e9)
-    out = model.generate(torch.tensor([[3, 4, 5, 6, 7]]), max_new_tokens=60)
+    out = model.generate(torch.tensor([[3, 4, 5, 6, 7]]), max_new_tokens=60, return_dict_in_generate=True)
     assert 0 not in out.stats.proposed_lengths
 
 
 def test_an_explicit_proposer_is_not_guarded():
     model = _guarded(plain_ms=1e-6)
-    out = model.generate(torch.tensor([[3, 4, 5, 6, 7]]), max_new_tokens=60, proposer="medusa")
+    out = model.generate(
+        torch.tensor([[3, 4, 5, 6, 7]]), max_new_tokens=60, proposer="medusa", return_dict_in_generate=True
+    )
     assert 0 not in out.stats.proposed_lengths
 
 

@@ -115,8 +115,8 @@ def test_speculation_on_a_quantised_target_is_its_plain_decoding(family, engine,
     identical = 0
     for seed in range(3):
         prompt = torch.randint(1, 90, (1, 5 + 3 * seed), generator=torch.Generator().manual_seed(seed))
-        plain = model.generate(prompt, max_new_tokens=24, proposer="plain", engine=engine).sequences[0].tolist()
-        fast = model.generate(prompt, max_new_tokens=24, engine=engine).sequences[0].tolist()
+        plain = model.generate(prompt, max_new_tokens=24, proposer="plain", engine=engine)[0].tolist()
+        fast = model.generate(prompt, max_new_tokens=24, engine=engine)[0].tolist()
         at = next((i for i, (a, b) in enumerate(zip(plain, fast)) if a != b), None)
         identical += at is None
         if at is not None:  # several query tokens round otherwise than one in bf16: only a near-tie may swap

@@ -484,7 +484,7 @@ def test_medusa2_trains_adapter_and_heads_and_loads_merged(tmp_path, tiny_base, 
     # the heads read the adapted base's features, and decoding stays exactly the adapted base's greedy output
     prompt = torch.tensor([[3, 4, 5] + CYCLE[:4]])
     expected = loaded.base.generate(prompt, max_new_tokens=12, do_sample=False, min_new_tokens=12)
-    assert torch.equal(loaded.generate(prompt, max_new_tokens=12, tree=[[0], [1], [0, 0]]).sequences, expected)
+    assert torch.equal(loaded.generate(prompt, max_new_tokens=12, tree=[[0], [1], [0, 0]]), expected)
     # saved again, the heads keep their adapter: loading that directory gives the same adapted base
     loaded.save_pretrained(tmp_path / "resaved")
     for name in ("adapter_config.json", "adapter_model.safetensors"):
@@ -760,7 +760,7 @@ def test_next_token_heads_learn_over_the_candidate_vocabulary(tmp_path, tiny_bas
     assert [int(guesses[k, 0, t]) for k in range(3)] == [CYCLE[(3 + k + 2) % len(CYCLE)] for k in range(3)]
     prompt = torch.tensor([[5, 9] + CYCLE])
     expected = loaded.base.generate(prompt, max_new_tokens=20, do_sample=False, min_new_tokens=20)
-    assert torch.equal(loaded.generate(prompt, max_new_tokens=20, tree=[[0], [0, 0], [0, 0, 0]]).sequences, expected)
+    assert torch.equal(loaded.generate(prompt, max_new_tokens=20, tree=[[0], [0, 0], [0, 0, 0]]), expected)
 
 
 @pytest.mark.parametrize(
@@ -789,7 +789,7 @@ def test_context_heads_learn_and_decode_exactly(tmp_path, tiny_base, tiny_data, 
         assert loaded.heads.context.feature_map.weight.abs().max() > 0
     prompt = torch.tensor([[5, 9] + CYCLE])
     expected = loaded.base.generate(prompt, max_new_tokens=20, do_sample=False, min_new_tokens=20)
-    assert torch.equal(loaded.generate(prompt, max_new_tokens=20, tree=[[0], [0, 0], [0, 0, 0]]).sequences, expected)
+    assert torch.equal(loaded.generate(prompt, max_new_tokens=20, tree=[[0], [0, 0], [0, 0, 0]]), expected)
 
 
 def test_distilled_heads_learn_the_base_distribution(tmp_path, tiny_base, tiny_data):

@@ -323,6 +323,7 @@ def build_methods(names: list[str], args, model, stop_ids: list[int]) -> tuple[d
                 generator=generator,
                 profile=args.profile,
                 engine=engine,
+                return_dict_in_generate=True,
                 **kwargs,
             )
             stats = out.stats

@@ -170,6 +170,7 @@ def main(argv=None) -> None:
             streamer=streamer,
             do_sample=args.temperature is not None,
             temperature=args.temperature or 1.0,
+            return_dict_in_generate=True,
         )
         seconds = time.perf_counter() - start
         stats = out.stats
