@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from medusa.config import CONFIG_NAME, MedusaConfig
+from medusa.custom_generate import write_hook
 from medusa.decode import SpeculativeGenerator
 from medusa.draft import DraftModel
 from medusa.eagle3 import Eagle3Draft, Eagle3Model
@@ -281,10 +282,17 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
 
     def save_pretrained(self, directory: str | os.PathLike, dtype: str | torch.dtype | None = None) -> None:
         """Write `medusa_config.json` + `medusa_heads.safetensors` atomically (temporary folder, then rename), with
-        the Medusa-2 adapter the heads were loaded with (the heads pair with the base before it was merged).
+        the Medusa-2 adapter the heads were loaded with (the heads pair with the base before it was merged), and
+        transformers' `custom_generate/` hook (medusa.custom_generate: `base.generate(**inputs,
+        custom_generate=directory, trust_remote_code=True)` decodes with these heads).
 
         `dtype` (e.g. "bfloat16") stores the weights in that precision: half the file of fp32 heads.
         """
+        self._save(Path(directory), dtype, heads_location=str(Path(directory).resolve()))
+
+    def _save(self, directory: Path, dtype=None, *, heads_location: str, revision: str | None = None) -> None:
+        """save_pretrained into `directory`, its hook naming `heads_location` (at `revision`) as where the heads are
+        loaded from: the folder itself, or the Hub repo it is uploaded to."""
         dtype = resolve_dtype(dtype) if dtype is not None else None
 
         def write(tmp: Path) -> None:
@@ -293,8 +301,9 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
                 save_accuracy(tmp, self.accuracy, source="saved with the heads")
             for name, content in (self.adapter or {}).items():
                 (tmp / name).write_bytes(content)
+            write_hook(tmp, heads_location, revision)
 
-        write_directory(Path(directory), write)
+        write_directory(directory, write)
 
     def push_to_hub(
         self,
@@ -307,7 +316,7 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
     ) -> str:
         """Upload the heads directory `save_pretrained` writes to the Hub as one commit; returns the commit URL."""
         return push_to_hub(
-            self.save_pretrained,
+            lambda folder: self._save(folder, heads_location=repo_id, revision=revision),
             repo_id,
             private=private,
             revision=revision,

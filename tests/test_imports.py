@@ -30,6 +30,7 @@ TIERS = {
         "loading",
         "generate_args",
         "hub",
+        "custom_generate",
         "questions",
         "llama_cpp",
     },
