@@ -9,7 +9,14 @@ import pytest
 from medusa.answers import token_ids
 from tests.conftest import make_tiny_model, tiny_tokenizer
 from train.config import DataConfig
-from train.data import build_prompt_mix, drop_evaluation_overlap, normalise
+from train.data import (
+    build_prompt_mix,
+    drop_evaluation_overlap,
+    load_prompts,
+    normalise,
+    own_second_turns,
+    reference_answers,
+)
 from train.generate_data import is_greedy_shard, load_shards, main, reference_response, shard_dirs, shard_groups
 
 PROMPTS = [f"Tell me fact number {i} about owls." for i in range(7)] + ["Prove the Pythagorean theorem."]
@@ -374,3 +381,65 @@ def test_a_reference_answer_ends_at_the_templates_end_of_turn_token():
         reference_response(
             tokenizer, {"prompt": "Hi", "prompt_ids": [tokenizer.convert_tokens_to_ids(">")]}, "x", [end], 9
         )
+
+
+SHAREGPT = [
+    {
+        "id": "a",
+        "conversations": [
+            {"from": "system", "value": "Be brief."},
+            {"from": "human", "value": "Name an owl."},
+            {"from": "gpt", "value": "The barn owl."},
+            {"from": "human", "value": "Where does it live?"},
+            {"from": "gpt", "value": "Almost everywhere."},
+        ],
+    },
+    {"id": "b", "conversations": [{"from": "human", "value": "Name a hawk."}, {"from": "gpt", "value": "A kestrel."}]},
+    {"id": "c", "conversations": [{"from": "gpt", "value": "Hello!"}, {"from": "human", "value": "Hi."}]},  # no prompt
+    {"id": "d", "conversations": [{"from": "human", "value": "Prove the Pythagorean theorem."}]},  # evaluation
+]
+MESSAGES = [
+    {
+        "messages": [
+            {"role": "user", "content": "Name an owl."},
+            {"role": "assistant", "content": "The barn owl."},
+            {"role": "user", "content": "Where does it live?"},
+        ]
+    },
+    {"messages": [{"role": "User", "content": "Name a hawk."}, {"role": "Assistant", "content": "A kestrel."}]},
+]
+
+
+@pytest.mark.parametrize("rows", [SHAREGPT, MESSAGES], ids=["sharegpt", "messages"])
+def test_conversations_give_prompts_answers_and_their_own_second_turns(tmp_path, rows):
+    source = tmp_path / "chats.json"
+    source.write_text(json.dumps(rows))
+    prompts = load_prompts(str(source))
+    assert prompts[:2] == ["Name an owl.", "Name a hawk."] and "Hello!" not in prompts and "Hi." not in prompts
+    assert reference_answers(str(source)) == {"Name an owl.": "The barn owl.", "Name a hawk.": "A kestrel."}
+    assert own_second_turns(str(source)) == {"Name an owl.": "Where does it live?"}
+
+
+def test_a_conversation_asks_its_own_next_turn_as_the_second_turn(setup, tmp_path):
+    """ShareGPT rows train as multi-turn conversations: the second turn is the user's own next message where the
+    conversation has one (a data.follow_ups one elsewhere); the evaluation prompt is dropped as in any source."""
+    args, out = setup
+    source = tmp_path / "sharegpt.json"
+    source.write_text(json.dumps(SHAREGPT))
+    args = args + ["--data.sources", json.dumps({str(source): -1}), "--data.second_turn_fraction", "1.0"]
+    main(args + ["--data.follow_ups", json.dumps(["Say more."])])
+    tokenizer = tiny_tokenizer()
+    rows = [(r["input_ids"], r["response_start"]) for r in load_shards(out)]
+    firsts = {
+        tokenizer.decode(ids[:start]): ids for ids, start in rows if tokenizer.decode(ids[:start]).count("user:") == 1
+    }
+    assert sorted(firsts) == ["user: Name a hawk. | assistant:", "user: Name an owl. | assistant:"]
+    seconds = {}
+    for ids, start in rows:
+        if tokenizer.decode(ids[:start]).count("user:") == 2:
+            first = next(text for text, turn in firsts.items() if ids[: len(turn)] == turn)
+            seconds[first] = tokenizer.decode(ids[len(firsts[first]) : start])
+    assert seconds == {
+        "user: Name an owl. | assistant:": " | user: Where does it live? | assistant:",
+        "user: Name a hawk. | assistant:": " | user: Say more. | assistant:",
+    }

@@ -2,7 +2,10 @@
 
 Prompt sources are named in configs as one of:
   - `bench:<name>` for the files in `../shared/bench_data` (t0, alpaca, gsm8k, seed_tasks);
-  - a local `.json` / `.jsonl` file whose rows carry a `prompt`, `instruction` (+ `input`), `question` or `turns`;
+  - a local `.json` / `.jsonl` file whose rows carry a `prompt`, `instruction` (+ `input`), `question`, `turns`, or
+    a conversation: ShareGPT's `conversations` (`from` / `value`, what EAGLE and SpecForge read) or OpenAI's
+    `messages` (`role` / `content`). A conversation's first user turn is the prompt, the assistant turn after it its
+    reference answer, and its next user turn its own second turn (`data.second_turn_fraction`);
   - `hf:<dataset id>[:split]`, loaded with `datasets.load_dataset` (needs the Hub or a warm cache).
 """
 
@@ -46,6 +49,34 @@ def _read_rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
+USER_ROLES = ("human", "user")
+ASSISTANT_ROLES = ("gpt", "assistant", "chatgpt", "bard", "model")
+
+
+def _conversation(row: dict) -> list[tuple[str, str]] | None:
+    """A conversation row's turns as (role, text), role "user" or "assistant" (system turns and other roles left
+    out): ShareGPT's `conversations` or OpenAI's `messages`. None for rows of other layouts."""
+    turns = row.get("conversations", row.get("messages"))
+    if not isinstance(turns, list):
+        return None
+    roles = {**dict.fromkeys(USER_ROLES, "user"), **dict.fromkeys(ASSISTANT_ROLES, "assistant")}
+    out = []
+    for turn in turns:
+        role = roles.get(str(turn.get("from", turn.get("role"))).lower())
+        text = turn.get("value", turn.get("content"))
+        if role is not None and isinstance(text, str):
+            out.append((role, text))
+    return out
+
+
+def _conversation_turn(row: dict, role: str, after: int) -> str | None:
+    """The first `role` turn after the first `after` turns of a conversation row (None: none, or not one)."""
+    turns = _conversation(row) or []
+    if not turns or turns[0][0] != "user":
+        return None
+    return next((text for who, text in turns[after:] if who == role), None)
+
+
 def _row_prompt(row: dict) -> str | None:
     """The user prompt in one row of any supported layout."""
     if "prompt" in row:
@@ -59,7 +90,7 @@ def _row_prompt(row: dict) -> str | None:
         return row["question"]
     if "turns" in row:
         return row["turns"][0]
-    return None
+    return _conversation_turn(row, "user", 0)
 
 
 def _row_answer(row: dict) -> str | None:
@@ -71,7 +102,14 @@ def _row_answer(row: dict) -> str | None:
         return row["instances"][0]["output"]
     if isinstance(row.get("answer"), str):
         return re.sub(r"<<[^>]*>>", "", row["answer"])
-    return None
+    return _conversation_turn(row, "assistant", 1)
+
+
+def _row_second_turn(row: dict) -> str | None:
+    """A conversation's second user turn, after the assistant's first answer: what that user asked next."""
+    turns = _conversation(row) or []
+    answered = len(turns) > 1 and turns[0][0] == "user" and turns[1][0] == "assistant"
+    return _conversation_turn(row, "user", 2) if answered else None
 
 
 def _source_rows(source: str) -> list[dict]:
@@ -93,7 +131,9 @@ def load_prompts(source: str) -> list[str]:
     prompts = [p for p in (_row_prompt(r) for r in _source_rows(source)) if p and p.strip()]
     if not prompts:
         raise ValueError(
-            f"no prompts in {source!r}: rows need a 'prompt', 'instruction' (+'input'), 'question' or 'turns' field"
+            f"no prompts in {source!r}: rows need a 'prompt', 'instruction' (+'input'), 'question' or 'turns' field, "
+            "or a conversation ('conversations' with from/value turns, ShareGPT; 'messages' with role/content) that "
+            "starts with a user turn"
         )
     return prompts
 
@@ -113,6 +153,17 @@ def reference_answers(source: str) -> dict[str, str]:
             "it (data.reference_answers false)"
         )
     return answers
+
+
+def own_second_turns(source: str) -> dict[str, str]:
+    """Prompt -> the user's next turn in the source's own conversation (ShareGPT / messages rows; the first one where a
+    prompt repeats): what a second turn asks instead of data.follow_ups. Empty for sources of other layouts."""
+    turns: dict[str, str] = {}
+    for row in _source_rows(source):
+        prompt, follow_up = _row_prompt(row), _row_second_turn(row)
+        if prompt and prompt.strip() and follow_up and follow_up.strip():
+            turns.setdefault(prompt, follow_up)
+    return turns
 
 
 def normalise(text: str) -> str:

@@ -5,7 +5,8 @@
 Output: `<data.out_dir>/shard-00000/ ...`, each a `datasets` dataset on disk with columns
 `input_ids` (prompt + response tokens), `response_start`, `source`, `greedy`. A shard is written to a temporary
 folder and renamed into place, so a killed run loses at most the shard in flight and a restart continues there.
-With `data.second_turn_fraction` > 0 some conversations also get a follow-up user turn that the target answers;
+With `data.second_turn_fraction` > 0 some conversations also get a follow-up user turn that the target answers (a
+conversation source's own next user turn where it has one, else one of `data.follow_ups`);
 they are stored as a second row (prompt + answer + follow-up + second answer, `response_start` at the second answer).
 With `data.reference_answers: true` nothing is generated either: each prompt's response is its source's own answer
 (Alpaca's output, GSM8K's answer; sources without answers are refused), rendered through the chat template.
@@ -33,6 +34,7 @@ from train.data import (  # noqa: E402
     build_prompt_mix,
     drop_evaluation_overlap,
     evaluation_prompts,
+    own_second_turns,
     reference_answers,
 )
 
@@ -170,6 +172,17 @@ def check_follow_ups(follow_ups: list[str]) -> list[str]:
     return follow_ups
 
 
+def conversation_second_turns(sources) -> dict[tuple[str, str], str]:
+    """(source, prompt) -> the next user turn of the source's own conversation (ShareGPT / messages rows), asked as
+    the second turn instead of a data.follow_ups one; turns matching an evaluation prompt are left out."""
+    evaluation, turns = evaluation_prompts(), {}
+    for source in sources:
+        own = own_second_turns(source)
+        allowed = set(drop_evaluation_overlap(list(dict.fromkeys(own.values())), evaluation))
+        turns.update({(source, prompt): turn for prompt, turn in own.items() if turn in allowed})
+    return turns
+
+
 def has_second_turn(index: int, fraction: float) -> bool:
     return is_greedy_shard(index, fraction)  # the same even spread, over conversations
 
@@ -233,6 +246,7 @@ def main(argv=None) -> None:
         cfg.sources, cfg.seed
     )  # reads the prompt files: before the model loads or anything is written
     follow_ups = check_follow_ups(cfg.follow_ups or DEFAULT_FOLLOW_UPS)
+    own_turns = conversation_second_turns(cfg.sources) if cfg.second_turn_fraction > 0 else {}
     references = None
     if cfg.reference_answers:
         references = {source: reference_answers(source) for source in cfg.sources}
@@ -282,7 +296,9 @@ def main(argv=None) -> None:
         for shard, item, response in answered:
             tokens += add_record(records[shard], item, response, greedy)
             if has_second_turn(item["index"], cfg.second_turn_fraction):
-                follow_up = follow_ups[item["index"] % len(follow_ups)]
+                follow_up = (
+                    own_turns.get((item["source"], item["prompt"])) or follow_ups[item["index"] % len(follow_ups)]
+                )
                 context = records[shard][-1]["input_ids"] + next_turn_ids(
                     tokenizer, item["prompt"], follow_up, response, eos_ids
                 )
