@@ -150,3 +150,13 @@ def test_the_head_accuracy_script_runs_medusa_accuracy_from_anywhere(tmp_path):
     done = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: medusa accuracy")
+
+
+def test_accuracy_without_questions_or_bench_data_names_both_ways(tmp_path, monkeypatch, capsys):
+    """An installed wheel has no ../shared/bench_data beside it: the default is named with its two fixes before any
+    model loads."""
+    monkeypatch.setenv("MEDUSA_BENCH_DATA", str(tmp_path))  # a folder without Spec-Bench
+    with pytest.raises(SystemExit):
+        main(["accuracy", "--out", str(tmp_path / "acc.json")])
+    message = capsys.readouterr().err
+    assert "--questions" in message and "MEDUSA_BENCH_DATA" in message and str(tmp_path) in message

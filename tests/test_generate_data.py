@@ -443,3 +443,9 @@ def test_a_conversation_asks_its_own_next_turn_as_the_second_turn(setup, tmp_pat
         "user: Name an owl. | assistant:": " | user: Where does it live? | assistant:",
         "user: Name a hawk. | assistant:": " | user: Say more. | assistant:",
     }
+
+
+def test_a_bench_source_without_bench_data_names_the_fix(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEDUSA_BENCH_DATA", str(tmp_path))  # as an installed wheel: no bench_data folder
+    with pytest.raises(FileNotFoundError, match="MEDUSA_BENCH_DATA"):
+        load_prompts("bench:alpaca")

@@ -117,7 +117,13 @@ def _source_rows(source: str) -> list[dict]:
         name = source.split(":", 1)[1]
         if name not in BENCH_FILES:
             raise ValueError(f"unknown bench source {name!r}: use one of {sorted(BENCH_FILES)}")
-        return _read_rows(bench_data_dir() / BENCH_FILES[name])
+        path = bench_data_dir() / BENCH_FILES[name]
+        if not path.is_file():  # an installed wheel has no checkout beside it
+            raise FileNotFoundError(
+                f"{source}: {path} does not exist; point $MEDUSA_BENCH_DATA at the folder holding {BENCH_FILES[name]}, "
+                "or name a local .json/.jsonl file or an hf:<dataset> source instead"
+            )
+        return _read_rows(path)
     if source.startswith("hf:"):
         from datasets import load_dataset  # optional dependency, only for Hub datasets
 

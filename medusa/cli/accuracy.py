@@ -120,8 +120,8 @@ def main(argv=None) -> None:
     )
     parser.add_argument(
         "--questions",
-        default=str(bench_data_dir() / "spec_bench_question.jsonl"),
-        help="JSONL of {question_id, category, turns} (default: Spec-Bench)",
+        help="JSONL of {question_id, category, turns} (default: Spec-Bench in $MEDUSA_BENCH_DATA, or in "
+        "../shared/bench_data beside a source checkout)",
     )
     parser.add_argument("--limit", type=int, help="questions to use, evenly spread through the file (default: all)")
     parser.add_argument("--out", required=True, help="JSON file to write")
@@ -145,6 +145,13 @@ def main(argv=None) -> None:
         "medusa_accuracy.json, where the calibrated plan (medusa.plan) reads it",
     )
     args = parser.parse_args(argv)
+    if args.questions is None:
+        args.questions = str(bench_data_dir() / "spec_bench_question.jsonl")
+        if not Path(args.questions).is_file():  # an installed wheel has no checkout beside it
+            parser.error(
+                f"no questions at {args.questions}: pass --questions FILE (JSONL of question_id, category, turns), "
+                "or point $MEDUSA_BENCH_DATA at a folder holding spec_bench_question.jsonl"
+            )
 
     started = time.time()
     model = MedusaModel.from_pretrained(args.heads, base=args.base, dtype=args.dtype, device=args.device, plan="off")
