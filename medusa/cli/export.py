@@ -3,8 +3,8 @@
     medusa export <heads-dir> <out-dir> --format medusa|vllm [--base BASE] [--base-name NAME] [--dtype fp16]
     medusa export <eagle3-dir> <out-dir> --format speculators|eagle3 [--base BASE] [--base-name NAME] [--dtype bf16]
 
---format medusa: the official Medusa layout: config.json + medusa_lm_head.safetensors (read by TGI and
-                 TensorRT-LLM) + medusa_lm_head.pt (the same tensors, for the official medusa-llm package).
+--format medusa: the official Medusa layout: config.json + medusa_lm_head.safetensors (read by TGI) +
+                 medusa_lm_head.pt (the same tensors, for the official medusa-llm package).
 --format vllm:   config.json + model.safetensors for vLLM's Medusa drafter. See docs/serving.md.
 <heads-dir> may be a native, official or vLLM directory, a Hub id or a shipped set (embedded:<name>). Heads that
 share the base lm_head need the base model (--base, else the one their config names) to copy it into every head.

@@ -1,0 +1,60 @@
+"""`medusa serve`: an OpenAI-compatible HTTP server (chat and text completions, streamed or not) around one model.
+
+    medusa serve [--heads DIR] [--base PATH] [--dtype float32] [--engine NAME] [--host 127.0.0.1] [--port 8000]
+                 [--model-name NAME] [--steady [--chunk 4] [--rate TOK_S]]
+
+Requests are decoded one at a time, in arrival order (medusa/serve.py). `--steady` paces streams as
+`medusa chat --steady` does (see medusa/cli/chat.py for why). What is supported and refused: docs/serving.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from medusa.precision import PRECISIONS
+from medusa.runtime import ENGINES
+
+INSTALL = "pip install 'medusa-spec[serve]'"
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="medusa serve",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
+    parser.add_argument("--heads", default=None, help="heads directory or Hub id (default: the shipped heads)")
+    parser.add_argument("--base", default=None, help="base model (default: the one the heads name)")
+    parser.add_argument("--dtype", default=None, choices=PRECISIONS, help="the target's precision (default: float32)")
+    parser.add_argument("--device", default=None, help="e.g. cuda (default: CPU)")
+    parser.add_argument(
+        "--engine", default=None, choices=list(ENGINES), help="how the target runs (default: the plan's choice)"
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--model-name", default=None, help="the model's id in the API (default: the base's name)")
+    parser.add_argument("--steady", action="store_true", help="stream at a constant pace in fixed-size chunks")
+    parser.add_argument("--chunk", type=int, default=4, help="tokens per chunk with --steady")
+    parser.add_argument(
+        "--rate", type=float, default=None, help="tokens/s with --steady (default: the plan's plain decoding rate)"
+    )
+    args = parser.parse_args(argv)
+    if args.chunk < 1 or (args.rate is not None and args.rate <= 0):
+        parser.error("--chunk must be >= 1 and --rate > 0")
+    try:  # before the model loads (seconds to minutes)
+        import uvicorn
+
+        from medusa.serve import create_app
+    except ImportError as error:
+        sys.exit(f"medusa serve needs fastapi and uvicorn ({error.name or error} is missing): {INSTALL}")
+
+    from medusa import MedusaModel
+
+    model = MedusaModel.from_pretrained(
+        args.heads, base=args.base, dtype=args.dtype, device=args.device, engine=args.engine
+    )
+    name = args.model_name or args.base or model.config.base_model_name_or_path or "medusa"
+    app = create_app(model, model_name=name, steady=args.steady, chunk=args.chunk, rate=args.rate)
+    uvicorn.run(app, host=args.host, port=args.port)

@@ -1,0 +1,389 @@
+"""`medusa serve` (medusa/serve.py, medusa/cli/serve.py): the official `openai` client against a uvicorn server in
+a background thread, around a tiny random model with a character-level tokenizer (one token, one character)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+
+import httpx
+import openai
+import pytest
+import torch
+import uvicorn
+from conftest import make_heads, make_tiny_model, tiny_tokenizer
+
+import medusa.cli
+from medusa import MedusaModel
+from medusa.serve import create_app
+
+HELLO = [{"role": "user", "content": "hello"}]
+
+
+@contextmanager
+def serving(app):
+    """The app on a free port of 127.0.0.1, in a thread: -> its /v1 URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return MedusaModel(make_tiny_model("llama"), make_heads(random=True), tiny_tokenizer())
+
+
+@pytest.fixture(scope="module")
+def url(model):
+    with serving(create_app(model, model_name="tiny")) as url:
+        yield url
+
+
+def chat_ids(model, messages) -> torch.Tensor:
+    return model.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
+
+
+def direct(model, input_ids, **kwargs) -> tuple[str, object]:
+    """What model.generate itself says for the prompt: (new text, its output)."""
+    out = model.generate(input_ids, return_dict_in_generate=True, **kwargs)
+    return model.tokenizer.decode(out.sequences[0, input_ids.shape[1] :], skip_special_tokens=True), out
+
+
+def test_models_lists_the_served_name(url):
+    assert [m.id for m in client(url).models.list().data] == ["tiny"]
+
+
+def test_greedy_chat_equals_direct_generate(model, url):
+    expected, out = direct(model, chat_ids(model, HELLO), max_new_tokens=24, do_sample=False)
+    reply = client(url).chat.completions.create(model="tiny", messages=HELLO, max_tokens=24, temperature=0)
+    assert len(expected) >= 20  # a character per token (pad tokens decode to nothing)
+    assert reply.choices[0].message.content == expected
+    assert reply.choices[0].message.role == "assistant" and reply.choices[0].finish_reason == "length"
+    assert reply.object == "chat.completion" and reply.model == "tiny" and reply.id.startswith("chatcmpl-")
+    prompt = chat_ids(model, HELLO).shape[1]
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens, reply.usage.total_tokens) == (
+        prompt,
+        24,
+        prompt + 24,
+    )
+    assert reply.usage.medusa_tokens_per_step == pytest.approx(out.stats.mean_accepted_tokens)
+
+
+def test_max_completion_tokens_wins_over_max_tokens(model, url):
+    expected, _ = direct(model, chat_ids(model, HELLO), max_new_tokens=5, do_sample=False)
+    reply = client(url).chat.completions.create(
+        model="tiny", messages=HELLO, max_tokens=30, max_completion_tokens=5, temperature=0
+    )
+    assert reply.choices[0].message.content == expected and reply.usage.completion_tokens == 5
+
+
+def test_streamed_chat_adds_up_to_the_whole_answer(model, url):
+    expected, _ = direct(model, chat_ids(model, HELLO), max_new_tokens=30, do_sample=False)
+    chunks = list(
+        client(url).chat.completions.create(
+            model="tiny",
+            messages=HELLO,
+            max_tokens=30,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 30
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 1  # streamed, not one piece
+
+
+def test_streams_end_with_done(url):
+    body = {"messages": HELLO, "max_tokens": 4, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{url}/chat/completions", json=body, timeout=60) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in response.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    assert all(line.startswith("data: ") for line in events)
+    assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
+
+
+def test_completions_equal_direct_generate_streamed_or_not(model, url):
+    ids = model.tokenizer("Once upon a time", return_tensors="pt")["input_ids"]
+    expected, _ = direct(model, ids, max_new_tokens=20, do_sample=False)
+    api = client(url)
+    whole = api.completions.create(model="tiny", prompt="Once upon a time", max_tokens=20, temperature=0)
+    assert whole.choices[0].text == expected and whole.choices[0].finish_reason == "length"
+    assert whole.object == "text_completion" and whole.usage.prompt_tokens == ids.shape[1]
+    stream = api.completions.create(model="tiny", prompt="Once upon a time", max_tokens=20, temperature=0, stream=True)
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_stop_strings_end_the_text_before_them(model, url):
+    """generate keeps the stop string (as transformers does); the API leaves it out (as OpenAI does)."""
+    full, _ = direct(model, chat_ids(model, HELLO), max_new_tokens=40, do_sample=False)
+    stop = full[12:14]
+    cut = full.index(stop)
+    kept, out = direct(model, chat_ids(model, HELLO), max_new_tokens=40, do_sample=False, stop_strings=[stop])
+    assert kept.endswith(stop) and kept[: -len(stop)] == full[:cut]
+    api = client(url)
+    for stops in (stop, [stop, "never-there"]):
+        reply = api.chat.completions.create(model="tiny", messages=HELLO, max_tokens=40, temperature=0, stop=stops)
+        assert reply.choices[0].message.content == full[:cut] and reply.choices[0].finish_reason == "stop"
+        assert reply.usage.completion_tokens == out.stats.new_tokens < 40
+    chunks = list(
+        api.chat.completions.create(model="tiny", messages=HELLO, max_tokens=40, temperature=0, stop=stop, stream=True)
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == full[:cut]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_the_end_token_stops_with_reason_stop_and_stays_out_of_the_text(model, url, monkeypatch):
+    full, _ = direct(model, chat_ids(model, HELLO), max_new_tokens=30, do_sample=False)
+    end = full[10]  # a character token: not special, so only its being the end token keeps it out
+    monkeypatch.setattr(model.base.generation_config, "eos_token_id", model.tokenizer.convert_tokens_to_ids(end))
+    api = client(url)
+    reply = api.chat.completions.create(model="tiny", messages=HELLO, max_tokens=30, temperature=0)
+    assert reply.choices[0].message.content == full[: full.index(end)]
+    assert reply.choices[0].finish_reason == "stop" and reply.usage.completion_tokens == full.index(end) + 1
+    chunks = list(api.chat.completions.create(model="tiny", messages=HELLO, max_tokens=30, temperature=0, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == full[: full.index(end)]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_a_seed_makes_sampling_repeat_generate_with_that_generator(model, url):
+    expected, _ = direct(
+        model,
+        chat_ids(model, HELLO),
+        max_new_tokens=20,
+        do_sample=True,
+        temperature=1.5,
+        top_p=0.9,
+        generator=torch.Generator().manual_seed(7),
+    )
+    api = client(url)
+    asked = dict(model="tiny", messages=HELLO, max_tokens=20, temperature=1.5, top_p=0.9)
+    assert api.chat.completions.create(**asked, seed=7).choices[0].message.content == expected
+    other = [api.chat.completions.create(**asked, seed=seed).choices[0].message.content for seed in (8, 9)]
+    assert expected not in other
+
+
+def test_twenty_concurrent_requests_complete_one_at_a_time(model, url, monkeypatch):
+    prompts = [f"question {i}" for i in range(20)]
+    expected = [
+        direct(model, chat_ids(model, [{"role": "user", "content": p}]), max_new_tokens=8, do_sample=False)[0]
+        for p in prompts
+    ]
+    running, most = [0], [0]
+    lock = threading.Lock()
+    generate = model.generate
+
+    def counting(*args, **kwargs):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        try:
+            time.sleep(0.01)  # widen the window two calls would overlap in
+            return generate(*args, **kwargs)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(model, "generate", counting)
+    api = client(url)
+
+    def ask(i: int) -> str:
+        messages = [{"role": "user", "content": prompts[i]}]
+        if i % 2:  # half of them streamed
+            chunks = api.chat.completions.create(
+                model="tiny", messages=messages, max_tokens=8, temperature=0, stream=True
+            )
+            return "".join(c.choices[0].delta.content or "" for c in chunks)
+        return (
+            api.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+            .choices[0]
+            .message.content
+        )
+
+    with ThreadPoolExecutor(20) as pool:
+        answers = list(pool.map(ask, range(20)))
+    assert answers == expected
+    assert most[0] == 1
+
+
+BAD_REQUESTS = [  # (body, what the message must name)
+    (b"{not json", "not valid JSON"),
+    (b"[1, 2]", "send a JSON object"),
+    (b"{}", "messages is missing"),
+    (b'{"messages": []}', "send messages as a non-empty list"),
+    (b'{"messages": "hello"}', "messages: Input should be a valid list"),
+    (b'{"messages": [{"content": "hi"}]}', "messages: Field required"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "n": 2}', "n=2 is not supported"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}', "send max_tokens as an integer >= 1"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": "5"}', "max_tokens: Input should be"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": -1}', "temperature"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "stop": 3}', "send stop as a string or a list"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "stop": [""]}', "stop holds an empty string"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}', "stream"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "logprobs": true}', "logprobs=True is not supported"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5}', "presence_penalty=0.5"),
+    (b'{"messages": [{"role": "user", "content": "' + b"x" * 600 + b'"}]}', "exceeds the model's context window"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 500}', "shorten the prompt or lower max_tokens"),
+]
+
+
+@pytest.mark.parametrize("body, named", BAD_REQUESTS, ids=[named for _, named in BAD_REQUESTS])
+def test_a_bad_request_gets_a_400_naming_the_problem_and_the_server_goes_on(model, url, body, named):
+    response = httpx.post(
+        f"{url}/chat/completions", content=body, headers={"content-type": "application/json"}, timeout=60
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert named in error["message"] and error["type"] == "invalid_request_error"
+    expected, _ = direct(model, chat_ids(model, HELLO), max_new_tokens=3, do_sample=False)
+    reply = client(url).chat.completions.create(model="tiny", messages=HELLO, max_tokens=3, temperature=0)
+    assert reply.choices[0].message.content == expected
+
+
+def test_bad_completion_requests_and_unknown_paths(url):
+    api = client(url)
+    with pytest.raises(openai.BadRequestError, match="prompt is missing"):
+        api.post("/completions", body={"max_tokens": 3}, cast_to=httpx.Response)
+    with pytest.raises(openai.BadRequestError, match="echo=True is not supported"):
+        api.completions.create(model="tiny", prompt="hi", max_tokens=3, echo=True)
+    with pytest.raises(openai.BadRequestError, match="send prompt as a non-empty string"):
+        api.completions.create(model="tiny", prompt=["a", "b"], max_tokens=3)
+    response = httpx.get(f"{url}/embeddings", timeout=60)
+    assert response.status_code == 404 and "POST /v1/chat/completions" in response.json()["error"]["message"]
+
+
+def test_what_generate_refuses_becomes_a_400_with_its_message(model, url, monkeypatch):
+    def refusing(*args, **kwargs):
+        raise ValueError("generate does not support this: pass that instead")
+
+    monkeypatch.setattr(model, "generate", refusing)
+    api = client(url)
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError, match="pass that instead"):
+            api.chat.completions.create(model="tiny", messages=HELLO, max_tokens=3, stream=stream)
+    monkeypatch.undo()
+    assert api.chat.completions.create(model="tiny", messages=HELLO, max_tokens=3).choices[0].message.content
+
+
+def test_a_client_leaving_mid_stream_frees_the_model(model, url, monkeypatch):
+    made = []
+    generate = model.generate
+
+    def recording(*args, **kwargs):
+        out = generate(*args, **kwargs)
+        made.append(out.stats.new_tokens)
+        return out
+
+    monkeypatch.setattr(model, "generate", recording)
+    body = {"messages": HELLO, "max_tokens": 400, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{url}/chat/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        next(line for line in lines if '"content"' in line)  # a token arrived: it is generating
+    reply = client(url).chat.completions.create(model="tiny", messages=HELLO, max_tokens=3, temperature=0)
+    assert reply.usage.completion_tokens == 3
+    assert len(made) == 2 and made[0] < 400, made  # the first ended early, before the second ran
+
+
+def test_steady_streams_release_fixed_chunks_at_the_rate(model):
+    chunk, rate, tokens = 3, 100.0, 30
+    ids = chat_ids(model, HELLO)
+    expected, out = direct(model, ids, max_new_tokens=tokens, do_sample=False)
+    new = out.sequences[0, ids.shape[1] :].tolist()
+    # never the verify steps' burst sizes: `chunk` tokens each (a pad token among them decodes to nothing)
+    steady = [model.tokenizer.decode(new[i : i + chunk], skip_special_tokens=True) for i in range(0, tokens, chunk)]
+    with serving(create_app(model, model_name="tiny", steady=True, chunk=chunk, rate=rate)) as url:
+        start = time.perf_counter()
+        chunks = list(
+            client(url).chat.completions.create(
+                model="tiny", messages=HELLO, max_tokens=tokens, temperature=0, stream=True
+            )
+        )
+        seconds = time.perf_counter() - start
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices[0].delta.content]
+    assert "".join(pieces) == expected
+    assert pieces == [piece for piece in steady if piece]
+    assert seconds >= 0.9 * tokens / rate  # the pace, not the model's speed
+
+
+def test_the_command_loads_the_model_from_its_flags_and_serves_it(model, monkeypatch):
+    loaded, ran = {}, {}
+
+    def from_pretrained(path=None, **kwargs):
+        loaded.update(path=path, **kwargs)
+        return model
+
+    monkeypatch.setattr(MedusaModel, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(uvicorn, "run", lambda app, host, port: ran.update(app=app, host=host, port=port))
+    medusa.cli.main(["serve", "--heads", "h", "--dtype", "float32", "--engine", "eager", "--port", "8123"])
+    assert loaded == dict(path="h", base=None, dtype="float32", device=None, engine="eager")
+    assert ran["host"] == "127.0.0.1" and ran["port"] == 8123
+    with serving(ran["app"]) as url:  # named after the heads' base (the tiny heads name none)
+        assert [m.id for m in client(url).models.list().data] == ["medusa"]
+
+
+def test_the_command_without_fastapi_names_the_extra_before_loading_a_model(monkeypatch):
+    def from_pretrained(*args, **kwargs):
+        raise AssertionError("the model loaded before the missing package was found")
+
+    monkeypatch.setattr(MedusaModel, "from_pretrained", from_pretrained)
+    monkeypatch.setitem(sys.modules, "fastapi", None)  # import fastapi raises ImportError
+    monkeypatch.delitem(sys.modules, "medusa.serve")
+    with pytest.raises(SystemExit, match=r"fastapi is missing\): pip install 'medusa-spec\[serve\]'"):
+        medusa.cli.main(["serve"])
+
+
+def test_import_medusa_leaves_the_server_packages_out():
+    code = "import sys, medusa; print(sorted({'fastapi', 'uvicorn', 'medusa.serve'} & set(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.slow
+def test_the_embedded_model_through_the_server_says_what_generate_says():
+    model = MedusaModel.from_pretrained()
+    messages = [{"role": "user", "content": "Name three primary colours."}]
+    ids = chat_ids(model, messages)
+    direct(model, ids, max_new_tokens=8, do_sample=False)  # warm-up
+    start = time.perf_counter()
+    expected, out = direct(model, ids, max_new_tokens=48, do_sample=False)
+    direct_rate = out.stats.new_tokens / (time.perf_counter() - start)
+    with serving(create_app(model)) as url:
+        api = client(url)
+        start = time.perf_counter()
+        reply = api.chat.completions.create(model="medusa", messages=messages, max_tokens=48, temperature=0)
+        served_rate = reply.usage.completion_tokens / (time.perf_counter() - start)
+    assert reply.choices[0].message.content == expected and len(expected) > 20
+    assert reply.usage.completion_tokens == out.stats.new_tokens
+    print(
+        f"\nembedded model, {out.stats.new_tokens} tokens: direct generate {direct_rate:.1f} tok/s, "
+        f"through the server {served_rate:.1f} tok/s"
+    )
