@@ -34,7 +34,7 @@ class MedusaConfig:
     num_layers: int = 1  # residual blocks per head
     projection: str = "shared"  # shared: reuse the base lm_head; own: one [V, H] matrix per head
     base_model_name_or_path: str | None = None  # the base the heads were trained on (training fills it in)
-    revision: str | None = None  # that base's revision, when known (training leaves it null)
+    revision: str | None = None  # that base's revision: training records a Hub base's commit (else null)
     tree: list[list[int]] | None = None  # default tree for these heads (rank paths, see medusa.tree)
     # Candidates come only from these most frequent tokens (ids stored with the weights): the heads' vocabulary
     # projection is then that much cheaper, and exactness is untouched because the target verifies every guess.

@@ -265,15 +265,17 @@ class DraftModel(TargetAndDraft):
         device=None,
         tokenizer=None,
         draft_tokenizer=None,
+        **hub,
     ) -> DraftModel:
-        """Load both models (Hub id, directory, .gguf or model object: `medusa.loading.load_base`) and check them."""
+        """Load both models (Hub id, directory, .gguf or model object: `medusa.loading.load_base`) and check them.
+        `hub` (token, cache_dir, local_files_only) goes to transformers with both."""
         if draft is None:
             raise ValueError(
                 "no draft model given: pass draft=<Hub id, directory, .gguf file or model> sharing the "
                 f"target's tokenizer (e.g. a smaller model of the same family), '{EARLY_EXIT_PREFIX}N' "
                 "for the target's own first N layers, or 'int8' for the target with int8 weights"
             )
-        target_model, tokenizer = load_target(target, dtype=dtype, device=device, tokenizer=tokenizer)
+        target_model, tokenizer = load_target(target, dtype=dtype, device=device, tokenizer=tokenizer, **hub)
         if isinstance(draft, str) and draft in QUANTIZED_DRAFTS:
             return cls(target_model, quantized_draft(target_model, draft), tokenizer, num_speculative_tokens)
         if isinstance(draft, str) and draft.startswith(EARLY_EXIT_PREFIX):
@@ -285,7 +287,7 @@ class DraftModel(TargetAndDraft):
                 )
             return cls(target_model, early_exit_draft(target_model, int(count)), tokenizer, num_speculative_tokens)
         draft_model, draft_tokenizer = load_base(  # the draft computes as the target does
-            draft, dtype=target_model.dtype, device=device or target_model.device, tokenizer=draft_tokenizer
+            draft, dtype=target_model.dtype, device=device or target_model.device, tokenizer=draft_tokenizer, **hub
         )
         check_same_vocabulary(tokenizer, draft_tokenizer, target_model, draft_model)
         return cls(target_model, draft_model, tokenizer, num_speculative_tokens)

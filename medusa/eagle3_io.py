@@ -26,8 +26,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 from medusa.eagle3 import Eagle3Draft
-from medusa.fileio import write_directory
-from medusa.heads_io import check_out_dir
+from medusa.fileio import check_out_dir, write_directory
 from medusa.loading import load_base
 
 CONFIG = "config.json"

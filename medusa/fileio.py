@@ -1,5 +1,5 @@
-"""Atomic writes: a crash or a kill never leaves a half-written file or directory behind; and a lock for one-time
-work that several processes may start at once."""
+"""Atomic writes: a crash or a kill never leaves a half-written file or directory behind; the check an export's
+output directory passes first; and a lock for one-time work that several processes may start at once."""
 
 from __future__ import annotations
 
@@ -130,6 +130,15 @@ def write_directory(out_dir: Path, write: Callable[[Path], None], *, stale: Iter
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def check_out_dir(out_dir: Path, overwrite: bool) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise FileExistsError(f"{out_dir} is a file: choose a directory path for the export")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
+        raise FileExistsError(
+            f"{out_dir} exists and is not empty: choose another directory or pass overwrite=True (--overwrite)"
+        )
 
 
 @contextlib.contextmanager

@@ -34,10 +34,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from medusa.config import CONFIG_NAME, WEIGHTS_NAME, MedusaConfig
-from medusa.fileio import atomic_write_text, write_directory
+from medusa.eagle3_io import is_eagle3
+from medusa.fileio import atomic_write_text, check_out_dir, write_directory
 from medusa.heads import MedusaHeads, storage_state
-from medusa.hub import resolve_heads
-from medusa.loading import load_base
+from medusa.hub import EMBEDDED_PREFIX, download, embedded_heads, is_repo_id
+from medusa.loading import base_hub_id, load_base
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,12 @@ ADAPTER_CONFIG = "adapter_config.json"  # Medusa-2: a LoRA adapter of the base, 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _OFFICIAL_PREFIX = "medusa_head."  # some conversions keep the official module name in front of every key
 _VLLM_PREFIX = "medusa_heads."  # vLLM strips this prefix when it loads, so accept it too
+
+# The small files that say which layout a Hub repo holds: medusa's own config, or the config.json of an official
+# Medusa, vLLM or EAGLE-3 export (and of any base model).
+LAYOUT_FILES = [CONFIG_NAME, FOREIGN_CONFIG]
+# What a heads repo holds, in every layout load_heads reads (native, Medusa-2 adapter, official, vLLM) and its card.
+HEADS_FILES = ["*.json", "*.safetensors", "README.md"]
 
 _PICKLE_HELP = (
     "medusa never unpickles (loading a pickle can run arbitrary code). Convert it once, in an environment you "
@@ -122,18 +129,22 @@ def adapter_files(directory: Path) -> dict[str, bytes]:
 CARD_NAME = "README.md"
 
 
-def model_card(config: MedusaConfig, datasets: list[str] = ()) -> str:
-    """A model card for trained heads: YAML front matter the Hub reads (base_model, library_name, tags, datasets,
-    metrics) from the config and the provenance training records in `config.extra`, then what the heads are."""
+def model_card(config: MedusaConfig, datasets: list[str] = (), location: str | None = None) -> str:
+    """A model card for trained heads: YAML front matter the Hub reads (base_model as a Hub id, library_name, tags,
+    datasets, metrics) from the config and the provenance training records in `config.extra`, then what the heads are
+    and how to load them. `location`: where users load them from (a Hub repo id, or a directory), which then holds
+    transformers' `custom_generate` hook too (`MedusaModel.save_pretrained` and `push_to_hub` write both)."""
     from huggingface_hub import ModelCardData
 
     training = config.extra.get("training", {})
     evaluation = {k: v for k, v in config.extra.get("eval", {}).items() if isinstance(v, dict)}
+    base, method = config.base_model_name_or_path, training.get("method", "medusa-1")
+    hub_id = base_hub_id(base)  # None for a local directory or GGUF file, which the Hub cannot link to
     data = ModelCardData(
-        base_model=config.base_model_name_or_path,
+        base_model=hub_id,
         library_name="medusa",
         datasets=list(datasets) or None,
-        tags=["medusa", "speculative-decoding", training.get("method", "medusa-1")],
+        tags=["medusa", "speculative-decoding", method],
         metrics=["accuracy"] if evaluation else None,
     )
     rows = "\n".join(
@@ -145,17 +156,75 @@ def model_card(config: MedusaConfig, datasets: list[str] = ()) -> str:
         for key, value in training.items()
         if key in ("steps", "epochs", "train_response_tokens", "wall_time_s", "processes", "mixed_precision")
     )
+    target = (f"`{base}`" + (f" at revision `{config.revision}`" if config.revision else "")) if base else "their base"
+    where = f'"{location}"' if location else "<this repo or directory>"
+    # heads load onto the base they name, unless only this machine can find it
+    load = f"MedusaModel.from_pretrained({where}" + (")" if hub_id else ', base="<base model>")')
+    hook = (  # save_pretrained and push_to_hub write transformers' hook beside the heads; training does not
+        f'With transformers alone, on the base model: `base.generate(**inputs, custom_generate="{location}", '
+        "trust_remote_code=True)` (needs `pip install medusa-spec`).\n\n"
+        if location
+        else ""
+    )
     return (
-        f"---\n{data.to_yaml()}\n---\n\n# Medusa heads for {config.base_model_name_or_path}\n\n"
-        f"{config.num_heads} heads ({training.get('method', 'medusa-1')}) that propose the next tokens of "
-        f"`{config.base_model_name_or_path}` for lossless speculative decoding with "
-        "the medusa library: `MedusaModel.from_pretrained(<this repo or directory>)`.\n\n"
+        f"---\n{data.to_yaml()}\n---\n\n# Medusa heads{f' for {base}' if base else ''}\n\n"
+        f"{config.num_heads} heads ({method}) that propose the next tokens of {target} for lossless speculative "
+        "decoding (the base verifies every token) with the medusa library:\n\n"
+        f"```python\nfrom medusa import MedusaModel\n\nmodel = {load}\n```\n\n"
+        + hook
         + (f"Training: {facts}.\n\n" if facts else "")
         + (
             f"Held-out accuracy (top-1 / top-5 per head):\n\n| head | top-1 | top-5 |\n|---|---|---|\n{rows}\n"
             if rows
             else ""
         )
+    )
+
+
+def resolve_heads(
+    reference,
+    revision: str | None = None,
+    *,
+    token: str | bool | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    local_files_only: bool = False,
+) -> Path:
+    """A heads directory, a Hub repo id or `embedded:<name>` -> the local directory holding its files. A repo's config
+    files come first: its weights follow (and stay cached) only when those declare heads, so a base model's id costs
+    no download. `token`, `cache_dir` and `local_files_only` go to huggingface_hub with a repo id."""
+    if str(reference).startswith(EMBEDDED_PREFIX):
+        return embedded_heads(str(reference).removeprefix(EMBEDDED_PREFIX), revision)
+    if not is_repo_id(reference):
+        if revision is not None:
+            raise ValueError(f"revision={revision!r} applies to a Hub repo id, and {str(reference)!r} is a local path")
+        return Path(reference)
+    hub = {"revision": revision, "token": token, "cache_dir": cache_dir, "local_files_only": local_files_only}
+    check_heads_repo(download(str(reference), LAYOUT_FILES, **hub), str(reference))
+    return download(str(reference), HEADS_FILES, **hub)
+
+
+def check_heads_repo(folder: Path, repo_id: str) -> None:
+    """Raise unless the config files fetched into `folder` declare heads in a layout load_heads reads (native,
+    official Medusa, vLLM), naming what `repo_id` holds instead (a base model, an EAGLE-3 draft) and how to load it."""
+    if (folder / CONFIG_NAME).is_file() or foreign_layout(folder) is not None:
+        return
+    if is_eagle3(folder):
+        raise ValueError(
+            f"{repo_id!r} holds an EAGLE-3 draft, not Medusa heads: load it with MedusaModel.from_draft_model("
+            f"<its target>, draft=huggingface_hub.snapshot_download({repo_id!r}))"
+        )
+    path = folder / FOREIGN_CONFIG
+    config = _read_json(path) if path.is_file() else {}
+    kind = config.get("model_type") or config.get("architectures")
+    if kind:
+        raise ValueError(
+            f"{repo_id!r} is a base model (its {FOREIGN_CONFIG} declares {kind!r}), not Medusa heads; only its "
+            f"config was downloaded. For untrained heads on it: MedusaModel.from_base({repo_id!r}); for trained heads "
+            f"on it: MedusaModel.from_pretrained(<heads>, base={repo_id!r})"
+        )
+    raise FileNotFoundError(
+        f"{repo_id!r} holds no Medusa heads: expected {CONFIG_NAME} (medusa), or {FOREIGN_CONFIG} with "
+        "medusa_num_heads (official Medusa) or model_type 'medusa' (vLLM)"
     )
 
 
@@ -405,15 +474,6 @@ def _check_no_bias(lm_head) -> None:
         raise ValueError(
             "the base lm_head has a bias, which the official and vLLM layouts cannot carry: "
             "these heads cannot be exported with a shared projection"
-        )
-
-
-def check_out_dir(out_dir: Path, overwrite: bool) -> None:
-    if out_dir.exists() and not out_dir.is_dir():
-        raise FileExistsError(f"{out_dir} is a file: choose a directory path for the export")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
-        raise FileExistsError(
-            f"{out_dir} exists and is not empty: choose another directory or pass overwrite=True (--overwrite)"
         )
 
 

@@ -1,6 +1,7 @@
-"""Heads on the Hugging Face Hub: a repo id where a directory is expected is fetched (and cached) by huggingface_hub;
-`HF_HUB_OFFLINE=1` reads the local cache only. Pushing writes the directory as `save_pretrained` does, then uploads it
-in one commit."""
+"""The Hugging Face Hub: which references are repo ids, fetching a repo's files into huggingface_hub's cache
+(`HF_HUB_OFFLINE=1` or `local_files_only=True`: the cache only), the heads shipped in the package, and pushing a
+directory as `save_pretrained` writes it (model card included) in one commit. Which files of a heads repo to fetch,
+and when, is medusa.heads_io.resolve_heads's business."""
 
 from __future__ import annotations
 
@@ -14,9 +15,6 @@ from medusa.config import CONFIG_NAME
 EMBEDDED_PREFIX = "embedded:"
 EMBEDDED_HEADS_ROOT = Path(__file__).resolve().parent / "default_heads"
 
-# What a heads repo holds, in every layout medusa reads (native, Medusa-2 adapter, official, vLLM) and its card.
-HEADS_FILES = ["*.json", "*.safetensors", "README.md"]
-
 
 def is_repo_id(reference) -> bool:
     """'org/name' that is not an existing path (a Hub id); anything else is a local path."""
@@ -29,28 +27,38 @@ def is_repo_id(reference) -> bool:
     )
 
 
-def resolve_heads(reference, revision: str | None = None) -> Path:
-    """A heads directory, a Hub repo id or `embedded:<name>` -> the local directory holding its files (a Hub repo is
-    downloaded once, then cached)."""
-    if str(reference).startswith(EMBEDDED_PREFIX):
-        return embedded_heads(str(reference).removeprefix(EMBEDDED_PREFIX), revision)
-    if not is_repo_id(reference):
-        if revision is not None:
-            raise ValueError(f"revision={revision!r} applies to a Hub repo id, and {str(reference)!r} is a local path")
-        return Path(reference)
+def download(
+    repo_id: str,
+    patterns: list[str],
+    *,
+    revision: str | None = None,
+    token: str | bool | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    local_files_only: bool = False,
+) -> Path:
+    """The files of `repo_id` matching `patterns`, fetched into (or found in) the Hugging Face cache -> their folder."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
 
     try:
-        return Path(snapshot_download(str(reference), revision=revision, allow_patterns=HEADS_FILES))
+        folder = snapshot_download(
+            repo_id,
+            revision=revision,
+            allow_patterns=patterns,
+            token=token,
+            cache_dir=cache_dir,
+            local_files_only=local_files_only,
+        )
     except LocalEntryNotFoundError as err:
+        offline = os.environ.get("HF_HUB_OFFLINE")
+        why = " (local_files_only=True)" if local_files_only else " (HF_HUB_OFFLINE is set)" if offline else ""
         raise FileNotFoundError(
-            f"heads {reference!r} (revision {revision or 'main'}) are not in the local Hugging Face cache and the Hub "
-            f"cannot be reached{' (HF_HUB_OFFLINE is set)' if os.environ.get('HF_HUB_OFFLINE') else ''}: download "
-            "them once with network access, or pass a local directory"
+            f"{repo_id!r} (revision {revision or 'main'}) is not in the local Hugging Face cache and the Hub cannot "
+            f"be reached{why}: download it once with network access, or pass a local directory"
         ) from err
     except (RepositoryNotFoundError, RevisionNotFoundError) as err:
-        raise FileNotFoundError(f"no heads at {reference!r} (revision {revision or 'main'}) on the Hub: {err}") from err
+        raise FileNotFoundError(f"no repo {repo_id!r} (revision {revision or 'main'}) on the Hub: {err}") from err
+    return Path(folder)
 
 
 def embedded_heads(name: str, revision: str | None = None) -> Path:

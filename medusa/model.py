@@ -19,8 +19,17 @@ from medusa.fileio import write_directory
 from medusa.guard import GuardedProposer
 from medusa.hardware import native_bf16
 from medusa.heads import MedusaHeads
-from medusa.heads_io import adapter_files, has_adapter, load_heads, merge_adapter, save_heads
-from medusa.hub import EMBEDDED_HEADS_ROOT, push_to_hub, resolve_heads
+from medusa.heads_io import (
+    CARD_NAME,
+    adapter_files,
+    has_adapter,
+    load_heads,
+    merge_adapter,
+    model_card,
+    resolve_heads,
+    save_heads,
+)
+from medusa.hub import EMBEDDED_HEADS_ROOT, push_to_hub
 from medusa.loading import DEFAULT_BASE, BaseSource, resolve_dtype
 from medusa.plan import Plan, load_accuracy, load_or_calibrate, save_accuracy
 from medusa.precision import load_target
@@ -134,9 +143,21 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         device=None,
         tokenizer=None,
         tree=None,
+        token: str | bool | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        local_files_only: bool = False,
     ) -> MedusaModel:
-        """Fresh (untrained) heads on a base model: each head starts as the identity on the base projection."""
-        model, tokenizer = load_target(base, dtype=dtype, device=device, tokenizer=tokenizer)
+        """Fresh (untrained) heads on a base model: each head starts as the identity on the base projection.
+        `token`, `cache_dir` and `local_files_only` go to transformers with the base and its tokenizer."""
+        model, tokenizer = load_target(
+            base,
+            dtype=dtype,
+            device=device,
+            tokenizer=tokenizer,
+            token=token,
+            cache_dir=cache_dir,
+            local_files_only=local_files_only,
+        )
         lm_head = model.get_output_embeddings()
         config = MedusaConfig(
             hidden_size=model.config.get_text_config().hidden_size,
@@ -164,15 +185,20 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         revision: str | None = None,
         device_map=None,
         compile: bool | None = None,
+        token: str | bool | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        local_files_only: bool = False,
     ) -> MedusaModel:
         """Load heads from a directory or a Hub repo id (default: the shipped SmolLM2 heads) onto their base, or onto
         `base`.
 
         The directory holds `medusa_config.json` + `medusa_heads.safetensors` (and `adapter_*` for Medusa-2), or is
         an official Medusa / vLLM export (`config.json` + safetensors; see medusa.heads_io). A Hub id ("org/name",
-        `revision=` a branch, tag or commit) is fetched once and cached by huggingface_hub (`HF_HUB_OFFLINE=1`: the
-        cache only); the base the heads name is loaded at the revision their config records. `device_map` goes to
-        transformers with the base.
+        `revision=` a branch, tag or commit) is fetched once and cached by huggingface_hub (`HF_HUB_OFFLINE=1` or
+        `local_files_only=True`: the cache only): its config files first, then its weights only if they are heads (a
+        base model's id is refused naming `from_base`). The base the heads name is loaded at the revision their
+        config records. `device_map` goes to transformers with the base; `token`, `cache_dir` and
+        `local_files_only` go to huggingface_hub with the heads and to transformers with the base and its tokenizer.
 
         plan: "auto" (default; `$MEDUSA_PLAN` changes it) measures this machine once and chooses the engine, tree
         and proposer generate uses (medusa.plan; cached, see `model.plan`); "off" keeps the eager engine and the
@@ -192,6 +218,9 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
             tree=tree,
             revision=revision,
             device_map=device_map,
+            token=token,
+            cache_dir=cache_dir,
+            local_files_only=local_files_only,
         )
         if engine is not None and engine not in ENGINES:
             raise ValueError(f"unknown engine {engine!r}: use one of {list(ENGINES)}")
@@ -205,13 +234,14 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         return model
 
     @classmethod
-    def _load(cls, path, *, base, dtype, device, tokenizer, tree, revision=None, device_map=None) -> MedusaModel:
+    def _load(cls, path, *, base, dtype, device, tokenizer, tree, revision=None, device_map=None, **hub) -> MedusaModel:
+        """from_pretrained without the plan; `hub`: token, cache_dir, local_files_only."""
         if path is None:
             if not (DEFAULT_HEADS_DIR / CONFIG_NAME).is_file():
                 logger.warning("no shipped heads found in %s: using untrained heads", DEFAULT_HEADS_DIR)
-                return cls.from_base(base, dtype=dtype, device=device, tokenizer=tokenizer, tree=tree)
+                return cls.from_base(base, dtype=dtype, device=device, tokenizer=tokenizer, tree=tree, **hub)
             path = DEFAULT_HEADS_DIR
-        path = resolve_heads(path, revision)
+        path = resolve_heads(path, revision, **hub)
         heads = load_heads(path)  # any layout, checked before the (slow) base load
         if base is None and heads.config.base_model_name_or_path is None:
             raise ValueError(
@@ -227,6 +257,7 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
             tokenizer=tokenizer,
             device_map=device_map,
             revision=heads.config.revision if named else None,
+            **hub,
         )
         if adapter:  # Medusa-2: LoRA-adapted base
             model = merge_adapter(model, path)
@@ -247,6 +278,9 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         tokenizer=None,
         draft_tokenizer=None,
         num_nodes: int | None = None,
+        token: str | bool | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        local_files_only: bool = False,
     ):
         """Classic speculative decoding (Leviathan et al.): `draft`, a smaller causal LM with the target's tokenizer,
         proposes `num_speculative_tokens` tokens per step. target/draft: Hub id, directory, .gguf or loaded model
@@ -254,13 +288,15 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         An EAGLE-3 draft (a directory in the speculators or EAGLE-3 layout, or a `medusa.eagle3.Eagle3Draft`) reads
         the target's hidden states: that returns a `medusa.eagle3.Eagle3Model`, which with `num_nodes` drafts a
         dynamic tree of that many nodes (root included), `num_speculative_tokens` deep, instead of a chain.
+        `token`, `cache_dir` and `local_files_only` go to transformers with the models loaded by Hub id.
         """
+        hub = {"token": token, "cache_dir": cache_dir, "local_files_only": local_files_only}
         if isinstance(draft, Eagle3Draft) or (isinstance(draft, (str, os.PathLike)) and is_eagle3(draft)):
             if draft_tokenizer is not None:
                 raise ValueError(
                     "an EAGLE-3 draft uses the target's tokenizer and embeddings: leave draft_tokenizer unset"
                 )
-            target_model, tokenizer = load_target(target, dtype=dtype, device=device, tokenizer=tokenizer)
+            target_model, tokenizer = load_target(target, dtype=dtype, device=device, tokenizer=tokenizer, **hub)
             if not isinstance(draft, Eagle3Draft):
                 draft, _ = load_eagle3(draft)
             return Eagle3Model(
@@ -278,12 +314,13 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
             device=device,
             tokenizer=tokenizer,
             draft_tokenizer=draft_tokenizer,
+            **hub,
         )
 
     def save_pretrained(self, directory: str | os.PathLike, dtype: str | torch.dtype | None = None) -> None:
         """Write `medusa_config.json` + `medusa_heads.safetensors` atomically (temporary folder, then rename), with
-        the Medusa-2 adapter the heads were loaded with (the heads pair with the base before it was merged), and
-        transformers' `custom_generate/` hook (medusa.custom_generate: `base.generate(**inputs,
+        the Medusa-2 adapter the heads were loaded with (the heads pair with the base before it was merged), a model
+        card (README.md) and transformers' `custom_generate/` hook (medusa.custom_generate: `base.generate(**inputs,
         custom_generate=directory, trust_remote_code=True)` decodes with these heads).
 
         `dtype` (e.g. "bfloat16") stores the weights in that precision: half the file of fp32 heads.
@@ -302,6 +339,7 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
             for name, content in (self.adapter or {}).items():
                 (tmp / name).write_bytes(content)
             write_hook(tmp, heads_location, revision)
+            (tmp / CARD_NAME).write_text(model_card(self.config, location=heads_location))
 
         write_directory(directory, write)
 
@@ -314,7 +352,8 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         commit_message: str = "Upload Medusa heads",
         token: str | None = None,
     ) -> str:
-        """Upload the heads directory `save_pretrained` writes to the Hub as one commit; returns the commit URL."""
+        """Upload the heads directory `save_pretrained` writes (model card included) to the Hub as one commit;
+        returns the commit URL."""
         return push_to_hub(
             lambda folder: self._save(folder, heads_location=repo_id, revision=revision),
             repo_id,

@@ -31,9 +31,9 @@ from medusa.heads_io import (
     foreign_layout,
     import_heads,
     load_heads,
+    resolve_heads,
     save_heads,
 )
-from medusa.hub import resolve_heads
 from medusa.model import DEFAULT_HEADS_DIR
 from tests.conftest import HIDDEN, VOCAB, make_heads, make_tiny_model, save_tiny_checkpoint, tiny_tokenizer
 

@@ -117,8 +117,7 @@ def test_the_exportable_heads_keep_greedy_identity_and_export_to_both_layouts(sh
     """The shipped plain Medusa-1 set (embedded:smollm2-135m-instruct-medusa1): greedy identity with more than one token
     a step, and each export layout (the base lm_head copied into every head) read back gives the heads' own logits on
     the real model's hidden states (over the candidate tokens medusa ranks)."""
-    from medusa.heads_io import FORMATS, export_directory, import_heads, load_heads
-    from medusa.hub import resolve_heads
+    from medusa.heads_io import FORMATS, export_directory, import_heads, load_heads, resolve_heads
 
     name = "embedded:smollm2-135m-instruct-medusa1"
     plain = MedusaModel(shipped.base, load_heads(resolve_heads(name)), shipped.tokenizer)

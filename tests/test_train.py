@@ -461,7 +461,7 @@ def test_medusa2_trains_adapter_and_heads_and_loads_merged(tmp_path, tiny_base, 
     card = (out / "README.md").read_text()  # ours, not peft's placeholder template
     front = yaml.safe_load(card.split("---")[1])
     assert front["library_name"] == "medusa" and "medusa-2" in front["tags"]
-    assert front["base_model"] == str(tiny_base) and "| head0 |" in card
+    assert "base_model" not in front and "| head0 |" in card  # a local directory is no Hub id the Hub could link
     assert "eval/kl" in result.eval_history[-1] and result.eval_history[0]["eval/kl"] == pytest.approx(0, abs=1e-6)
     assert result.eval_history[-1]["eval/kl"] > 0  # the adapter moved the base (and the KL term measures it)
     assert top1(result.eval_history[-1], 0) > top1(result.eval_history[0], 0)
@@ -952,6 +952,27 @@ def test_copy_ngram_goes_from_the_heads_section_to_the_saved_heads(tmp_path, tin
         build_heads(
             build(sections(tmp_path, tiny_base, tiny_data, heads={"copy_ngram": 1})).heads, HIDDEN, VOCAB, lm_head, None
         )
+
+
+def test_heads_record_the_commit_of_a_hub_base(tmp_path, tiny_base, tiny_data, monkeypatch):
+    """A base given by Hub id: the heads config records the commit it was loaded at (MedusaConfig.revision, read from
+    the cache the load updated), and the card names the base by that id."""
+    import huggingface_hub.constants
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    refs = tmp_path / "hub" / "models--someone--tiny-base" / "refs"
+    refs.mkdir(parents=True)
+    (refs / "main").write_text(commit)  # what loading someone/tiny-base from the Hub leaves in the cache
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    load_base = train_mod.load_base
+    monkeypatch.setattr(train_mod, "load_base", lambda source, **options: load_base(tiny_base, **options))
+    raw = sections(tmp_path, tiny_base, tiny_data, max_steps=2)
+    raw["model"]["base"] = "someone/tiny-base"
+    out = run(raw).output_dir
+    config = MedusaConfig.load(out)
+    assert (config.base_model_name_or_path, config.revision) == ("someone/tiny-base", commit)
+    card = (out / "README.md").read_text()
+    assert yaml.safe_load(card.split("---")[1])["base_model"] == "someone/tiny-base" and commit in card
 
 
 def test_error_unwritable_output_is_found_before_any_step(tmp_path, tiny_base, tiny_data, monkeypatch):

@@ -170,7 +170,7 @@ class HeadsConfig(MedusaConfig):
 
 
 # MedusaConfig fields training fills in (from the base and the run), so the heads section may not set them. revision:
-# medusa.loading.load_base loads no revision, so training cannot vouch for one.
+# the commit a Hub base was loaded at (medusa.loading.hub_commit), null for a directory or GGUF file.
 FILLED_IN = ("hidden_size", "vocab_size", "base_model_name_or_path", "revision", "format_version", "extra")
 
 MIXED_PRECISION = ("auto", "bf16", "no")

@@ -31,7 +31,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from medusa.loading import DEFAULT_BASE, load_base  # noqa: E402
+from medusa.loading import DEFAULT_BASE, hub_commit, load_base  # noqa: E402
 from train import checkpoints  # noqa: E402
 from train.batches import Conversation, StepPlan, data_fingerprint, load_conversations, loss_positions, pack, split_eval  # noqa: E402,E501
 from train.config import Config, parse_args  # noqa: E402
@@ -101,6 +101,7 @@ def train(cfg: Config, *, resume: bool = False, stop_after_steps: int | None = N
         base, _ = load_base(cfg.model.base, dtype=cfg.model.dtype, device=accelerator.device)
     base.requires_grad_(False)
     base_ref = cfg.model.base or DEFAULT_BASE
+    base_revision = hub_commit(cfg.model.base)  # the commit of a Hub base (else None), recorded with the heads
     lm_head = base.get_output_embeddings()
     hidden_size, vocab_size = base.config.get_text_config().hidden_size, lm_head.weight.shape[0]
     data_dirs = [cfg.data.out_dir, *cfg.data.extra_dirs]
@@ -113,7 +114,7 @@ def train(cfg: Config, *, resume: bool = False, stop_after_steps: int | None = N
     data_key = data_fingerprint(convs)
 
     # ---- the heads, the trainer around them, the optimizer
-    heads = build_heads(cfg.heads, hidden_size, vocab_size, lm_head, base_ref).to(accelerator.device)
+    heads = build_heads(cfg.heads, hidden_size, vocab_size, lm_head, base_ref, base_revision).to(accelerator.device)
     if cfg.heads.vocab_subset_size and (
         cfg.heads.init_from is None  # (init_from's own subset is kept)
         or heads.config.vocab_subset_size != cfg.heads.vocab_subset_size

@@ -108,10 +108,16 @@ class HeadTrainer(nn.Module):
 
 
 def build_heads(
-    heads_cfg: HeadsConfig, hidden_size: int, vocab_size: int, lm_head: nn.Module, base_ref: str | None
+    heads_cfg: HeadsConfig,
+    hidden_size: int,
+    vocab_size: int,
+    lm_head: nn.Module,
+    base_ref: str | None,
+    base_revision: str | None = None,
 ) -> MedusaHeads:
-    """The heads section plus what the base fills in -> fresh heads (identity blocks; own projections copied from
-    lm_head), or the weights of `heads.init_from` (whose config already supplied every field the section left out)."""
+    """The heads section plus what the base fills in (`base_revision`: the commit of a Hub base) -> fresh heads
+    (identity blocks; own projections copied from lm_head), or the weights of `heads.init_from` (whose config already
+    supplied every field the section left out)."""
     fields = {f.name: getattr(heads_cfg, f.name) for f in dataclasses.fields(MedusaConfig)}
     config = MedusaConfig(
         **{
@@ -119,6 +125,7 @@ def build_heads(
             "hidden_size": hidden_size,
             "vocab_size": vocab_size,
             "base_model_name_or_path": base_ref,
+            "revision": base_revision,
             "extra": {},
         }
     )  # provenance starts afresh

@@ -38,7 +38,7 @@ from medusa.evaluation import (
 )
 from medusa.fileio import atomic_write_text
 from medusa.heads import head_target_offset
-from medusa.hub import resolve_heads
+from medusa.heads_io import resolve_heads
 from medusa.loading import DTYPES
 from medusa.model import DEFAULT_HEADS_DIR
 from medusa.plan import ACCURACY_NAME, save_accuracy
