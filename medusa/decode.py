@@ -3,76 +3,18 @@
 from __future__ import annotations
 
 import time
-from collections import Counter
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import torch
 from transformers import GenerationConfig
-from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from medusa import generate_args
 from medusa.acceptance import AcceptanceRule, get_rule
+from medusa.batch import decode_batch, split_padded
 from medusa.propose import PlainProposer, Proposer
 from medusa.runtime import EagerEngine, engine_for
 from medusa.sampling import SamplingConfig, select_token, shape_logits
-
-
-@dataclass
-class DecodeState:
-    cache: object  # the engine's KV cache (medusa.runtime): transformers' DynamicCache or StaticCache
-    length: int  # tokens in the cache
-    root_token: torch.Tensor  # 0-dim long: the target's next token, not yet in the cache
-    last_hidden: torch.Tensor  # (H,): hidden state at the last cached position (the one that chose root_token)
-    tokens: list[int]  # prompt + every token emitted so far (root_token included)
-    # (n, H): hidden states of the positions the last prefill / commit added to the cache (last row: last_hidden);
-    # what a heads' context layer reads. None: only last_hidden is known.
-    new_hidden: torch.Tensor | None = None
-    root_logits: torch.Tensor | None = None  # (V,): the target's logits that chose root_token (after the prefill)
-
-
-@dataclass
-class DecodeStats:
-    steps: int = 0  # target forwards, prefill included
-    new_tokens: int = 0
-    accepted_lengths: list[int] = field(default_factory=list)  # tokens committed by each verify step (bonus included)
-    proposed_lengths: list[int] = field(
-        default_factory=list
-    )  # depth of each verify step's candidates (gamma for a draft chain)
-    timings: dict[str, float] = field(default_factory=dict)  # seconds per phase, when profiling
-
-    @property
-    def mean_accepted_tokens(self) -> float:
-        """tau: new tokens per target forward (plain decoding: 1.0)."""
-        return self.new_tokens / max(self.steps, 1)
-
-    @property
-    def acceptance_rate(self) -> float:
-        """alpha: accepted guesses / guesses the rule reached (the accepted ones, plus the first rejected one if any).
-
-        For a draft chain this is the per-token acceptance rate of Leviathan et al. (its maximum-likelihood estimate),
-        the alpha in E[tokens per step] = (1 - alpha^(gamma + 1)) / (1 - alpha). Accepted / proposed would understate
-        it: guesses after the first rejection are never tested. For a tree it is the rate along the accepted path.
-        """
-        accepted = sum(n - 1 for n in self.accepted_lengths)
-        reached = sum(min(n, depth) for n, depth in zip(self.accepted_lengths, self.proposed_lengths))
-        return accepted / reached if reached else 0.0
-
-    @property
-    def accepted_length_histogram(self) -> dict[int, int]:
-        return dict(sorted(Counter(self.accepted_lengths).items()))
-
-
-@dataclass
-class GenerateOutput(GenerateDecoderOnlyOutput):
-    """transformers' generate output (`sequences`: (1, prompt + new); `scores` / `logits` when asked: one (1, V)
-    float32 tensor per new token) with this library's DecodeStats. An integer index gives a sequence, as on the
-    tensor transformers' generate returns by default: `tokenizer.decode(out[0])`."""
-
-    stats: DecodeStats | None = None
-
-    def __getitem__(self, key):
-        return self.sequences[key] if isinstance(key, int) else super().__getitem__(key)
+from medusa.sequence import DecodeState, DecodeStats, GenerateOutput, take_new
 
 
 class _PhaseTimer:
@@ -160,10 +102,25 @@ def prepare_input_ids(input_ids, device, vocab_size: int | None = None, attentio
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise ValueError(f"generate takes one sequence (shape (1, T)); got shape {tuple(input_ids.shape)}")
+        raise ValueError(
+            f"input_ids must be one sequence (T,) / (1, T) or a left-padded batch (B, T); got shape "
+            f"{tuple(input_ids.shape)}"
+        )
     if input_ids.shape[1] == 0:
         raise ValueError("the prompt is empty: pass at least one token (e.g. from apply_chat_template)")
     return input_ids.to(device)
+
+
+def batch_rows(input_ids, attention_mask=None) -> list[torch.Tensor] | None:
+    """Several prompts, or one left-padded (a (B, T) tensor and its attention mask, as transformers' batched generate
+    takes them) -> each row's tokens (1, T_b), its left padding removed; None for one unpadded sequence."""
+    if hasattr(input_ids, "keys"):
+        attention_mask = input_ids.get("attention_mask") if attention_mask is None else attention_mask
+        input_ids = input_ids.get("input_ids")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        return None
+    padded = attention_mask is not None and not bool(torch.as_tensor(attention_mask).bool().all())
+    return split_padded(input_ids, attention_mask) if input_ids.shape[0] > 1 or padded else None
 
 
 def stop_token_ids(base, tokenizer, eos_token_id) -> set[int]:
@@ -218,6 +175,41 @@ class SpeculativeGenerator:
         model runs on one of the same kind)."""
         raise NotImplementedError
 
+    def _generate_batch(
+        self, rows, settings, sampling, rule, proposer, tree, generator, engine, stopping_criteria, streamer, tokenizer
+    ) -> GenerateOutput:
+        """Several prompts (each (1, T_b)) decoded together: medusa.batch."""
+        if streamer is not None:
+            raise ValueError("streamer takes one sequence (as transformers' streamers do): pass one prompt at a time")
+        if settings.output_scores or settings.output_logits:
+            raise ValueError("output_scores / output_logits take one sequence for now: pass one prompt at a time")
+        if engine not in (None, "eager"):
+            raise ValueError(
+                f"engine={engine!r} takes one sequence; a batch runs on the eager engine: pass engine='eager' or None"
+            )
+        eager = self.engine("eager")
+        stop_ids = stop_token_ids(self.base, tokenizer, settings.eos_token_id)
+        pad = settings.pad_token_id
+        if pad is None:  # as transformers: the (first) end-of-sequence token
+            eos = settings.eos_token_id
+            eos = self.base.generation_config.eos_token_id if eos is None else eos
+            eos = getattr(tokenizer, "eos_token_id", None) if eos is None else eos
+            eos = eos.flatten().tolist() if isinstance(eos, torch.Tensor) else eos
+            pad = (eos[0] if isinstance(eos, (list, tuple)) and eos else eos) if eos is not None else 0
+        return decode_batch(
+            self.base,
+            lambda: self.make_proposer(proposer, tree, sampling, generator, engine=eager),
+            rule,
+            rows,
+            max_new_tokens=settings.max_new_tokens,
+            sampling=sampling,
+            stop_ids=stop_ids,
+            stop_when=generate_args.stopping(stopping_criteria, settings.stop_strings, tokenizer),
+            generator=generator,
+            feature_layers=self.feature_layers,
+            pad_token_id=pad,
+        )
+
     def compute_transition_scores(self, sequences, scores, beam_indices=None, normalize_logits: bool = False):
         """transformers' `compute_transition_scores` on the target: each new token's score from generate's
         `output_scores` (log-probabilities with `normalize_logits=True`)."""
@@ -257,12 +249,13 @@ class SpeculativeGenerator:
         tokenizer=None,
         **transformers_kwargs,
     ) -> GenerateOutput | torch.Tensor:
-        """Speculative generation for one sequence, called as transformers' `generate` is. Greedy output equals the
-        base model's greedy `generate`; `do_sample=True` samples exactly from its distribution (unless
-        `acceptance="typical"`, which is lossy).
+        """Speculative generation, called as transformers' `generate` is. Greedy output equals the base model's
+        greedy `generate`; `do_sample=True` samples exactly from its distribution (unless `acceptance="typical"`,
+        which is lossy).
 
         input_ids: (1, T) tensor, a list of ids, or the tokenizer's output (`generate(**tokenizer(text,
-        return_tensors="pt"))`, its attention_mask all ones). Generation settings (max_new_tokens, max_length,
+        return_tensors="pt"))`); several prompts as a left-padded (B, T) tensor with its attention_mask (medusa.batch:
+        each row as it would decode alone, on the eager engine). Generation settings (max_new_tokens, max_length,
         do_sample, temperature, top_k, top_p, eos_token_id, stop_strings) come with transformers' precedence: this
         call, then `generation_config`, then the base's generation config, then transformers' defaults (see
         medusa.generate_args; with no length set anywhere, 128 new tokens). `stopping_criteria` and `streamer` are
@@ -285,7 +278,12 @@ class SpeculativeGenerator:
                 "generate needs input_ids: the prompt's token ids (or **tokenizer(text, return_tensors='pt'))"
             )
         vocab = self.base.get_input_embeddings().num_embeddings
-        input_ids = prepare_input_ids(input_ids, self.device, vocab_size=vocab, attention_mask=attention_mask)
+        rows = batch_rows(input_ids, attention_mask)
+        if rows is not None:  # several prompts: each validated as one, decoded together (medusa.batch)
+            rows = [prepare_input_ids(row, self.device, vocab_size=vocab) for row in rows]
+            input_ids = (input_ids["input_ids"] if hasattr(input_ids, "keys") else input_ids).to(self.device)
+        else:
+            input_ids = prepare_input_ids(input_ids, self.device, vocab_size=vocab, attention_mask=attention_mask)
         settings = generate_args.resolve(
             self.base,
             input_ids.shape[1],
@@ -310,6 +308,24 @@ class SpeculativeGenerator:
         self._check_lengths(input_ids.shape[1], settings.max_new_tokens)
         sampling = settings.sampling
         rule = get_rule(acceptance or (self.default_sampling_rule if sampling.do_sample else "greedy"))
+        if rows is not None:
+            out = self._generate_batch(
+                rows,
+                settings,
+                sampling,
+                rule,
+                proposer,
+                tree,
+                generator,
+                engine,
+                stopping_criteria,
+                streamer,
+                tokenizer,
+            )
+            # the padding's ids as given, as transformers returns them
+            width = max(row.shape[1] for row in rows)  # the batch's own padding: to its longest prompt
+            out.sequences = torch.cat([input_ids, out.sequences[:, width:]], dim=1)
+            return out if settings.return_dict_in_generate else out.sequences
         target_engine = self.engine(engine)
         out = decode(
             self.base,
@@ -329,10 +345,6 @@ class SpeculativeGenerator:
             output_logits=settings.return_dict_in_generate and settings.output_logits,
         )
         return out if settings.return_dict_in_generate else out.sequences
-
-
-def _stop_index(tokens: list[int], stop_ids: set[int]) -> int | None:
-    return next((i for i, t in enumerate(tokens) if t in stop_ids), None)
 
 
 @torch.inference_mode()
@@ -378,19 +390,13 @@ def decode(
     def emit(tokens: list[int], logits: torch.Tensor | None) -> bool:
         """Append tokens (and the logits rows that chose them) up to max_new_tokens and the first stop token (kept, as
         transformers does); True when done."""
-        room = max_new_tokens - len(new)
-        stop = _stop_index(tokens[:room], stop_ids)
-        kept = tokens[: room if stop is None else stop + 1]
-        if stop_when is not None:
-            first = next((i for i in range(len(kept)) if stop_when(torch.tensor([prompt + new + kept[: i + 1]]))), None)
-            if first is not None:
-                kept, stop = kept[: first + 1], first
+        kept, done = take_new(tokens, prompt, new, max_new_tokens, stop_ids, stop_when)
         new.extend(kept)
         if keep_logits:
             new_logits.extend(logits[: len(kept)].to(torch.float32, copy=True).unbind())  # engines reuse buffers
         if streamer is not None and kept:
             streamer.put(torch.tensor(kept))
-        return stop is not None or len(new) >= max_new_tokens
+        return done
 
     done = emit([int(state.root_token)], state.root_logits[None] if keep_logits else None)
     window = getattr(model.config.get_text_config(), "max_position_embeddings", None)

@@ -60,6 +60,7 @@ class GenerateSettings:
     return_dict_in_generate: bool  # as in transformers: False returns the sequences tensor alone
     output_scores: bool  # with return_dict_in_generate: the processed logits behind each new token
     output_logits: bool  # with return_dict_in_generate: the target's raw logits behind each new token
+    pad_token_id: int | None  # what a batch's rows that end early are padded with (None: end of sequence)
 
 
 def resolve(
@@ -121,6 +122,7 @@ def resolve(
         return_dict_in_generate=bool(value("return_dict_in_generate", False)),
         output_scores=bool(value("output_scores", False)),
         output_logits=bool(value("output_logits", False)),
+        pad_token_id=value("pad_token_id"),
     )
 
 

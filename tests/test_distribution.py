@@ -387,3 +387,33 @@ def test_eagle3_sampling_is_exact(target, shape):
     report(f"eagle3 {shape} (exact)", result)
     assert result["impossible"] == 0
     assert result["p_value"] > SIGNIFICANCE, result
+
+
+BATCH_PROMPTS = [[1, 2], [3], [4, 5, 6], [7, 8]]
+BATCH_SAMPLES = 5_000  # per row: each call draws one continuation for every row
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_name", ["medusa", "draft_model"])
+def test_each_row_of_a_sampled_batch_is_distributed_as_the_target(request, target, model_name):
+    """Batch 4, rows of different lengths left-padded: every row's continuations follow the target's distribution
+    for that row's prompt, so decoding rows together (their own trees, acceptance and draws) stays exact."""
+    model = request.getfixturevalue(model_name)
+    settings = MEDUSA_SETTINGS if model_name == "medusa" else DRAFT_SETTINGS
+    width = max(map(len, BATCH_PROMPTS))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in BATCH_PROMPTS])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in BATCH_PROMPTS])
+    generator = torch.Generator().manual_seed(11)
+    index = torch.empty((len(BATCH_PROMPTS), BATCH_SAMPLES), dtype=torch.long)
+    for i in range(BATCH_SAMPLES):
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=True, generator=generator, **settings
+        )
+        x1, x2, x3 = out[:, -NEW:].T
+        index[:, i] = x1 * V * V + x2 * V + x3
+    for row, prompt in enumerate(BATCH_PROMPTS):
+        exact = exact_continuations(target, torch.tensor([prompt]), **settings)
+        result = chi_square(torch.bincount(index[row], minlength=V**3), exact)
+        report(f"{model_name}, batch row {row} (exact)", result)
+        assert result["impossible"] == 0
+        assert result["p_value"] > SIGNIFICANCE, (row, result)

@@ -28,10 +28,10 @@ BAD_CALLS = [
     ("id = vocabulary size", dict(input_ids=[[1, VOCAB]]), ValueError, "outside the model's vocabulary"),
     ("negative id", dict(input_ids=[[-1, 2]]), ValueError, "outside the model's vocabulary"),
     (
-        "padded mask in the dict",
-        dict(input_ids={"input_ids": torch.tensor(PROMPT), "attention_mask": torch.tensor([[0, 1, 1, 1]])}),
+        "right-padded mask in the dict",
+        dict(input_ids={"input_ids": torch.tensor(PROMPT), "attention_mask": torch.tensor([[1, 1, 1, 0]])}),
         ValueError,
-        "pads the prompt",
+        "pad on the left",
     ),
     ("padded attention_mask", dict(attention_mask=torch.tensor([[0, 1, 1, 1]])), ValueError, "pads the prompt"),
     ("a dict without input_ids", dict(input_ids={"ids": PROMPT}), ValueError, "needs 'input_ids'"),

@@ -108,7 +108,7 @@ def test_unknown_config_key_is_named(tmp_path):
         (torch.ones((1, 600), dtype=torch.long), 1, "context window"),
         (torch.ones((1, 3), dtype=torch.long), 0, "max_new_tokens must be a positive"),
         (torch.ones((1, 3), dtype=torch.long), -2, "max_new_tokens must be a positive"),
-        (torch.ones((2, 3), dtype=torch.long), 5, "one sequence"),
+        (torch.ones((1, 2, 3), dtype=torch.long), 5, r"or a left-padded batch \(B, T\)"),
     ],
 )
 def test_bad_generate_input_is_named(prompt, max_new_tokens, message):

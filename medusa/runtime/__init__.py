@@ -19,6 +19,7 @@ import torch
 
 from medusa.runtime.eager import EagerEngine
 from medusa.runtime.inductor import InductorEngine
+from medusa.runtime.kv_cache import RowsCache
 from medusa.runtime.prepack import (
     can_int8,
     can_prepack,
@@ -45,6 +46,7 @@ __all__ = [
     "InductorEngine",
     "QUANTIZED",
     "PrefillOutput",
+    "RowsCache",
     "VerifyOutput",
     "base_features",
     "can_int8",

@@ -1,8 +1,11 @@
-"""Keep the accepted path's KV rows after a tree verification; drop the rest."""
+"""Keep the accepted path's KV rows after a tree verification; drop the rest. A batch's cache, whose rows keep their
+own lengths (medusa.batch)."""
 
 from __future__ import annotations
 
 import torch
+from transformers import StaticCache
+from transformers.cache_utils import StaticLayer
 
 
 def keep_rows(rows: torch.Tensor, past_length: int, accepted_nodes: torch.Tensor) -> None:
@@ -31,3 +34,70 @@ def commit(cache, past_length: int, accepted_nodes: torch.Tensor) -> None:
             setattr(layer, name, rows[:, :, :keep])
         if hasattr(layer, "cumulative_length"):
             layer.cumulative_length = keep
+
+
+class RowsLayer(StaticLayer):
+    """A static layer whose batch rows are written at their own lengths (one list shared by every layer): a forward of
+    N tokens writes row b's at lengths[b] .. + N and attends over the first max(lengths) + N positions (the caller's
+    mask hides what a row does not see)."""
+
+    def __init__(self, max_cache_len: int, lengths: list[int]):
+        super().__init__(max_cache_len=max_cache_len)
+        self.lengths = lengths
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        batch, heads, n, _ = key_states.shape
+        starts = torch.tensor(self.lengths, device=key_states.device)
+        where = (starts[:, None] + torch.arange(n, device=key_states.device))[:, None, :, None]  # (B, 1, n, 1)
+        self.keys.scatter_(2, where.expand(batch, heads, n, key_states.shape[-1]), key_states)
+        self.values.scatter_(2, where.expand(batch, heads, n, value_states.shape[-1]), value_states)
+        width = max(self.lengths) + n
+        return self.keys[:, :, :width], self.values[:, :, :width]
+
+
+class RowsCache:
+    """A batch's KV cache: each row's tokens contiguous from position 0 to `lengths[b]`; a forward writes each row's
+    new tokens after its own, `commit` keeps a row's accepted path in place there (no gaps, no growth), `keep` drops
+    the rows of sequences that finished. `cache` is what the model's forward takes."""
+
+    def __init__(self, config, max_rows: int):
+        self.lengths: list[int] = []
+        self.cache = StaticCache(config=config, max_cache_len=max_rows)
+        self.cache.layers = [RowsLayer(max_rows, self.lengths) for _ in self.cache.layers]
+
+    def start(self, batch: int, length: int = 0) -> None:
+        """The next forward writes every one of `batch` rows at `length` (the prompts, left-padded to one width)."""
+        self.lengths[:] = [length] * batch
+
+    def advance(self, length: int) -> None:
+        """Every row now holds `length` tokens (after the prompts' forward)."""
+        self.lengths[:] = [length] * len(self.lengths)
+
+    @torch.inference_mode()
+    def commit(self, accepted_nodes: list[torch.Tensor]) -> None:
+        """Each row keeps the accepted nodes of the forward just run (its positions lengths[b] + accepted_nodes[b]),
+        moved to lengths[b] onward: one gather and one scatter per tensor for the whole batch."""
+        longest = max(nodes.numel() for nodes in accepted_nodes)
+        device = accepted_nodes[0].device
+        moves = torch.arange(longest, device=device).repeat(len(accepted_nodes), 1)  # a row's padding moves in place
+        for row, nodes in enumerate(accepted_nodes):
+            moves[row, : nodes.numel()] = nodes
+        starts = torch.tensor(self.lengths, device=device)[:, None]
+        source, target = (
+            (starts + moves)[:, None, :, None],
+            (starts + torch.arange(longest, device=device))[:, None, :, None],
+        )
+        for layer in self.cache.layers:
+            for rows in (layer.keys, layer.values):
+                shape = (rows.shape[0], rows.shape[1], longest, rows.shape[3])
+                rows.scatter_(2, target.expand(shape), rows.gather(2, source.expand(shape)))
+        self.lengths[:] = [length + nodes.numel() for length, nodes in zip(self.lengths, accepted_nodes)]
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only these batch rows, in this order."""
+        self.lengths[:] = [self.lengths[i] for i in rows]
+        index = torch.tensor(rows, device=self.cache.layers[0].keys.device)
+        for layer in self.cache.layers:
+            layer.keys, layer.values = layer.keys.index_select(0, index), layer.values.index_select(0, index)

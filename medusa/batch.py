@@ -1,0 +1,186 @@
+"""Several prompts in one `generate` (left-padded, with an attention mask, as transformers takes them): every row
+decodes exactly as it would alone, and the target reads its weights once per step for all rows.
+
+Layout (padded blocks, as SGLang's): one cache of (rows, heads, positions, head_dim) per layer in which row b keeps
+its committed tokens contiguous from position 0 (the prompt's left padding included, masked forever) to `lengths[b]`;
+a step writes row b's candidates at `lengths[b]` onward and commits its accepted path in place there, so rows that
+accept different numbers of tokens never leave gaps and the padding does not grow. Each row has its own proposer and
+tree (padded to the batch's largest with nodes that see only themselves), its own acceptance and stop; a finished
+row leaves the batch (its cache rows are dropped), so it stops costing work. The target runs as it is (eager): the
+compiled engines keep one sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from medusa.guard import GuardedProposer
+from medusa.runtime import RowsCache, VerifyOutput, base_features, with_cache
+from medusa.sampling import select_token
+from medusa.sequence import DecodeState, DecodeStats, GenerateOutput, take_new
+
+
+def split_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor]:
+    """(B, T) ids and their mask (1: token, 0: padding) -> each row's tokens (1, T_b). Padding must be on the left, as
+    transformers asks of decoder-only models: right padding would put the prompt's end before the padding."""
+    if attention_mask is None:
+        return [row[None] for row in input_ids]
+    mask = torch.as_tensor(attention_mask, device=input_ids.device).bool()
+    if mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask has shape {tuple(mask.shape)}, input_ids {tuple(input_ids.shape)}: pass both")
+    rows = []
+    for ids, keep in zip(input_ids, mask):
+        real = int(keep.sum())
+        if real == 0:
+            raise ValueError("a row of the batch is all padding: give every row at least one token")
+        if not bool(keep[-real:].all()):
+            raise ValueError(
+                "the batch is right-padded (or has holes): pad on the left, as transformers asks of decoder-only "
+                "models (tokenizer.padding_side = 'left')"
+            )
+        rows.append(ids[-real:][None])
+    return rows
+
+
+class _Row:
+    """One prompt's decoding: its state as the proposers read it, its proposer, its new tokens."""
+
+    def __init__(self, index: int, prompt: torch.Tensor, proposer, pad: int):
+        self.index, self.prompt, self.proposer, self.pad = index, prompt, proposer, pad
+        self.new: list[int] = []
+        self.state: DecodeState | None = None
+
+
+def _mask(rows: list[_Row], lengths: list[int], trees, width: int, n: int, dtype, device) -> torch.Tensor:
+    """(B, 1, n, width) additive mask: row b's queries see its committed tokens (not its padding) and, among this
+    step's n positions, their tree ancestors; padding nodes see only themselves."""
+    hidden = torch.finfo(dtype).min
+    mask = torch.full((len(rows), 1, n, width), hidden, dtype=dtype, device=device)
+    for b, (row, length, tree) in enumerate(zip(rows, lengths, trees)):
+        mask[b, 0, :, row.pad : length] = 0
+        visible = torch.eye(n, dtype=torch.bool, device=device)
+        visible[: tree.num_nodes, : tree.num_nodes] = tree.visible.to(device)
+        mask[b, 0, :, length : length + n] = torch.where(visible, 0.0, hidden).to(dtype)
+    return mask
+
+
+@torch.inference_mode()
+def decode_batch(
+    model,
+    make_proposer,
+    rule,
+    prompts: list[torch.Tensor],
+    *,
+    max_new_tokens: int,
+    sampling,
+    stop_ids: set[int],
+    stop_when=None,
+    generator=None,
+    feature_layers=(),
+    pad_token_id: int,
+) -> GenerateOutput:
+    """prompts: each row's tokens (1, T_b) -> GenerateOutput with `sequences` (B, T + new) as transformers' batched
+    generate returns them (but for the left padding's ids: `pad_token_id` here, generate puts back those given): the
+    prompts left-padded to one width T, the new tokens after, rows that stopped early padded on the right with
+    `pad_token_id`. `make_proposer()` gives a fresh proposer per row."""
+    device = prompts[0].device
+    width = max(p.shape[1] for p in prompts)
+    rows = [_Row(b, p, _unguarded(make_proposer()), width - p.shape[1]) for b, p in enumerate(prompts)]
+    stats = DecodeStats()
+
+    # prefill: every prompt left-padded to `width`, written at positions 0 .. width - 1
+    cache = RowsCache(model.config, width + max_new_tokens + max(r.proposer.max_nodes for r in rows) + 1)
+    cache.start(len(rows))
+    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long, device=device)
+    real = torch.zeros((len(rows), width), dtype=torch.bool, device=device)
+    for row in rows:
+        ids[row.index, row.pad :] = row.prompt[0]
+        real[row.index, row.pad :] = True
+    causal = torch.ones((width, width), dtype=torch.bool, device=device).tril()
+    visible = causal[None] & real[:, None, :]
+    visible |= torch.eye(width, dtype=torch.bool, device=device)  # padding queries see themselves: no empty rows
+    mask = torch.where(visible, 0.0, torch.finfo(model.dtype).min).to(model.dtype)[:, None]
+    positions = (real.long().cumsum(-1) - 1).clamp(min=0)
+    # the next token's logits only: the prompts' own would cost a (B, T, V) projection
+    logits, features = _forward(model, cache, ids, mask, positions, feature_layers, logits_to_keep=1)
+    cache.advance(width)
+    for row in rows:
+        root = select_token(logits[row.index, -1], sampling, generator)
+        hidden = features[row.index, row.pad :]
+        row.state = DecodeState(
+            None, row.prompt.shape[1], root, hidden[-1], row.prompt[0].tolist() + [int(root)], hidden
+        )
+    stats.steps = 1
+
+    def emit(row: _Row, tokens: list[int]) -> bool:
+        kept, done = take_new(tokens, row.prompt[0].tolist(), row.new, max_new_tokens, stop_ids, stop_when)
+        row.new.extend(kept)
+        return done
+
+    active = [row for row in rows if not emit(row, [int(row.state.root_token)])]
+    finished = [row for row in rows if row not in active]
+    _leave(cache, rows, active)
+    while active:
+        candidates = [row.proposer.propose(row.state) for row in active]
+        n = max(c.tree.num_nodes for c in candidates)
+        tokens = torch.full((len(active), n), pad_token_id, dtype=torch.long, device=device)
+        positions = torch.zeros((len(active), n), dtype=torch.long, device=device)
+        for b, (row, c) in enumerate(zip(active, candidates)):
+            tokens[b, : c.tree.num_nodes] = c.tokens
+            positions[b, : c.tree.num_nodes] = row.state.length + c.tree.depth.to(device)
+        trees = [c.tree for c in candidates]
+        mask = _mask(active, cache.lengths, trees, max(cache.lengths) + n, n, model.dtype, device)
+        logits, features = _forward(model, cache, tokens, mask, positions, feature_layers)
+        stats.steps += 1
+        still, kept = [], []
+        for b, (row, c) in enumerate(zip(active, candidates)):
+            size = c.tree.num_nodes
+            verified = VerifyOutput(logits[b, :size], features[b, :size])
+            accepted = rule(c, verified, sampling, generator)
+            kept.append(accepted.nodes)
+            state = row.state
+            state.length += accepted.nodes.numel()
+            state.new_hidden = verified.hidden[accepted.nodes]
+            state.last_hidden = state.new_hidden[-1]
+            state.root_token = torch.tensor(accepted.tokens[-1], device=device)
+            state.tokens.extend(accepted.tokens)
+            row.proposer.observe(state, accepted.tokens)
+            stats.accepted_lengths.append(len(accepted.tokens))
+            stats.proposed_lengths.append(c.tree.max_depth)
+            (finished if emit(row, accepted.tokens) else still).append(row)
+        cache.commit(kept)
+        _leave(cache, active, still)
+        active = still
+    stats.new_tokens = sum(len(row.new) for row in rows)
+    longest = max(len(row.new) for row in rows)
+    sequences = torch.full((len(rows), width + longest), pad_token_id, dtype=torch.long, device=device)
+    for row in rows:
+        sequences[row.index, row.pad : width] = row.prompt[0]
+        sequences[row.index, width : width + len(row.new)] = torch.tensor(row.new, device=device)
+    return GenerateOutput(sequences=sequences, stats=stats)
+
+
+def _forward(model, cache: RowsCache, ids, mask, positions, feature_layers, **options):
+    """The target over (B, n) tokens at their positions, under `mask`, into `cache` -> (logits, what heads read)."""
+    out = model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=positions,
+        **with_cache(model, cache.cache),
+        use_cache=True,
+        output_hidden_states=True,
+        **options,
+    )
+    return out.logits, base_features(out.hidden_states, feature_layers)
+
+
+def _leave(cache: RowsCache, before: list[_Row], after: list[_Row]) -> None:
+    """Drop the cache rows of the rows that finished (from `before` to `after`, order kept): they cost no more work."""
+    if len(after) < len(before) and after:
+        cache.keep([i for i, row in enumerate(before) if row in after])
+
+
+def _unguarded(proposer):
+    """The plan's online guard times one sequence's steps against plain decoding; a batch's steps are another
+    measure, so rows propose without it."""
+    return proposer.inner if isinstance(proposer, GuardedProposer) else proposer

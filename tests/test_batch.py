@@ -1,0 +1,141 @@
+"""Several prompts in one generate (medusa.batch): every row is that prompt decoded alone with plain greedy, and the
+whole output is what transformers' batched generate returns (left-padded prompts, rows that end early padded)."""
+
+import pytest
+import torch
+from transformers import TextStreamer
+
+from medusa import MedusaModel
+from medusa.acceptance import get_rule
+from medusa.batch import decode_batch
+from medusa.sampling import SamplingConfig
+from tests.conftest import FAMILIES, make_heads, make_tiny_model, tiny_tokenizer
+from tests.test_greedy import OracleProposer
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [12], [20, 21, 22, 23], [30, 31, 30, 31, 30, 31, 30]]
+
+
+def padded(prompts, pad=0):
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+def alone(base, prompt, max_new_tokens, **kwargs):
+    ids = torch.tensor([prompt])
+    return base.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, **kwargs
+    )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("proposer", ["medusa", "dynamic", "prompt_lookup", "hybrid"])
+def test_each_row_is_its_prompt_decoded_alone(family, proposer):
+    base = make_tiny_model(family)
+    model = MedusaModel(base, make_heads(random=False), tokenizer=tiny_tokenizer(), projection_dtype=torch.float32)
+    ids, mask = padded(PROMPTS)
+    out = model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=24, proposer=proposer, return_dict_in_generate=True
+    )
+    width = ids.shape[1]
+    for row, prompt in enumerate(PROMPTS):
+        assert out.sequences[row, width:].tolist() == alone(base, prompt, 24)[0, len(prompt) :].tolist(), (
+            row,
+            proposer,
+        )
+    assert torch.equal(out.sequences, base.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False))
+    assert out.stats.new_tokens == 24 * len(PROMPTS) and out.stats.steps < 24  # some guesses were accepted
+
+
+def test_rows_that_end_early_are_padded_as_transformers_pads_them():
+    base = make_tiny_model("llama")
+    model = MedusaModel(base, make_heads(random=False), tokenizer=tiny_tokenizer(), projection_dtype=torch.float32)
+    ids, mask = padded(PROMPTS)
+    free = base.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    stop = int(free[1, ids.shape[1] + 3])  # row 1's fourth new token: row 1 (and any row emitting it) ends early
+    kwargs = dict(attention_mask=mask, max_new_tokens=20, eos_token_id=stop, pad_token_id=1)
+    theirs = base.generate(ids, do_sample=False, **kwargs)
+    ours = model.generate(ids, **kwargs)
+    assert torch.equal(ours, theirs)
+    assert (ours[1, ids.shape[1] + 4 :] == 1).all()  # padded after its stop token
+    for row, prompt in enumerate(PROMPTS):  # and each row is still the prompt decoded alone
+        single = alone(base, prompt, 20, eos_token_id=stop)[0, len(prompt) :].tolist()
+        assert ours[row, ids.shape[1] : ids.shape[1] + len(single)].tolist() == single
+
+
+def test_rows_accepting_different_lengths_commit_each_its_own_path():
+    """Per-row oracles wrong at different depths: every step, row r accepts exactly its own prefix, and the cache
+    rows each commits stay right for the next step (the output is still plain greedy)."""
+    base = make_tiny_model("qwen2")
+    prompts = [torch.tensor([p]) for p in PROMPTS]
+    references = [alone(base, p, 40)[0].tolist() for p in PROMPTS]
+    wrong_at = iter([None, 3, 1, 2])
+    proposers = iter([OracleProposer(references[r], depth=4, wrong_at=next(wrong_at)) for r in range(len(PROMPTS))])
+    out = decode_batch(
+        base,
+        lambda: next(proposers),
+        get_rule("greedy"),
+        prompts,
+        max_new_tokens=40,
+        sampling=SamplingConfig(),
+        stop_ids=set(),
+        pad_token_id=0,
+    )
+    width = max(map(len, PROMPTS))
+    for row, prompt in enumerate(PROMPTS):
+        assert out.sequences[row, width:].tolist() == references[row][len(prompt) :]
+    # a full oracle commits 5 a step and finishes first; then the others go on alone
+    assert 5 in out.stats.accepted_lengths and 3 in out.stats.accepted_lengths and 1 in out.stats.accepted_lengths
+
+
+def test_a_draft_model_decodes_a_batch_row_by_row_exactly():
+    target = make_tiny_model("llama")
+    tokenizer = tiny_tokenizer()
+    drafted = MedusaModel.from_draft_model(
+        target=target,
+        draft=make_tiny_model("llama", seed=1),
+        num_speculative_tokens=3,
+        tokenizer=tokenizer,
+        draft_tokenizer=tokenizer,
+    )
+    ids, mask = padded(PROMPTS)
+    out = drafted.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16)
+    assert torch.equal(out, target.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False))
+
+
+def test_batch_inputs_that_cannot_decode_exactly_are_refused_by_name():
+    model = MedusaModel(make_tiny_model("llama"), make_heads(random=True), tokenizer=tiny_tokenizer())
+    ids, mask = padded(PROMPTS)
+    with pytest.raises(ValueError, match="pad on the left"):
+        model.generate(ids, attention_mask=mask.flip(-1), max_new_tokens=4)
+    with pytest.raises(ValueError, match="all padding"):
+        model.generate(ids, attention_mask=mask * torch.tensor([[1], [0], [1], [1]]), max_new_tokens=4)
+    with pytest.raises(ValueError, match="streamer takes one sequence"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, streamer=TextStreamer(tiny_tokenizer()))
+    with pytest.raises(ValueError, match="engine='eager'"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, engine="compiled")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_heads_with_a_context_layer_and_base_features_read_each_rows_own_positions(family):
+    """The context layer reads each row's prompt (not its padding) and every position its steps commit; the heads
+    read the row's own base-layer features."""
+    from tests.test_context_layer import context_heads
+
+    base = make_tiny_model(family)
+    model = MedusaModel(base, context_heads(feature_layers=[0, 1]), tree=[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+    ids, mask = padded(PROMPTS)
+    for proposer in ("medusa", "dynamic", "hybrid"):
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=20, proposer=proposer)
+        for row, prompt in enumerate(PROMPTS):
+            single = model.generate(torch.tensor([prompt]), max_new_tokens=20, proposer=proposer)
+            assert out[row, ids.shape[1] :].tolist() == single[0, len(prompt) :].tolist(), (family, proposer, row)
+
+
+def test_one_left_padded_prompt_decodes_as_it_would_unpadded():
+    base = make_tiny_model("llama")
+    model = MedusaModel(base, make_heads(random=False), tokenizer=tiny_tokenizer(), projection_dtype=torch.float32)
+    ids, mask = torch.tensor([[0, 0, 5, 6, 7]]), torch.tensor([[0, 0, 1, 1, 1]])
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=12)
+    assert out[0, :2].tolist() == [0, 0] and out[0, 5:].tolist() == alone(base, [5, 6, 7], 12)[0, 3:].tolist()
