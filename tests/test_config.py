@@ -1,4 +1,4 @@
-"""train/config.py: one Config for both entry points; the heads section is MedusaConfig; every option documented.
+"""medusa/train/config.py: one Config for both entry points; the heads section is MedusaConfig; every option documented.
 (Refused values and their messages: tests/test_inputs.py::BAD_CONFIGS, rendered into docs/refused_inputs.md.)"""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from conftest import HIDDEN, VOCAB
 from medusa.config import MedusaConfig
 from medusa.heads import MedusaHeads
 from medusa.heads_io import save_heads
-from train.config import FILLED_IN, Config, HeadsConfig, load_config, parse_args
-from train.trainer import build_heads
+from medusa.train.config import FILLED_IN, Config, HeadsConfig, load_config, parse_args
+from medusa.train.trainer import build_heads
 
 REPO = Path(__file__).resolve().parent.parent
 

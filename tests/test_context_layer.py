@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -16,13 +14,11 @@ from medusa.heads import ContextLayer, head_target_offset
 from medusa.propose import build_medusa_proposer
 from medusa.runtime import base_features
 from medusa.sampling import SamplingConfig
+from medusa.train.batches import Conversation
+from medusa.train.hidden_cache import HiddenCache, cache_lookback, span_start
+from medusa.train.losses import medusa_heads_loss
 from medusa.tree import TreeSpec, build_buffers
 from tests.conftest import FAMILIES, HIDDEN, VOCAB, make_tiny_model
-from train.losses import medusa_heads_loss
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from train.batches import Conversation  # noqa: E402
-from train.hidden_cache import HiddenCache, cache_lookback, span_start  # noqa: E402
 
 WINDOW = 5
 

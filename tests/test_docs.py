@@ -14,7 +14,7 @@ def test_module_table_names_every_module():
     table = "\n".join(line for line in README.splitlines() if line.startswith("| `"))
     modules = [
         path
-        for folder in ("medusa", "medusa/cli", "medusa/runtime", "train")
+        for folder in ("medusa", "medusa/cli", "medusa/runtime", "medusa/train")
         for path in (ROOT / folder).glob("*.py")
         if path.name != "__init__.py"
     ]

@@ -1,5 +1,5 @@
-"""EAGLE-3 training (train/eagle3.py through train/train.py): it learns the target, resumes exactly, and writes a
-draft that decodes exactly."""
+"""EAGLE-3 training (medusa/train/eagle3.py through medusa/train/train.py): it learns the target, resumes exactly,
+and writes a draft that decodes exactly."""
 
 from __future__ import annotations
 

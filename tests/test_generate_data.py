@@ -7,9 +7,8 @@ import shutil
 import pytest
 
 from medusa.answers import token_ids
-from tests.conftest import make_tiny_model, tiny_tokenizer
-from train.config import DataConfig
-from train.data import (
+from medusa.train.config import DataConfig
+from medusa.train.data import (
     build_prompt_mix,
     drop_evaluation_overlap,
     load_prompts,
@@ -17,7 +16,8 @@ from train.data import (
     own_second_turns,
     reference_answers,
 )
-from train.generate_data import is_greedy_shard, load_shards, main, reference_response, shard_dirs, shard_groups
+from medusa.train.generate_data import is_greedy_shard, load_shards, main, reference_response, shard_dirs, shard_groups
+from tests.conftest import make_tiny_model, tiny_tokenizer
 
 PROMPTS = [f"Tell me fact number {i} about owls." for i in range(7)] + ["Prove the Pythagorean theorem."]
 
@@ -242,7 +242,7 @@ def test_the_shipped_data_parts_do_not_overlap():
     prompt-only part shares none with any of them."""
     from pathlib import Path
 
-    from train.config import load_config
+    from medusa.train.config import load_config
 
     repo = Path(__file__).resolve().parent.parent
     names = ("smollm2-135m.yaml", "smollm2-135m-chat-data.yaml", "smollm2-135m-sampled-data.yaml")

@@ -8,7 +8,6 @@ import json
 import logging
 import os
 import shlex
-import sys
 from pathlib import Path
 
 import pytest
@@ -38,7 +37,6 @@ from medusa.model import DEFAULT_HEADS_DIR
 from tests.conftest import HIDDEN, VOCAB, make_heads, make_tiny_model, save_tiny_checkpoint, tiny_tokenizer
 
 README = Path(__file__).resolve().parent.parent / "README.md"
-sys.path.insert(0, str(README.parent))  # train/ is not part of the package (as in test_train.py)
 
 K, L = 3, 2
 _TOKENIZER = object()  # tiny models have no tokenizer; from_pretrained only stores it
@@ -351,8 +349,8 @@ def test_readme_exports_the_shipped_exportable_heads_and_the_recipes_parse(tmp_p
     heads built from that recipe's section); docs/serving.md's command for training on your own data parses against
     configs/smollm2-135m.yaml (it failed once with "heads.context_window needs heads.condition_on_next_token") with
     the flags the export error advises (EXPORTABLE_FLAGS), also given in the default heads' README."""
-    from train.config import parse_args
-    from train.trainer import build_heads
+    from medusa.train.config import parse_args
+    from medusa.train.trainer import build_heads
 
     step = README.read_text().split("# 5. serve heads elsewhere")[1].split("```")[0]
     exports = [shlex.split(line)[1:] for line in step.splitlines() if line.startswith("medusa export")]

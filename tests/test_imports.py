@@ -7,8 +7,8 @@ Tiers, bottom to top (a module imports its own tier or lower ones):
   runtime  medusa/runtime/, everything that runs the target (the engines); the only place for private torch names
   mid      one decoding step and its parts: heads, proposing, accepting and the decode loop
   high  whole models and their files: loading heads in every layout, planning, the draft model, MedusaModel
-  apps  the `medusa` command (medusa/cli/, one node of the graph) and the HTTP server it runs (serve: fastapi is
-        imported there only, never by `import medusa`)
+  apps  the `medusa` command (medusa/cli/, one node of the graph), the HTTP server it runs (serve: fastapi is
+        imported there only, never by `import medusa`) and training (medusa/train/, one node: the `train` extra)
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ TIERS = {
         "batch",
     },
     "high": {"heads_io", "tree_builder", "plan", "draft", "eagle3", "eagle3_io", "model", INIT},
-    "apps": {"cli", "__main__", "serve"},
+    "apps": {"cli", "__main__", "serve", "train"},
 }
 RANK = {module: rank for rank, tier in enumerate(TIERS.values()) for module in tier}
 

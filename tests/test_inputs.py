@@ -203,7 +203,7 @@ BAD_CONFIGS = [
 
 @pytest.mark.parametrize("name, overrides, words", BAD_CONFIGS, ids=[f"{c[0]} {c[1][0]}" for c in BAD_CONFIGS])
 def test_bad_config_is_refused_by_name(name, overrides, words):
-    from train.config import load_config
+    from medusa.train.config import load_config
 
     with pytest.raises(ValueError, match=re.escape(words)):
         load_config(None, overrides)
@@ -236,11 +236,11 @@ def refused_inputs_table(model) -> str:
 
 def refused_config_table() -> str:
     """The docs table of refused training / data-generation config values, from BAD_CONFIGS and their messages."""
-    from train.config import load_config
+    from medusa.train.config import load_config
 
     lines = [
         "",
-        "## Training and data-generation config values `train/config.py` refuses",
+        "## Training and data-generation config values `medusa/train/config.py` refuses",
         "",
         "From `tests/test_inputs.py::BAD_CONFIGS`: each override on its own (`--section.key value` on the "
         "command line of train/train.py or train/generate_data.py; a YAML file's keys are read alike).",

@@ -1,4 +1,4 @@
-"""train/losses.py: which token each head is scored on, the fused chunked losses, weights and accuracies."""
+"""medusa/train/losses.py: which token each head is scored on, the fused chunked losses, weights and accuracies."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from medusa.heads import head_target_offset
-from tests.conftest import HIDDEN, VOCAB, make_heads
-from train.losses import (
+from medusa.train.losses import (
     BASE_TARGET_OFFSET,
     base_kl_loss,
     head_targets,
@@ -20,6 +19,7 @@ from train.losses import (
     shifted_targets,
     topk_correct,
 )
+from tests.conftest import HIDDEN, VOCAB, make_heads
 
 
 def test_head_offset_on_a_hand_made_sequence():

@@ -10,8 +10,8 @@ from medusa import MedusaModel
 from medusa.evaluation import head_rank_hits
 from medusa.heads import head_target_offset
 from medusa.heads_io import export_heads
+from medusa.train.losses import medusa_heads_loss
 from tests.conftest import FAMILIES, HIDDEN, VOCAB, make_heads, make_tiny_model
-from train.losses import medusa_heads_loss
 
 
 def test_fresh_conditioned_heads_equal_plain_heads_and_need_the_embedding():

@@ -20,15 +20,14 @@ from safetensors.torch import load_file
 from medusa import MedusaModel
 from medusa.config import WEIGHTS_NAME, MedusaConfig
 from medusa.heads import MedusaHeads, following_tokens
+from medusa.train import train as train_mod
+from medusa.train.batches import Conversation, load_conversations, split_eval
+from medusa.train.config import Config, load_config
+from medusa.train.hidden_cache import HiddenCache, span_start
+from medusa.train.trainer import build_heads
 from tests.conftest import HIDDEN, VOCAB, make_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-from train import train as train_mod  # noqa: E402
-from train.batches import Conversation, load_conversations, split_eval  # noqa: E402
-from train.config import Config, load_config  # noqa: E402
-from train.hidden_cache import HiddenCache, span_start  # noqa: E402
-from train.trainer import build_heads  # noqa: E402
 
 CYCLE = [11, 23, 37, 42, 58, 64, 79]  # the learnable pattern: every response walks this cycle
 
@@ -230,7 +229,7 @@ def test_an_interrupted_hidden_state_precompute_resumes_where_it_stopped(tmp_pat
     """Killed after three batches, a rerun computes only the rest, and its cache equals an uninterrupted one's."""
     from accelerate import Accelerator
 
-    import train.hidden_cache as hc
+    import medusa.train.hidden_cache as hc
 
     base, rng = make_tiny_model("llama"), random.Random(0)
     convs = [Conversation([rng.randrange(1, VOCAB) for _ in range(rng.randrange(12, 40))], 6) for _ in range(12)]
@@ -714,7 +713,7 @@ def test_accelerate_launch_two_processes(tmp_path, tiny_base, tiny_data):
 
 
 def test_frequent_tokens_orders_by_count_then_id():
-    from train.data import frequent_tokens
+    from medusa.train.data import frequent_tokens
 
     assert frequent_tokens([[5, 5, 3, 9], [3, 5]], 4, 10).tolist() == [5, 3, 9, 0]
     with pytest.raises(ValueError, match="vocab subset size"):
@@ -795,7 +794,7 @@ def test_context_heads_learn_and_decode_exactly(tmp_path, tiny_base, tiny_data, 
 def test_distilled_heads_learn_the_base_distribution(tmp_path, tiny_base, tiny_data):
     """training.distill: the heads move towards the base's own distributions (the random tiny base does not follow
     the data's cycle, so its KL, not the data's tokens, is what must fall)."""
-    from train.losses import medusa_heads_loss
+    from medusa.train.losses import medusa_heads_loss
 
     heads = {"condition_on_next_token": True, "context_window": 4}
     result = run(sections(tmp_path, tiny_base, tiny_data, heads=heads, max_steps=30, eval_every=0, distill=True))
@@ -845,7 +844,7 @@ def test_prompt_tokens_train_on_whole_conversations_and_prompt_only_data(tmp_pat
     """training.prompt_tokens: every position of the training conversations (prompt-only rows included) is scored
     against the base's distribution, the cache holds whole conversations (cached = live), held-out conversations are
     answered ones, and the heads move towards the base on prompt text that plain training never scores."""
-    from train.losses import medusa_heads_loss
+    from medusa.train.losses import medusa_heads_loss
 
     prompts = write_prompt_only_shards(tmp_path / "prompts")
     heads = {"condition_on_next_token": True, "context_window": 4}
@@ -992,3 +991,28 @@ def test_error_unwritable_output_is_found_before_any_step(tmp_path, tiny_base, t
     with pytest.raises(PermissionError, match="cannot write to .*blocker"):
         run(sections(tmp_path, tiny_base, tiny_data, checkpoint_dir=str(blocker / "ckpt")))
     assert steps == []
+
+
+def test_medusa_train_command_trains_as_the_script_does(tmp_path, tiny_base, tiny_data):
+    """`medusa train --config` (the installed command: no checkout needed) is medusa.train.train's main."""
+    from medusa.cli import main
+
+    raw = sections(tmp_path, tiny_base, tiny_data, max_steps=4)
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    reset_accelerate()
+    main(["train", "--config", str(config)])
+    loaded = MedusaModel.from_pretrained(tmp_path / "heads", base=str(tiny_base))
+    assert loaded.config.num_heads == 3 and (tmp_path / "heads" / WEIGHTS_NAME).is_file()
+
+
+def test_training_without_its_extra_names_the_extra(monkeypatch, capsys):
+    import importlib.util
+
+    from medusa.cli import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else real(name, *a))
+    for command in ("train", "generate-data"):
+        with pytest.raises(SystemExit, match=r"needs peft: pip install 'medusa-spec\[train\]'"):
+            main([command, "--config", "unused.yaml"])

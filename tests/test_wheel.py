@@ -64,7 +64,10 @@ def _source_copy(dst: Path) -> Path:
     return dst
 
 
-def test_wheel_installs_and_decodes_outside_the_repository(tmp_path):
+@pytest.fixture(scope="module")
+def wheel_env(tmp_path_factory):
+    """A fresh environment with medusa from the wheel alone -> (its python, a folder outside the repository)."""
+    tmp_path = tmp_path_factory.mktemp("wheel")
     source, wheels, env, elsewhere = (tmp_path / name for name in ("source", "wheels", "env", "elsewhere"))
     _run(
         [
@@ -95,11 +98,34 @@ def test_wheel_installs_and_decodes_outside_the_repository(tmp_path):
     )
     ours = dict.fromkeys(sysconfig.get_paths()[key] for key in ("purelib", "platlib"))  # ordered, no duplicates
     (env_site / "dependencies.pth").write_text("".join(f"{path}\n" for path in ours))
-
     elsewhere.mkdir()
+    return python, env, elsewhere
+
+
+def test_wheel_installs_and_decodes_outside_the_repository(wheel_env):
+    python, env, elsewhere = wheel_env
     # -I: isolated from PYTHONPATH (which may point at this checkout), the user site and the working directory
     report = json.loads(_run([python, "-I", "-c", CHECK], cwd=elsewhere).strip().splitlines()[-1])
     assert Path(report["medusa_file"]).is_relative_to(env.resolve()), report["medusa_file"]
     assert Path(report["prefix"]) == env.resolve()
     assert report["greedy_identical"] and report["tree_identical"], report
     assert report["tree"] == json.loads((REPO / "medusa" / "trees" / f"{SHIPPED_TREE}.json").read_text())["paths"]
+
+
+def test_the_wheel_alone_trains_tiny_heads_end_to_end(wheel_env, tmp_path):
+    """`python -m medusa.train --config` from the wheel, outside the repository (no train/ folder, no sys.path
+    edits): the heads come out and load onto their base."""
+    from tests.test_train import save_tiny_base, sections, write_shards
+
+    python, env, elsewhere = wheel_env
+    raw = sections(tmp_path, save_tiny_base(tmp_path / "base"), write_shards(tmp_path / "data"), max_steps=4)
+    config = tmp_path / "config.yaml"
+    config.write_text(json.dumps(raw))  # YAML reads JSON
+    _run([python, "-I", "-m", "medusa.train", "--config", config], cwd=elsewhere)
+    check = (
+        "import json; from medusa import MedusaModel; "
+        f"m = MedusaModel.from_pretrained({str(tmp_path / 'heads')!r}, base={str(tmp_path / 'base')!r}); "
+        "import medusa.train, medusa; print(json.dumps([m.config.num_heads, medusa.train.__file__]))"
+    )
+    heads, where = json.loads(_run([python, "-I", "-c", check], cwd=elsewhere).strip().splitlines()[-1])
+    assert heads == 3 and Path(where).is_relative_to(env.resolve()), where

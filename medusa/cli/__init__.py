@@ -42,6 +42,32 @@ def _serve(argv):
     serve.main(argv)
 
 
+TRAIN_EXTRA = ("accelerate", "datasets", "peft", "draccus")  # what `pip install 'medusa-spec[train]'` brings
+
+
+def _needs_train_extra() -> None:
+    """Training's dependencies are an extra: name it before any work starts, not at the first missing import."""
+    import importlib.util
+
+    missing = [name for name in TRAIN_EXTRA if importlib.util.find_spec(name) is None]
+    if missing:
+        sys.exit(f"training needs {', '.join(missing)}: pip install 'medusa-spec[train]'")
+
+
+def _train(argv):
+    _needs_train_extra()
+    from medusa.train import train
+
+    train.main(argv)
+
+
+def _generate_data(argv):
+    _needs_train_extra()
+    from medusa.train import generate_data
+
+    generate_data.main(argv)
+
+
 COMMANDS = {  # command -> (its main(argv), what it does)
     "chat": (_chat, "streaming chat in the terminal (or from a pipe), tokens/s and tau per answer"),
     "bench": (_bench, "Spec-Bench style speed benchmark: methods interleaved per question, summary and plot"),
@@ -52,13 +78,15 @@ COMMANDS = {  # command -> (its main(argv), what it does)
         "write heads in the official Medusa / TGI or the vLLM layout, or an EAGLE-3 draft (vLLM, OpenVINO)",
     ),
     "serve": (_serve, "an OpenAI-compatible HTTP server (chat and text completions, streamed or not)"),
+    "generate-data": (_generate_data, "self-distilled training data: the target answers prompts (resumable)"),
+    "train": (_train, "train heads or an EAGLE-3 draft (accelerate launch -m medusa.train for several processes)"),
 }
 
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        lines = "\n".join(f"  {name:<10} {what}" for name, (_, what) in COMMANDS.items())
+        lines = "\n".join(f"  {name:<14} {what}" for name, (_, what) in COMMANDS.items())
         usage = f"usage: medusa <command> [options]\n\ncommands:\n{lines}"
         if argv and argv[0] not in ("-h", "--help"):
             sys.exit(f"{usage}\nmedusa: unknown command {argv[0]!r}")

@@ -14,11 +14,11 @@ from medusa.config import WEIGHTS_NAME, MedusaConfig
 from medusa.heads import MedusaHeads
 from medusa.heads_io import load_heads_weights
 from medusa.loading import base_fingerprint
-from train.batches import Conversation, data_fingerprint
-from train.config import FILLED_IN, HeadsConfig, TrainingConfig
-from train.data import collate
-from train.hidden_cache import CACHE_FORMAT, HiddenCache, build_hidden_cache, cache_lookback, last_hidden
-from train.losses import base_kl_loss, medusa_heads_loss
+from medusa.train.batches import Conversation, data_fingerprint
+from medusa.train.config import FILLED_IN, HeadsConfig, TrainingConfig
+from medusa.train.data import collate
+from medusa.train.hidden_cache import CACHE_FORMAT, HiddenCache, build_hidden_cache, cache_lookback, last_hidden
+from medusa.train.losses import base_kl_loss, medusa_heads_loss
 
 
 class HeadTrainer(nn.Module):

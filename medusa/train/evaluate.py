@@ -10,9 +10,9 @@ from medusa.config import MedusaConfig
 from medusa.fileio import write_directory
 from medusa.heads_io import CARD_NAME, model_card, save_heads
 from medusa.loading import resolve_dtype
-from train.config import DataConfig, TrainingConfig
-from train.losses import TOPK
-from train.trainer import HeadTrainer
+from medusa.train.config import DataConfig, TrainingConfig
+from medusa.train.losses import TOPK
+from medusa.train.trainer import HeadTrainer
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 

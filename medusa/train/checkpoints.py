@@ -18,7 +18,7 @@ from pathlib import Path
 from safetensors import safe_open
 
 from medusa.fileio import atomic_write_text
-from train.config import Config, TrainingConfig
+from medusa.train.config import Config, TrainingConfig
 
 STATE_NAME = "trainer_state.json"  # written last: marks a checkpoint complete
 # Fields that may change between a checkpoint and its resumption; every other setting must match.

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from medusa.heads import head_target_offset
-from train.config import TrainingConfig
-from train.losses import BASE_TARGET_OFFSET, scored_positions
+from medusa.train.config import TrainingConfig
+from medusa.train.losses import BASE_TARGET_OFFSET, scored_positions
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ def load_conversations(
     unless `prompt_only` (training on prompt positions: data.answer false writes prompts without responses)."""
     from datasets import concatenate_datasets, load_from_disk
 
-    from train.generate_data import SETTINGS_NAME, shard_dirs
+    from medusa.train.generate_data import SETTINGS_NAME, shard_dirs
 
     shards = shard_dirs(Path(data_dir))
     if not shards:

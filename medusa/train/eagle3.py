@@ -26,10 +26,10 @@ from tqdm import tqdm
 from medusa.eagle3 import Eagle3Draft, default_aux_layers, unrolled_outputs
 from medusa.eagle3_io import save_eagle3
 from medusa.loading import DEFAULT_BASE, load_base
-from train import checkpoints
-from train.batches import data_fingerprint, load_conversations, split_eval
-from train.config import Config
-from train.data import frequent_tokens
+from medusa.train import checkpoints
+from medusa.train.batches import data_fingerprint, load_conversations, split_eval
+from medusa.train.config import Config
+from medusa.train.data import frequent_tokens
 
 
 def build_draft(cfg: Config, base, vocabulary: torch.Tensor) -> Eagle3Draft:
@@ -79,7 +79,7 @@ def train_eagle3(cfg: Config, *, resume: bool = False, stop_after_steps: int | N
     from accelerate.utils import set_seed
     from transformers import get_scheduler
 
-    from train.train import TrainResult
+    from medusa.train.train import TrainResult
 
     tcfg, ecfg = cfg.training, cfg.eagle3
     accelerator = Accelerator(project_config=checkpoints.project_configuration(tcfg))

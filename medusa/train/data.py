@@ -144,32 +144,33 @@ def load_prompts(source: str) -> list[str]:
     return prompts
 
 
-def reference_answers(source: str) -> dict[str, str]:
-    """Prompt -> the source's own answer to it (the first one where a prompt repeats): data.reference_answers.
-    Raises naming the source when its rows carry no answers (T0's prompts, evaluation-style `turns`)."""
-    answers: dict[str, str] = {}
+def _per_prompt(source: str, text_of) -> dict[str, str]:
+    """Prompt -> `text_of(row)` for the source's rows that have both (the first one where a prompt repeats)."""
+    found: dict[str, str] = {}
     for row in _source_rows(source):
-        prompt, answer = _row_prompt(row), _row_answer(row)
-        if prompt and prompt.strip() and answer and answer.strip():
-            answers.setdefault(prompt, answer)
+        prompt, text = _row_prompt(row), text_of(row)
+        if prompt and prompt.strip() and text and text.strip():
+            found.setdefault(prompt, text)
+    return found
+
+
+def reference_answers(source: str) -> dict[str, str]:
+    """Prompt -> the source's own answer to it: data.reference_answers. Raises naming the source when its rows carry
+    no answers (T0's prompts, evaluation-style `turns`)."""
+    answers = _per_prompt(source, _row_answer)
     if not answers:
         raise ValueError(
             f"{source!r} has no answers to train on: data.reference_answers needs rows with an 'output' "
-            "(Alpaca), 'instances[0].output' or 'answer' (GSM8K) field; drop the source or let the target answer "
-            "it (data.reference_answers false)"
+            "(Alpaca), 'instances[0].output' or 'answer' (GSM8K) field, or conversations; drop the source or let the "
+            "target answer it (data.reference_answers false)"
         )
     return answers
 
 
 def own_second_turns(source: str) -> dict[str, str]:
-    """Prompt -> the user's next turn in the source's own conversation (ShareGPT / messages rows; the first one where a
-    prompt repeats): what a second turn asks instead of data.follow_ups. Empty for sources of other layouts."""
-    turns: dict[str, str] = {}
-    for row in _source_rows(source):
-        prompt, follow_up = _row_prompt(row), _row_second_turn(row)
-        if prompt and prompt.strip() and follow_up and follow_up.strip():
-            turns.setdefault(prompt, follow_up)
-    return turns
+    """Prompt -> the user's next turn in the source's own conversation (ShareGPT / messages rows): what a second turn
+    asks instead of data.follow_ups. Empty for sources of other layouts."""
+    return _per_prompt(source, _row_second_turn)
 
 
 def normalise(text: str) -> str:

@@ -16,8 +16,8 @@ from medusa.config import MedusaConfig
 from medusa.fileio import atomic_file
 from medusa.heads import head_target_offset
 from medusa.runtime import base_features
-from train.batches import Conversation
-from train.data import collate
+from medusa.train.batches import Conversation
+from medusa.train.data import collate
 
 CACHE_FORMAT = 1  # bump when the hidden-state cache layout changes, so old files are not read
 PROGRESS_SECONDS = 120.0  # a killed precompute loses at most about this much work (progress chunks, see below)
