@@ -449,3 +449,35 @@ def test_a_bench_source_without_bench_data_names_the_fix(tmp_path, monkeypatch):
     monkeypatch.setenv("MEDUSA_BENCH_DATA", str(tmp_path))  # as an installed wheel: no bench_data folder
     with pytest.raises(FileNotFoundError, match="MEDUSA_BENCH_DATA"):
         load_prompts("bench:alpaca")
+
+
+class FakeHub:
+    """datasets.load_dataset stood in for: 100 ShareGPT rows, counting how many a streamed read consumed."""
+
+    def __init__(self):
+        self.calls, self.consumed = [], 0
+
+    def rows(self):
+        for i in range(100):
+            self.consumed += 1
+            yield {"conversations": [{"from": "human", "value": f"Question {i}?"}, {"from": "gpt", "value": f"A{i}."}]}
+
+    def __call__(self, dataset_id, split="train", streaming=False):
+        self.calls.append((dataset_id, split, streaming))
+        return self.rows() if streaming else list(self.rows())
+
+
+def test_hub_sources_load_whole_or_stream_only_the_rows_asked(monkeypatch):
+    import datasets
+
+    hub = FakeHub()
+    monkeypatch.setattr(datasets, "load_dataset", hub)
+    first = build_prompt_mix({"hf-stream:org/big:train": 5})
+    assert sorted(p for _, p in first) == [f"Question {i}?" for i in range(5)]  # the stream's first rows
+    assert hub.calls == [("org/big", "train", True)] and hub.consumed == 5  # and no more were read
+    more = build_prompt_mix({"hf-stream:org/big:train": "5:9"})
+    assert sorted(p for _, p in more) == [f"Question {i}?" for i in range(5, 9)]  # a slice past them: new prompts
+    assert len(build_prompt_mix({"hf:org/small": 7})) == 7 and hub.calls[-1] == ("org/small", "train", False)
+    assert reference_answers("hf-stream:org/big", 2) == {"Question 0?": "A0.", "Question 1?": "A1."}
+    with pytest.raises(ValueError, match="needs a count"):
+        build_prompt_mix({"hf-stream:org/big": -1})

@@ -6,11 +6,14 @@ Prompt sources are named in configs as one of:
     a conversation: ShareGPT's `conversations` (`from` / `value`, what EAGLE and SpecForge read) or OpenAI's
     `messages` (`role` / `content`). A conversation's first user turn is the prompt, the assistant turn after it its
     reference answer, and its next user turn its own second turn (`data.second_turn_fraction`);
-  - `hf:<dataset id>[:split]`, loaded with `datasets.load_dataset` (needs the Hub or a warm cache).
+  - `hf:<dataset id>[:split]`, loaded whole with `datasets.load_dataset` (needs the Hub or its warm cache), or
+    `hf-stream:<dataset id>[:split]` for a dataset too large to load: streamed, only as many rows read as the source's
+    count (or slice's stop) asks, taken in the dataset's own order.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import re
@@ -112,7 +115,25 @@ def _row_second_turn(row: dict) -> str | None:
     return _conversation_turn(row, "user", 2) if answered else None
 
 
-def _source_rows(source: str) -> list[dict]:
+STREAM_PREFIX = "hf-stream:"
+
+
+def rows_to_read(source: str, count: int | str) -> int | None:
+    """How many rows of a streamed source its count reads (the count, or a slice's stop); None for other sources,
+    which are read whole."""
+    if not source.startswith(STREAM_PREFIX):
+        return None
+    stop = count if isinstance(count, int) else _slice(source, count)[1]
+    if stop is None or stop < 0:
+        raise ValueError(
+            f"data.sources[{source!r}] = {count!r}: a streamed source is read from its start, so it needs a count "
+            "or a 'start:stop' slice with a stop (use hf: instead of hf-stream: to load it whole)"
+        )
+    return stop
+
+
+def _source_rows(source: str, rows: int | None = None) -> list[dict]:
+    """The rows of a source; a streamed one's first `rows` (see rows_to_read)."""
     if source.startswith("bench:"):
         name = source.split(":", 1)[1]
         if name not in BENCH_FILES:
@@ -124,17 +145,20 @@ def _source_rows(source: str) -> list[dict]:
                 "or name a local .json/.jsonl file or an hf:<dataset> source instead"
             )
         return _read_rows(path)
-    if source.startswith("hf:"):
+    if source.startswith(("hf:", STREAM_PREFIX)):
         from datasets import load_dataset  # optional dependency, only for Hub datasets
 
         _, dataset_id, *split = source.split(":")
-        return list(load_dataset(dataset_id, split=split[0] if split else "train"))
+        streaming = source.startswith(STREAM_PREFIX)
+        dataset = load_dataset(dataset_id, split=split[0] if split else "train", streaming=streaming)
+        return list(itertools.islice(dataset, rows) if streaming else dataset)
     return _read_rows(Path(source))
 
 
-def load_prompts(source: str) -> list[str]:
-    """All prompts of one source (see module docstring). Raises with the accepted layouts when none are found."""
-    prompts = [p for p in (_row_prompt(r) for r in _source_rows(source)) if p and p.strip()]
+def load_prompts(source: str, rows: int | None = None) -> list[str]:
+    """All prompts of one source (see module docstring; `rows`: rows_to_read). Raises with the accepted layouts when
+    none are found."""
+    prompts = [p for p in (_row_prompt(r) for r in _source_rows(source, rows)) if p and p.strip()]
     if not prompts:
         raise ValueError(
             f"no prompts in {source!r}: rows need a 'prompt', 'instruction' (+'input'), 'question' or 'turns' field, "
@@ -144,20 +168,20 @@ def load_prompts(source: str) -> list[str]:
     return prompts
 
 
-def _per_prompt(source: str, text_of) -> dict[str, str]:
+def _per_prompt(source: str, text_of, rows: int | None) -> dict[str, str]:
     """Prompt -> `text_of(row)` for the source's rows that have both (the first one where a prompt repeats)."""
     found: dict[str, str] = {}
-    for row in _source_rows(source):
+    for row in _source_rows(source, rows):
         prompt, text = _row_prompt(row), text_of(row)
         if prompt and prompt.strip() and text and text.strip():
             found.setdefault(prompt, text)
     return found
 
 
-def reference_answers(source: str) -> dict[str, str]:
+def reference_answers(source: str, rows: int | None = None) -> dict[str, str]:
     """Prompt -> the source's own answer to it: data.reference_answers. Raises naming the source when its rows carry
     no answers (T0's prompts, evaluation-style `turns`)."""
-    answers = _per_prompt(source, _row_answer)
+    answers = _per_prompt(source, _row_answer, rows)
     if not answers:
         raise ValueError(
             f"{source!r} has no answers to train on: data.reference_answers needs rows with an 'output' "
@@ -167,10 +191,10 @@ def reference_answers(source: str) -> dict[str, str]:
     return answers
 
 
-def own_second_turns(source: str) -> dict[str, str]:
+def own_second_turns(source: str, rows: int | None = None) -> dict[str, str]:
     """Prompt -> the user's next turn in the source's own conversation (ShareGPT / messages rows): what a second turn
     asks instead of data.follow_ups. Empty for sources of other layouts."""
-    return _per_prompt(source, _row_second_turn)
+    return _per_prompt(source, _row_second_turn, rows)
 
 
 def normalise(text: str) -> str:
@@ -215,13 +239,18 @@ def drop_evaluation_overlap(prompts: Iterable[str], evaluation: set[str]) -> lis
     return [p for i, p in enumerate(prompts) if i not in dropped]
 
 
+def _slice(source: str, count: str) -> tuple[int | None, int | None]:
+    match = re.fullmatch(r"\s*(\d*)\s*:\s*(\d*)\s*", count)
+    if not match:
+        raise ValueError(f"data.sources[{source!r}] = {count!r}: use a count (-1 for all) or a 'start:stop' slice")
+    start, stop = (int(x) if x else None for x in match.groups())
+    return start, stop
+
+
 def _take(prompts: list[str], source: str, count: int | str) -> list[str]:
     """`count` prompts from the start of a source's shuffled list; -1 takes all, "start:stop" a slice of it."""
     if isinstance(count, str):
-        match = re.fullmatch(r"\s*(\d*)\s*:\s*(\d*)\s*", count)
-        if not match:
-            raise ValueError(f"data.sources[{source!r}] = {count!r}: use a count (-1 for all) or a 'start:stop' slice")
-        start, stop = (int(x) if x else None for x in match.groups())
+        start, stop = _slice(source, count)
         return prompts[start:stop]
     if count < -1:
         raise ValueError(f"data.sources[{source!r}] = {count}: use a count >= 0, -1 for all, or a 'start:stop' slice")
@@ -243,8 +272,10 @@ def build_prompt_mix(sources: dict[str, int | str], seed: int = 0) -> list[tuple
     evaluation = evaluation_prompts()
     mix: list[tuple[str, str]] = []
     for source, count in sources.items():
-        prompts = drop_evaluation_overlap(dict.fromkeys(load_prompts(source)), evaluation)
-        rng.shuffle(prompts)
+        rows = rows_to_read(source, count)
+        prompts = drop_evaluation_overlap(dict.fromkeys(load_prompts(source, rows)), evaluation)
+        if rows is None:  # a stream is taken in its own order: only its first rows were read
+            rng.shuffle(prompts)
         mix.extend((source, p) for p in _take(prompts, source, count))
     rng.shuffle(mix)
     return mix

@@ -34,6 +34,7 @@ from medusa.train.data import (
     evaluation_prompts,
     own_second_turns,
     reference_answers,
+    rows_to_read,
 )
 
 # The settings a data directory was made with (read back on resume, and by training: data.answer).
@@ -175,7 +176,7 @@ def conversation_second_turns(sources) -> dict[tuple[str, str], str]:
     the second turn instead of a data.follow_ups one; turns matching an evaluation prompt are left out."""
     evaluation, turns = evaluation_prompts(), {}
     for source in sources:
-        own = own_second_turns(source)
+        own = own_second_turns(source, rows_to_read(source, sources[source]))
         allowed = set(drop_evaluation_overlap(list(dict.fromkeys(own.values())), evaluation))
         turns.update({(source, prompt): turn for prompt, turn in own.items() if turn in allowed})
     return turns
@@ -247,7 +248,9 @@ def main(argv=None) -> None:
     own_turns = conversation_second_turns(cfg.sources) if cfg.second_turn_fraction > 0 else {}
     references = None
     if cfg.reference_answers:
-        references = {source: reference_answers(source) for source in cfg.sources}
+        references = {
+            source: reference_answers(source, rows_to_read(source, count)) for source, count in cfg.sources.items()
+        }
         mix = [(source, prompt) for source, prompt in mix if prompt in references[source]]  # rows without an answer
     model, tokenizer = load_base(config.model.base, dtype=cfg.dtype, device=config.model.resolved_device())
     eos_ids, pad_id = stop_and_pad_ids(model, tokenizer)
