@@ -339,3 +339,23 @@ def test_benchmark_eagle3_row(tmp_path):
     skipped = benchmark.main(common + ["--out", str(tmp_path / "without")])
     assert list(skipped["overall"]) == ["baseline"]
     assert "--eagle3 DIR" in skipped["settings"]["skipped"]["eagle3"]
+
+
+def test_a_batched_benchmark_runs_the_questions_together_and_stays_exact(tmp_path):
+    """--batch-size 2: first turns two at a time; every row equals transformers' batched greedy output, the
+    one-sequence methods are skipped by name, and tokens/s counts each batch's time once."""
+    base_dir, heads_dir = save_tiny_checkpoint(tmp_path)
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("\n".join(json.dumps(q) for q in QUESTIONS[:3]) + "\n")
+    argv = ["--questions", str(questions), "--out", str(tmp_path / "run"), "--base", str(base_dir)]
+    argv += ["--heads", str(heads_dir), "--max-new-tokens", "10", "--threads", "1", "--batch-size", "2"]
+    summary = benchmark.main(argv + ["--methods", "baseline,baseline_compiled,medusa,medusa_dynamic,prompt_lookup"])
+    assert list(summary["overall"]) == ["baseline", "baseline_compiled", "medusa", "medusa_dynamic"]
+    assert "one sequence" in summary["settings"]["skipped"]["prompt_lookup"]
+    for method, stats in summary["overall"].items():
+        assert stats["identical"] is True, method
+        assert stats["new_tokens"] == 3 * 10  # first turns only
+    raw = [json.loads(line) for line in (tmp_path / "run" / "raw.jsonl").read_text().splitlines()]
+    assert {r["turns"][0]["batch"] for r in raw} == {2, 1}  # two questions together, then the third alone
+    medusa = [r["turns"][0] for r in raw if r["method"] == "medusa"]
+    assert sum(t["forwards"] for t in medusa) == pytest.approx(summary["overall"]["medusa"]["forwards"])

@@ -121,6 +121,7 @@ RESUME_KEYS = (
     "seed",
     "profile",
     "engine",
+    "batch_size",
 )
 
 
@@ -196,7 +197,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="skip per-phase timing (on a GPU it adds synchronisations; the analysis then has no c)",
     )
     parser.add_argument("--overwrite", action="store_true", help="discard earlier results in --out instead of resuming")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=1,
+        help="questions decoded together (first turns, left-padded; methods on the eager engine, baseline as "
+        "transformers' batched generate; tokens/s per method counts the whole batch's time)",
+    )
     args = parser.parse_args(argv)
+    if args.batch_size < 1:
+        parser.error("--batch-size must be >= 1")
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = sorted(set(args.methods) - set(METHODS))
     if unknown:
@@ -287,7 +297,7 @@ def build_methods(names: list[str], args, model, stop_ids: list[int]) -> tuple[d
     def hf(assistant_model=None, **options):
         """transformers' generate; `options` go into its GenerationConfig (e.g. prompt_lookup_num_tokens)."""
 
-        def run(input_ids, max_new_tokens, seed):
+        def run(input_ids, max_new_tokens, seed, attention_mask=None):
             # A fresh config, so nothing from the model's generation_config.json (e.g. top_k=50) sneaks in.
             config = GenerationConfig(
                 max_new_tokens=max_new_tokens,
@@ -303,32 +313,34 @@ def build_methods(names: list[str], args, model, stop_ids: list[int]) -> tuple[d
             torch.manual_seed(seed)
             out = base.generate(
                 input_ids,
-                attention_mask=torch.ones_like(input_ids),
+                attention_mask=torch.ones_like(input_ids) if attention_mask is None else attention_mask,
                 generation_config=config,
                 assistant_model=assistant_model,
             )
-            return {"output_ids": out[0, input_ids.shape[1] :].tolist()}
+            return {"output_ids": out[0, input_ids.shape[1] :].tolist(), "rows": out[:, input_ids.shape[1] :].tolist()}
 
         return run
 
     def ours(target, engine=args.engine, **kwargs):
-        def run(input_ids, max_new_tokens, seed):
+        def run(input_ids, max_new_tokens, seed, attention_mask=None):
             generator = torch.Generator(base.device).manual_seed(seed) if sampling else None
             out = target.generate(
                 input_ids,
+                attention_mask=attention_mask,
                 max_new_tokens=max_new_tokens,
                 do_sample=sampling,
                 temperature=args.temperature or 1.0,
                 eos_token_id=stop_ids or None,
                 generator=generator,
                 profile=args.profile,
-                engine=engine,
+                engine=engine if attention_mask is None else None,  # a batch runs on the eager engine
                 return_dict_in_generate=True,
                 **kwargs,
             )
             stats = out.stats
             record = {
                 "output_ids": out.sequences[0, input_ids.shape[1] :].tolist(),
+                "rows": out.sequences[:, input_ids.shape[1] :].tolist(),
                 "accepted_lengths": list(stats.accepted_lengths),
                 "proposed_lengths": list(stats.proposed_lengths),
                 "propose_s": stats.timings.get("propose") if args.profile else None,
@@ -432,6 +444,7 @@ def run_turn(run, recorders: dict, input_ids: torch.Tensor, max_new_tokens: int,
     if sync:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
+    result.pop("rows", None)  # a batch's rows: run_batch's
     calls = recorders["target"].take()
     record = {
         "new_tokens": len(result["output_ids"]),
@@ -444,6 +457,43 @@ def run_turn(run, recorders: dict, input_ids: torch.Tensor, max_new_tokens: int,
         record["accepted_lengths"], record["proposed_lengths"] = steps_from_calls(calls)
         record["propose_s"] = sum(c[2] for c in recorders["draft"].take()) if "draft" in recorders else None
     return record
+
+
+def run_batch(run, recorders: dict, prompts: list[list[int]], pad_id: int, max_new_tokens: int, seed: int, stop_ids):
+    """One timed generation of several prompts together (left-padded) -> one raw record per prompt: its tokens (up to
+    its first stop), and its share of the batch's seconds and target forwards by its share of the batch's tokens, so
+    that totals over records are the batch's own. The batch's accepted / proposed lengths go with its first row."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    for recorder in recorders.values():
+        recorder.take()
+    start = time.perf_counter()
+    result = run(ids, max_new_tokens, seed, attention_mask=mask)
+    seconds = time.perf_counter() - start
+    calls = recorders["target"].take()
+    rows = [row[: next((i + 1 for i, t in enumerate(row) if t in stop_ids), len(row))] for row in result["rows"]]
+    tokens = max(sum(map(len, rows)), 1)
+    forwards = result.get("forwards", len(calls))
+    records = []
+    for index, row in enumerate(rows):
+        share = len(row) / tokens
+        first = index == 0
+        records.append(
+            {
+                "new_tokens": len(row),
+                "time_s": seconds * share,
+                "forwards": forwards * share,
+                "verify_s": 0.0,
+                "output_ids": row,
+                "accepted_lengths": result.get("accepted_lengths", []) if first else [],
+                "proposed_lengths": result.get("proposed_lengths", []) if first else [],
+                "propose_s": None,
+                "prompt_tokens": len(prompts[index]),
+                "batch": len(prompts),
+            }
+        )
+    return records
 
 
 # ------------------------------------------------------------------------------------------------------ summary
@@ -690,6 +740,31 @@ def load_raw(path: Path) -> dict:
     return records
 
 
+def run_batches(args, todo, methods, runs, recorders, records, raw_path, tokenizer, stop_ids, prompt_ids) -> None:
+    """--batch-size N: the questions' first turns, N at a time, every method on each batch (the first method of a
+    batch rotates), one raw record per question and method."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stop_ids[0] if stop_ids else 0)
+    with raw_path.open("a") as raw:
+        batches = [todo[i : i + args.batch_size] for i in range(0, len(todo), args.batch_size)]
+        for b_index, batch in enumerate(tqdm(batches, desc="batches", unit="batch")):
+            prompts = [prompt_ids([{"role": "user", "content": q["turns"][0]}])[0].tolist() for q in batch]
+            shift = b_index % len(methods)
+            for m in methods[shift:] + methods[:shift]:
+                seed = args.seed + 1000 * batch[0]["question_id"]
+                rows = run_batch(runs[m], recorders, prompts, pad, args.max_new_tokens, seed, set(stop_ids))
+                for q, row in zip(batch, rows):
+                    r = {
+                        "question_id": q["question_id"],
+                        "category": q["category"],
+                        "group": q["group"],
+                        "method": m,
+                        "turns": [row],
+                    }
+                    raw.write(json.dumps(r) + "\n")
+                    raw.flush()
+                    records[(q["question_id"], m)] = r
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.threads:
@@ -753,6 +828,7 @@ def main(argv=None) -> dict:
         "seed": args.seed,
         "profile": args.profile,
         "num_questions": len(questions),
+        "batch_size": args.batch_size,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "machine": platform.machine(),
@@ -773,6 +849,10 @@ def main(argv=None) -> dict:
     records = load_raw(raw_path)
 
     runs, skipped, draft_lm = build_methods(args.methods, args, model, stop_ids)
+    if args.batch_size > 1:  # these take one sequence: transformers' assisted / prompt lookup, llama.cpp's CLI
+        for name in [m for m in runs if m in PEERS or m in ("prompt_lookup", "assisted")]:
+            del runs[name]
+            skipped[name] = "takes one sequence (drop --batch-size to run it)"
     for name, why in skipped.items():
         print(f"skipping method {name!r}: {why}", file=sys.stderr)
     settings["skipped"] = skipped
@@ -813,8 +893,10 @@ def main(argv=None) -> dict:
         settings["warmup_s"] = warmup
         print("warm-up seconds (engine set-up included): " + ", ".join(f"{m} {s:.1f}" for m, s in warmup.items()))
 
+    if args.batch_size > 1:
+        run_batches(args, todo, methods, runs, recorders, records, raw_path, tokenizer, stop_ids, prompt_ids)
     with raw_path.open("a") as raw:
-        for q_index, q in enumerate(tqdm(todo, desc="questions", unit="q")):
+        for q_index, q in enumerate(tqdm(todo if args.batch_size == 1 else [], desc="questions", unit="q")):
             missing = [m for m in methods if (q["question_id"], m) not in records]
             shift = q_index % len(missing)
             order = missing[shift:] + missing[:shift]  # rotate who goes first: no method always runs on a warm cache
