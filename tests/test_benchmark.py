@@ -352,6 +352,7 @@ def test_a_batched_benchmark_runs_the_questions_together_and_stays_exact(tmp_pat
     summary = benchmark.main(argv + ["--methods", "baseline,baseline_compiled,medusa,medusa_dynamic,prompt_lookup"])
     assert list(summary["overall"]) == ["baseline", "baseline_compiled", "medusa", "medusa_dynamic"]
     assert "one sequence" in summary["settings"]["skipped"]["prompt_lookup"]
+    assert "batched plain decoding" in summary["settings"]["baseline_compiled"]
     for method, stats in summary["overall"].items():
         assert stats["identical"] is True, method
         assert stats["new_tokens"] == 3 * 10  # first turns only

@@ -799,7 +799,10 @@ def main(argv=None) -> dict:
         "dtype": args.dtype,
         "device": str(model.device),
         "engine": args.engine,
-        "baseline_compiled": "this library's plain decoding (proposer 'plain') on the "
+        "baseline_compiled": "this library's batched plain decoding (proposer 'plain') on the eager engine, as "
+        "every batch"
+        if args.batch_size > 1
+        else "this library's plain decoding (proposer 'plain') on the "
         f"{model.best_plain_engine} engine: "
         + {
             "eager": "transformers' forward and DynamicCache",
