@@ -47,6 +47,7 @@ class _Row:
 
     def __init__(self, index: int, prompt: torch.Tensor, proposer, pad: int):
         self.index, self.prompt, self.proposer, self.pad = index, prompt, proposer, pad
+        self.prompt_ids: list[int] = prompt[0].tolist()  # what a stopping criterion sees before the new tokens
         self.new: list[int] = []
         self.state: DecodeState | None = None
 
@@ -107,18 +108,15 @@ def decode_batch(
     for row in rows:
         root = select_token(logits[row.index, -1], sampling, generator)
         hidden = features[row.index, row.pad :]
-        row.state = DecodeState(
-            None, row.prompt.shape[1], root, hidden[-1], row.prompt[0].tolist() + [int(root)], hidden
-        )
+        row.state = DecodeState(None, row.prompt.shape[1], root, hidden[-1], row.prompt_ids + [int(root)], hidden)
     stats.steps = 1
 
     def emit(row: _Row, tokens: list[int]) -> bool:
-        kept, done = take_new(tokens, row.prompt[0].tolist(), row.new, max_new_tokens, stop_ids, stop_when)
+        kept, done = take_new(tokens, row.prompt_ids, row.new, max_new_tokens, stop_ids, stop_when)
         row.new.extend(kept)
         return done
 
     active = [row for row in rows if not emit(row, [int(row.state.root_token)])]
-    finished = [row for row in rows if row not in active]
     _leave(cache, rows, active)
     while active:
         candidates = [row.proposer.propose(row.state) for row in active]
@@ -138,16 +136,12 @@ def decode_batch(
             verified = VerifyOutput(logits[b, :size], features[b, :size])
             accepted = rule(c, verified, sampling, generator)
             kept.append(accepted.nodes)
-            state = row.state
-            state.length += accepted.nodes.numel()
-            state.new_hidden = verified.hidden[accepted.nodes]
-            state.last_hidden = state.new_hidden[-1]
-            state.root_token = torch.tensor(accepted.tokens[-1], device=device)
-            state.tokens.extend(accepted.tokens)
-            row.proposer.observe(state, accepted.tokens)
+            row.state.advance(accepted, verified.hidden, device)
+            row.proposer.observe(row.state, accepted.tokens)
             stats.accepted_lengths.append(len(accepted.tokens))
             stats.proposed_lengths.append(c.tree.max_depth)
-            (finished if emit(row, accepted.tokens) else still).append(row)
+            if not emit(row, accepted.tokens):
+                still.append(row)
         cache.commit(kept)
         _leave(cache, active, still)
         active = still

@@ -125,12 +125,17 @@ def batch_rows(input_ids, attention_mask=None) -> list[torch.Tensor] | None:
 
 def stop_token_ids(base, tokenizer, eos_token_id) -> set[int]:
     """Stop ids: `eos_token_id` if given, else the base's generation config, else the tokenizer's eos."""
+    return set(end_token_ids(base, tokenizer, eos_token_id))
+
+
+def end_token_ids(base, tokenizer, eos_token_id) -> list[int]:
+    """stop_token_ids in the order given: the first is what transformers pads finished rows with."""
     if eos_token_id is None:
         eos_token_id = base.generation_config.eos_token_id
         if eos_token_id is None and tokenizer is not None:
             eos_token_id = tokenizer.eos_token_id
     if eos_token_id is None:
-        return set()
+        return []
     if isinstance(eos_token_id, torch.Tensor):
         eos_token_id = eos_token_id.flatten().tolist()
     ids = [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
@@ -139,7 +144,7 @@ def stop_token_ids(base, tokenizer, eos_token_id) -> set[int]:
             f"eos_token_id must be a token id, a list of ids or a tensor of ids, got {eos_token_id!r} "
             "(a string? use tokenizer.convert_tokens_to_ids)"
         )
-    return set(ids)
+    return list(ids)
 
 
 def check_lengths(base, prompt_length: int, max_new_tokens: int) -> None:
@@ -188,14 +193,10 @@ class SpeculativeGenerator:
                 f"engine={engine!r} takes one sequence; a batch runs on the eager engine: pass engine='eager' or None"
             )
         eager = self.engine("eager")
-        stop_ids = stop_token_ids(self.base, tokenizer, settings.eos_token_id)
+        ends = end_token_ids(self.base, tokenizer, settings.eos_token_id)
         pad = settings.pad_token_id
         if pad is None:  # as transformers: the (first) end-of-sequence token
-            eos = settings.eos_token_id
-            eos = self.base.generation_config.eos_token_id if eos is None else eos
-            eos = getattr(tokenizer, "eos_token_id", None) if eos is None else eos
-            eos = eos.flatten().tolist() if isinstance(eos, torch.Tensor) else eos
-            pad = (eos[0] if isinstance(eos, (list, tuple)) and eos else eos) if eos is not None else 0
+            pad = ends[0] if ends else 0
         return decode_batch(
             self.base,
             lambda: self.make_proposer(proposer, tree, sampling, generator, engine=eager),
@@ -203,7 +204,7 @@ class SpeculativeGenerator:
             rows,
             max_new_tokens=settings.max_new_tokens,
             sampling=sampling,
-            stop_ids=stop_ids,
+            stop_ids=set(ends),
             stop_when=generate_args.stopping(stopping_criteria, settings.stop_strings, tokenizer),
             generator=generator,
             feature_layers=self.feature_layers,
@@ -413,11 +414,7 @@ def decode(
             accepted = rule(candidates, verified, sampling, generator)
         with timer("commit"):
             engine.commit(state.cache, state.length, accepted.nodes)
-            state.length += accepted.nodes.numel()
-            state.new_hidden = verified.hidden[accepted.nodes]
-            state.last_hidden = state.new_hidden[-1]
-            state.root_token = torch.tensor(accepted.tokens[-1], device=input_ids.device)
-            state.tokens.extend(accepted.tokens)
+            state.advance(accepted, verified.hidden, input_ids.device)
             proposer.observe(state, accepted.tokens)
         stats.steps += 1
         stats.accepted_lengths.append(len(accepted.tokens))

@@ -23,6 +23,15 @@ class DecodeState:
     new_hidden: torch.Tensor | None = None
     root_logits: torch.Tensor | None = None  # (V,): the target's logits that chose root_token (after the prefill)
 
+    def advance(self, accepted, hidden: torch.Tensor, device: torch.device) -> None:
+        """A verify step's `accepted` path (medusa.acceptance.Acceptance) joins the cache: its positions' `hidden`
+        states (the verify's, per node) are what the heads read next, its last token the next root (on `device`)."""
+        self.length += accepted.nodes.numel()
+        self.new_hidden = hidden[accepted.nodes]
+        self.last_hidden = self.new_hidden[-1]
+        self.root_token = torch.tensor(accepted.tokens[-1], device=device)
+        self.tokens.extend(accepted.tokens)
+
 
 @dataclass
 class DecodeStats:
