@@ -17,6 +17,7 @@ import copy
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import AutoModel, DynamicCache, PretrainedConfig
 
 from medusa.draft import TargetAndDraft
@@ -58,6 +59,7 @@ class Eagle3Draft(nn.Module):
         if not 1 <= draft_vocab_size <= target_vocab_size:
             raise ValueError(f"draft_vocab_size must lie in [1, {target_vocab_size}], got {draft_vocab_size}")
         self.config, self.aux_layers = config, list(aux_layers)
+        self.gradient_checkpointing = False  # training.gradient_checkpointing (medusa/train/eagle3.py)
         # transformers builds the family's layer, norm and rotary embedding; the embeddings are the target's, so a
         # one-row table stands in for them while building
         shell = AutoModel.from_config(
@@ -118,7 +120,12 @@ class Eagle3Draft(nn.Module):
             **with_cache(layer.self_attn, cache),
         )
         hidden = hidden + attended
-        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        mlp = lambda h: layer.mlp(layer.post_attention_layernorm(h))
+        if self.gradient_checkpointing and torch.is_grad_enabled():
+            # the MLP's activations are recomputed in backward; the attention is not (it appends to `cache`, and a
+            # recompute would append again)
+            return hidden + checkpoint(mlp, hidden, use_reentrant=False)
+        return hidden + mlp(hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(..., H) layer output -> (..., V_draft) logits over the draft vocabulary."""

@@ -220,5 +220,8 @@ def base_fingerprint(model: torch.nn.Module) -> str:
     digest = hashlib.blake2b(digest_size=16)
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
         digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
-        digest.update(tensor.detach().reshape(-1).cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        # a quantized weight (torchao's tensor subclasses) is hashed through the plain tensors that hold it
+        inner = tensor.__tensor_flatten__()[0] if hasattr(tensor, "__tensor_flatten__") else None
+        for part in [getattr(tensor, attr) for attr in inner] if inner else [tensor]:
+            digest.update(part.detach().reshape(-1).cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()

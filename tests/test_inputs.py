@@ -197,6 +197,12 @@ BAD_CONFIGS = [
         "data.reference_answers gives every prompt its source's answer",
     ),
     ("Medusa-2 on cached hidden states", ["--training.medusa2", "true"], "precompute_hidden false for Medusa-2"),
+    (
+        "gradient checkpointing of Medusa-1's frozen base",
+        ["--training.gradient_checkpointing", "true"],
+        "Medusa-1's base is frozen",
+    ),
+    ("unknown base quantization", ["--model.quantize", "int4"], "model.quantize must be one of"),
     ("an override without a section", ["--lr", "1e-3"], "must look like --section.key value"),
 ]
 

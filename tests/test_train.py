@@ -21,6 +21,7 @@ from medusa import MedusaModel
 from medusa.config import WEIGHTS_NAME, MedusaConfig
 from medusa.heads import MedusaHeads, following_tokens
 from medusa.train import train as train_mod
+from medusa.train import trainer as trainer_mod
 from medusa.train.batches import Conversation, load_conversations, split_eval
 from medusa.train.config import Config, load_config
 from medusa.train.hidden_cache import HiddenCache, span_start
@@ -639,6 +640,19 @@ def test_sharded_launches_are_refused_with_the_reason(kind):
     train_mod.check_distributed_type(SimpleNamespace(distributed_type=DistributedType.MULTI_CPU))
 
 
+def test_fsdp_launch_that_accelerate_runs_as_ddp_is_refused(monkeypatch):
+    """On CPU processes accelerate 1.x ignores --use_fsdp (it shards on accelerator devices only): refused, not DDP."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(NotImplementedError, match="started MULTI_CPU processes, not FSDP"):
+        train_mod.check_distributed_type(SimpleNamespace(distributed_type=DistributedType.MULTI_CPU))
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")
+    train_mod.check_distributed_type(SimpleNamespace(distributed_type=DistributedType.MULTI_CPU))
+
+
 def _kill_processes_reading(path: Path) -> None:
     """SIGKILL every process whose command line names `path` (Linux /proc)."""
     for entry in Path("/proc").iterdir():
@@ -963,8 +977,8 @@ def test_heads_record_the_commit_of_a_hub_base(tmp_path, tiny_base, tiny_data, m
     refs.mkdir(parents=True)
     (refs / "main").write_text(commit)  # what loading someone/tiny-base from the Hub leaves in the cache
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    load_base = train_mod.load_base
-    monkeypatch.setattr(train_mod, "load_base", lambda source, **options: load_base(tiny_base, **options))
+    load_base = trainer_mod.load_base
+    monkeypatch.setattr(trainer_mod, "load_base", lambda source, **options: load_base(tiny_base, **options))
     raw = sections(tmp_path, tiny_base, tiny_data, max_steps=2)
     raw["model"]["base"] = "someone/tiny-base"
     out = run(raw).output_dir
@@ -981,7 +995,7 @@ def test_error_unwritable_output_is_found_before_any_step(tmp_path, tiny_base, t
     blocker.write_text("a file, not a directory")
     steps = []
     monkeypatch.setattr(
-        train_mod,
+        trainer_mod,
         "load_base",
         lambda *a, **k: (
             steps.append("loaded")

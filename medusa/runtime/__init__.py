@@ -32,6 +32,7 @@ from medusa.runtime.prepack import (
 )
 from medusa.runtime.quantize import QUANTIZED, dequantize_target, precision_of, quantize_target
 from medusa.runtime.static import ENGINES_ATTRIBUTE, CompiledEngine, engines_set_aside
+from medusa.runtime.torch_patches import meta_nonzero_takes_all
 from medusa.runtime.verify import PrefillOutput, VerifyOutput, base_features, verify, with_cache
 from medusa.tree import Candidates
 
@@ -57,6 +58,7 @@ __all__ = [
     "int8_copy",
     "int8_linear",
     "make_engine",
+    "meta_nonzero_takes_all",
     "pack",
     "packed_linear",
     "precision_of",

@@ -81,6 +81,11 @@ INTERNALS = (
         "the static engine's layers (prefix view, guarded addresses) and the AOT package's cache over given tensors",
     ),
     Internal("transformers.cache_utils", "StaticLayer.get_mask_sizes", "the prefix view's mask sizes"),
+    Internal(
+        "torch.fx.experimental._config",
+        "meta_nonzero_assume_all_nonzero",
+        "meta_nonzero_takes_all: scripts/training_memory.py runs the heads' masked loss on meta tensors",
+    ),
 )
 
 
@@ -210,3 +215,13 @@ def use_inductor_cache(directory) -> None:
 
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(directory)
+
+
+@contextlib.contextmanager
+def meta_nonzero_takes_all():
+    """nonzero (a boolean mask's selection) on meta tensors takes every element instead of failing for want of
+    values: what the training memory estimate needs to run the heads' masked loss on the meta device."""
+    from torch.fx.experimental import _config
+
+    with _config.patch(meta_nonzero_assume_all_nonzero=True):
+        yield

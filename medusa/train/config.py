@@ -60,14 +60,25 @@ for _type, _decode in ((bool, _strict_bool), (int, _strict_int), (float, _number
     draccus.decode.register(_type, _decode)
 
 
+QUANTIZE = ("none", "int8")
+
+
 @dataclass
 class ModelConfig:
     base: str | None = None  # null: the embedded SmolLM2-135M-Instruct; else a Hub id, directory or .gguf
     dtype: str = "float32"  # the base's weights: float32, bfloat16 or float16
     device: str = "auto"  # where generate_data runs the base: auto (cuda when there is one, else cpu), cpu, cuda:N
+    # Training only: the frozen base's decoder layers in none (model.dtype) or int8 (torchao weight-only: about half
+    # of bf16's memory; its hidden states differ slightly). The lm_head and embeddings keep model.dtype
+    quantize: str = "none"
 
     def __post_init__(self):
         resolve_dtype(self.dtype)  # names the valid choices
+        if self.quantize not in QUANTIZE:
+            raise ValueError(
+                f"model.quantize must be one of {QUANTIZE}, got {self.quantize!r} (int8: torchao weight-only int8 "
+                "for the frozen base's decoder layers)"
+            )
         if self.device != "auto":
             try:
                 torch.device(self.device)
@@ -228,6 +239,10 @@ class TrainingConfig:
     # Also train on every prompt position of the training conversations, against the base's own distribution there
     # (needs distill): prefill-priced data, no generation. Held-out evaluation still scores responses only
     prompt_tokens: bool = False
+    # Recompute activations in backward instead of keeping them (less memory, about one more forward of compute):
+    # the LoRA-adapted base's layers (Medusa-2) or the EAGLE-3 draft's MLP and per-step loss. Medusa-1 keeps no
+    # activations of its frozen base, so there it is refused
+    gradient_checkpointing: bool = False
 
     def __post_init__(self):
         for name in ("lr", "weight_decay", "head_decay", "heads_coefficient", "lora_lr", "kl_weight"):
@@ -321,6 +336,14 @@ class Config:
     heads: HeadsConfig = field(default_factory=HeadsConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     eagle3: Eagle3Config = field(default_factory=Eagle3Config)
+
+    def __post_init__(self):
+        if self.training.gradient_checkpointing and not (self.training.medusa2 or self.eagle3.enabled):
+            raise ValueError(
+                "training.gradient_checkpointing recomputes what backward needs of a network that trains, but "
+                "Medusa-1's base is frozen (no gradient flows through it, nothing of it is kept): use it with "
+                "training.medusa2 true or eagle3.enabled true, or drop it"
+            )
 
 
 def load_config(config_path: str | None, overrides: list[str] = ()) -> Config:

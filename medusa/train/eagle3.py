@@ -21,15 +21,17 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 from medusa.eagle3 import Eagle3Draft, default_aux_layers, unrolled_outputs
 from medusa.eagle3_io import save_eagle3
-from medusa.loading import DEFAULT_BASE, load_base
+from medusa.loading import DEFAULT_BASE
 from medusa.train import checkpoints
 from medusa.train.batches import data_fingerprint, load_conversations, split_eval
 from medusa.train.config import Config
 from medusa.train.data import frequent_tokens
+from medusa.train.trainer import load_frozen_base
 
 
 def build_draft(cfg: Config, base, vocabulary: torch.Tensor) -> Eagle3Draft:
@@ -48,7 +50,8 @@ def build_draft(cfg: Config, base, vocabulary: torch.Tensor) -> Eagle3Draft:
 
 def step_losses(draft, base, ids: torch.Tensor, first_scored: int, steps: int, decay: float):
     """One conversation (1, T) -> (weighted loss, per-step [scored positions, top-1 agreements]). Predictions of
-    tokens before `first_scored` are not scored."""
+    tokens before `first_scored` are not scored. With draft.gradient_checkpointing each step's (T, V_draft) scoring
+    is recomputed in backward instead of kept."""
     with torch.no_grad():
         out = base(ids, output_hidden_states=True)
         features = torch.cat([out.hidden_states[layer] for layer in draft.aux_layers], dim=-1).float()
@@ -64,12 +67,19 @@ def step_losses(draft, base, ids: torch.Tensor, first_scored: int, steps: int, d
         valid = positions < length - 1  # the last position predicts past the conversation
         positions = positions.clamp(max=length - 1)
         scored = valid & (positions + 1 >= first_scored) & in_vocabulary[positions]
-        log_q = draft.logits(hidden[0]).float().log_softmax(-1)
-        per_position = -(target_p[positions] * log_q).sum(-1)
+
+        def score(hidden, positions):  # -> (cross-entropy to the target per position, the draft's choice)
+            log_q = draft.logits(hidden).float().log_softmax(-1)
+            return -(target_p[positions] * log_q).sum(-1), log_q.argmax(-1)
+
+        if draft.gradient_checkpointing and torch.is_grad_enabled():
+            per_position, choice = checkpoint(score, hidden[0], positions, use_reentrant=False)
+        else:
+            per_position, choice = score(hidden[0], positions)
         count = int(scored.sum())
         if count:
             total = total + decay**step * per_position[scored].mean()
-        agree = (draft.target_ids[log_q.argmax(-1)] == chosen[positions]) & scored
+        agree = (draft.target_ids[choice] == chosen[positions]) & scored
         stats.append([count, int(agree.sum())])
     return total, stats
 
@@ -79,10 +89,11 @@ def train_eagle3(cfg: Config, *, resume: bool = False, stop_after_steps: int | N
     from accelerate.utils import set_seed
     from transformers import get_scheduler
 
-    from medusa.train.train import TrainResult
+    from medusa.train.train import TrainResult, check_distributed_type
 
     tcfg, ecfg = cfg.training, cfg.eagle3
     accelerator = Accelerator(project_config=checkpoints.project_configuration(tcfg))
+    check_distributed_type(accelerator)
     main = accelerator.is_main_process
     set_seed(tcfg.seed)
     ckpt_root = checkpoints.checkpoint_root(tcfg)
@@ -92,8 +103,7 @@ def train_eagle3(cfg: Config, *, resume: bool = False, stop_after_steps: int | N
     resume_from = checkpoints.check_resume(ckpt_root, resume)
 
     with accelerator.main_process_first():
-        base, _ = load_base(cfg.model.base, dtype=cfg.model.dtype, device=accelerator.device)
-    base.requires_grad_(False)
+        base = load_frozen_base(cfg.model, accelerator.device)
     vocab_size = base.get_output_embeddings().weight.shape[0]
     convs = []
     for data_dir in [cfg.data.out_dir, *cfg.data.extra_dirs]:
@@ -105,6 +115,7 @@ def train_eagle3(cfg: Config, *, resume: bool = False, stop_after_steps: int | N
         .values
     )
     draft = build_draft(cfg, base, vocabulary).to(accelerator.device)
+    draft.gradient_checkpointing = tcfg.gradient_checkpointing
 
     steps_per_epoch = math.ceil(len(train_idx) / (tcfg.grad_accum * accelerator.num_processes))
     max_steps = tcfg.max_steps or tcfg.epochs * steps_per_epoch

@@ -7,6 +7,7 @@ per head), so cross-entropy and KL are fused with the projection and computed in
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +75,11 @@ def _accumulate(grad, xc, w, rows: slice, grad_x, grad_w, grad_b) -> None:
         grad_w += (grad.T @ xc).float()
 
 
+def _no_autocast(device_type: str):
+    """Autocast off; a device without autocast (meta: scripts/training_memory.py) has none to turn off."""
+    return torch.autocast(device_type, enabled=False) if torch.amp.is_autocast_available(device_type) else nullcontext()
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """sum_i CE(x_i W^T + b, y_i) without materialising all N x V logits; gradients are formed chunk by chunk."""
 
@@ -82,7 +88,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = bias is not None and ctx.needs_input_grad[2]
         dtype = compute_dtype or weight.dtype
-        with torch.autocast(x.device.type, enabled=False):  # precision is chosen here, explicitly
+        with _no_autocast(x.device.type):  # precision is chosen here, explicitly
             w = weight.to(dtype)
             loss = torch.zeros((), dtype=torch.float32, device=x.device)
             correct = torch.zeros(max(topk, 1), dtype=torch.long, device=x.device)
@@ -146,7 +152,7 @@ class _LinearKL(torch.autograd.Function):
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
         need_b = bias is not None and ctx.needs_input_grad[3]
         dtype = compute_dtype or weight.dtype
-        with torch.autocast(x.device.type, enabled=False):
+        with _no_autocast(x.device.type):
             w = weight.to(dtype)
             loss = torch.zeros((), dtype=torch.float32, device=x.device)
             grad_x = torch.empty_like(x) if need_x else None

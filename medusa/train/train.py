@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from medusa.loading import DEFAULT_BASE, hub_commit, load_base
+from medusa.loading import DEFAULT_BASE, hub_commit
 from medusa.train import checkpoints
 from medusa.train.batches import (
     Conversation,
@@ -44,7 +44,7 @@ from medusa.train.config import Config, parse_args
 from medusa.train.data import frequent_tokens
 from medusa.train.evaluate import evaluate, format_eval, provenance, reduce_sum, save_output
 from medusa.train.losses import TOPK, head_weights
-from medusa.train.trainer import build_heads, build_trainer, param_groups
+from medusa.train.trainer import build_heads, build_trainer, load_frozen_base, param_groups
 
 
 @dataclass
@@ -104,8 +104,7 @@ def train(cfg: Config, *, resume: bool = False, stop_after_steps: int | None = N
 
     # ---- the base and the data
     with accelerator.main_process_first():  # the first load of the embedded GGUF converts it once
-        base, _ = load_base(cfg.model.base, dtype=cfg.model.dtype, device=accelerator.device)
-    base.requires_grad_(False)
+        base = load_frozen_base(cfg.model, accelerator.device)
     base_ref = cfg.model.base or DEFAULT_BASE
     base_revision = hub_commit(cfg.model.base)  # the commit of a Hub base (else None), recorded with the heads
     lm_head = base.get_output_embeddings()
@@ -299,8 +298,17 @@ def check_distributed_type(accelerator) -> None:
         raise NotImplementedError(
             f"train/train.py does not support {kind.value} yet: the fused head loss reads the lm_head weight directly "
             "and checkpoints read whole parameters, which FSDP / ZeRO-3 shard, and DeepSpeed owns gradient "
-            "accumulation. Use DDP (`accelerate launch --multi_gpu --num_processes N train/train.py ...`): the heads "
-            "are small and the frozen base is only needed once to precompute hidden states (see docs/training.md)"
+            "accumulation. Use DDP (`accelerate launch --multi_gpu --num_processes N train/train.py ...`) with "
+            "model.dtype bfloat16 or model.quantize int8 for the frozen base, and training.gradient_checkpointing "
+            "for Medusa-2 (see docs/training.md, 'Memory')"
+        )
+    if _env_flag("ACCELERATE_USE_FSDP") and kind != DistributedType.FSDP:
+        # accelerate 1.x turns FSDP on for accelerator devices only: on CPU processes it would silently be DDP
+        raise NotImplementedError(
+            f"`accelerate launch --use_fsdp` started {kind.value} processes, not FSDP (accelerate shards only on "
+            "GPUs / accelerators): every process would hold the whole base. Launch DDP explicitly (`accelerate "
+            "launch --multi_gpu --num_processes N train/train.py ...`), with model.dtype bfloat16 or model.quantize "
+            "int8 to shrink the frozen base (see docs/training.md, 'Memory')"
         )
 
 

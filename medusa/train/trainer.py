@@ -13,9 +13,9 @@ from torch import nn
 from medusa.config import WEIGHTS_NAME, MedusaConfig
 from medusa.heads import MedusaHeads
 from medusa.heads_io import load_heads_weights
-from medusa.loading import base_fingerprint
+from medusa.loading import base_fingerprint, load_base
 from medusa.train.batches import Conversation, data_fingerprint
-from medusa.train.config import FILLED_IN, HeadsConfig, TrainingConfig
+from medusa.train.config import FILLED_IN, HeadsConfig, ModelConfig, TrainingConfig
 from medusa.train.data import collate
 from medusa.train.hidden_cache import CACHE_FORMAT, HiddenCache, build_hidden_cache, cache_lookback, last_hidden
 from medusa.train.losses import base_kl_loss, medusa_heads_loss
@@ -105,6 +105,32 @@ class HeadTrainer(nn.Module):
             )
             result.update(loss=out.loss + self.cfg.kl_weight * kl, kl=kl.detach(), kl_count=n)
         return result
+
+
+def load_frozen_base(model_cfg: ModelConfig, device) -> nn.Module:
+    """The base as training reads it, frozen, in model.dtype; with model.quantize int8 its decoder's linear layers
+    hold torchao weight-only int8. The lm_head (the heads' shared projection) and the embeddings keep model.dtype:
+    the heads are trained against, and later run with, the base's own output layer."""
+    base, _ = load_base(model_cfg.base, dtype=model_cfg.dtype, device=device)
+    base.requires_grad_(False)
+    if model_cfg.quantize == "int8":
+        try:
+            from torchao.quantization import Int8WeightOnlyConfig, quantize_
+        except ImportError:
+            raise ImportError(
+                "model.quantize int8 quantizes the base with torchao, which is not installed: "
+                "pip install 'medusa-spec[quant]' (or torchao), or set model.quantize none"
+            ) from None
+        quantize_(base.get_decoder(), Int8WeightOnlyConfig())
+    return base
+
+
+def enable_gradient_checkpointing(model: nn.Module) -> None:
+    """transformers' activation checkpointing of every decoder layer, non-reentrant: it recomputes under autograd's
+    saved-tensor hooks, so the frozen embeddings' output need not require grad (the reentrant variant needs peft's
+    enable_input_require_grads) and LoRA dropout replays the same random mask."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable  # < 5.x
+    enable({"use_reentrant": False})
 
 
 def build_heads(
@@ -232,6 +258,8 @@ def build_trainer(
     if cfg.medusa2:
         from peft import LoraConfig, get_peft_model
 
+        if cfg.gradient_checkpointing:
+            enable_gradient_checkpointing(base)
         base = get_peft_model(
             base,
             LoraConfig(

@@ -1,0 +1,173 @@
+"""Memory of training Medusa-2 (LoRA base + heads) per configuration, computed on the meta device (no weights, no
+compute, no Hub access): the table in docs/training.md ("Memory").
+
+    python scripts/training_memory.py                    # SmolLM2-135M, Llama-3-8B- and 70B-shaped, 2,048 tokens
+    python scripts/training_memory.py --tokens 4096 --lora-r 16 --heads 4 --shapes Llama-3-8B
+
+For each shape the base is built on the meta device, LoRA-adapted by peft and run forward over `--tokens` tokens
+with medusa's own training forward (HeadTrainer: heads, fused loss); the activation bytes are those of every tensor
+autograd keeps for backward (saved-tensor hooks, once per storage), with and without transformers' gradient
+checkpointing. Weights, gradients and AdamW states are counted from the parameters: trainable ones (LoRA, heads) in
+fp32 with fp32 gradients and two fp32 AdamW moments; the frozen base in fp32, bf16, or int8 (torchao weight-only: int8
+decoder weights plus one scale per output row, embeddings and lm_head in bf16). "FSDP over 2" divides weights,
+gradients and optimizer states by 2 and keeps the activations (each process runs its own batch); train.py does not
+run FSDP yet (docs/training.md says why), so that column is what sharding would bring, not a measurement.
+Transients (one chunk of logits, the KL reference's forward under no_grad, allocator slack) are not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import transformers.masking_utils
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from medusa.runtime import meta_nonzero_takes_all
+
+SHAPES = {  # hand-written: the published configs' sizes (no Hub access)
+    "SmolLM2-135M": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+    ),  # fmt: skip
+    "Llama-3-8B": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+    ),  # fmt: skip
+    "Llama-3-70B": dict(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+    ),  # fmt: skip
+}
+GIB = 1024**3
+
+
+def saved_bytes(step) -> int:
+    """Bytes of the distinct storages autograd keeps for backward of `step()`'s graph, parameters left out."""
+    kept: dict[int, int] = {}
+
+    def pack(tensor):
+        if not isinstance(tensor, torch.nn.Parameter):
+            kept[tensor.untyped_storage()._cdata] = tensor.untyped_storage().nbytes()  # (meta storages have sizes)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = step()
+    del out
+    return sum(kept.values())
+
+
+def build(shape: dict, lora_r: int, num_heads: int, checkpointing: bool, dtype: torch.dtype):
+    """-> (HeadTrainer on the meta device, frozen base parameters by kind) for a Llama of `shape`."""
+    from peft import LoraConfig, get_peft_model
+
+    from medusa.train.config import HeadsConfig, TrainingConfig
+    from medusa.train.trainer import HeadTrainer, build_heads, enable_gradient_checkpointing
+
+    config = LlamaConfig(**shape, max_position_embeddings=8192)
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        base = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        base.requires_grad_(False)
+        if checkpointing:
+            enable_gradient_checkpointing(base)
+        frozen = {"decoder linear": 0, "decoder rows": 0, "embeddings + lm_head": 0, "norms": 0}
+        for name, module in base.named_modules():
+            if isinstance(module, torch.nn.Linear) and name.startswith("model.layers"):
+                frozen["decoder linear"] += module.weight.numel()
+                frozen["decoder rows"] += module.weight.shape[0]
+        frozen["embeddings + lm_head"] = sum(
+            p.numel() for p in {base.get_input_embeddings().weight, base.get_output_embeddings().weight}
+        )
+        frozen["norms"] = sum(p.numel() for p in base.parameters()) - frozen["decoder linear"]
+        frozen["norms"] -= frozen["embeddings + lm_head"]
+        peft = get_peft_model(
+            base, LoraConfig(r=lora_r, lora_alpha=2 * lora_r, target_modules="all-linear", task_type="CAUSAL_LM")
+        )
+        cfg = TrainingConfig(medusa2=True, precompute_hidden=False, mixed_precision="no")
+        heads = build_heads(
+            HeadsConfig(num_heads=num_heads),
+            shape["hidden_size"],
+            shape["vocab_size"],
+            base.get_output_embeddings(),
+            None,
+        )
+        trainer = HeadTrainer(heads, base.get_output_embeddings(), cfg, base=peft).train()
+    return trainer, frozen
+
+
+def rows(name: str, shape: dict, tokens: int, lora_r: int, num_heads: int) -> list[tuple]:
+    # one unpadded sequence is never packed; transformers' check for packing reads values meta tensors do not have
+    transformers.masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    ids = torch.zeros((1, tokens), dtype=torch.long, device="meta")
+    batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids)}  # no attention mask: one unpadded sequence
+    activations, trainable, frozen = {}, 0, {}
+    for dtype in (torch.float32, torch.bfloat16):  # activations follow the base's dtype (int8: bf16)
+        for checkpointing in (False, True):
+            trainer, frozen = build(shape, lora_r, num_heads, checkpointing, dtype)
+            trainable = sum(p.numel() for p in trainer.parameters() if p.requires_grad)
+            activations[dtype, checkpointing] = saved_bytes(lambda: trainer(**batch)["loss"])  # noqa: B023
+    base_bytes = {
+        "fp32": 4 * sum(frozen.values()),
+        "bf16": 2 * sum(frozen.values()),
+        # torchao Int8WeightOnly: int8 weight + an fp32 scale and int8 zero point per output row
+        "int8": frozen["decoder linear"]
+        + 5 * frozen["decoder rows"]
+        + 2 * (frozen["embeddings + lm_head"] + frozen["norms"]),
+    }
+    states = 16 * trainable  # fp32 weight + fp32 gradient + two fp32 AdamW moments (bf16 base: the same)
+    f32, b16 = torch.float32, torch.bfloat16
+    configurations = [
+        ("plain (fp32 base)", base_bytes["fp32"], activations[f32, False], 1),
+        ("gradient checkpointing", base_bytes["fp32"], activations[f32, True], 1),
+        ("bf16 base", base_bytes["bf16"], activations[b16, False], 1),
+        ("int8 base", base_bytes["int8"], activations[b16, False], 1),
+        ("bf16 base + checkpointing", base_bytes["bf16"], activations[b16, True], 1),
+        ("int8 base + checkpointing", base_bytes["int8"], activations[b16, True], 1),
+        ("FSDP over 2 (not run yet), bf16 + checkpointing", base_bytes["bf16"], activations[b16, True], 2),
+    ]
+    return [
+        (name, label, base / shards, states / shards, act, (base + states) / shards + act, trainable)
+        for label, base, act, shards in configurations
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=2048, help="tokens per micro-batch (one sequence)")
+    parser.add_argument("--lora-r", type=int, default=16)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    args = parser.parse_args()
+    print(f"Medusa-2, LoRA r={args.lora_r} on every decoder linear layer, {args.heads} heads, {args.tokens} tokens")
+    print("| base | configuration | base weights GiB | trainable + grads + AdamW GiB | activations GiB | total GiB |")
+    print("|---|---|---|---|---|---|")
+    for name in args.shapes:
+        # the heads' loss selects the scored positions by a mask: on meta tensors, take them all
+        with meta_nonzero_takes_all():
+            table = rows(name, SHAPES[name], args.tokens, args.lora_r, args.heads)
+        for row in table:
+            _, label, base, states, act, total, trainable = row
+            print(
+                f"| {name} ({trainable / 1e6:.1f} M trainable) | {label} | {base / GIB:.2f} | {states / GIB:.2f} | "
+                f"{act / GIB:.2f} | {total / GIB:.2f} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
