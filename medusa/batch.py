@@ -12,6 +12,9 @@ compiled engines keep one sequence.
 
 from __future__ import annotations
 
+import statistics
+import time
+
 import torch
 
 from medusa.guard import GuardedProposer
@@ -178,3 +181,35 @@ def _unguarded(proposer):
     """The plan's online guard times one sequence's steps against plain decoding; a batch's steps are another
     measure, so rows propose without it."""
     return proposer.inner if isinstance(proposer, GuardedProposer) else proposer
+
+
+@torch.inference_mode()
+def time_batch_verify(
+    model, rows: int, nodes: list[int], context: int, repeats: int, seed: int = 0
+) -> dict[int, float]:
+    """Median ms of one batched verify as decode_batch runs it, for each count in `nodes`: `rows` sequences of
+    `context` cached tokens, each verifying that many tokens (a chain) in one forward of the target. The cache is not
+    advanced, so every forward sees the same lengths; the counts are interleaved within each repeat, so drifts in
+    machine load hit them alike."""
+    device, most = model.device, max(nodes)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    ids = torch.randint(0, vocab, (rows, context + most), generator=torch.Generator().manual_seed(seed)).to(device)
+    cache = RowsCache(model.config, context + most + 1)
+    cache.start(rows)
+    allowed = torch.ones((context + most, context + most), dtype=torch.bool, device=device).tril()
+    mask = torch.where(allowed, 0.0, torch.finfo(model.dtype).min).to(model.dtype)[None, None].expand(rows, 1, -1, -1)
+    positions = torch.arange(context + most, device=device)[None].expand(rows, -1)
+    _forward(
+        model, cache, ids[:, :context], mask[:, :, :context, :context], positions[:, :context], (), logits_to_keep=1
+    )
+    cache.advance(context)
+    times: dict[int, list[float]] = {n: [] for n in nodes}
+    for _ in range(repeats + 1):  # the first round warms up
+        for n in nodes:
+            end = context + n
+            start = time.perf_counter()
+            _forward(model, cache, ids[:, context:end], mask[:, :, context:end, :end], positions[:, context:end], ())
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times[n].append(1000 * (time.perf_counter() - start))
+    return {n: statistics.median(t[1:]) for n, t in times.items()}

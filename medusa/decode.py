@@ -180,6 +180,11 @@ class SpeculativeGenerator:
         model runs on one of the same kind)."""
         raise NotImplementedError
 
+    def batch_defaults(self, rows: int) -> tuple[str | None, list | None]:
+        """The proposer and tree a batch of `rows` decodes with when the call names neither; (None, None): what one
+        sequence takes (MedusaModel's plan chooses per batch size)."""
+        return None, None
+
     def _generate_batch(
         self, rows, settings, sampling, rule, proposer, tree, generator, engine, stopping_criteria, streamer, tokenizer
     ) -> GenerateOutput:
@@ -193,6 +198,8 @@ class SpeculativeGenerator:
                 f"engine={engine!r} takes one sequence; a batch runs on the eager engine: pass engine='eager' or None"
             )
         eager = self.engine("eager")
+        if proposer is None and tree is None:
+            proposer, tree = self.batch_defaults(len(rows))
         ends = end_token_ids(self.base, tokenizer, settings.eos_token_id)
         pad = settings.pad_token_id
         if pad is None:  # as transformers: the (first) end-of-sequence token

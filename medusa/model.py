@@ -31,7 +31,7 @@ from medusa.heads_io import (
 )
 from medusa.hub import EMBEDDED_HEADS_ROOT, push_to_hub
 from medusa.loading import DEFAULT_BASE, BaseSource, resolve_dtype
-from medusa.plan import Plan, load_accuracy, load_or_calibrate, save_accuracy
+from medusa.plan import Plan, batch_choice, load_accuracy, load_or_calibrate, save_accuracy
 from medusa.precision import load_target
 from medusa.propose import CandidateProjection
 from medusa.proposers import get_proposer
@@ -368,6 +368,13 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         """The rank paths a call given `tree` builds its proposal on: `tree` (paths, a name or a JSON path), else the
         plan's tree, else the heads' own (a plain plan has none: its guard-free calls use the heads')."""
         return _tree_arg(tree) or (self.plan.tree if self.plan is not None else None) or self.tree
+
+    def batch_defaults(self, rows: int) -> tuple[str | None, list | None]:
+        """The plan's choice for a batch of `rows` (medusa.plan.batch_choice: timed per batch size on first use)."""
+        if self.plan is None:
+            return None, None
+        choice = batch_choice(self, rows)
+        return choice["proposer"], choice["tree"] or None
 
     def make_proposer(self, proposer: str | None, tree, sampling: SamplingConfig, generator, engine=None):
         """The plan's proposer and tree by default (else Medusa heads over the heads' static tree); `proposer` names

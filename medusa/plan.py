@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from medusa.batch import time_batch_verify
 from medusa.decode import prefill
 from medusa.fileio import atomic_write_text
 from medusa.hardware import describe
@@ -63,6 +64,11 @@ TAU_CARRY_OVER = 0.73
 HYBRID_TAU_GAIN = 1.17
 CONTEXT_ROWS = 2  # positions a heads' context layer reads per step while calibrating (a step commits tau of them)
 HYBRID_CHAIN = 10  # prompt lookup's chain (medusa.prompt_lookup.NUM_TOKENS): costed at its full length
+# Batches (medusa.batch) verify rows x nodes tokens per forward, so the best tree shrinks as rows grow: a batch takes
+# the choice timed for the smallest of these sizes that holds it (the largest beyond), measured on its first use
+BATCH_BUCKETS = (2, 4, 8, 16)
+BATCH_NODES = (2, 3, 4, 6, 8)  # tree sizes a batch may take, root included
+BATCH_REPEATS = 4
 
 
 @dataclass
@@ -105,6 +111,7 @@ class Plan:
     key: dict = field(default_factory=dict)
     calibration_s: float = 0.0  # timing, compiling excluded
     compile_s: float = 0.0  # spent compiling the engines timed (torch.compile), before timing them
+    batches: dict = field(default_factory=dict)  # str(batch bucket) -> its choice (batch_choice), once measured
 
     @property
     def step_ms(self) -> float | None:
@@ -392,3 +399,72 @@ def load_or_calibrate(model, recalibrate: bool = False, progress: bool = True, c
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(asdict(plan), indent=1))
     return plan
+
+
+# ------------------------------------------------------------------------------------------------------ batches
+def batch_bucket(rows: int) -> int:
+    """The batch size whose choice a batch of `rows` takes: the smallest bucket that holds it, else the largest."""
+    return next((bucket for bucket in BATCH_BUCKETS if bucket >= rows), BATCH_BUCKETS[-1])
+
+
+def batch_choice(model, rows: int, progress: bool = True) -> dict:
+    """The proposer and tree a batch of `rows` decodes with under `model.plan`: {"proposer", "tree",
+    "expected_speedup" (over batched plain decoding), "verify_ms" ({nodes: ms} at the bucket's rows)}. Measured on
+    the eager engine (the one batches run on) the first time a bucket is asked for, then kept in the plan and its
+    cache file."""
+    plan, bucket = model.plan, batch_bucket(rows)
+    if str(bucket) not in plan.batches:
+        if progress:
+            print(f"calibrating batches of {bucket} rows (once; kept with the plan)", file=sys.stderr, flush=True)
+        plan.batches[str(bucket)] = _calibrate_batch(model, bucket)
+        if plan.key:
+            path = plan_path(plan.key)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(path, json.dumps(asdict(plan), indent=1))
+    return plan.batches[str(bucket)]
+
+
+def _calibrate_batch(model, rows: int, context: int = CONTEXT, repeats: int = BATCH_REPEATS) -> dict:
+    """Expected tokens per second of `rows` rows decoding plainly and with each tree size in BATCH_NODES: the batched
+    verify timed at that many rows, each row's propose + accept (and a context layer's read) timed on one
+    sequence, the expected tau as the plan's (choose) -> the choice with the most, plain unless one beats it by
+    MIN_GAIN."""
+    plan, acc = model.plan, model.accuracy
+    if acc is None:  # nothing to predict acceptance from: the plan's own choice, as one sequence takes it
+        return {"proposer": plan.proposer, "tree": plan.tree, "expected_speedup": None, "verify_ms": {}}
+    proposer = plan.proposer if plan.proposer in ("medusa", "dynamic") else "dynamic"
+    order = grow_tree(acc, max(BATCH_NODES))
+    sizes = [n for n in BATCH_NODES if n - 1 <= len(order)]
+    sampling, eager = SamplingConfig(), engine_for(model.base, "eager")
+    vocab = model.base.get_output_embeddings().weight.shape[0]
+    prompt = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(0)).to(model.device)
+    with torch.inference_mode():
+        state = prefill(
+            model.base, prompt, sampling, feature_layers=model.feature_layers, engine=eager, max_length=context + 9
+        )
+        proposers = {n: model.make_proposer(proposer, [list(p) for p in order[: n - 1]], sampling, None) for n in sizes}
+        proposers[1] = model.make_proposer("plain", None, sampling, None)
+        per_row = {n: [] for n in proposers}
+        for _ in range(repeats + 1):
+            for n, built in proposers.items():
+                propose_ms, _, accept_ms = time_step(model, eager, built, state, sampling)
+                per_row[n].append(propose_ms + accept_ms)
+        row_ms = {n: statistics.median(t[1:]) for n, t in per_row.items()}
+        read_ms = _context_read_ms(model, state, repeats + 1)
+    verify_ms = time_batch_verify(model.base, rows, [1, *sizes], context, repeats)
+    plain_tps = rows / (verify_ms[1] + rows * row_ms[1])
+    options = []
+    for n in sizes:
+        tau = 1 + TAU_CARRY_OVER * (expected_tau(order[: n - 1], acc) - 1)
+        tau *= DYNAMIC_TAU_GAIN if proposer == "dynamic" else 1.0
+        tps = rows * tau / (verify_ms[n] + rows * (row_ms[n] + read_ms))
+        options.append((tps / plain_tps, tau, n))
+    best = max(options)
+    tied = [o for o in options if o[0] >= max(MIN_GAIN, best[0] * (1 - TIE_MARGIN))]
+    speedup, _, nodes = max(tied, key=lambda o: (o[1], o[0])) if tied else (1.0, 1.0, 1)
+    return {
+        "proposer": proposer if nodes > 1 else "plain",
+        "tree": [list(p) for p in order[: nodes - 1]],
+        "expected_speedup": round(speedup, 3),
+        "verify_ms": {str(n): round(ms, 3) for n, ms in verify_ms.items()},
+    }

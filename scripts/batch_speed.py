@@ -2,12 +2,14 @@
 plain decoding (proposer 'plain') and our batched speculation, per batch size, on the same prompts, in one run.
 
     python scripts/batch_speed.py [--dtype float32] [--sizes 1 2 4 8] [--prompts 8] [--max-new-tokens 64]
-        [--proposers medusa dynamic] [--threads 2] [--out FILE.json]
+        [--proposers medusa dynamic planned] [--threads 2] [--out FILE.json]
 
 The prompts are Spec-Bench first turns spread through the file (`--questions`, default: $MEDUSA_BENCH_DATA or
 ../shared/bench_data), chat-templated and left-padded; each batch size decodes all of them, `size` at a time. Tokens
 count up to each row's end-of-sequence token. Batch 1 runs our methods on the eager engine too (the engine a batch
 runs on), so the column compares like with like; every row's text is checked against transformers' own.
+`planned` is what generate does by default: the plan's choice for each batch size (medusa.plan.batch_choice, timed
+on first use; plain decoding where no tree pays); it has no batch-1 column (one sequence takes the plan's engine).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def main() -> None:
     parser.add_argument("--out", help="JSON file for the table")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model = MedusaModel.from_pretrained(dtype=args.dtype, plan="off")
+    model = MedusaModel.from_pretrained(dtype=args.dtype, plan="auto" if "planned" in args.proposers else "off")
     tokenizer = model.tokenizer
     tokenizer.padding_side = "left"
     questions = spread(load_questions(args.questions), args.prompts)
@@ -58,7 +60,8 @@ def main() -> None:
                     **inputs, max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=pad
                 )
             else:
-                out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, proposer=method, engine="eager")
+                proposer = None if method == "planned" else method
+                out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, proposer=proposer, engine="eager")
             seconds += time.perf_counter() - begin
             for row in out[:, inputs["input_ids"].shape[1] :].tolist():
                 rows.append(row[: next((i + 1 for i, t in enumerate(row) if t == eos), len(row))])
@@ -69,14 +72,16 @@ def main() -> None:
     table = []
     for size in args.sizes:
         rates, identical = {}, {}
-        results = {method: decode_all(method, size) for method in methods}
+        results = {method: decode_all(method, size) for method in methods if size > 1 or method != "planned"}
         reference = results["transformers"][1]
         for method, (seconds, rows) in results.items():
             rates[method] = sum(map(len, rows)) / seconds
             identical[method] = sum(row == ref for row, ref in zip(rows, reference))
         entry = {"batch": size, "tokens_per_s": rates, "identical_rows": identical, "rows": len(reference)}
-        entry["vs_plain"] = {m: rates[m] / rates["plain"] for m in args.proposers}
-        entry["vs_transformers"] = {m: rates[m] / rates["transformers"] for m in ["plain", *args.proposers]}
+        entry["vs_plain"] = {m: rates[m] / rates["plain"] for m in args.proposers if m in rates}
+        entry["vs_transformers"] = {
+            m: rates[m] / rates["transformers"] for m in ["plain", *args.proposers] if m in rates
+        }
         table.append(entry)
         print(
             f"{args.dtype} batch {size}: "

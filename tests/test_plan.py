@@ -318,3 +318,63 @@ def test_the_verify_curve_never_falls():
     assert verify_curve(jobs) == {1: 10.0, 2: 12.0, 4: 12.0, 8: 20.0}
     increasing = {("plain", 1): (0.0, 10.0), ("medusa", 2): (0.5, 11.0), ("medusa", 4): (0.5, 12.0)}
     assert verify_curve(increasing) == {1: 10.0, 2: 11.0, 4: 12.0}
+
+
+def _batch_choice_with(monkeypatch, model, verify_ms):
+    """batch_choice over a synthetic batched verify curve (`verify_ms(rows, nodes)`) and fixed per-row costs;
+    -> (the choice, how many times the curve was timed)."""
+    timed = []
+
+    def fake_verify(base, rows, nodes, context, repeats):
+        timed.append(rows)
+        return {n: verify_ms(rows, n) for n in nodes}
+
+    monkeypatch.setattr(medusa.plan, "time_batch_verify", fake_verify)
+    monkeypatch.setattr(medusa.plan, "time_step", lambda *args: (0.1, 1.0, 0.05))
+    return timed
+
+
+def test_a_batch_takes_the_tree_its_rows_can_afford(tmp_path, monkeypatch):
+    """Each batch size bucket is timed once, its choice kept in the plan's file: a verify whose cost grows with
+    rows x nodes beyond a few tokens takes a smaller tree as rows grow, and plain decoding where no tree pays."""
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "cache"))
+    base_dir, heads_dir = _tiny_with_accuracy(tmp_path)
+    model = MedusaModel.from_pretrained(heads_dir, base=base_dir, plan="auto")
+    timed = _batch_choice_with(monkeypatch, model, lambda rows, n: 10.0 * max(1.0, rows * n / 8))
+    small, large = medusa.plan.batch_choice(model, 2), medusa.plan.batch_choice(model, 16)
+    assert small["proposer"] != "plain" and len(small["tree"]) + 1 == 4  # 8 tokens verify at the price of one
+    assert large["proposer"] == "plain" and large["tree"] == []  # 16 rows: every tree costs more than it accepts
+    assert medusa.plan.batch_choice(model, 12) == large and timed == [2, 16]  # 12 rows: the 16 bucket, timed once
+    saved = json.loads(plan_path(model.plan.key).read_text())["batches"]
+    assert saved["2"] == small and saved["16"] == large
+    again = MedusaModel.from_pretrained(heads_dir, base=base_dir, plan="auto")
+    assert medusa.plan.batch_choice(again, 2) == small and timed == [2, 16]  # read back, not timed again
+
+
+def test_a_flat_batched_curve_keeps_the_largest_tree(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "cache"))
+    base_dir, heads_dir = _tiny_with_accuracy(tmp_path)
+    model = MedusaModel.from_pretrained(heads_dir, base=base_dir, plan="auto")
+    _batch_choice_with(monkeypatch, model, lambda rows, n: 10.0)
+    choice = medusa.plan.batch_choice(model, 4)
+    assert len(choice["tree"]) + 1 == max(medusa.plan.BATCH_NODES) and choice["expected_speedup"] > MIN_GAIN
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_planned_batch_decodes_each_row_as_alone(tmp_path, monkeypatch, family):
+    """A batch under the plan runs the plan's batch choice (here: timed for real on the tiny model) and every row
+    is what plain greedy decoding of that prompt alone gives."""
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "cache"))
+    base_dir, heads_dir = _tiny_with_accuracy(tmp_path, family)
+    model = MedusaModel.from_pretrained(heads_dir, base=base_dir, plan="auto")
+    prompts = [[3, 4, 5, 6, 3, 4], [7, 8, 9]]
+    ids = torch.tensor([prompts[0], [0] * 3 + prompts[1]])  # left-padded
+    mask = torch.tensor([[1] * 6, [0] * 3 + [1] * 3])
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=20, return_dict_in_generate=True)
+    assert "2" in model.plan.batches
+    for row, prompt in zip(out.sequences, prompts):
+        alone = torch.tensor([prompt])
+        reference = model.base.generate(
+            alone, attention_mask=torch.ones_like(alone), max_new_tokens=20, do_sample=False
+        )
+        assert row[-20:].tolist() == reference[0, len(prompt) :].tolist()
