@@ -139,3 +139,31 @@ def test_one_left_padded_prompt_decodes_as_it_would_unpadded():
     ids, mask = torch.tensor([[0, 0, 5, 6, 7]]), torch.tensor([[0, 0, 1, 1, 1]])
     out = model.generate(ids, attention_mask=mask, max_new_tokens=12)
     assert out[0, :2].tolist() == [0, 0] and out[0, 5:].tolist() == alone(base, [5, 6, 7], 12)[0, 3:].tolist()
+
+
+def test_rows_cache_writes_and_commits_alike_in_step_and_apart():
+    """A forward writes each row at its own length, whether the rows are in step (one slice for all) or not (a
+    scatter); a commit whose paths are already in place moves nothing, one that is not moves each row's path."""
+    from medusa.runtime import RowsCache
+
+    config = make_tiny_model("llama").config
+    torch.manual_seed(0)
+    heads, dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+    new = torch.randn(2, heads, 3, dim), torch.randn(2, heads, 3, dim)
+    for lengths in ([4, 4], [4, 6]):
+        cache = RowsCache(config, 16)
+        cache.start(2)
+        cache.lengths[:] = lengths
+        keys, values = [layer.update(*new) for layer in cache.cache.layers][0]  # every layer: commit moves them all
+        layer = cache.cache.layers[0]
+        assert keys.shape[2] == values.shape[2] == max(lengths) + 3
+        for b, length in enumerate(lengths):
+            assert torch.equal(layer.keys[b, :, length : length + 3], new[0][b])
+            assert torch.equal(layer.values[b, :, length : length + 3], new[1][b])
+        before = layer.keys.clone()
+        cache.commit([torch.tensor([0, 1]), torch.tensor([0])])  # in place: nothing moves
+        assert torch.equal(layer.keys, before) and cache.lengths == [lengths[0] + 2, lengths[1] + 1]
+        cache.lengths[:] = lengths
+        cache.commit([torch.tensor([0, 2]), torch.tensor([0])])  # row 0 keeps its third position as its second
+        assert torch.equal(layer.keys[0, :, lengths[0] + 1], new[0][0, :, 2])
+        assert torch.equal(layer.keys[1], before[1])

@@ -49,6 +49,11 @@ class RowsLayer(StaticLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         batch, heads, n, _ = key_states.shape
+        first = self.lengths[0]
+        if all(length == first for length in self.lengths):  # rows in step (plain decoding): a slice, no scatter
+            self.keys[:, :, first : first + n] = key_states
+            self.values[:, :, first : first + n] = value_states
+            return self.keys[:, :, : first + n], self.values[:, :, : first + n]
         starts = torch.tensor(self.lengths, device=key_states.device)
         where = (starts[:, None] + torch.arange(n, device=key_states.device))[:, None, :, None]  # (B, 1, n, 1)
         self.keys.scatter_(2, where.expand(batch, heads, n, key_states.shape[-1]), key_states)
@@ -78,7 +83,11 @@ class RowsCache:
     @torch.inference_mode()
     def commit(self, accepted_nodes: list[torch.Tensor]) -> None:
         """Each row keeps the accepted nodes of the forward just run (its positions lengths[b] + accepted_nodes[b]),
-        moved to lengths[b] onward: one gather and one scatter per tensor for the whole batch."""
+        moved to lengths[b] onward: one gather and one scatter per tensor for the whole batch, none when every row's
+        path is already in place (plain decoding's root, a chain accepted in order)."""
+        if all(nodes.tolist() == list(range(nodes.numel())) for nodes in accepted_nodes):
+            self.lengths[:] = [length + nodes.numel() for length, nodes in zip(self.lengths, accepted_nodes)]
+            return
         longest = max(nodes.numel() for nodes in accepted_nodes)
         device = accepted_nodes[0].device
         moves = torch.arange(longest, device=device).repeat(len(accepted_nodes), 1)  # a row's padding moves in place
