@@ -10,8 +10,8 @@ autograd keeps for backward (saved-tensor hooks, once per storage), with and wit
 checkpointing. Weights, gradients and AdamW states are counted from the parameters: trainable ones (LoRA, heads) in
 fp32 with fp32 gradients and two fp32 AdamW moments; the frozen base in fp32, bf16, or int8 (torchao weight-only: int8
 decoder weights plus one scale per output row, embeddings and lm_head in bf16). "FSDP over 2" divides weights,
-gradients and optimizer states by 2 and keeps the activations (each process runs its own batch); train.py does not
-run FSDP yet (docs/training.md says why), so that column is what sharding would bring, not a measurement.
+gradients and optimizer states by 2 and keeps the activations (each process runs its own batch): what train.py's
+training.shard fsdp brings (tested over 2 CPU processes), computed here, not measured.
 Transients (one chunk of logits, the KL reference's forward under no_grad, allocator slack) are not counted.
 """
 
@@ -139,7 +139,7 @@ def rows(name: str, shape: dict, tokens: int, lora_r: int, num_heads: int) -> li
         ("int8 base", base_bytes["int8"], activations[b16, False], 1),
         ("bf16 base + checkpointing", base_bytes["bf16"], activations[b16, True], 1),
         ("int8 base + checkpointing", base_bytes["int8"], activations[b16, True], 1),
-        ("FSDP over 2 (not run yet), bf16 + checkpointing", base_bytes["bf16"], activations[b16, True], 2),
+        ("FSDP over 2 (computed), bf16 + checkpointing", base_bytes["bf16"], activations[b16, True], 2),
     ]
     return [
         (name, label, base / shards, states / shards, act, (base + states) / shards + act, trainable)

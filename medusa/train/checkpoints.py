@@ -114,16 +114,22 @@ def check_trainable(trainer):
     return hook
 
 
-def save(accelerator, step: int, snapshot: dict) -> None:
+def save(accelerator, step: int, snapshot: dict, sharded=None) -> None:
+    """`sharded`: (trainer, optimizer) under training.shard fsdp, which accelerate does not hold: saved whole here."""
     accelerator.wait_for_everyone()
     path = Path(accelerator.save_state())
+    if sharded is not None:
+        from medusa.train.sharding import save_checkpoint
+
+        save_checkpoint(*sharded, path, accelerator.is_main_process)
     if accelerator.is_main_process:
         atomic_write_text(path / STATE_NAME, json.dumps({"step": step, "snapshot": snapshot}, indent=2))
     accelerator.wait_for_everyone()
 
 
-def resume(accelerator, path: Path, snapshot: dict) -> None:
-    """Restore everything registered with `accelerator` from `path`, after checking the run is the same."""
+def resume(accelerator, path: Path, snapshot: dict, sharded=None) -> None:
+    """Restore everything registered with `accelerator` (and `sharded`, as in `save`) from `path`, after checking
+    the run is the same."""
     check_snapshot(path, json.loads((path / STATE_NAME).read_text())["snapshot"], snapshot)
     if accelerator.is_main_process:  # a save a kill interrupted after `path`: its number is the next save's
         for newer in (path.parent).glob("checkpoint_*"):
@@ -131,6 +137,10 @@ def resume(accelerator, path: Path, snapshot: dict) -> None:
                 shutil.rmtree(newer)
     accelerator.wait_for_everyone()
     accelerator.load_state(str(path), strict=False)
+    if sharded is not None:
+        from medusa.train.sharding import load_checkpoint
+
+        load_checkpoint(*sharded, path)
     accelerator.project_configuration.iteration = int(path.name.split("_")[1]) + 1
 
 

@@ -186,6 +186,7 @@ FILLED_IN = ("hidden_size", "vocab_size", "base_model_name_or_path", "revision",
 
 MIXED_PRECISION = ("auto", "bf16", "no")
 REPORT_TO = ("none", "wandb")
+SHARD = ("none", "fsdp")
 BATCH_UNITS = ("sequences", "tokens")
 
 
@@ -243,6 +244,9 @@ class TrainingConfig:
     # the LoRA-adapted base's layers (Medusa-2) or the EAGLE-3 draft's MLP and per-step loss. Medusa-1 keeps no
     # activations of its frozen base, so there it is refused
     gradient_checkpointing: bool = False
+    # none | fsdp: shard the base, heads and adapters over the processes with torch's FSDP2 (CPU and GPU);
+    # `accelerate launch --use_fsdp` sets it. Needs precompute_hidden false (hidden states from the sharded base)
+    shard: str = "none"
 
     def __post_init__(self):
         for name in ("lr", "weight_decay", "head_decay", "heads_coefficient", "lora_lr", "kl_weight"):
@@ -278,6 +282,7 @@ class TrainingConfig:
             ("batch_unit", BATCH_UNITS),
             ("mixed_precision", MIXED_PRECISION),
             ("report_to", REPORT_TO),
+            ("shard", SHARD),
         ):
             if getattr(self, name) not in choices:
                 raise ValueError(f"training.{name} must be one of {choices}, got {getattr(self, name)!r}")
@@ -290,6 +295,11 @@ class TrainingConfig:
             raise ValueError(
                 "training.precompute_hidden needs a frozen base, but medusa2 adapts it with LoRA: "
                 "set training.precompute_hidden false for Medusa-2"
+            )
+        if self.shard == "fsdp" and self.precompute_hidden:
+            raise ValueError(
+                "training.shard fsdp shards the base, but precompute_hidden runs the whole base in every process: "
+                "set training.precompute_hidden false (hidden states computed online by the sharded base)"
             )
         if self.save_dtype is not None:
             resolve_dtype(self.save_dtype)

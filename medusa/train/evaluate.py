@@ -8,6 +8,7 @@ import torch
 
 from medusa.config import MedusaConfig
 from medusa.fileio import write_directory
+from medusa.heads import MedusaHeads
 from medusa.heads_io import CARD_NAME, model_card, save_heads
 from medusa.loading import resolve_dtype
 from medusa.train.config import DataConfig, TrainingConfig
@@ -37,8 +38,13 @@ def summarise(ce_sum, correct, count, kl_sum=None, kl_count=None, num_heads: int
 
 
 @torch.no_grad()
-def evaluate(accelerator, trainer: HeadTrainer, batches: list[list[int]], fetch, num_heads: int) -> dict:
-    """Top-1..top-5 accuracy and cross-entropy per head on the held-out conversations (all processes share them)."""
+def evaluate(
+    accelerator, trainer: HeadTrainer, batches: list[list[int]], fetch, num_heads: int, lockstep: bool = False
+) -> dict:
+    """Top-1..top-5 accuracy and cross-entropy per head on the held-out conversations (all processes share them).
+
+    lockstep: every process runs as many forwards as the busiest one (FSDP's gathers are collectives); the extra
+    ones repeat a batch and are not counted."""
     model = accelerator.unwrap_model(trainer)
     model.eval()
     ce_sum = torch.zeros(num_heads, dtype=torch.float64)
@@ -46,8 +52,12 @@ def evaluate(accelerator, trainer: HeadTrainer, batches: list[list[int]], fetch,
     count = torch.zeros(num_heads, dtype=torch.long)
     kl_sum, kl_count = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.long)
     with accelerator.autocast():
-        for rows in batches[accelerator.process_index :: accelerator.num_processes]:
-            out = model(**fetch(rows), topk=TOPK, exact=True)
+        mine = batches[accelerator.process_index :: accelerator.num_processes]
+        rounds = -(-len(batches) // accelerator.num_processes) if lockstep else len(mine)
+        for i in range(rounds):
+            out = model(**fetch(mine[i] if i < len(mine) else batches[0]), topk=TOPK, exact=True)
+            if i >= len(mine):
+                continue
             ce_sum += (out["ce"] * out["count"]).double().cpu()
             correct += out["correct"].cpu()
             count += out["count"].cpu()
@@ -70,15 +80,22 @@ def format_eval(metrics: dict, num_heads: int) -> str:
     return " | ".join(parts)
 
 
-def save_output(trainer: HeadTrainer, output_dir: Path, extra: dict, datasets: list[str] = ()) -> None:
+def save_output(
+    trainer: HeadTrainer, output_dir: Path, extra: dict, datasets: list[str] = (), full_state: dict | None = None
+) -> None:
     """Heads (+ the LoRA adapter for Medusa-2) and their model card into `output_dir`, via a temporary folder moved
-    into place."""
+    into place. full_state: the trainer's trainable weights gathered whole (sharded runs; see sharding.py)."""
 
     def write(tmp: Path) -> None:
         save_dtype = resolve_dtype(trainer.cfg.save_dtype) if trainer.cfg.save_dtype else None
-        save_heads(trainer.heads, tmp, extra=extra, dtype=save_dtype)
-        if trainer.cfg.medusa2:
-            trainer.base.save_pretrained(str(tmp))  # adapter_config.json + adapter_model.safetensors
+        heads, adapter = trainer.heads, None
+        if full_state is not None:  # a plain copy of the heads holds the whole tensors
+            heads = MedusaHeads(trainer.heads.config)
+            heads.load_state_dict({k[len("heads.") :]: v for k, v in full_state.items() if k.startswith("heads.")})
+            adapter = {k[len("base.") :]: v for k, v in full_state.items() if k.startswith("base.")}
+        save_heads(heads, tmp, extra=extra, dtype=save_dtype)
+        if trainer.cfg.medusa2:  # adapter_config.json + adapter_model.safetensors
+            trainer.base.save_pretrained(str(tmp), state_dict=adapter)
         # ours replaces peft's card template (placeholders only)
         (tmp / CARD_NAME).write_text(model_card(MedusaConfig.load(tmp), datasets))
 

@@ -3,6 +3,7 @@
     accelerate launch train/train.py --config configs/smollm2-135m.yaml              # Medusa-1: frozen base
     accelerate launch train/train.py --config configs/smollm2-135m-medusa2.yaml      # Medusa-2: LoRA base + heads
     torchrun --nproc_per_node 2 train/train.py --config configs/smollm2-135m.yaml    # DDP (gloo on CPU)
+    ... --training.shard fsdp --training.precompute_hidden false     # FSDP2: the base sharded over the processes
     ... --training.max_steps 200 --training.lr 2e-3     # any `--section.key value` overrides the YAML
     ... --resume                                        # continue from the newest checkpoint
     ... --help                                          # every option, with what it does
@@ -22,7 +23,7 @@ import json
 import os
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -44,6 +45,7 @@ from medusa.train.config import Config, parse_args
 from medusa.train.data import frequent_tokens
 from medusa.train.evaluate import evaluate, format_eval, provenance, reduce_sum, save_output
 from medusa.train.losses import TOPK, head_weights
+from medusa.train.sharding import full_trainable_state, shard_trainer
 from medusa.train.trainer import build_heads, build_trainer, load_frozen_base, param_groups
 
 
@@ -60,9 +62,15 @@ def train(cfg: Config, *, resume: bool = False, stop_after_steps: int | None = N
     """Run one training job. `stop_after_steps` stops (as if preempted) after that many optimizer steps of this
     invocation, without writing the output (to test resumption)."""
     from accelerate import Accelerator, PartialState
-    from accelerate.utils import set_seed
+    from accelerate.utils import DistributedType, set_seed
     from transformers import get_scheduler
 
+    if cfg.eagle3.enabled and (cfg.training.shard == "fsdp" or _env_flag("ACCELERATE_USE_FSDP")):
+        raise NotImplementedError(
+            "training.shard fsdp (or `accelerate launch --use_fsdp`) shards Medusa heads training only, not the "
+            "EAGLE-3 draft yet: train the draft with DDP (`accelerate launch --multi_gpu ...`), model.dtype "
+            "bfloat16 or model.quantize int8 for the frozen base"
+        )
     if cfg.eagle3.enabled:  # an EAGLE-3 draft instead of heads
         from medusa.train.eagle3 import train_eagle3
 
@@ -75,6 +83,11 @@ def train(cfg: Config, *, resume: bool = False, stop_after_steps: int | None = N
         )
     if tcfg.report_to == "wandb":
         os.environ.setdefault("WANDB_MODE", "offline")  # no account needed; `wandb sync` uploads later
+    launched_fsdp = _env_flag("ACCELERATE_USE_FSDP")  # `accelerate launch --use_fsdp`
+    if launched_fsdp and not _accelerator_available():
+        # accelerate 1.x builds its FSDP plugin for accelerator devices only (it raises on CPU): train.py shards
+        # with FSDP2 itself in any case, so the launch's request is kept in training.shard instead
+        os.environ["ACCELERATE_USE_FSDP"] = "false"
     # cpu=True on a host without an accelerator: torchrun-started processes then join one gloo group (without it
     # accelerate leaves each of them alone in a world of one).
     state = PartialState(
@@ -88,6 +101,14 @@ def train(cfg: Config, *, resume: bool = False, stop_after_steps: int | None = N
     )
     main = accelerator.is_main_process
     check_distributed_type(accelerator)
+    if tcfg.shard == "none" and (launched_fsdp or accelerator.distributed_type == DistributedType.FSDP):
+        cfg.training = tcfg = replace(tcfg, shard="fsdp")  # `accelerate launch --use_fsdp` (checked again)
+    shard = tcfg.shard == "fsdp" and accelerator.num_processes > 1  # (one process holds everything anyway)
+    if tcfg.shard == "fsdp" and cfg.model.quantize != "none":
+        raise NotImplementedError(
+            "training.shard fsdp cannot shard the int8 (torchao) base: set model.quantize none (model.dtype "
+            "bfloat16 halves the base instead), or train without sharding"
+        )
 
     def log(message: str) -> None:
         if main:
@@ -104,7 +125,8 @@ def train(cfg: Config, *, resume: bool = False, stop_after_steps: int | None = N
 
     # ---- the base and the data
     with accelerator.main_process_first():  # the first load of the embedded GGUF converts it once
-        base = load_frozen_base(cfg.model, accelerator.device)
+        # (sharded: loaded on the CPU, each process then moves only its shards to the device)
+        base = load_frozen_base(cfg.model, torch.device("cpu") if shard else accelerator.device)
     base_ref = cfg.model.base or DEFAULT_BASE
     base_revision = hub_commit(cfg.model.base)  # the commit of a Hub base (else None), recorded with the heads
     lm_head = base.get_output_embeddings()
@@ -142,13 +164,21 @@ def train(cfg: Config, *, resume: bool = False, stop_after_steps: int | None = N
     trainer, fetch, lengths = build_trainer(accelerator, tcfg, heads, base, convs, mixed, parts, log)
     del base  # the trainer holds what it needs (with precomputed hidden states: only lm_head)
     trainer.train()
+    if shard:
+        shard_trainer(trainer, accelerator.device)
+        local = sum(p.to_local().numel() for p in trainer.parameters())
+        log(f"FSDP2: this process holds {local:,} of {sum(p.numel() for p in trainer.parameters()):,} weights")
     plan = StepPlan(train_idx, lengths, tcfg, world)
     total_steps = plan.total_steps()
     eval_batches = pack(eval_idx, lengths, tcfg.batch_size, tcfg.batch_unit)
     optimizer = torch.optim.AdamW(param_groups(trainer, tcfg), lr=tcfg.lr)
     # Not passed to accelerator.prepare: its wrapper would step the schedule once per process.
     scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=tcfg.warmup_steps, num_training_steps=total_steps)
-    trainer, optimizer = accelerator.prepare(trainer, optimizer)
+    # Sharded, the trainer and AdamW stay out of accelerate (it would wrap the trainer in DDP on CPU processes):
+    # the loop and `checkpoints` do for them what accelerate does otherwise.
+    sharded = (trainer, optimizer) if shard else None
+    if not shard:
+        trainer, optimizer = accelerator.prepare(trainer, optimizer)
 
     # ---- resumption: weights, AdamW, schedule, random states and counters come back through accelerate
     run_state = checkpoints.RunState()
@@ -157,7 +187,7 @@ def train(cfg: Config, *, resume: bool = False, stop_after_steps: int | None = N
     accelerator.register_load_state_pre_hook(checkpoints.check_trainable(trainer))
     snapshot = checkpoints.run_snapshot(cfg, data_key, base_ref, world)
     if resume_from is not None:
-        checkpoints.resume(accelerator, resume_from, snapshot)
+        checkpoints.resume(accelerator, resume_from, snapshot, sharded)
         log(f"resumed from {resume_from} at step {run_state.step}")
     start_step = run_state.step
     if tcfg.report_to == "wandb":
@@ -177,7 +207,11 @@ def train(cfg: Config, *, resume: bool = False, stop_after_steps: int | None = N
 
     def run_eval(step: int) -> dict:
         # trainer: bound before any call (ruff reads the `del` below as undefining it here)
-        metrics = evaluate(accelerator, trainer, eval_batches, fetch, num_heads) if eval_batches else {}  # noqa: F821
+        metrics = (
+            evaluate(accelerator, trainer, eval_batches, fetch, num_heads, lockstep=shard)  # noqa: F821
+            if eval_batches
+            else {}
+        )
         if metrics:
             log(f"eval @ step {step}: {format_eval(metrics, num_heads)}")
             accelerator.log(metrics, step=step)
@@ -204,7 +238,12 @@ def train(cfg: Config, *, resume: bool = False, stop_after_steps: int | None = N
         normalizer = (positions[plan.step_rows(step)].sum(0) / world).float().to(accelerator.device)
         sums = None
         for i, rows in enumerate(micro):
-            sync = nullcontext() if i == len(micro) - 1 else accelerator.no_sync(trainer)
+            last = i == len(micro) - 1
+            if shard:  # FSDP2: reduce-scatter the gradients at the last micro-batch only; autocast as prepare would
+                trainer.set_requires_gradient_sync(last)
+                sync = accelerator.autocast()
+            else:
+                sync = nullcontext() if last else accelerator.no_sync(trainer)
             with sync:
                 out = trainer(**fetch(rows), topk=TOPK if with_acc else 0, normalizer=normalizer)
                 accelerator.backward(out["loss"])
@@ -250,7 +289,7 @@ def train(cfg: Config, *, resume: bool = False, stop_after_steps: int | None = N
             run_eval(done)
         if tcfg.save_every and done % tcfg.save_every == 0 and done != total_steps:
             run_state.step, run_state.elapsed_s = done, elapsed_before + time.time() - run_start
-            checkpoints.save(accelerator, done, snapshot)
+            checkpoints.save(accelerator, done, snapshot, sharded)
         window["t0"] += time.time() - pause
 
     # ---- the end: a last evaluation, then the heads directory
@@ -260,6 +299,7 @@ def train(cfg: Config, *, resume: bool = False, stop_after_steps: int | None = N
     tok_s = (run_state.tokens_seen - tokens_at_start) / max(time.time() - run_start, 1e-9)
     log(f"trained {total_steps} steps in {wall:.0f} s: {tok_s:.0f} response tokens/s through the heads")
     output_dir = Path(tcfg.output_dir)
+    full_state = full_trainable_state(trainer) if shard else None  # collective: every process gathers
     if main:
         extra = provenance(
             tcfg,
@@ -281,6 +321,7 @@ def train(cfg: Config, *, resume: bool = False, stop_after_steps: int | None = N
             output_dir,
             extra,
             datasets=sorted({source.split(":")[-1] for source in cfg.data.sources}),
+            full_state=full_state,
         )
         log(f"heads written to {output_dir} (load with MedusaModel.from_pretrained({str(output_dir)!r}))")
     accelerator.wait_for_everyone()
@@ -290,25 +331,17 @@ def train(cfg: Config, *, resume: bool = False, stop_after_steps: int | None = N
 
 
 def check_distributed_type(accelerator) -> None:
-    """Single process and DDP (any device) are supported; sharded launches are refused with the reason."""
+    """Single process, DDP and FSDP (train.py shards itself, see sharding.py) are supported; DeepSpeed and Megatron
+    are refused with the reason."""
     from accelerate.utils import DistributedType
 
     kind = accelerator.distributed_type
-    if kind in (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
+    if kind in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
         raise NotImplementedError(
-            f"train/train.py does not support {kind.value} yet: the fused head loss reads the lm_head weight directly "
-            "and checkpoints read whole parameters, which FSDP / ZeRO-3 shard, and DeepSpeed owns gradient "
-            "accumulation. Use DDP (`accelerate launch --multi_gpu --num_processes N train/train.py ...`) with "
-            "model.dtype bfloat16 or model.quantize int8 for the frozen base, and training.gradient_checkpointing "
-            "for Medusa-2 (see docs/training.md, 'Memory')"
-        )
-    if _env_flag("ACCELERATE_USE_FSDP") and kind != DistributedType.FSDP:
-        # accelerate 1.x turns FSDP on for accelerator devices only: on CPU processes it would silently be DDP
-        raise NotImplementedError(
-            f"`accelerate launch --use_fsdp` started {kind.value} processes, not FSDP (accelerate shards only on "
-            "GPUs / accelerators): every process would hold the whole base. Launch DDP explicitly (`accelerate "
-            "launch --multi_gpu --num_processes N train/train.py ...`), with model.dtype bfloat16 or model.quantize "
-            "int8 to shrink the frozen base (see docs/training.md, 'Memory')"
+            f"train/train.py does not support {kind.value}: it owns gradient accumulation and stepping, which the "
+            "step-wide loss normalisation does itself. Shard with FSDP instead (`accelerate launch --use_fsdp ...` "
+            "or training.shard fsdp, with training.precompute_hidden false), or use DDP (`accelerate launch "
+            "--multi_gpu --num_processes N train/train.py ...`); see docs/training.md, 'Several processes and GPUs'"
         )
 
 
