@@ -307,7 +307,8 @@ def test_concatenated_part_caches_equal_one_cache_over_everything():
         HiddenCache.assemble(convs[1:], {i - 1: spans[i] for i in range(1, 4)}, 3),
     ]
     joined = HiddenCache.concat(parts)
-    for name in ("hidden", "ids", "offsets", "response_start"):
+    assert torch.equal(joined.hidden[:], whole.hidden) and torch.equal(joined.hidden[4:13], whole.hidden[4:13])
+    for name in ("ids", "offsets", "response_start"):
         assert torch.equal(getattr(joined, name), getattr(whole, name)), name
     rows = [3, 0, 2]
     for key, value in whole.batch(rows).items():
@@ -1168,3 +1169,29 @@ def test_training_without_its_extra_names_the_extra(monkeypatch, capsys):
     for command in ("train", "generate-data"):
         with pytest.raises(SystemExit, match=r"needs peft: pip install 'medusa-spec\[train\]'"):
             main([command, "--config", "unused.yaml"])
+
+
+def test_a_loaded_hidden_cache_is_read_per_batch_not_held_whole(tmp_path):
+    """The precomputed hidden states stay in their file (memory-mapped): loading a 192 MB cache and reading a batch
+    from it adds a few MB to this process's resident memory, not the file's size, and the batch is the saved rows."""
+
+    def resident_mb() -> float:
+        status = Path("/proc/self/status").read_text()
+        return int(next(line for line in status.splitlines() if line.startswith("VmRSS")).split()[1]) / 1024
+
+    if not Path("/proc/self/status").is_file():
+        pytest.skip("reads resident memory from /proc")
+    rows, width = 100_000, 1024
+    hidden = torch.randn(rows, width).to(torch.bfloat16)
+    offsets = torch.arange(0, rows + 1, 1000)
+    cache = HiddenCache(
+        hidden, torch.zeros(rows, dtype=torch.long), offsets, torch.zeros(len(offsets) - 1, dtype=torch.long)
+    )
+    cache.save(tmp_path / "hidden.safetensors", "k")
+    expected = cache.batch([7, 42])["hidden"]
+    del cache, hidden
+    before = resident_mb()
+    loaded = HiddenCache.load(tmp_path / "hidden.safetensors", "k")
+    batch = loaded.batch([7, 42])["hidden"]
+    assert resident_mb() - before < 32  # the whole file is 195 MB
+    assert torch.equal(batch, expected)

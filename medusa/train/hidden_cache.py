@@ -35,11 +35,41 @@ def span_start(conv: Conversation, lookback: int) -> int:
     return max(0, conv.response_start - lookback)
 
 
+class HiddenRows:
+    """Rows of hidden states kept where they are: in memory, or in a safetensors file read through its memory map
+    (safetensors' lazy slices), so training reads the rows of each batch and never holds the whole cache. Several
+    parts chain into one row index (HiddenCache.concat)."""
+
+    def __init__(self, parts: list):
+        self.parts = parts  # tensors and safetensors slices (both take [start:end] -> tensor), in row order
+        sizes = [p.shape[0] if isinstance(p, torch.Tensor) else p.get_shape()[0] for p in parts]
+        self.starts = torch.tensor([0, *sizes]).cumsum(0).tolist()
+        empty = parts[0][0:0]  # no rows read: the width and dtype
+        self.width, self.dtype = empty.shape[1], empty.dtype
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.starts[-1], self.width
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        """Rows start:end (within one part or across several) as a tensor."""
+        start, end = rows.start or 0, self.starts[-1] if rows.stop is None else rows.stop
+        pieces = []
+        for part, first, last in zip(self.parts, self.starts, self.starts[1:]):
+            if start < last and end > first:
+                pieces.append(part[max(start, first) - first : min(end, last) - first])
+        return torch.cat(pieces) if len(pieces) != 1 else pieces[0]
+
+    def materialize(self) -> torch.Tensor:
+        return self[:]
+
+
 @dataclass(frozen=True)
 class HiddenCache:
     """The frozen base's last hidden states over the part of each conversation the heads read."""
 
-    hidden: torch.Tensor  # (P, H) bfloat16: spans of every conversation, back to back
+    hidden: torch.Tensor | HiddenRows  # (P, H) bfloat16: spans of every conversation, back to back (a loaded
+    # cache: on disk, read per batch)
     ids: torch.Tensor  # (P,) long: the tokens at those positions
     offsets: torch.Tensor  # (R+1,) long: conversation r occupies rows offsets[r]:offsets[r+1]
     response_start: torch.Tensor  # (R,) long: first response row within conversation r's span
@@ -48,7 +78,7 @@ class HiddenCache:
         """-> hidden (B, L, H), input_ids (B, L), loss_mask (B, L), right-padded to the longest span."""
         spans = [(int(self.offsets[r]), int(self.offsets[r + 1]), int(self.response_start[r])) for r in rows]
         width = max(end - start for start, end, _ in spans)
-        hidden = self.hidden.new_zeros((len(rows), width, self.hidden.shape[1]))
+        hidden = torch.zeros((len(rows), width, self.hidden.shape[1]), dtype=self.hidden.dtype)
         ids = torch.zeros((len(rows), width), dtype=torch.long)
         loss_mask = torch.zeros((len(rows), width), dtype=torch.long)
         for j, (start, end, rs) in enumerate(spans):
@@ -58,8 +88,9 @@ class HiddenCache:
         return {"hidden": hidden, "input_ids": ids, "loss_mask": loss_mask}
 
     def save(self, path: Path, key: str) -> None:
+        hidden = self.hidden.materialize() if isinstance(self.hidden, HiddenRows) else self.hidden
         tensors = {
-            "hidden": self.hidden,
+            "hidden": hidden,
             "ids": self.ids,
             "offsets": self.offsets,
             "response_start": self.response_start,
@@ -76,7 +107,9 @@ class HiddenCache:
             with safe_open(str(path), framework="pt") as f:
                 if (f.metadata() or {}).get("key") != key:
                     return None
-                cache = cls(*(f.get_tensor(name) for name in ("hidden", "ids", "offsets", "response_start")))
+                # the hidden states stay in the file (memory-mapped, read per batch); the small index is read now
+                hidden = HiddenRows([f.get_slice("hidden")])
+                cache = cls(hidden, *(f.get_tensor(name) for name in ("ids", "offsets", "response_start")))
         except (SafetensorError, OSError, RuntimeError, KeyError) as err:
             raise ValueError(f"hidden-state cache {path} is unreadable ({err}): delete it and it is rebuilt") from err
         rows = int(cache.offsets[-1])
@@ -98,8 +131,9 @@ class HiddenCache:
             return caches[0]
         shifts = torch.tensor([0] + [int(c.offsets[-1]) for c in caches[:-1]]).cumsum(0)
         offsets = torch.cat([caches[0].offsets[:1]] + [c.offsets[1:] + shift for c, shift in zip(caches, shifts)])
+        parts = [part for c in caches for part in (c.hidden.parts if isinstance(c.hidden, HiddenRows) else [c.hidden])]
         return cls(
-            torch.cat([c.hidden for c in caches]),
+            HiddenRows(parts),
             torch.cat([c.ids for c in caches]),
             offsets,
             torch.cat([c.response_start for c in caches]),
