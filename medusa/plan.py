@@ -309,21 +309,31 @@ def choose(measured: dict, order, acc) -> tuple[Option, list[Option], Option]:
             if proposer == "plain":
                 options.append(Option(engine, "plain", 1, 1.0, propose_ms + verify_ms))
                 continue
-            tau = 1 + TAU_CARRY_OVER * (expected_tau(order[: n - 1], acc) - 1)
-            tau *= {"medusa": 1.0, "dynamic": DYNAMIC_TAU_GAIN, "hybrid": HYBRID_TAU_GAIN}[proposer]
+            tau = planned_tau(order, n, acc, proposer)
             step = propose_ms + verify_ms
             if proposer == "hybrid":  # costed as if the whole chain were grafted on
                 larger = [m for (p, m) in jobs if p == "medusa" and m >= n + HYBRID_CHAIN]
                 step = propose_ms + (fitted[min(larger)] if larger else verify_ms * 2)
             options.append(Option(engine, proposer, n, tau, step))
     plain = max((o for o in options if o.proposer == "plain"), key=lambda o: o.tokens_per_s)
+    return _fastest(options, plain), options, plain
+
+
+def planned_tau(order, nodes: int, acc, proposer: str) -> float:
+    """Expected tokens per step of `proposer` over the first `nodes - 1` paths of `order`: the accuracy table's,
+    discounted by TAU_CARRY_OVER, times what the proposer gains over a static tree of that size."""
+    tau = 1 + TAU_CARRY_OVER * (expected_tau(order[: nodes - 1], acc) - 1)
+    return tau * {"medusa": 1.0, "dynamic": DYNAMIC_TAU_GAIN, "hybrid": HYBRID_TAU_GAIN}[proposer]
+
+
+def _fastest(options: list[Option], plain: Option) -> Option:
+    """Sets each option's speedup over `plain` -> the fastest; speculative options within TIE_MARGIN of it (and
+    beating plain by MIN_GAIN) are a tie, won by the most expected tokens per step."""
     for o in options:
         o.speedup = o.tokens_per_s / plain.tokens_per_s
     best = max(options, key=lambda o: o.speedup)
     tied = [o for o in options if o.proposer != "plain" and o.speedup >= max(MIN_GAIN, best.speedup * (1 - TIE_MARGIN))]
-    if tied:
-        best = max(tied, key=lambda o: (o.tau, o.speedup))
-    return best, options, plain
+    return max(tied, key=lambda o: (o.tau, o.speedup)) if tied else best
 
 
 def calibrate(
@@ -396,9 +406,13 @@ def load_or_calibrate(model, recalibrate: bool = False, progress: bool = True, c
             f"calibrating a decoding plan for this machine (once; cached in {path.parent})", file=sys.stderr, flush=True
         )
     plan = calibrate(model, engines, progress=progress, key=key)
+    _save(plan, path)
+    return plan
+
+
+def _save(plan: Plan, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(asdict(plan), indent=1))
-    return plan
 
 
 # ------------------------------------------------------------------------------------------------------ batches
@@ -418,9 +432,7 @@ def batch_choice(model, rows: int, progress: bool = True) -> dict:
             print(f"calibrating batches of {bucket} rows (once; kept with the plan)", file=sys.stderr, flush=True)
         plan.batches[str(bucket)] = _calibrate_batch(model, bucket)
         if plan.key:
-            path = plan_path(plan.key)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(path, json.dumps(asdict(plan), indent=1))
+            _save(plan, plan_path(plan.key))
     return plan.batches[str(bucket)]
 
 
@@ -440,7 +452,12 @@ def _calibrate_batch(model, rows: int, context: int = CONTEXT, repeats: int = BA
     prompt = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(0)).to(model.device)
     with torch.inference_mode():
         state = prefill(
-            model.base, prompt, sampling, feature_layers=model.feature_layers, engine=eager, max_length=context + 9
+            model.base,
+            prompt,
+            sampling,
+            feature_layers=model.feature_layers,
+            engine=eager,
+            max_length=context + max(sizes) + 1,
         )
         proposers = {n: model.make_proposer(proposer, [list(p) for p in order[: n - 1]], sampling, None) for n in sizes}
         proposers[1] = model.make_proposer("plain", None, sampling, None)
@@ -452,16 +469,14 @@ def _calibrate_batch(model, rows: int, context: int = CONTEXT, repeats: int = BA
         row_ms = {n: statistics.median(t[1:]) for n, t in per_row.items()}
         read_ms = _context_read_ms(model, state, repeats + 1)
     verify_ms = time_batch_verify(model.base, rows, [1, *sizes], context, repeats)
-    plain_tps = rows / (verify_ms[1] + rows * row_ms[1])
-    options = []
-    for n in sizes:
-        tau = 1 + TAU_CARRY_OVER * (expected_tau(order[: n - 1], acc) - 1)
-        tau *= DYNAMIC_TAU_GAIN if proposer == "dynamic" else 1.0
-        tps = rows * tau / (verify_ms[n] + rows * (row_ms[n] + read_ms))
-        options.append((tps / plain_tps, tau, n))
-    best = max(options)
-    tied = [o for o in options if o[0] >= max(MIN_GAIN, best[0] * (1 - TIE_MARGIN))]
-    speedup, _, nodes = max(tied, key=lambda o: (o[1], o[0])) if tied else (1.0, 1.0, 1)
+    # per row and step: its share of the batched verify, its own propose + accept (and a context layer's read)
+    plain = Option("eager", "plain", 1, 1.0, verify_ms[1] / rows + row_ms[1])
+    options = [plain] + [
+        Option("eager", proposer, n, planned_tau(order, n, acc, proposer), verify_ms[n] / rows + row_ms[n] + read_ms)
+        for n in sizes
+    ]
+    best = _fastest(options, plain)
+    speedup, nodes = (best.speedup, best.num_nodes) if best.speedup >= MIN_GAIN else (1.0, 1)
     return {
         "proposer": proposer if nodes > 1 else "plain",
         "tree": [list(p) for p in order[: nodes - 1]],

@@ -84,9 +84,14 @@ def check_resume(root: Path, resume: bool) -> Path | None:
     return found[-1] if found else None
 
 
+def trainable_names(trainer) -> set[str]:
+    """The names of the weights that train (heads, LoRA): what a checkpoint holds, the frozen base left out."""
+    return {n for n, p in trainer.named_parameters() if p.requires_grad}
+
+
 def save_trainable_only(trainer):
     """A save_state pre-hook: keep the weights that train (heads, LoRA), not the frozen base in the same module."""
-    names = {n for n, p in trainer.named_parameters() if p.requires_grad}
+    names = trainable_names(trainer)
 
     def hook(models, weights, output_dir):
         for i, model in enumerate(models):
@@ -99,7 +104,7 @@ def save_trainable_only(trainer):
 def check_trainable(trainer):
     """A load_state pre-hook: the checkpoint must hold exactly the weights this run trains (load_state then loads
     with strict=False, the frozen weights not being in the file)."""
-    names = {n for n, p in trainer.named_parameters() if p.requires_grad}
+    names = trainable_names(trainer)
 
     def hook(models, input_dir):
         path = Path(input_dir) / "model.safetensors"

@@ -60,9 +60,6 @@ class HiddenRows:
                 pieces.append(part[max(start, first) - first : min(end, last) - first])
         return torch.cat(pieces) if len(pieces) != 1 else pieces[0]
 
-    def materialize(self) -> torch.Tensor:
-        return self[:]
-
 
 @dataclass(frozen=True)
 class HiddenCache:
@@ -88,9 +85,8 @@ class HiddenCache:
         return {"hidden": hidden, "input_ids": ids, "loss_mask": loss_mask}
 
     def save(self, path: Path, key: str) -> None:
-        hidden = self.hidden.materialize() if isinstance(self.hidden, HiddenRows) else self.hidden
         tensors = {
-            "hidden": hidden,
+            "hidden": self.hidden[:],  # (a cache read from disk: its rows, read now)
             "ids": self.ids,
             "offsets": self.offsets,
             "response_start": self.response_start,

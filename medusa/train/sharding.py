@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from medusa.fileio import atomic_file
+from medusa.train.checkpoints import trainable_names
 
 OPTIMIZER_NAME = "optimizer.bin"  # accelerate's name; the state is keyed by parameter name (whole tensors)
 MODEL_NAME = "model.safetensors"  # accelerate's name: what check_trainable reads
@@ -42,7 +43,7 @@ def full_trainable_state(trainer: nn.Module) -> dict[str, torch.Tensor]:
     """The trainable weights (and the heads' buffers), whole, on the CPU. Collective: every process calls it."""
     from torch.distributed.tensor import DTensor
 
-    names = {n for n, p in trainer.named_parameters() if p.requires_grad}
+    names = trainable_names(trainer)
     state = {}
     for name, tensor in trainer.state_dict().items():
         if name in names or name.startswith("heads."):
@@ -55,7 +56,7 @@ def save_checkpoint(trainer: nn.Module, optimizer, directory: Path, main: bool) 
     Collective."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    names = {n for n, p in trainer.named_parameters() if p.requires_grad}
+    names = trainable_names(trainer)
     weights = {k: v.contiguous() for k, v in full_trainable_state(trainer).items() if k in names}
     optim = get_optimizer_state_dict(
         trainer, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
