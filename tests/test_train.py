@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -9,8 +10,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -227,8 +231,10 @@ def test_corrupt_hidden_cache_is_named_and_rebuilt(tmp_path, tiny_base, tiny_dat
         torch.testing.assert_close(first[name], again[name], atol=0, rtol=0, msg=name)
 
 
-def test_an_interrupted_hidden_state_precompute_resumes_where_it_stopped(tmp_path, monkeypatch):
-    """Killed after three batches, a rerun computes only the rest, and its cache equals an uninterrupted one's."""
+@pytest.mark.parametrize("trigger", ["PROGRESS_SECONDS", "PROGRESS_BYTES"])
+def test_an_interrupted_hidden_state_precompute_resumes_where_it_stopped(tmp_path, monkeypatch, trigger):
+    """Killed after three batches, a rerun computes only the rest, and its cache equals an uninterrupted one's
+    (progress chunks written on time or on held bytes)."""
     from accelerate import Accelerator
 
     import medusa.train.hidden_cache as hc
@@ -250,7 +256,7 @@ def test_an_interrupted_hidden_state_precompute_resumes_where_it_stopped(tmp_pat
         return real(model, input_ids, attention_mask, feature_layers)
 
     monkeypatch.setattr(hc, "last_hidden", counted)
-    monkeypatch.setattr(hc, "PROGRESS_SECONDS", 0.0)  # a progress chunk after every batch
+    monkeypatch.setattr(hc, trigger, 0)  # a progress chunk after every batch
     path, interrupt = tmp_path / "hidden-key.safetensors", True
     with pytest.raises(KeyboardInterrupt):
         build(path)
@@ -259,12 +265,168 @@ def test_an_interrupted_hidden_state_precompute_resumes_where_it_stopped(tmp_pat
     resumed = build(path)
     assert 0 < done < len(convs) and sum(rows_run) == len(convs) - done
     assert f"resuming the precompute of {path.name}: {done} conversations already done" in " ".join(logs)
-    for name in ("hidden", "ids", "offsets", "response_start"):
-        torch.testing.assert_close(getattr(resumed, name), getattr(reference, name), atol=0, rtol=0, msg=name)
+    assert torch.equal(resumed.hidden[:], reference.hidden[:])
+    for name in ("ids", "offsets", "response_start"):
+        assert torch.equal(getattr(resumed, name), getattr(reference, name)), name
     assert not hc.progress_dir(path).exists()  # removed once the cache is written
     # progress saved for another key (other data or base) is never read
     hc._save_spans(hc.progress_dir(path) / "stale.safetensors", {0: reference.hidden[:3]}, "other key", HIDDEN)
-    assert hc._resume(hc.progress_dir(path), "key", set(range(12)), logs.append) == {}
+    assert hc._saved_progress(hc.progress_dir(path), "key", logs.append) == {}
+
+
+class FakeBase:
+    """A base whose hidden state at a position is a fixed function of its token and position, whatever the batch:
+    a cache built in any batches, by any number of processes, equals the spans computed one conversation at a time."""
+
+    def __init__(self, width: int):
+        self.width = width
+        self.config = SimpleNamespace(get_text_config=lambda: SimpleNamespace(hidden_size=width))
+
+    def hidden(self, ids: torch.Tensor) -> torch.Tensor:
+        """(..., T) token ids -> (..., T, width)."""
+        position = torch.arange(ids.shape[-1])[:, None]
+        return torch.sin(ids[..., None] * 0.37 + position * 0.11 + torch.arange(self.width) * 0.013)
+
+
+def fake_last_hidden(model, input_ids, attention_mask, feature_layers=()):
+    return model.hidden(input_ids)
+
+
+class RankAccelerator:
+    """What build_hidden_cache uses of an Accelerator, for process `rank` of `barrier.parties` (each run as a thread
+    of this process; waiting for everyone is the shared barrier)."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, rank: int = 0, barrier: threading.Barrier | None = None):
+        self.process_index, self.num_processes = rank, barrier.parties if barrier else 1
+        self.is_main_process = self.is_local_main_process = rank == 0
+        self.barrier = barrier
+
+    def wait_for_everyone(self):
+        if self.barrier:
+            self.barrier.wait()
+
+    def autocast(self):
+        return contextlib.nullcontext()
+
+
+def fake_conversations(count: int, length: int, seed: int = 0) -> list[Conversation]:
+    rng = random.Random(seed)
+    return [
+        Conversation([rng.randrange(1, VOCAB) for _ in range(rng.randrange(length // 2, length))], rng.randrange(1, 9))
+        for _ in range(count)
+    ]
+
+
+def test_a_built_hidden_cache_equals_the_spans_assembled_in_memory(tmp_path, monkeypatch):
+    """Written chunk by chunk and copied span by span into the cache file, the hidden states are the ones an
+    in-memory assembly of every conversation's span holds: every tensor and every batch equal, bit for bit."""
+    import medusa.train.hidden_cache as hc
+
+    monkeypatch.setattr(hc, "last_hidden", fake_last_hidden)
+    monkeypatch.setattr(hc, "PROGRESS_BYTES", 4096)  # several chunks
+    base, convs = FakeBase(24), fake_conversations(30, 40)
+    built = hc.build_hidden_cache(RankAccelerator(), base, convs, 3, tmp_path / "h.safetensors", "k", 120, print)
+    spans = {r: base.hidden(torch.tensor(c.ids))[span_start(c, 3) :].to(torch.bfloat16) for r, c in enumerate(convs)}
+    in_memory = HiddenCache.assemble(convs, spans, 3)
+    assert isinstance(built.hidden, hc.HiddenRows)  # read from the file
+    assert torch.equal(built.hidden[:], in_memory.hidden)
+    for name in ("ids", "offsets", "response_start"):
+        assert torch.equal(getattr(built, name), getattr(in_memory, name)), name
+    for rows in ([0], [29, 3, 17], list(range(30))):
+        for name, value in in_memory.batch(rows).items():
+            assert torch.equal(built.batch(rows)[name], value), name
+
+
+def test_two_processes_build_the_cache_one_process_builds(tmp_path, monkeypatch):
+    """Two ranks (threads with a barrier) each compute their share into chunks; the main one copies every chunk's
+    spans into the cache, which both then read: the same file, byte for byte, as one process writes."""
+    import medusa.train.hidden_cache as hc
+
+    monkeypatch.setattr(hc, "PROGRESS_SECONDS", 0)  # a chunk per batch
+    base, rng = make_tiny_model("llama"), random.Random(0)
+    convs = [Conversation([rng.randrange(1, VOCAB) for _ in range(rng.randrange(12, 40))], 6) for _ in range(12)]
+
+    def build(accelerator, path):
+        return hc.build_hidden_cache(accelerator, base, convs, 4, path, "key", 100, print)
+
+    one = build(RankAccelerator(), tmp_path / "one.safetensors")
+    barrier = threading.Barrier(2, timeout=120)
+    with ThreadPoolExecutor(2) as pool:
+        ranks = [pool.submit(build, RankAccelerator(rank, barrier), tmp_path / "two.safetensors") for rank in (0, 1)]
+        two = [rank.result() for rank in ranks]
+    assert (tmp_path / "two.safetensors").read_bytes() == (tmp_path / "one.safetensors").read_bytes()
+    for cache in two:
+        for rows in ([0, 5], list(range(12))):
+            for name, value in one.batch(rows).items():
+                assert torch.equal(cache.batch(rows)[name], value), name
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one.safetensors", "two.safetensors"]  # chunks removed
+
+
+def test_a_build_killed_while_writing_the_cache_leaves_none_and_resumes_without_computing(tmp_path, monkeypatch):
+    import medusa.train.hidden_cache as hc
+
+    calls = []
+    monkeypatch.setattr(hc, "last_hidden", lambda *args: calls.append(1) or fake_last_hidden(*args))
+    base, convs, path = FakeBase(8), fake_conversations(10, 30), tmp_path / "h.safetensors"
+    real = hc._write_safetensors
+
+    def killed_halfway(file, key, index, shape, spans):
+        def some_then_kill():
+            for r, span in enumerate(spans):
+                if r == 5 and file == path:
+                    raise KeyboardInterrupt  # as a kill while the cache is being written
+                yield span
+
+        real(file, key, index, shape, some_then_kill())
+
+    monkeypatch.setattr(hc, "_write_safetensors", killed_halfway)
+    with pytest.raises(KeyboardInterrupt):
+        hc.build_hidden_cache(RankAccelerator(), base, convs, 3, path, "k", 60, print)
+    assert [p.name for p in tmp_path.iterdir()] == [hc.progress_dir(path).name]  # no cache, not even half of one
+    computed, calls[:] = len(calls), []
+    monkeypatch.setattr(hc, "_write_safetensors", real)
+    cache = hc.build_hidden_cache(RankAccelerator(), base, convs, 3, path, "k", 60, print)
+    assert computed > 1 and calls == []  # every span came from the progress chunks
+    spans = {r: base.hidden(torch.tensor(c.ids))[span_start(c, 3) :].to(torch.bfloat16) for r, c in enumerate(convs)}
+    assert torch.equal(cache.hidden[:], HiddenCache.assemble(convs, spans, 3).hidden)
+
+
+def measure_build(directory: str) -> None:
+    """Build a large cache with FakeBase in this (fresh) process; print its size and the growth of this process's
+    peak resident memory while building, in MB (test_building_the_hidden_cache_holds_a_bounded_part_of_it)."""
+    import medusa.train.hidden_cache as hc
+
+    def status(field: str) -> float:
+        lines = Path("/proc/self/status").read_text().splitlines()
+        return int(next(line for line in lines if line.startswith(field)).split()[1]) / 1024
+
+    hc.last_hidden = fake_last_hidden
+    hc.PROGRESS_BYTES = 4 << 20
+    convs = fake_conversations(560, 200)
+    Path("/proc/self/clear_refs").write_text("5")  # the peak restarts from the current resident memory
+    before = status("VmRSS")
+    cache = hc.build_hidden_cache(
+        RankAccelerator(), FakeBase(1024), convs, 0, Path(directory) / "h.safetensors", "k", 1024, print
+    )
+    growth = status("VmHWM") - before
+    size = cache.hidden.shape[0] * cache.hidden.shape[1] * 2 / 2**20
+    print(json.dumps({"cache_mb": size, "peak_growth_mb": growth}))
+
+
+def test_building_the_hidden_cache_holds_a_bounded_part_of_it(tmp_path):
+    """Building a cache (in a fresh process: its peak resident memory is the build's) holds about one progress
+    chunk and one batch of hidden states at a time, however large the cache."""
+    if not Path("/proc/self/clear_refs").is_file():
+        pytest.skip("reads peak resident memory from /proc")
+    code = f"from tests.test_train import measure_build; measure_build({str(tmp_path)!r})"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    result = json.loads(out.splitlines()[-1])
+    assert result["cache_mb"] > 150
+    # chunks of 4 MB, batches of 1024 tokens (4 MB in float32): 20-30 MB measured; holding every span and
+    # concatenating them, as the build did before, grew by 420 MB
+    assert result["peak_growth_mb"] < 48, result
 
 
 def test_extra_data_dirs_are_read_after_out_dir(tmp_path, tiny_base, tiny_data):

@@ -3,10 +3,13 @@ keyed by the data, the base and everything else that changes the states)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -21,6 +24,7 @@ from medusa.train.data import collate
 
 CACHE_FORMAT = 1  # bump when the hidden-state cache layout changes, so old files are not read
 PROGRESS_SECONDS = 120.0  # a killed precompute loses at most about this much work (progress chunks, see below)
+PROGRESS_BYTES = 256 << 20  # and a process holds at most about this many bytes of hidden states before writing a chunk
 
 
 def cache_lookback(config: MedusaConfig) -> int:
@@ -85,13 +89,11 @@ class HiddenCache:
         return {"hidden": hidden, "input_ids": ids, "loss_mask": loss_mask}
 
     def save(self, path: Path, key: str) -> None:
-        tensors = {
-            "hidden": self.hidden[:],  # (a cache read from disk: its rows, read now)
-            "ids": self.ids,
-            "offsets": self.offsets,
-            "response_start": self.response_start,
-        }
-        _save_atomic(path, tensors, key)
+        """Written span by span: a cache read from disk is copied, never read whole."""
+        bounds = self.offsets.tolist()
+        index = {"ids": self.ids, "offsets": self.offsets, "response_start": self.response_start}
+        spans = (self.hidden[start:end] for start, end in zip(bounds, bounds[1:]))
+        _write_safetensors(path, key, index, tuple(self.hidden.shape), spans)
 
     @classmethod
     def load(cls, path: Path, key: str) -> HiddenCache | None:
@@ -137,13 +139,19 @@ class HiddenCache:
 
     @classmethod
     def assemble(cls, convs: list[Conversation], spans: dict[int, torch.Tensor], lookback: int) -> HiddenCache:
-        starts = [span_start(c, lookback) for c in convs]
-        lengths = [len(c.ids) - s for c, s in zip(convs, starts)]
-        offsets = torch.tensor([0] + lengths).cumsum(0)
-        ids = torch.tensor([t for c, s in zip(convs, starts) for t in c.ids[s:]], dtype=torch.long)
-        hidden = torch.cat([spans[r] for r in range(len(convs))])
-        rs = torch.tensor([c.response_start - s for c, s in zip(convs, starts)], dtype=torch.long)
-        return cls(hidden, ids, offsets, rs)
+        """Spans held in memory (conversation r -> its span) -> a cache."""
+        return cls(torch.cat([spans[r] for r in range(len(convs))]), **_index_tensors(convs, lookback))
+
+
+def _index_tensors(convs: list[Conversation], lookback: int) -> dict[str, torch.Tensor]:
+    """The cache's tensors besides the hidden states (ids, offsets, response_start), from the conversations."""
+    starts = [span_start(c, lookback) for c in convs]
+    lengths = [len(c.ids) - s for c, s in zip(convs, starts)]
+    return {
+        "ids": torch.tensor([t for c, s in zip(convs, starts) for t in c.ids[s:]], dtype=torch.long),
+        "offsets": torch.tensor([0] + lengths).cumsum(0),
+        "response_start": torch.tensor([c.response_start - s for c, s in zip(convs, starts)], dtype=torch.long),
+    }
 
 
 def last_hidden(
@@ -160,50 +168,102 @@ def progress_dir(path: Path) -> Path:
     return path.with_name(f".{path.stem}.progress")
 
 
-def _save_atomic(path: Path, tensors: dict[str, torch.Tensor], key: str) -> None:
-    """Tensors -> a safetensors file recording `key`, written under a temporary name and renamed (a killed write
-    leaves none)."""
-    from safetensors.torch import save_file
+def _write_safetensors(
+    path: Path, key: str, index: dict[str, torch.Tensor], shape: tuple[int, int], hidden_spans: Iterable
+) -> None:
+    """A safetensors file recording `key`: the `index` tensors (int64), then `shape` bf16 hidden states written piece
+    by piece as `hidden_spans` yields them (tensors or their raw bytes), so they are never held whole. The layout is
+    safetensors' own (an 8-byte header size, the JSON header padded to 8 bytes, the data in header order), which
+    its save_file cannot write incrementally. Written under a temporary name and renamed (a killed write leaves
+    none)."""
+    header, begin = {"__metadata__": {"key": key}}, 0
+    for name, tensor in index.items():
+        header[name] = {
+            "dtype": "I64",
+            "shape": list(tensor.shape),
+            "data_offsets": [begin, begin + 8 * tensor.numel()],
+        }
+        begin += 8 * tensor.numel()
+    hidden_bytes = 2 * shape[0] * shape[1]
+    header["hidden"] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [begin, begin + hidden_bytes]}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    with atomic_file(path) as tmp, open(tmp, "wb") as out:
+        out.write(len(text).to_bytes(8, "little") + text)
+        for tensor in index.values():
+            out.write(tensor.to(torch.long).contiguous().numpy())
+        written = 0
+        for span in hidden_spans:
+            if isinstance(span, torch.Tensor):  # (numpy has no bf16: its raw bytes as int16)
+                span = span.to(torch.bfloat16).contiguous().view(torch.int16).numpy()
+            written += out.write(span)
+        if written != hidden_bytes:
+            raise RuntimeError(f"wrote {written} bytes of hidden states to {path}, expected {hidden_bytes}")
 
-    with atomic_file(path) as tmp:
-        save_file(tensors, str(tmp), metadata={"key": key})
+
+class StoredSpan(NamedTuple):
+    """Where a computed span lies in a progress chunk: bytes offset:offset + size of the file."""
+
+    file: Path
+    offset: int
+    size: int
 
 
 def _save_spans(file: Path, spans: dict[int, torch.Tensor], key: str, hidden_size: int) -> None:
-    """Conversation rows -> their spans, in one safetensors file (atomic)."""
+    """Conversation rows -> their spans, in one safetensors file (rows, lengths, hidden; atomic)."""
     rows = sorted(spans)
-    tensors = {
-        "rows": torch.tensor(rows, dtype=torch.long),
-        "lengths": torch.tensor([len(spans[i]) for i in rows], dtype=torch.long),
-        "hidden": torch.cat([spans[i] for i in rows]) if rows else torch.zeros(0, hidden_size, dtype=torch.bfloat16),
-    }
-    _save_atomic(file, tensors, key)
+    lengths = torch.tensor([len(spans[i]) for i in rows], dtype=torch.long)
+    index = {"rows": torch.tensor(rows, dtype=torch.long), "lengths": lengths}
+    _write_safetensors(file, key, index, (int(lengths.sum()), hidden_size), (spans[i] for i in rows))
 
 
-def _load_spans(file: Path, key: str | None = None) -> dict[int, torch.Tensor] | None:
-    """A file of `_save_spans` -> its spans; None if it was written for another key."""
+def _stored_spans(file: Path, key: str) -> dict[int, StoredSpan] | None:
+    """A file of `_save_spans` -> where each of its spans lies (its hidden states are not read); None if it was
+    written for another key."""
     from safetensors import safe_open
 
-    with safe_open(str(file), framework="pt") as f:
-        if key is not None and (f.metadata() or {}).get("key") != key:
+    with safe_open(str(file), framework="pt") as f:  # (checks the file is whole)
+        if (f.metadata() or {}).get("key") != key:
             return None
-        rows, lengths, hidden = (f.get_tensor(name) for name in ("rows", "lengths", "hidden"))
-    return dict(zip(rows.tolist(), hidden.split(lengths.tolist())))
+        rows, lengths = f.get_tensor("rows").tolist(), f.get_tensor("lengths").tolist()
+        row_bytes = 2 * f.get_slice("hidden").get_shape()[1]  # bf16
+    with open(file, "rb") as raw:
+        header_size = int.from_bytes(raw.read(8), "little")
+        offset = 8 + header_size + json.loads(raw.read(header_size))["hidden"]["data_offsets"][0]
+    stored = {}
+    for row, length in zip(rows, lengths):
+        stored[row] = StoredSpan(file, offset, length * row_bytes)
+        offset += length * row_bytes
+    return stored
 
 
-def _resume(directory: Path, key: str, wanted: set[int], log) -> dict[int, torch.Tensor]:
-    """The spans an earlier, interrupted precompute of this cache saved (any process's, for rows in `wanted`)."""
+def _saved_progress(directory: Path, key: str, log) -> dict[int, StoredSpan]:
+    """Where the spans saved so far for this cache lie (any process's chunks, of this run or an interrupted one)."""
     from safetensors import SafetensorError
 
-    spans: dict[int, torch.Tensor] = {}
+    stored: dict[int, StoredSpan] = {}
     for file in sorted(directory.glob("*.safetensors")) if directory.is_dir() else []:
         try:
-            saved = _load_spans(file, key)
-        except (SafetensorError, OSError, RuntimeError, KeyError) as err:
+            stored.update(_stored_spans(file, key) or {})
+        except (SafetensorError, OSError, RuntimeError, KeyError, ValueError) as err:
             log(f"warning: skipping unreadable precompute progress {file} ({err}); its rows are computed again")
-            continue
-        spans.update({i: span for i, span in (saved or {}).items() if i in wanted})
-    return spans
+    return stored
+
+
+def _write_from_progress(
+    path: Path, key: str, convs: list[Conversation], lookback: int, stored: dict[int, StoredSpan], hidden_size: int
+) -> None:
+    """The cache file, its hidden states copied span by span in conversation order from the progress chunks (read
+    with plain file reads, not memory-mapped: the process holds one span at a time)."""
+
+    def spans():
+        for r in range(len(convs)):
+            with open(stored[r].file, "rb") as chunk:
+                chunk.seek(stored[r].offset)
+                yield chunk.read(stored[r].size)
+
+    index = _index_tensors(convs, lookback)
+    _write_safetensors(path, key, index, (int(index["offsets"][-1]), hidden_size), spans())
 
 
 def build_hidden_cache(
@@ -219,9 +279,10 @@ def build_hidden_cache(
 ) -> HiddenCache:
     """Run the frozen base once over every conversation (each process a share) and cache what the heads read.
 
-    Resumable: every PROGRESS_SECONDS each process saves the spans it computed since as a chunk in
-    `progress_dir(path)`; a run that finds chunks for this key computes only the rest (the chunks are removed once
-    the cache is written)."""
+    No process holds the cache: each writes what it computes as chunks in `progress_dir(path)` (every
+    PROGRESS_SECONDS and every PROGRESS_BYTES), then the main process copies the chunks' spans into the cache file in
+    conversation order, one span at a time. Resumable: a run that finds chunks for this key computes only the rest
+    (the chunks are removed once the cache is written)."""
     if path.is_file():
         try:
             cache = HiddenCache.load(path, key)
@@ -243,19 +304,29 @@ def build_hidden_cache(
     batches = (batches + [current])[rank::world]
     hidden_size = base.config.get_text_config().hidden_size * (1 + len(feature_layers))
     progress = progress_dir(path)
-    spans = _resume(progress, key, {i for b in batches for i in b}, log)
-    if spans:
-        log(f"resuming the precompute of {path.name}: {len(spans)} conversations already done ({progress})")
-    total = sum(lengths[i] for b in batches for i in b)
-    done = sum(lengths[i] for i in spans)
+    mine = {i for b in batches for i in b}
+    done = {i for i in _saved_progress(progress, key, log) if i in mine}
+    if done:
+        log(f"resuming the precompute of {path.name}: {len(done)} conversations already done ({progress})")
+    total = sum(lengths[i] for i in mine)
+    done_tokens = sum(lengths[i] for i in done)
     bar = tqdm(
-        total=total, initial=done, unit="tok", desc="precompute hidden", disable=not accelerator.is_local_main_process
+        total=total,
+        initial=done_tokens,
+        unit="tok",
+        desc="precompute hidden",
+        disable=not accelerator.is_local_main_process,
     )
     start = saved_at = time.time()
     unsaved: dict[int, torch.Tensor] = {}
+
+    def save_progress():
+        _save_spans(progress / f"rank{rank}-{time.time_ns()}.safetensors", unsaved, key, hidden_size)
+        unsaved.clear()
+
     with torch.no_grad(), accelerator.autocast():
         for rows in batches:
-            if all(i in spans for i in rows):
+            if all(i in done for i in rows):
                 continue
             batch = collate(
                 [{"input_ids": convs[i].ids, "response_start": convs[i].response_start} for i in rows],
@@ -268,33 +339,32 @@ def build_hidden_cache(
                 batch.attention_mask.to(accelerator.device),
                 feature_layers,
             )
-            for j, i in enumerate(rows):
-                spans[i] = unsaved[i] = hidden[j, span_start(convs[i], lookback) : lengths[i]].to(torch.bfloat16).cpu()
+            for j, i in enumerate(rows):  # (copies: a view would keep the whole batch alive)
+                unsaved[i] = hidden[j, span_start(convs[i], lookback) : lengths[i]].to("cpu", torch.bfloat16, copy=True)
+            del hidden
             bar.update(sum(lengths[i] for i in rows))
-            if time.time() - saved_at >= PROGRESS_SECONDS:
-                _save_spans(progress / f"rank{rank}-{time.time_ns()}.safetensors", unsaved, key, hidden_size)
-                unsaved, saved_at = {}, time.time()
+            held = sum(span.nbytes for span in unsaved.values())
+            if held >= PROGRESS_BYTES or time.time() - saved_at >= PROGRESS_SECONDS:
+                save_progress()
+                saved_at = time.time()
+    if unsaved:
+        save_progress()
     bar.close()
-    computed = total - done
+    computed = total - done_tokens
     log(
         f"precomputed hidden states of {computed} tokens in {time.time() - start:.1f} s "
         f"({computed / max(time.time() - start, 1e-9):.0f} tok/s per process)"
     )
-    if world == 1:
-        cache = HiddenCache.assemble(convs, spans, lookback)
-        cache.save(path, key)
-        shutil.rmtree(progress, ignore_errors=True)
-        return cache
-    part = path.with_name(f".{path.stem}.part-{rank}-of-{world}.safetensors")
-    _save_spans(part, spans, key, hidden_size)
-    accelerator.wait_for_everyone()
+    accelerator.wait_for_everyone()  # every process's chunks are written
     if accelerator.is_main_process:
-        spans = {}
-        for r in range(world):
-            other = path.with_name(f".{path.stem}.part-{r}-of-{world}.safetensors")
-            spans.update(_load_spans(other))
-            other.unlink()
-        HiddenCache.assemble(convs, spans, lookback).save(path, key)
+        stored = _saved_progress(progress, key, log)
+        missing = [r for r in range(len(convs)) if r not in stored]
+        if missing:
+            raise RuntimeError(
+                f"{len(missing)} conversations have no hidden states in {progress}: "
+                "do all processes share training.cache_dir?"
+            )
+        _write_from_progress(path, key, convs, lookback, stored, hidden_size)
         shutil.rmtree(progress, ignore_errors=True)
     accelerator.wait_for_everyone()
     return HiddenCache.load(path, key)
