@@ -6,8 +6,9 @@ its committed tokens contiguous from position 0 (the prompt's left padding inclu
 a step writes row b's candidates at `lengths[b]` onward and commits its accepted path in place there, so rows that
 accept different numbers of tokens never leave gaps and the padding does not grow. Each row has its own proposer and
 tree (padded to the batch's largest with nodes that see only themselves), its own acceptance and stop; a finished
-row leaves the batch (its cache rows are dropped), so it stops costing work. The target runs as it is (eager): the
-compiled engines keep one sequence.
+row leaves the batch (its cache rows are dropped), so it stops costing work. The target runs eagerly: as it is, or
+(the default where the CPU packs weights: runtime.batch_engine) the compiled engine's copy with pre-packed weights;
+the compiled graphs keep one sequence.
 """
 
 from __future__ import annotations

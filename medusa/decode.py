@@ -12,7 +12,7 @@ from medusa import generate_args
 from medusa.acceptance import AcceptanceRule, get_rule
 from medusa.batch import decode_batch, split_padded
 from medusa.propose import PlainProposer, Proposer
-from medusa.runtime import EagerEngine, engine_for
+from medusa.runtime import BATCH_ENGINES, EagerEngine, batch_engine, engine_for
 from medusa.sampling import SamplingConfig, select_token, shape_logits
 from medusa.sequence import DecodeState, DecodeStats, GenerateOutput, take_new
 
@@ -193,11 +193,13 @@ class SpeculativeGenerator:
             raise ValueError("streamer takes one sequence (as transformers' streamers do): pass one prompt at a time")
         if settings.output_scores or settings.output_logits:
             raise ValueError("output_scores / output_logits take one sequence for now: pass one prompt at a time")
-        if engine not in (None, "eager"):
+        if engine not in (None, *BATCH_ENGINES):
             raise ValueError(
-                f"engine={engine!r} takes one sequence; a batch runs on the eager engine: pass engine='eager' or None"
+                f"engine={engine!r} takes one sequence; a batch runs on {' or '.join(map(repr, BATCH_ENGINES))}: "
+                "pass one of them or None"
             )
-        eager = self.engine("eager")
+        target = self.engine(engine or batch_engine(self.base))
+        eager = self.engine("eager")  # what a row's draft model runs on
         if proposer is None and tree is None:
             proposer, tree = self.batch_defaults(len(rows))
         ends = end_token_ids(self.base, tokenizer, settings.eos_token_id)
@@ -205,7 +207,7 @@ class SpeculativeGenerator:
         if pad is None:  # as transformers: the (first) end-of-sequence token
             pad = ends[0] if ends else 0
         return decode_batch(
-            self.base,
+            target.batch_model,
             lambda: self.make_proposer(proposer, tree, sampling, generator, engine=eager),
             rule,
             rows,

@@ -32,7 +32,7 @@ from medusa.decode import prefill
 from medusa.fileio import atomic_write_text
 from medusa.hardware import describe
 from medusa.loading import cache_root
-from medusa.runtime import ENGINES, compile_seconds, engine_for, precision_of
+from medusa.runtime import ENGINES, batch_engine, compile_seconds, engine_for, precision_of
 from medusa.sampling import SamplingConfig
 from medusa.tree_builder import check_accuracy, expected_tau, grow_tree, sync, time_step
 
@@ -423,11 +423,12 @@ def batch_bucket(rows: int) -> int:
 
 def batch_choice(model, rows: int, progress: bool = True) -> dict:
     """The proposer and tree a batch of `rows` decodes with under `model.plan`: {"proposer", "tree",
-    "expected_speedup" (over batched plain decoding), "verify_ms" ({nodes: ms} at the bucket's rows)}. Measured on
-    the eager engine (the one batches run on) the first time a bucket is asked for, then kept in the plan and its
-    cache file."""
+    "expected_speedup" (over batched plain decoding), "verify_ms" ({nodes: ms} at the bucket's rows), "engine"}.
+    Measured on the engine batches run on (runtime.batch_engine) the first time a bucket is asked for, then kept in
+    the plan and its cache file."""
     plan, bucket = model.plan, batch_bucket(rows)
-    if str(bucket) not in plan.batches:
+    # a choice timed on another engine than batches now run on (an older plan's, say) is timed again
+    if plan.batches.get(str(bucket), {}).get("engine") != batch_engine(model.base):
         if progress:
             print(f"calibrating batches of {bucket} rows (once; kept with the plan)", file=sys.stderr, flush=True)
         plan.batches[str(bucket)] = _calibrate_batch(model, bucket)
@@ -443,11 +444,17 @@ def _calibrate_batch(model, rows: int, context: int = CONTEXT, repeats: int = BA
     MIN_GAIN."""
     plan, acc = model.plan, model.accuracy
     if acc is None:  # nothing to predict acceptance from: the plan's own choice, as one sequence takes it
-        return {"proposer": plan.proposer, "tree": plan.tree, "expected_speedup": None, "verify_ms": {}}
+        return {
+            "proposer": plan.proposer,
+            "tree": plan.tree,
+            "expected_speedup": None,
+            "verify_ms": {},
+            "engine": batch_engine(model.base),
+        }
     proposer = plan.proposer if plan.proposer in ("medusa", "dynamic") else "dynamic"
     order = grow_tree(acc, max(BATCH_NODES))
     sizes = [n for n in BATCH_NODES if n - 1 <= len(order)]
-    sampling, eager = SamplingConfig(), engine_for(model.base, "eager")
+    sampling, eager, engine = SamplingConfig(), engine_for(model.base, "eager"), batch_engine(model.base)
     vocab = model.base.get_output_embeddings().weight.shape[0]
     prompt = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(0)).to(model.device)
     with torch.inference_mode():
@@ -468,11 +475,11 @@ def _calibrate_batch(model, rows: int, context: int = CONTEXT, repeats: int = BA
                 per_row[n].append(propose_ms + accept_ms)
         row_ms = {n: statistics.median(t[1:]) for n, t in per_row.items()}
         read_ms = _context_read_ms(model, state, repeats + 1)
-    verify_ms = time_batch_verify(model.base, rows, [1, *sizes], context, repeats)
+    verify_ms = time_batch_verify(engine_for(model.base, engine).batch_model, rows, [1, *sizes], context, repeats)
     # per row and step: its share of the batched verify, its own propose + accept (and a context layer's read)
-    plain = Option("eager", "plain", 1, 1.0, verify_ms[1] / rows + row_ms[1])
+    plain = Option(engine, "plain", 1, 1.0, verify_ms[1] / rows + row_ms[1])
     options = [plain] + [
-        Option("eager", proposer, n, planned_tau(order, n, acc, proposer), verify_ms[n] / rows + row_ms[n] + read_ms)
+        Option(engine, proposer, n, planned_tau(order, n, acc, proposer), verify_ms[n] / rows + row_ms[n] + read_ms)
         for n in sizes
     ]
     best = _fastest(options, plain)
@@ -482,4 +489,5 @@ def _calibrate_batch(model, rows: int, context: int = CONTEXT, repeats: int = BA
         "tree": [list(p) for p in order[: nodes - 1]],
         "expected_speedup": round(speedup, 3),
         "verify_ms": {str(n): round(ms, 3) for n, ms in verify_ms.items()},
+        "engine": engine,
     }

@@ -2,12 +2,13 @@
 plain decoding (proposer 'plain') and our batched speculation, per batch size, on the same prompts, in one run.
 
     python scripts/batch_speed.py [--dtype float32] [--sizes 1 2 4 8] [--prompts 8] [--max-new-tokens 64]
-        [--proposers medusa dynamic planned] [--threads 2] [--out FILE.json]
+        [--proposers medusa dynamic planned] [--engine eager|compiled] [--threads 2] [--out FILE.json]
 
 The prompts are Spec-Bench first turns spread through the file (`--questions`, default: $MEDUSA_BENCH_DATA or
 ../shared/bench_data), chat-templated and left-padded; each batch size decodes all of them, `size` at a time. Tokens
-count up to each row's end-of-sequence token. Batch 1 runs our methods on the eager engine too (the engine a batch
-runs on), so the column compares like with like; every row's text is checked against transformers' own.
+count up to each row's end-of-sequence token. Our methods run on `--engine` (default: the one a batch takes,
+medusa.runtime.batch_engine: the pre-packed copy on a CPU that packs weights), batch 1 included, so every column
+compares like with like; every row's text is checked against transformers' own.
 `planned` is what generate does by default: the plan's choice for each batch size (medusa.plan.batch_choice, timed
 on first use; plain decoding where no tree pays); it has no batch-1 column (one sequence takes the plan's engine).
 """
@@ -23,6 +24,7 @@ import torch
 from medusa import MedusaModel
 from medusa.evaluation import bench_data_dir
 from medusa.questions import load_questions, spread
+from medusa.runtime import BATCH_ENGINES, batch_engine
 
 
 def main() -> None:
@@ -33,11 +35,13 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--proposers", nargs="+", default=["medusa", "dynamic"])
+    parser.add_argument("--engine", choices=BATCH_ENGINES, help="default: the engine a batch takes here")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", help="JSON file for the table")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = MedusaModel.from_pretrained(dtype=args.dtype, plan="auto" if "planned" in args.proposers else "off")
+    engine = args.engine or batch_engine(model.base)
     tokenizer = model.tokenizer
     tokenizer.padding_side = "left"
     questions = spread(load_questions(args.questions), args.prompts)
@@ -61,7 +65,7 @@ def main() -> None:
                 )
             else:
                 proposer = None if method == "planned" else method
-                out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, proposer=proposer, engine="eager")
+                out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, proposer=proposer, engine=engine)
             seconds += time.perf_counter() - begin
             for row in out[:, inputs["input_ids"].shape[1] :].tolist():
                 rows.append(row[: next((i + 1 for i, t in enumerate(row) if t == eos), len(row))])
@@ -88,7 +92,7 @@ def main() -> None:
         }
         table.append(entry)
         print(
-            f"{args.dtype} batch {size}: "
+            f"{args.dtype} batch {size} ({engine}): "
             + ", ".join(f"{m} {r:.1f}" for m, r in rates.items())
             + " tok/s; vs our batched plain "
             + ", ".join(f"{m} {r:.2f}x" for m, r in entry["vs_plain"].items())
@@ -96,7 +100,7 @@ def main() -> None:
             flush=True,
         )
     if args.out:
-        settings = {k: v for k, v in vars(args).items() if k != "out"}
+        settings = {**{k: v for k, v in vars(args).items() if k != "out"}, "engine": engine}
         with open(args.out, "w") as f:
             json.dump({"settings": settings, "torch": torch.__version__, "table": table}, f, indent=2)
 

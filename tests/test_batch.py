@@ -5,9 +5,11 @@ import pytest
 import torch
 from transformers import TextStreamer
 
+import medusa.decode
 from medusa import MedusaModel
 from medusa.acceptance import get_rule
 from medusa.batch import decode_batch
+from medusa.runtime import can_prepack
 from medusa.sampling import SamplingConfig
 from tests.conftest import FAMILIES, make_heads, make_tiny_model, tiny_tokenizer
 from tests.test_greedy import OracleProposer
@@ -31,12 +33,18 @@ def alone(base, prompt, max_new_tokens, **kwargs):
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("proposer", ["medusa", "dynamic", "prompt_lookup", "hybrid"])
-def test_each_row_is_its_prompt_decoded_alone(family, proposer):
+@pytest.mark.parametrize("engine", ["eager", "compiled"])
+def test_each_row_is_its_prompt_decoded_alone(family, proposer, engine):
     base = make_tiny_model(family)
     model = MedusaModel(base, make_heads(random=False), tokenizer=tiny_tokenizer(), projection_dtype=torch.float32)
     ids, mask = padded(PROMPTS)
     out = model.generate(
-        input_ids=ids, attention_mask=mask, max_new_tokens=24, proposer=proposer, return_dict_in_generate=True
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=24,
+        proposer=proposer,
+        engine=engine,
+        return_dict_in_generate=True,
     )
     width = ids.shape[1]
     for row, prompt in enumerate(PROMPTS):
@@ -113,8 +121,8 @@ def test_batch_inputs_that_cannot_decode_exactly_are_refused_by_name():
         model.generate(ids, attention_mask=mask * torch.tensor([[1], [0], [1], [1]]), max_new_tokens=4)
     with pytest.raises(ValueError, match="streamer takes one sequence"):
         model.generate(ids, attention_mask=mask, max_new_tokens=4, streamer=TextStreamer(tiny_tokenizer()))
-    with pytest.raises(ValueError, match="engine='eager'"):
-        model.generate(ids, attention_mask=mask, max_new_tokens=4, engine="compiled")
+    with pytest.raises(ValueError, match="a batch runs on 'eager' or 'compiled'"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, engine="inductor")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -167,3 +175,20 @@ def test_rows_cache_writes_and_commits_alike_in_step_and_apart():
         cache.commit([torch.tensor([0, 2]), torch.tensor([0])])  # row 0 keeps its third position as its second
         assert torch.equal(layer.keys[0, :, lengths[0] + 1], new[0][0, :, 2])
         assert torch.equal(layer.keys[1], before[1])
+
+
+def test_a_batch_runs_on_the_pre_packed_copy_where_the_cpu_packs_weights(monkeypatch):
+    """With no engine named, a batch's forwards run on the compiled engine's copy with pre-packed weights where this
+    CPU packs them (runtime.batch_engine), else on the target as it is; the rows stay exact either way."""
+    base = make_tiny_model("llama")
+    model = MedusaModel(base, make_heads(random=False), tokenizer=tiny_tokenizer(), projection_dtype=torch.float32)
+    targets, real = [], medusa.decode.decode_batch
+    monkeypatch.setattr(
+        medusa.decode, "decode_batch", lambda target, *a, **k: targets.append(target) or real(target, *a, **k)
+    )
+    ids, mask = padded(PROMPTS)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8)
+    packs = can_prepack(base.device, base.dtype)
+    assert targets == [model.engine("compiled").batch_model if packs else base]
+    assert (targets[0] is not base) == packs
+    assert torch.equal(out, base.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False))

@@ -18,6 +18,10 @@ class EagerEngine:
     def __init__(self, model):
         self.model = model
 
+    @property
+    def batch_model(self):
+        return self.model
+
     def new_cache(self, max_length: int):
         return DynamicCache(config=self.model.config)
 

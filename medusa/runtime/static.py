@@ -142,6 +142,11 @@ class CompiledEngine:
             else None
         )
 
+    @property
+    def batch_model(self):
+        """A batch runs eagerly on the pre-packed copy (torch.compile's graphs take one sequence)."""
+        return self.runner
+
     def _runner_for(self, model):
         """What runs the forward: a pre-packed copy where this engine packs, else the model itself."""
         return prepacked_copy(model) if self.prepacked else model
