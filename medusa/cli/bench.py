@@ -78,7 +78,7 @@ from medusa.loading import base_gguf
 from medusa.model import DEFAULT_HEADS_DIR
 from medusa.precision import PRECISIONS
 from medusa.questions import answer_message, encode_conversation, load_questions, per_group
-from medusa.runtime import ENGINES, engine_for
+from medusa.runtime import ENGINES, batch_engine, engine_for
 
 METHODS = (
     "baseline",
@@ -201,7 +201,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--batch-size",
         type=int,
         default=1,
-        help="questions decoded together (first turns, left-padded; methods on the eager engine, baseline as "
+        help="questions decoded together (first turns, left-padded; methods on the batch's engine, baseline as "
         "transformers' batched generate; tokens/s per method counts the whole batch's time)",
     )
     args = parser.parse_args(argv)
@@ -333,7 +333,7 @@ def build_methods(names: list[str], args, model, stop_ids: list[int]) -> tuple[d
                 eos_token_id=stop_ids or None,
                 generator=generator,
                 profile=args.profile,
-                engine=engine if attention_mask is None else None,  # a batch runs on the eager engine
+                engine=engine if attention_mask is None else None,  # a batch runs on runtime.batch_engine's
                 return_dict_in_generate=True,
                 **kwargs,
             )
@@ -799,8 +799,8 @@ def main(argv=None) -> dict:
         "dtype": args.dtype,
         "device": str(model.device),
         "engine": args.engine,
-        "baseline_compiled": "this library's batched plain decoding (proposer 'plain') on the eager engine, as "
-        "every batch"
+        "baseline_compiled": "this library's batched plain decoding (proposer 'plain') on the "
+        f"{batch_engine(model.base)} engine, as every batch"
         if args.batch_size > 1
         else "this library's plain decoding (proposer 'plain') on the "
         f"{model.best_plain_engine} engine: "
