@@ -393,24 +393,26 @@ def test_a_build_killed_while_writing_the_cache_leaves_none_and_resumes_without_
     assert torch.equal(cache.hidden[:], HiddenCache.assemble(convs, spans, 3).hidden)
 
 
+def status_mb(field: str) -> float:
+    """A memory field of this process's /proc/self/status (VmRSS: resident now, VmHWM: its peak), in MB."""
+    lines = Path("/proc/self/status").read_text().splitlines()
+    return int(next(line for line in lines if line.startswith(field)).split()[1]) / 1024
+
+
 def measure_build(directory: str) -> None:
     """Build a large cache with FakeBase in this (fresh) process; print its size and the growth of this process's
     peak resident memory while building, in MB (test_building_the_hidden_cache_holds_a_bounded_part_of_it)."""
     import medusa.train.hidden_cache as hc
 
-    def status(field: str) -> float:
-        lines = Path("/proc/self/status").read_text().splitlines()
-        return int(next(line for line in lines if line.startswith(field)).split()[1]) / 1024
-
     hc.last_hidden = fake_last_hidden
     hc.PROGRESS_BYTES = 4 << 20
     convs = fake_conversations(560, 200)
     Path("/proc/self/clear_refs").write_text("5")  # the peak restarts from the current resident memory
-    before = status("VmRSS")
+    before = status_mb("VmRSS")
     cache = hc.build_hidden_cache(
         RankAccelerator(), FakeBase(1024), convs, 0, Path(directory) / "h.safetensors", "k", 1024, print
     )
-    growth = status("VmHWM") - before
+    growth = status_mb("VmHWM") - before
     size = cache.hidden.shape[0] * cache.hidden.shape[1] * 2 / 2**20
     print(json.dumps({"cache_mb": size, "peak_growth_mb": growth}))
 
@@ -1337,10 +1339,6 @@ def test_a_loaded_hidden_cache_is_read_per_batch_not_held_whole(tmp_path):
     """The precomputed hidden states stay in their file (memory-mapped): loading a 192 MB cache and reading a batch
     from it adds a few MB to this process's resident memory, not the file's size, and the batch is the saved rows."""
 
-    def resident_mb() -> float:
-        status = Path("/proc/self/status").read_text()
-        return int(next(line for line in status.splitlines() if line.startswith("VmRSS")).split()[1]) / 1024
-
     if not Path("/proc/self/status").is_file():
         pytest.skip("reads resident memory from /proc")
     rows, width = 100_000, 1024
@@ -1352,8 +1350,8 @@ def test_a_loaded_hidden_cache_is_read_per_batch_not_held_whole(tmp_path):
     cache.save(tmp_path / "hidden.safetensors", "k")
     expected = cache.batch([7, 42])["hidden"]
     del cache, hidden
-    before = resident_mb()
+    before = status_mb("VmRSS")
     loaded = HiddenCache.load(tmp_path / "hidden.safetensors", "k")
     batch = loaded.batch([7, 42])["hidden"]
-    assert resident_mb() - before < 32  # the whole file is 195 MB
+    assert status_mb("VmRSS") - before < 32  # the whole file is 195 MB
     assert torch.equal(batch, expected)
