@@ -161,6 +161,44 @@ def test_ahead_of_time_packages_match_eager_and_load_in_a_new_engine(family, tmp
     assert medusa.runtime.aot.package_path(model, weights=base_fingerprint(model), **options) == package
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_half_precision_one_token_steps_run_a_package_on_the_models_own_weights(family, tmp_path, monkeypatch):
+    """bf16 on a CPU: one-token steps run the one-token package (aten's GEMV, oneDNN off while it runs, on again
+    after), which holds no weights: it reads the model's own, so an in-place change to one shows in its next step.
+    Its logits and hidden states match eager's within bf16 rounding; a tree still runs the main package."""
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
+    monkeypatch.setattr(medusa.runtime.static, "INDUCTOR_CPU_OPTIONS", FAST_INDUCTOR)
+    model = make_tiny_model(family, dtype=torch.bfloat16)
+    torch.manual_seed(3)
+    prompt = torch.randint(1, 90, (1, 7))
+    root = Candidates(tokens=torch.randint(1, 90, (1,)), tree=build_buffers(TreeSpec([], 3), 3))
+    engine = make_engine("inductor", model)
+    ran, run = [], medusa.runtime.aot.run
+
+    def recording(runner, *args, **kwargs):
+        ran.append((runner, torch.backends.mkldnn.enabled))
+        return run(runner, *args, **kwargs)
+
+    monkeypatch.setattr(medusa.runtime.aot, "run", recording)
+    close = dict(atol=3e-2, rtol=3e-2)  # bf16: another GEMM sums in another order
+    for change in (False, True):
+        if change:
+            with torch.no_grad():
+                model.get_output_embeddings().weight.mul_(2)  # in place: the package must see it
+        _, eager = _verify(EagerEngine(model), model, prompt, root)
+        _, ours = _verify(engine, model, prompt, root)
+        torch.testing.assert_close(ours.logits, eager.logits, **close)
+        torch.testing.assert_close(ours.hidden, eager.hidden, **close)
+    assert engine.one_token_gemv and sorted(engine._one_token) == sorted(engine._packages) == [512]
+    assert ran == [(engine._one_token[512], False)] * 2 and torch.backends.mkldnn.enabled
+    tree = build_buffers(TreeSpec(HAND_TREE, 3), 3)
+    _verify(engine, model, prompt, Candidates(tokens=torch.randint(1, 90, (tree.num_nodes,)), tree=tree))
+    assert ran[-1] == (engine._packages[512], True)
+    (one_token,) = (tmp_path / "aoti").glob("*-one-token-*.pt2")
+    assert not make_engine("inductor", make_tiny_model(family)).one_token_gemv  # fp32: the main package's template
+
+
 def test_an_unreadable_package_is_compiled_again(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
     model = make_tiny_model("llama")
@@ -168,7 +206,7 @@ def test_an_unreadable_package_is_compiled_again(tmp_path, monkeypatch, caplog):
     path.parent.mkdir(parents=True)
     path.write_bytes(b"not a package")
     compiled = []
-    monkeypatch.setattr(medusa.runtime.aot, "_export", lambda model, rows: compiled.append(rows))
+    monkeypatch.setattr(medusa.runtime.aot, "_export", lambda model, rows, one_token: compiled.append(rows))
     monkeypatch.setattr(
         torch._inductor,
         "aoti_compile_and_package",
@@ -191,7 +229,7 @@ def test_processes_wanting_one_package_compile_it_once(tmp_path, monkeypatch):
     model = make_tiny_model("llama")
     compiled = []
 
-    def slow_export(model, rows):
+    def slow_export(model, rows, one_token):
         compiled.append(threading.current_thread().name)
         time.sleep(0.5)
 

@@ -14,6 +14,7 @@ of them (`feature_layers`).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -39,6 +40,10 @@ logger = logging.getLogger(__name__)
 
 AOT_FORMAT = 3  # bump when what is exported changes (2: medusa's attention, 3: the rows written), so old packages
 # are not loaded
+# The one-token package (half-precision weights on a CPU): one query token, no freezing, so every linear stays a
+# matmul against a transposed view of the model's own weight, which aten runs as a GEMV without oneDNN
+# (`without_onednn`); it holds no weights and reads the model's own tensors (docs/engines.md).
+ONE_TOKEN_OPTIONS = {"freezing": False, "aot_inductor.package_constants_in_so": False}
 DEFAULT_CACHE_GB = 8  # a few models' packages at two or three cache sizes each
 MAX_QUERY = 256  # the most tokens one verify forward may take (a tree's nodes)
 GEMM_BACKENDS = "max_autotune_gemm_backends"
@@ -99,10 +104,11 @@ class VerifyStep(nn.Module):
         return out.logits[0], torch.stack(out.hidden_states)
 
 
-def package_path(model, rows: int, options: dict, weights: str) -> Path:
+def package_path(model, rows: int, options: dict, weights: str, one_token: bool = False) -> Path:
     """Where the package for `model` (its `weights`: medusa.loading.base_fingerprint) over `rows` rows lives."""
     key = {
         "format": AOT_FORMAT,
+        "one_token": one_token,
         "weights": weights,
         "dtype": str(model.dtype),
         "rows": rows,
@@ -111,19 +117,19 @@ def package_path(model, rows: int, options: dict, weights: str) -> Path:
         **describe(model.device),
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
-    return cache_root() / "aoti" / f"{rows}-{digest}.pt2"
+    return cache_root() / "aoti" / f"{rows}{'-one-token' if one_token else ''}-{digest}.pt2"
 
 
-def _export(model, rows: int):
-    """torch.export of VerifyStep over a fresh cache of `rows` rows, the query length (1 .. MAX_QUERY) and the rows
-    attended (1 .. rows - 1) dynamic."""
+def _export(model, rows: int, one_token: bool = False):
+    """torch.export of VerifyStep over a fresh cache of `rows` rows, the query length (1 .. MAX_QUERY; one token
+    only with `one_token`) and the rows attended (1 .. rows - 1) dynamic."""
     config = model.config.get_text_config()
     heads = config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     blank = lambda: torch.zeros((1, heads, rows, head_dim), dtype=model.dtype, device=model.device)  # noqa: E731
     keys = [blank() for _ in range(config.num_hidden_layers)]
     values = [blank() for _ in range(config.num_hidden_layers)]
-    n, past = 2, 3  # example lengths that are neither 0 nor 1 (export would specialise on those)
+    n, past = (1 if one_token else 2), 3  # examples that are neither 0 nor 1 (export would specialise on those)
     example = (
         torch.zeros((1, n), dtype=torch.long, device=model.device),
         torch.arange(past, past + n, device=model.device)[None],
@@ -132,7 +138,7 @@ def _export(model, rows: int):
         keys,
         values,
     )
-    query = torch.export.Dim("query", min=1, max=MAX_QUERY)
+    query = None if one_token else torch.export.Dim("query", min=1, max=MAX_QUERY)
     visible = torch.export.Dim("visible", min=1, max=rows - 1)  # see `takes`
     layers = [None] * config.num_hidden_layers
     return torch.export.export(
@@ -141,6 +147,30 @@ def _export(model, rows: int):
         dynamic_shapes=({1: query}, {1: query}, {2: query, 3: visible}, None, layers, layers),
         strict=False,
     )
+
+
+def own_weights(runner, model) -> None:
+    """Point a package compiled without its weights (ONE_TOKEN_OPTIONS) at `model`'s own parameters and buffers, by
+    the names export gave them (VerifyStep's): nothing is copied, and the package follows in-place changes."""
+    named = dict(VerifyStep(model).named_parameters(remove_duplicate=False))  # tied weights under each name
+    named.update(VerifyStep(model).named_buffers(remove_duplicate=False))
+    wanted = runner.get_constant_fqns()
+    missing = [name for name in wanted if name not in named]
+    if missing:
+        raise RuntimeError(f"the one-token package reads {missing[:3]}, which the model does not have")
+    runner.load_constants({name: named[name] for name in wanted}, check_full_update=True, user_managed=True)
+
+
+@contextlib.contextmanager
+def without_onednn():
+    """oneDNN off for a while: aten then runs a one-row matmul against a transposed weight as its GEMV, which
+    streams half-precision weights faster than oneDNN's GEMM does at one row (docs/engines.md)."""
+    enabled = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = enabled
 
 
 def _ticking(message: str):
@@ -155,18 +185,27 @@ def _ticking(message: str):
     return done
 
 
-def load_or_compile(model, rows: int, options: dict, weights: str, label: str = "", progress: bool = True):
+def load_or_compile(
+    model, rows: int, options: dict, weights: str, label: str = "", progress: bool = True, one_token: bool = False
+):
     """The AOTInductor runner of `model`'s verify forward over `rows` cache rows: loaded from its package, or
-    compiled (minutes on a small CPU) and saved there first. -> (runner, seconds spent compiling)."""
-    path = package_path(model, rows, options, weights)
+    compiled (minutes on a small CPU) and saved there first. `one_token`: the one-token package (ONE_TOKEN_OPTIONS,
+    `options` unused), reading `model`'s own weights. -> (runner, seconds spent compiling)."""
+    if one_token:
+        options = ONE_TOKEN_OPTIONS
+    path = package_path(model, rows, options, weights, one_token)
     seen = _version(path)
     runner = _load(path) if seen else None
-    if runner is not None:
-        return runner, 0.0
-    # another process compiling the same package: wait for it (minutes of both cores each, else) and load its result
-    with one_at_a_time(path.with_name(f".{path.name}.lock"), f"compiling {path.name}"):
-        runner = _load(path) if _version(path) not in (None, seen) else None
-        return (runner, 0.0) if runner is not None else _compile(model, rows, options, path, label, progress)
+    seconds = 0.0
+    if runner is None:
+        # another process compiling the same package: wait for it (minutes of both cores each, else), load its result
+        with one_at_a_time(path.with_name(f".{path.name}.lock"), f"compiling {path.name}"):
+            runner = _load(path) if _version(path) not in (None, seen) else None
+            if runner is None:
+                runner, seconds = _compile(model, rows, options, path, label, progress, one_token)
+    if one_token:
+        own_weights(runner, model)
+    return runner, seconds
 
 
 def _version(path: Path):
@@ -237,10 +276,11 @@ def prune(keep: Path) -> list[Path]:
     return deleted
 
 
-def _compile(model, rows: int, options: dict, path: Path, label: str, progress: bool):
+def _compile(model, rows: int, options: dict, path: Path, label: str, progress: bool, one_token: bool = False):
     start = time.perf_counter()
     message = (
-        f"compiling {label or 'the target'} ahead of time for steps over {rows} cached rows "
+        f"compiling {label or 'the target'} ahead of time for {'one-token ' if one_token else ''}steps over {rows} "
+        "cached rows "
         f"(AOTInductor, once on this machine; {path.parent})"
     )
     done = _ticking(message) if progress else None
@@ -248,7 +288,7 @@ def _compile(model, rows: int, options: dict, path: Path, label: str, progress: 
         probe_vector_isas_meanwhile()
     try:
         with torch.inference_mode(False), torch.no_grad():
-            program = _export(model, rows)
+            program = _export(model, rows, one_token)
             with atomic_file(path, suffix=".pt2") as tmp:  # AOTInductor wants the suffix; a killed compile leaves none
                 compile_package(program, tmp, options)
     finally:

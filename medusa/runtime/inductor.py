@@ -29,6 +29,9 @@ class InductorEngine(CompiledEngine):
         plain_weights = all(type(p) in (torch.Tensor, torch.nn.Parameter) for p in model.parameters())
         self.ahead_of_time = model.device.type != "cuda" and plain_weights
         self._packages: dict[int, object] = {}  # cache rows -> the loaded package's runner
+        # half precision on a CPU: one-token steps run a package of their own on aten's GEMV (aot.ONE_TOKEN_OPTIONS)
+        self.one_token_gemv = self.ahead_of_time and model.dtype in (torch.bfloat16, torch.float16)
+        self._one_token: dict[int, object] = {}  # cache rows -> that package's runner
         self._weights: str | None = None  # the base's fingerprint, which names its packages
         super().__init__(model, torch_compile=True, prepack=prepack)
 
@@ -42,14 +45,17 @@ class InductorEngine(CompiledEngine):
     @torch.inference_mode()
     def verify(self, cache, candidates: Candidates, past_length: int, feature_layers=()) -> VerifyOutput:
         rows = cache.layers[0].max_cache_len
+        n = candidates.tokens.numel()
         package = self._packages.get(rows) if self.ahead_of_time else None
-        if package is None or not aot.takes(rows, past_length, candidates.tokens.numel()):
+        if package is None or not aot.takes(rows, past_length, n):
             return super().verify(cache, candidates, past_length, feature_layers)
         self._start_step(cache, candidates, past_length)
         # the package attends over the rows written: the mask is as wide as them
-        tokens, position_ids, mask = verify_inputs(
-            candidates, past_length, self.model.dtype, past_length + candidates.tokens.numel()
-        )
+        tokens, position_ids, mask = verify_inputs(candidates, past_length, self.model.dtype, past_length + n)
+        one_token = self._one_token.get(rows) if n == 1 else None
+        if one_token is not None:
+            with aot.without_onednn():
+                return VerifyOutput(*aot.run(one_token, cache, tokens, position_ids, mask, past_length, feature_layers))
         return VerifyOutput(*aot.run(package, cache, tokens, position_ids, mask, past_length, feature_layers))
 
     def _compile_graphs(self, cache: StaticCache, progress: bool) -> float:
@@ -69,7 +75,7 @@ class InductorEngine(CompiledEngine):
                     self.label,
                     progress,
                 )
-            return seconds
+            return seconds + self._compile_one_token(rows, progress)
         except Exception as err:  # noqa: BLE001 - a compiler failure must not stop generation: run uncompiled
             logger.warning(
                 "compiling ahead of time failed (%s: %s); the %s engine runs uncompiled from now on",
@@ -78,4 +84,24 @@ class InductorEngine(CompiledEngine):
                 self.name,
             )
             self.ahead_of_time = False
+            return 0.0
+
+    def _compile_one_token(self, rows: int, progress: bool) -> float:
+        """Load (or compile) the one-token package for `rows` where this engine runs one (`one_token_gemv`), on
+        inductor's defaults (the engine's settings would freeze the weights into it). A failure leaves one-token steps
+        to the main package. -> seconds spent compiling."""
+        if not self.one_token_gemv:
+            return 0.0
+        try:
+            self._one_token[rows], seconds = aot.load_or_compile(
+                self.runner, rows, {}, self._weights, self.label, progress, one_token=True
+            )
+            return seconds
+        except Exception as err:  # noqa: BLE001 - the main package still serves one-token steps
+            logger.warning(
+                "compiling the one-token package failed (%s: %s); one-token steps run the main package",
+                type(err).__name__,
+                err,
+            )
+            self.one_token_gemv = False
             return 0.0
