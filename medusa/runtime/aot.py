@@ -108,13 +108,13 @@ def package_path(model, rows: int, options: dict, weights: str, one_token: bool 
     """Where the package for `model` (its `weights`: medusa.loading.base_fingerprint) over `rows` rows lives."""
     key = {
         "format": AOT_FORMAT,
-        "one_token": one_token,
         "weights": weights,
         "dtype": str(model.dtype),
         "rows": rows,
         "inductor": options,
         "transformers": transformers.__version__,
         **describe(model.device),
+        **({"one_token": True} if one_token else {}),  # the main packages keep the names they had
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
     return cache_root() / "aoti" / f"{rows}{'-one-token' if one_token else ''}-{digest}.pt2"
