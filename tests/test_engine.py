@@ -13,6 +13,7 @@ from medusa.hardware import cpu_flags, native_bf16
 from medusa.loading import base_fingerprint
 from medusa.runtime import CompiledEngine, EagerEngine, InductorEngine, engine_for, make_engine, prepacked_copy
 from medusa.runtime.prepack import FusedMember, FusedProjections, PackedLinear
+from medusa.runtime.quantize import quantize_target
 from medusa.sampling import SamplingConfig
 from medusa.tree import Candidates, TreeSpec, build_buffers
 from tests.conftest import FAMILIES, make_heads, make_tiny_model, run_together
@@ -196,7 +197,9 @@ def test_half_precision_one_token_steps_run_a_package_on_the_models_own_weights(
     _verify(engine, model, prompt, Candidates(tokens=torch.randint(1, 90, (tree.num_nodes,)), tree=tree))
     assert ran[-1] == (engine._packages[512], True)
     (one_token,) = (tmp_path / "aoti").glob("*-one-token-*.pt2")
-    assert not make_engine("inductor", make_tiny_model(family)).one_token_gemv  # fp32: the main package's template
+    assert not InductorEngine(make_tiny_model(family)).one_token_gemv  # fp32: the main package's C++ template
+    int8 = quantize_target(make_tiny_model(family, dtype=torch.bfloat16), "int8")  # bf16 activations, int8 weights
+    assert not InductorEngine(int8).one_token_gemv  # its int8 template beats aten's int8 kernel at one token
 
 
 def test_an_unreadable_package_is_compiled_again(tmp_path, monkeypatch, caplog):

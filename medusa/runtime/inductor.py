@@ -15,6 +15,7 @@ from transformers import StaticCache
 from medusa.loading import base_fingerprint
 from medusa.runtime import aot, static
 from medusa.runtime.prepack import attention_copy
+from medusa.runtime.quantize import precision_of
 from medusa.runtime.static import CompiledEngine
 from medusa.runtime.verify import VerifyOutput, verify_inputs
 from medusa.tree import Candidates
@@ -29,8 +30,9 @@ class InductorEngine(CompiledEngine):
         plain_weights = all(type(p) in (torch.Tensor, torch.nn.Parameter) for p in model.parameters())
         self.ahead_of_time = model.device.type != "cuda" and plain_weights
         self._packages: dict[int, object] = {}  # cache rows -> the loaded package's runner
-        # half precision on a CPU: one-token steps run a package of their own on aten's GEMV (aot.ONE_TOKEN_OPTIONS)
-        self.one_token_gemv = self.ahead_of_time and model.dtype in (torch.bfloat16, torch.float16)
+        # half-precision weights on a CPU: one-token steps run a package of their own on aten's GEMV
+        # (aot.ONE_TOKEN_OPTIONS); not quantized ones, whose int8 template beats aten's int8 kernel there
+        self.one_token_gemv = self.ahead_of_time and precision_of(model) in ("bfloat16", "float16")
         self._one_token: dict[int, object] = {}  # cache rows -> that package's runner
         self._weights: str | None = None  # the base's fingerprint, which names its packages
         super().__init__(model, torch_compile=True, prepack=prepack)
