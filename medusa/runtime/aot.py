@@ -152,8 +152,9 @@ def _export(model, rows: int, one_token: bool = False):
 def own_weights(runner, model) -> None:
     """Point a package compiled without its weights (ONE_TOKEN_OPTIONS) at `model`'s own parameters and buffers, by
     the names export gave them (VerifyStep's): nothing is copied, and the package follows in-place changes."""
-    named = dict(VerifyStep(model).named_parameters(remove_duplicate=False))  # tied weights under each name
-    named.update(VerifyStep(model).named_buffers(remove_duplicate=False))
+    step = VerifyStep(model)
+    named = dict(step.named_parameters(remove_duplicate=False))  # tied weights under each name
+    named.update(step.named_buffers(remove_duplicate=False))
     wanted = runner.get_constant_fqns()
     missing = [name for name in wanted if name not in named]
     if missing:
@@ -189,10 +190,8 @@ def load_or_compile(
     model, rows: int, options: dict, weights: str, label: str = "", progress: bool = True, one_token: bool = False
 ):
     """The AOTInductor runner of `model`'s verify forward over `rows` cache rows: loaded from its package, or
-    compiled (minutes on a small CPU) and saved there first. `one_token`: the one-token package (ONE_TOKEN_OPTIONS,
-    `options` unused), reading `model`'s own weights. -> (runner, seconds spent compiling)."""
-    if one_token:
-        options = ONE_TOKEN_OPTIONS
+    compiled (minutes on a small CPU) and saved there first. `one_token`: the one-token package (compiled with
+    ONE_TOKEN_OPTIONS), reading `model`'s own weights. -> (runner, seconds spent compiling)."""
     path = package_path(model, rows, options, weights, one_token)
     seen = _version(path)
     runner = _load(path) if seen else None

@@ -96,7 +96,7 @@ class InductorEngine(CompiledEngine):
             return 0.0
         try:
             self._one_token[rows], seconds = aot.load_or_compile(
-                self.runner, rows, {}, self._weights, self.label, progress, one_token=True
+                self.runner, rows, aot.ONE_TOKEN_OPTIONS, self._weights, self.label, progress, one_token=True
             )
             return seconds
         except Exception as err:  # noqa: BLE001 - the main package still serves one-token steps
