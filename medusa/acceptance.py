@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from medusa.runtime import VerifyOutput
+from medusa.runtime import StepGraph, VerifyOutput
 from medusa.sampling import SamplingConfig, greedy_tokens, select_token, target_probs
 from medusa.tree import Candidates
 
@@ -27,16 +27,27 @@ def _with_sentinel(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(1)])
 
 
-def _accepted_depths(tree, ok: torch.Tensor) -> torch.Tensor:
-    """ok (N,) bool per node (root ignored) -> (L,) long: how deep each root-to-leaf path is accepted."""
-    return _with_sentinel(ok)[tree.leaf_paths[:, 1:]].long().cumprod(1).sum(1)  # sentinel padding is never ok
+def _accepted_depths(leaf_paths: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+    """The tree's leaf paths (L, D + 1) and ok (N,) bool per node (root ignored) -> (L,) long: how deep each
+    root-to-leaf path is accepted."""
+    return _with_sentinel(ok)[leaf_paths[:, 1:]].long().cumprod(1).sum(1)  # sentinel padding is never ok
+
+
+def _packed(tokens: torch.Tensor, length: torch.Tensor, path: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
+    """Accepted depth (0-dim), its leaf path (D + 1,) and the bonus token -> (D + 3,): depth, path tokens, bonus."""
+    return torch.cat([length.view(1), _with_sentinel(tokens)[path], bonus.view(1)])
+
+
+def _unpacked(path: torch.Tensor, packed: torch.Tensor) -> Acceptance:
+    """_packed's result -> Acceptance, with the step's one host sync."""
+    values = packed.tolist()
+    accepted, path_tokens = values[0], values[1:-1]
+    return Acceptance(nodes=path[: accepted + 1], tokens=path_tokens[1 : accepted + 1] + [values[-1]])
 
 
 def _finish(candidates: Candidates, length: torch.Tensor, path: torch.Tensor, bonus: torch.Tensor) -> Acceptance:
     """Accepted depth (0-dim), its leaf path (D + 1,) and the bonus token (1,) -> Acceptance, with one host sync."""
-    packed = torch.cat([length.view(1), _with_sentinel(candidates.tokens)[path], bonus.view(1)]).tolist()
-    accepted, path_tokens = packed[0], packed[1:-1]
-    return Acceptance(nodes=path[: accepted + 1], tokens=path_tokens[1 : accepted + 1] + [packed[-1]])
+    return _unpacked(path, _packed(candidates.tokens, length, path, bonus))
 
 
 def _row(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -45,13 +56,28 @@ def _row(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def greedy(candidates: Candidates, verified: VerifyOutput, sampling: SamplingConfig, generator=None) -> Acceptance:
-    """Longest root-to-leaf path whose every token is the argmax of its parent's logits, plus that argmax at its end."""
+    """Longest root-to-leaf path whose every token is the argmax of its parent's logits, plus that argmax at its end.
+    A CUDA graph on a GPU for a tree (medusa.runtime.StepGraph); the root alone (plain decoding) is a few kernels, no
+    more than a graph's input copies, and runs as it is."""
     tree = candidates.tree
-    predicted = greedy_tokens(verified.logits)  # (N,)
-    lengths = _accepted_depths(tree, candidates.tokens == predicted[tree.parent])  # (L,)
+    run = GREEDY_PATH if tree.num_nodes > 1 else greedy_path
+    return _unpacked(*run(candidates.tokens, verified.logits, tree.parent, tree.leaf_paths))
+
+
+def greedy_path(
+    tokens: torch.Tensor, logits: torch.Tensor, parent: torch.Tensor, leaf_paths: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """greedy's tensor work: tokens (N,), logits (N, V), the tree's parent (N,) and leaf paths (L, D + 1) -> the
+    accepted leaf path (D + 1,) and `_packed` (D + 3,). Fixed shapes, no host sync."""
+    predicted = greedy_tokens(logits)  # (N,)
+    ok = tokens == predicted[parent]
+    lengths = _accepted_depths(leaf_paths, ok)  # (L,)
     best = lengths.argmax()
-    path = tree.leaf_paths[best]  # (D + 1,)
-    return _finish(candidates, lengths[best], path, _row(_with_sentinel(predicted)[path], lengths[best]))
+    path, length = _row(leaf_paths, best), _row(lengths, best)  # (D + 1,), ()
+    return path, _packed(tokens, length, path, _row(_with_sentinel(predicted)[path], length))
+
+
+GREEDY_PATH = StepGraph(greedy_path, "the greedy acceptance")
 
 
 def rejection(candidates: Candidates, verified: VerifyOutput, sampling: SamplingConfig, generator=None) -> Acceptance:
@@ -85,7 +111,7 @@ def rejection(candidates: Candidates, verified: VerifyOutput, sampling: Sampling
     accept_prob = mass / (1.0 - removed).clamp_min(torch.finfo(mass.dtype).tiny)
     accepted = torch.rand(tree.num_nodes, device=tokens.device, generator=generator) < accept_prob  # (N,)
     first = accepted & ~(earlier & accepted[None, :]).any(1)  # the child the ordered walk would take
-    lengths = _accepted_depths(tree, first)  # at most one child per node is `first`: one accepted path
+    lengths = _accepted_depths(tree.leaf_paths, first)  # at most one child per node is `first`: one accepted path
     best = lengths.argmax()
     path = tree.leaf_paths[best]
     last = _row(_with_sentinel(node)[path], lengths[best])  # 0-dim: the last accepted node
@@ -123,7 +149,7 @@ def speculative(candidates: Candidates, verified: VerifyOutput, sampling: Sampli
     p_x, q_x = p[:-1].gather(1, drafts)[:, 0], q[1:].gather(1, drafts)[:, 0]  # (gamma,)
     u = torch.rand(p_x.shape, device=p.device, generator=generator)
     ok = torch.cat([torch.ones_like(p_x[:1], dtype=torch.bool), u * q_x < p_x])  # u < p/q without dividing by q
-    lengths = _accepted_depths(tree, ok)  # (1,)
+    lengths = _accepted_depths(tree.leaf_paths, ok)  # (1,)
     residuals = torch.cat(
         [(p[:-1] - q[1:]).clamp_min(0.0), p[-1:]]
     )  # (N, V): what the bonus is drawn from after a accepted
@@ -147,7 +173,7 @@ def typical(candidates: Candidates, verified: VerifyOutput, sampling: SamplingCo
     entropy = -torch.special.xlogy(probs, probs).sum(-1)  # (N,)
     threshold = (sampling.posterior_alpha * torch.exp(-entropy)).clamp_max(sampling.posterior_threshold)  # (N,)
     mass = probs[tree.parent, tokens]  # (N,) p_parent(x_i)
-    lengths = _accepted_depths(tree, mass > threshold[tree.parent])  # (L,)
+    lengths = _accepted_depths(tree.leaf_paths, mass > threshold[tree.parent])  # (L,)
     log_mass = _with_sentinel(mass.clamp_min(torch.finfo(mass.dtype).tiny).log())[tree.leaf_paths[:, 1:]]  # (L, D)
     depth = torch.arange(tree.max_depth, device=tokens.device)
     likelihood = (log_mass * (depth[None, :] < lengths[:, None])).sum(1)  # (L,) log p of each accepted prefix

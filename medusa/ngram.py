@@ -41,24 +41,28 @@ def copy_chain(tokens: torch.Tensor, max_ngram: int, length: int) -> list[int]:
     return ngram_continuation(tokens, max_ngram, length, min_ngram=COPY_MIN_NGRAM, latest=True)
 
 
-def copy_guesses(chain: list[int], head: int, paths: torch.Tensor | None) -> torch.Tensor:
-    """Head `head`'s copy guess after each path: chain from `copy_chain`, paths (P, head) tokens after the root (None
-    for heads that do not read a path: one shared row) -> (P,) token ids, -1 where there is none.
+def copy_guesses(chain: list[int] | torch.Tensor, head: int, paths: torch.Tensor | None) -> torch.Tensor:
+    """Head `head`'s copy guess after each path: chain from `copy_chain` (or `chain_tensor`'s form of it), paths
+    (P, head) tokens after the root (None for heads that do not read a path: one shared row) -> (P,) token ids, -1
+    where there is none. Given a tensor chain it is pure tensor code (a CUDA graph can hold it).
 
     A head that reads its path gets the copy only on the path that follows the chain so far (further on, another
     path's context no longer matches); a head that reads no path guesses the same after every path.
     """
+    if not isinstance(chain, torch.Tensor):
+        chain = chain_tensor(chain, head + 1, None if paths is None else paths.device)
     rows = 1 if paths is None else paths.shape[0]
-    device = None if paths is None else paths.device
-    guesses = torch.full((rows,), -1, dtype=torch.long, device=device)
-    if len(chain) > head:
-        follows = (
-            torch.ones(rows, dtype=torch.bool, device=device)
-            if paths is None
-            else (paths == torch.tensor(chain[:head], dtype=torch.long, device=device)).all(1)
-        )
-        guesses[follows] = chain[head]
-    return guesses
+    guesses = chain[head].expand(rows)
+    if paths is None or head == 0:
+        return guesses.clone()
+    follows = (paths == chain[:head]).all(1)  # chain[:head] holds no -1 wherever chain[head] does not
+    return torch.where(follows, guesses, -1)
+
+
+def chain_tensor(chain: list[int], length: int, device=None) -> torch.Tensor:
+    """A copy chain (list) -> (length,) long tensor, -1 past its end."""
+    padded = chain[:length] + [-1] * (length - len(chain[:length]))
+    return torch.tensor(padded, dtype=torch.long, device=device)
 
 
 def put_first(tokens: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
@@ -71,5 +75,5 @@ def put_first(tokens: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
     # one column leaves each row: the guess that repeats the first token, else the last guess; column 0 without a copy
     drop = torch.where(duplicate.any(1), duplicate.int().argmax(1) + 1, torch.full_like(first, width))
     drop = torch.where(has, drop, torch.zeros_like(drop))
-    keep = torch.arange(width + 1, device=tokens.device)[None, :] != drop[:, None]
-    return merged[keep].view(rows, width)
+    column = torch.arange(width, device=tokens.device)[None, :]
+    return merged.gather(1, column + (column >= drop[:, None]).long())  # the columns left, in order

@@ -9,8 +9,8 @@ from typing import Protocol
 
 import torch
 
-from medusa.ngram import copy_chain, copy_guesses, put_first
-from medusa.runtime import can_int8, can_prepack, int8_linear, pack, packed_linear, quantize_int8
+from medusa.ngram import chain_tensor, copy_chain, copy_guesses, put_first
+from medusa.runtime import StepGraph, can_int8, can_prepack, int8_linear, pack, packed_linear, quantize_int8
 from medusa.tree import Candidates, TreeBuffers, TreeSpec, build_buffers
 
 
@@ -134,6 +134,8 @@ class MedusaProposer:
         self._context = None  # the context layer's state after the positions read so far (see `read`)
         self._context_read = None  # its output at the last of them
         self._unread: list[torch.Tensor] = []  # hidden states of positions committed by steps without guesses
+        self._no_copies = torch.full((heads.config.num_heads,), -1, dtype=torch.long, device=tree.parent.device)
+        self._guess = StepGraph(self.guess, "the heads' proposal")
 
     def read(self, state) -> torch.Tensor:
         """(H,): what the heads read this step: the last hidden state, or for heads with a context layer its output
@@ -194,33 +196,37 @@ class MedusaProposer:
 
     @torch.inference_mode()
     def propose(self, state) -> Candidates:
+        copies = self.step_copies(state)
+        if self.heads.config.copy_ngram:
+            copies = chain_tensor(copies, self.heads.config.num_heads, state.root_token.device)
+        else:
+            copies = self._no_copies
+        hidden = self.read(state) if self.used_heads or self.by_path else state.last_hidden
+        return Candidates(tokens=self._guess(hidden, state.root_token, copies), tree=self.tree)
+
+    def guess(self, hidden: torch.Tensor, root: torch.Tensor, copies: torch.Tensor) -> torch.Tensor:
+        """What the heads read (H,), the root token () and the copy guesses (K,) (-1 where none; `chain_tensor`) ->
+        the tree's tokens (N,). Pure tensor code with the tree's fixed shapes: a CUDA graph on a GPU (`_guess`)."""
         if self.by_path:
-            return self._propose_by_path(state)
-        tree = self.tree
-        parts = [state.root_token.view(1)]
+            tokens = root.view(1).repeat(self.tree.num_nodes)  # (N,) filled depth by depth
+            for head, level in enumerate(self.levels):
+                paths = tokens[level.parent_paths]  # (P, head)
+                logits = self.path_logits(hidden, root, head, paths)  # (P, V')
+                top = self.projection.token(torch.topk(logits, level.width, dim=-1).indices)  # (P, width)
+                if self.heads.config.copy_ngram:
+                    top = put_first(top, copy_guesses(copies, head, paths))
+                tokens[level.nodes] = top[level.parent_rows, level.ranks]
+            return tokens
+        tree, parts = self.tree, [root.view(1)]
         if self.used_heads:
-            logits = self.head_logits(self.read(state), state.root_token)
+            logits = self.head_logits(hidden, root)
             width = max(tree.topk_per_head)
             top = self.projection.token(torch.topk(logits, width, dim=-1).indices)  # (K_used, width) token ids
-            copies = self.step_copies(state)
-            if copies:
+            if self.heads.config.copy_ngram:
                 guesses = torch.cat([copy_guesses(copies, k, None) for k in range(self.used_heads)])  # (K_used,)
-                top = put_first(top, guesses.to(top.device))
+                top = put_first(top, guesses)
             parts += [top[k, :s] for k, s in enumerate(tree.topk_per_head[: self.used_heads]) if s]
-        flat = torch.cat(parts)
-        return Candidates(tokens=flat[tree.candidate_index], tree=tree)
-
-    def _propose_by_path(self, state) -> Candidates:
-        tokens = state.root_token.view(1).repeat(self.tree.num_nodes)  # (N,) filled depth by depth
-        hidden, copies = self.read(state), self.step_copies(state)
-        for head, level in enumerate(self.levels):
-            paths = tokens[level.parent_paths]  # (P, head)
-            logits = self.path_logits(hidden, state.root_token, head, paths)  # (P, V')
-            top = self.projection.token(torch.topk(logits, level.width, dim=-1).indices)  # (P, width)
-            if copies:
-                top = put_first(top, copy_guesses(copies, head, paths))
-            tokens[level.nodes] = top[level.parent_rows, level.ranks]
-        return Candidates(tokens=tokens, tree=self.tree)
+        return torch.cat(parts)[tree.candidate_index]
 
     def observe(self, state, accepted_tokens: list[int]) -> None:
         pass

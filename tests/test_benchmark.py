@@ -360,3 +360,11 @@ def test_a_batched_benchmark_runs_the_questions_together_and_stays_exact(tmp_pat
     assert {r["turns"][0]["batch"] for r in raw} == {2, 1}  # two questions together, then the third alone
     medusa = [r["turns"][0] for r in raw if r["method"] == "medusa"]
     assert sum(t["forwards"] for t in medusa) == pytest.approx(summary["overall"]["medusa"]["forwards"])
+
+
+def test_the_benchmarks_precision_defaults_to_bf16_on_a_gpu_and_fp32_on_a_cpu():
+    base = ["--questions", "q.jsonl", "--out", "o", "--methods", "baseline"]
+    assert benchmark.parse_args(base).dtype == "float32"
+    assert benchmark.parse_args([*base, "--device", "cuda"]).dtype == "bfloat16"
+    assert benchmark.parse_args([*base, "--device", "cuda:1"]).dtype == "bfloat16"
+    assert benchmark.parse_args([*base, "--device", "cuda", "--dtype", "float32"]).dtype == "float32"

@@ -7,11 +7,16 @@ import pytest
 import torch
 
 from medusa import MedusaModel
+from medusa.acceptance import GREEDY_PATH, greedy_path
 from medusa.decode import prefill
+from medusa.ngram import chain_tensor
+from medusa.propose import build_medusa_proposer
 from medusa.runtime import CompiledEngine, EagerEngine
+from medusa.runtime import graphs as step_graphs
 from medusa.sampling import SamplingConfig
 from medusa.tree import Candidates, TreeSpec, build_buffers
-from tests.conftest import FAMILIES, make_heads, make_tiny_model
+from tests.conftest import FAMILIES, HIDDEN, VOCAB, make_heads, make_tiny_model
+from tests.test_step_graphs import heads_of
 from tests.test_tree import HAND_TREE
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -61,6 +66,34 @@ def test_cuda_graph_engine_greedy_identity(family):
         )
         assert torch.equal(out.sequences, reference), proposer
         assert out.stats.new_tokens == 40
+    assert not step_graphs._FAILED  # the proposal and the acceptance ran as CUDA graphs
+    assert GREEDY_PATH.captured > 0
+
+
+@pytest.mark.parametrize("kind", ["plain", "path"])
+def test_step_graphs_equal_their_functions_and_their_outputs_outlive_the_next_replay(kind):
+    """Warm-up, recording, then replays of the heads' proposal and the greedy acceptance: each result equals the
+    eager function's, and is still intact after the calls that follow it (outputs are copied out of the graph)."""
+    model = MedusaModel(make_tiny_model("llama").cuda(), heads_of(kind).cuda(), projection_dtype=torch.float32)
+    tree = build_buffers(TreeSpec(HAND_TREE, 3), 3).to("cuda")
+    proposer = build_medusa_proposer(model, tree)
+    root, generator = torch.tensor(7, device="cuda"), torch.Generator("cuda").manual_seed(0)
+    proposals, acceptances = [], []
+    with torch.inference_mode():
+        for chain in ([], [9, 4, 11], [9], [9, 4, 11], [], [5]):
+            hidden = torch.randn(HIDDEN, device="cuda", generator=generator)
+            copies = chain_tensor(chain, 3, "cuda")
+            proposals.append((proposer._guess(hidden, root, copies), proposer.guess(hidden, root, copies)))
+            logits = torch.randn(tree.num_nodes, VOCAB, device="cuda", generator=generator)
+            tokens = logits.argmax(-1)[tree.parent]
+            tokens[len(acceptances) % tree.num_nodes] = 0  # one wrong guess, somewhere else each time
+            args = (tokens, logits, tree.parent, tree.leaf_paths)
+            acceptances.append((GREEDY_PATH(*args), greedy_path(*args)))
+    for graphed, eager in proposals:
+        assert torch.equal(graphed, eager)
+    for (path, packed), (eager_path, eager_packed) in acceptances:
+        assert torch.equal(path, eager_path) and torch.equal(packed, eager_packed)
+    assert not step_graphs._FAILED and proposer._guess.captured == 1 and GREEDY_PATH.captured > 0
 
 
 def test_cuda_graph_engine_runs_each_call_on_the_smallest_cache_that_fits():

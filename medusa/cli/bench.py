@@ -149,10 +149,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--dtype",
-        default="float32",
+        default=None,
         choices=[p for p in PRECISIONS if p != "auto"],  # a benchmark names the precision it measures
-        help="the target's precision (medusa.precision; int8 and int4: weight-only, CPU); llama.cpp runs the matching "
-        "GGUF type",
+        help="the target's precision (medusa.precision; int8 and int4: weight-only, CPU; default: bfloat16 on a GPU, "
+        "float32 on a CPU); llama.cpp runs the matching GGUF type",
     )
     parser.add_argument(
         "--plan",
@@ -213,6 +213,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"unknown methods {unknown}: choose from {', '.join(METHODS)}")
     if args.limit is not None and args.limit < 1:
         parser.error("--limit must be >= 1")
+    if args.dtype is None:  # where users of a GPU run: bf16 (the serving engines' default there)
+        args.dtype = "bfloat16" if str(args.device or "cpu").startswith("cuda") else "float32"
     return args
 
 

@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 
 from medusa.runtime.eager import EagerEngine
+from medusa.runtime.graphs import StepGraph
 from medusa.runtime.inductor import InductorEngine
 from medusa.runtime.kv_cache import RowsCache
 from medusa.runtime.prepack import (
@@ -50,6 +51,7 @@ __all__ = [
     "QUANTIZED",
     "PrefillOutput",
     "RowsCache",
+    "StepGraph",
     "VerifyOutput",
     "base_features",
     "can_int8",
