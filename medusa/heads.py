@@ -99,6 +99,11 @@ class ContextLayer(nn.Module):
         inv_freq = 1.0 / (10000 ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
+    def empty_past(self, device, dtype, batch: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The state before any position: `forward`'s past, all padding, with a tensor count (0)."""
+        keys = torch.zeros(batch, self.num_attention_heads, self.window - 1, self.head_dim, device=device, dtype=dtype)
+        return keys, torch.zeros_like(keys), torch.zeros((), dtype=torch.long, device=device)
+
     def _rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x (B, heads, T, D), positions (T,) -> x with rotary position encoding."""
         angles = positions.to(torch.float32)[:, None] * self.inv_freq  # (T, D/2)
@@ -110,8 +115,9 @@ class ContextLayer(nn.Module):
         """hidden (B, T, H * (1 + feature_layers)), next_embedding (B, T, H): positions that follow the `past` ones
         -> (features (B, T, H), past).
 
-        past: what the previous call returned, None at the start: (keys, values (B, heads, P, D) of the last
-        P <= window - 1 positions, the number of positions seen so far).
+        past: what the previous call returned, None at the start: (keys, values (B, heads, window - 1, D) of the last
+        window - 1 positions, zero-padded in front while fewer were seen, and the number of positions seen so far,
+        an int or a 0-dim tensor).
         """
         size = next_embedding.shape[-1]
         if hidden.shape[-1] != size * (1 + self.feature_layers):
@@ -132,17 +138,21 @@ class ContextLayer(nn.Module):
             .view(batch, length, 3, self.num_attention_heads, self.head_dim)
             .permute(2, 0, 3, 1, 4)
         )  # each (B, heads, T, D)
-        positions = torch.arange(seen, seen + length, device=hidden.device)
+        positions = seen + torch.arange(length, device=hidden.device)  # `seen` may be a tensor: no host sync
         q, k = self._rotate(q, positions), self._rotate(k, positions)
         if keys is not None:
             k, v = torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)
-        key_positions = torch.arange(seen + length - k.shape[2], seen + length, device=hidden.device)
+        key_positions = seen + length - k.shape[2] + torch.arange(k.shape[2], device=hidden.device)
         distance = positions[:, None] - key_positions[None, :]  # (T, P + T)
-        visible = (distance >= 0) & (distance < self.window)
+        visible = (distance >= 0) & (distance < self.window) & (key_positions >= 0)  # padding sits before 0
         attended = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible)
         x = x + self.attention_out(attended.transpose(1, 2).reshape(batch, length, size))
         x = x + self.mlp_out(nn.functional.silu(self.mlp_in(self.mlp_norm(x))))
-        keep = min(self.window - 1, k.shape[2])  # a later position sees at most window - 1 earlier ones
+        # a later position sees at most window - 1 earlier ones: keep that many, zero-padded in front while fewer
+        # have been seen (their positions are negative: never visible), so every step's state has one shape
+        keep = self.window - 1
+        if k.shape[2] < keep:
+            k, v = (nn.functional.pad(t, (0, 0, keep - t.shape[2], 0)) for t in (k, v))
         return x, (k[:, :, k.shape[2] - keep :], v[:, :, v.shape[2] - keep :], seen + length)
 
 

@@ -10,7 +10,7 @@ from typing import Protocol
 import torch
 
 from medusa.ngram import chain_tensor, copy_chain, copy_guesses, put_first
-from medusa.runtime import StepGraph, can_int8, can_prepack, int8_linear, pack, packed_linear, quantize_int8
+from medusa.runtime import StepGraph, can_int8, can_prepack, int8_linear, pack, packed_linear, quantize_int8, upload_ids
 from medusa.tree import Candidates, TreeBuffers, TreeSpec, build_buffers
 
 
@@ -132,10 +132,12 @@ class MedusaProposer:
         self.by_path = heads.config.condition_on_path  # children depend on their parent's path
         self.levels = tree_levels(tree) if self.by_path else []
         self._context = None  # the context layer's state after the positions read so far (see `read`)
+        self._seen = 0  # how many positions that is
         self._context_read = None  # its output at the last of them
         self._unread: list[torch.Tensor] = []  # hidden states of positions committed by steps without guesses
         self._no_copies = torch.full((heads.config.num_heads,), -1, dtype=torch.long, device=tree.parent.device)
         self._guess = StepGraph(self.guess, "the heads' proposal")
+        self._read_graph = StepGraph(self.read_rows, "the context layer's read")
 
     def read(self, state) -> torch.Tensor:
         """(H,): what the heads read this step: the last hidden state, or for heads with a context layer its output
@@ -148,23 +150,31 @@ class MedusaProposer:
                 "these heads have a context layer: the decode state must carry new_hidden, the hidden "
                 "states of the positions each step commits"
             )
-        seen = 0 if self._context is None else self._context[2]  # positions the layer has read
-        if seen == state.length:  # already read this step
+        if self._seen == state.length:  # already read this step
             return self._context_read
         new_hidden = torch.cat([*self._unread, state.new_hidden]) if self._unread else state.new_hidden
         rows = new_hidden.shape[0]
-        if seen + rows != state.length:
+        if self._seen + rows != state.length:
             raise RuntimeError(
-                f"the context layer has read {seen} positions, the cache holds {state.length} and the "
+                f"the context layer has read {self._seen} positions, the cache holds {state.length} and the "
                 f"steps since added {rows}: call read (or skip) once per step"
             )
-        following = torch.tensor(state.tokens[-rows:], dtype=torch.long, device=new_hidden.device)
-        features, self._context = self.heads.contextualise(
-            new_hidden[None], self.embed_tokens(following)[None], self._context
-        )
-        self._unread = []
-        self._context_read = features[0, -1]
+        following = upload_ids(state.tokens[-rows:], new_hidden.device)
+        past = self._context or self.heads.context.empty_past(new_hidden.device, new_hidden.dtype)
+        # a step's few rows: a CUDA graph per row count on a GPU; the prompt (or skipped steps') rows as they are
+        read = self._read_graph if self._context is not None and rows <= self.tree.max_depth + 1 else self.read_rows
+        self._context_read, *context = read(new_hidden, following, *past)
+        self._context, self._seen, self._unread = tuple(context), state.length, []
         return self._context_read
+
+    def read_rows(self, new_hidden, following, keys, values, seen) -> tuple[torch.Tensor, ...]:
+        """The context layer over `new_hidden` (r, F) and the tokens after them (r,), from its state (keys, values,
+        seen: ContextLayer's `past`, seen a 0-dim tensor) -> its output at the last row (H,), and its next state.
+        Pure tensor code with fixed shapes for r (a CUDA graph on a GPU: `_read_graph`)."""
+        features, past = self.heads.contextualise(
+            new_hidden[None], self.embed_tokens(following)[None], (keys, values, seen)
+        )
+        return features[0, -1], *past
 
     def skip(self, state) -> None:
         """A step without guesses (medusa.guard): the positions it committed are kept for the context layer to read
@@ -198,7 +208,7 @@ class MedusaProposer:
     def propose(self, state) -> Candidates:
         copies = self.step_copies(state)
         if self.heads.config.copy_ngram:
-            copies = chain_tensor(copies, self.heads.config.num_heads, state.root_token.device)
+            copies = upload_ids(chain_tensor(copies, self.heads.config.num_heads), state.root_token.device)
         else:
             copies = self._no_copies
         hidden = self.read(state) if self.used_heads or self.by_path else state.last_hidden

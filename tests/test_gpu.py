@@ -114,3 +114,30 @@ def test_cuda_graph_engine_runs_each_call_on_the_smallest_cache_that_fits():
         torch.testing.assert_close(compiled.verify(state.cache, candidates, state.length).logits, reference, **TOL)
     assert [c.layers[0].max_cache_len for c in caches] == [512, 1024, 512]
     assert caches[2] is caches[0]
+
+
+def test_context_heads_read_through_a_graph_keep_greedy_identity():
+    """Heads with a context layer (the shipped kind): each step's read runs as a CUDA graph per row count; generate
+    stays identical to transformers' greedy output, and the graphed read equals the eager one step after step."""
+    from tests.test_context_layer import context_heads  # noqa: PLC0415
+
+    base = make_tiny_model("llama").cuda()
+    model = MedusaModel(base, context_heads().cuda(), projection_dtype=torch.float32)
+    prompt = torch.tensor([[3, 4, 5, 6, 3, 4, 5, 6, 3, 4, 5]], device="cuda")
+    reference = base.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=40, do_sample=False)
+    out = model.generate(
+        prompt, max_new_tokens=40, proposer="medusa", tree=HAND_TREE, engine="compiled", return_dict_in_generate=True
+    )
+    assert torch.equal(out.sequences, reference)
+    assert not step_graphs._FAILED
+    proposer = build_medusa_proposer(model, build_buffers(TreeSpec(HAND_TREE, 3), 3).to("cuda"))
+    hidden, ids = torch.randn(20, HIDDEN, device="cuda"), torch.randint(1, VOCAB, (20,), device="cuda")
+    with torch.inference_mode():
+        _, *past = proposer.read_rows(hidden[:8], ids[:8], *model.heads.context.empty_past("cuda", hidden.dtype))
+        for start in range(8, 20, 3):
+            graphed = proposer._read_graph(hidden[start : start + 3], ids[start : start + 3], *past)
+            eager = proposer.read_rows(hidden[start : start + 3], ids[start : start + 3], *past)
+            for a, b in zip(graphed, eager):
+                torch.testing.assert_close(a, b)
+            past = graphed[1:]
+    assert proposer._read_graph.captured == 1

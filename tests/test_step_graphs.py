@@ -168,3 +168,30 @@ def test_a_step_graph_keeps_one_graph_per_input_shape_up_to_its_limit(monkeypatc
     for n in (3, 3, 4, 3, 5):
         assert torch.equal(graph(torch.zeros(n)), torch.ones(n))
     assert graph.captured == 2  # 3 and 4; 5 ran eagerly
+
+
+def test_the_context_layers_read_compiles_as_one_graph_per_row_count_and_equals_eager():
+    """A step's read (heads with a context layer): the layer's state has one shape from the first read on (padded to
+    its window), and its position count is a tensor, so the read of r rows is one fixed graph for every step."""
+    from tests.test_context_layer import context_heads  # noqa: PLC0415
+
+    model = MedusaModel(make_tiny_model("llama"), context_heads(), projection_dtype=torch.float32)
+    proposer = gpu_like_proposer(model)
+    layer = model.heads.context
+    torch._dynamo.reset()
+    compiled = torch.compile(proposer.read_rows, fullgraph=True, dynamic=False, backend="aot_eager")
+    hidden, ids = torch.randn(12, HIDDEN), torch.randint(1, VOCAB, (12,))
+    with torch.inference_mode():
+        past = layer.empty_past(hidden.device, hidden.dtype)
+        assert past[0].shape[2] == layer.window - 1 and int(past[2]) == 0
+        _, *past = proposer.read_rows(hidden[:2], ids[:2], *past)  # fewer positions than the window: padded
+        assert past[0].shape[2] == layer.window - 1 and int(past[2]) == 2
+        whole = model.heads.contextualise(hidden[None], model.base.get_input_embeddings()(ids)[None])[0][0]
+        for start in (2, 4, 6, 8):  # steps of 2 rows: one graph
+            eager = proposer.read_rows(hidden[start : start + 2], ids[start : start + 2], *past)
+            graphed = compiled(hidden[start : start + 2], ids[start : start + 2], *past)
+            for a, b in zip(graphed, eager):
+                torch.testing.assert_close(a, b)
+            torch.testing.assert_close(eager[0], whole[start + 1], rtol=1e-4, atol=1e-4)
+            past = eager[1:]
+    assert int(past[2]) == 10

@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 
 from medusa.runtime.eager import EagerEngine
-from medusa.runtime.graphs import StepGraph
+from medusa.runtime.graphs import StepGraph, upload_ids
 from medusa.runtime.inductor import InductorEngine
 from medusa.runtime.kv_cache import RowsCache
 from medusa.runtime.prepack import (
@@ -72,6 +72,7 @@ __all__ = [
     "quantize_target",
     "dequantize_target",
     "verify",
+    "upload_ids",
     "with_cache",
 ]
 

@@ -130,6 +130,15 @@ def main() -> None:
         eager = {r["run"]: r["sequences"] for r in rows if not r["step_graphs"]}
         same = {r["run"]: r["sequences"] == eager[r["run"]] for r in rows if r["step_graphs"]}
         print(f"{dtype_name}: outputs identical with and without step graphs: {same}; failed: {step_graphs._FAILED}")
+        # is the same call's output the same on this GPU (the first record's plain rows differed without a cause)?
+        step_graphs.STEP_GRAPHS = False
+        first = rows[0]
+        again = [
+            model.generate(p, max_new_tokens=args.new_tokens, engine="compiled", **RUNS[first["run"]])[0].tolist()
+            for p in prompts
+        ]
+        same[f"{first['run']} repeated"] = again == first["sequences"]
+        print(f"{dtype_name}: {first['run']} without step graphs, repeated: identical {again == first['sequences']}")
         with open(out / f"step_graphs_{dtype_name}.json", "w") as f:
             json.dump(
                 {
