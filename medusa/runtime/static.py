@@ -185,10 +185,16 @@ class CompiledEngine:
 
     @staticmethod
     def _set_length(cache: StaticCache, length: int) -> None:
-        """Where the next forward writes: transformers' static layers keep that count themselves, in place."""
+        """Where the next forward writes: transformers' static layers keep that count themselves, in place. Set with
+        two multi-tensor kernels, not a fill per layer: a step sets it twice (verify, commit), and on a GPU those 60
+        fills were most of a plain step's 111 kernel launches (docs/benchmarks/h100-step-graphs)."""
+        counts = {
+            id(layer.cumulative_length): layer.cumulative_length for layer in cache.layers if layer.is_initialized
+        }
+        if counts:
+            torch._foreach_zero_(list(counts.values()))
+            torch._foreach_add_(list(counts.values()), length)
         for layer in cache.layers:
-            if layer.is_initialized:
-                layer.cumulative_length.fill_(length)
             if hasattr(layer, "cumulative_length_int"):
                 layer.cumulative_length_int = length
             if isinstance(layer, PrefixStaticLayer):
