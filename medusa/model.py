@@ -117,6 +117,9 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
             self.heads, self.base.get_output_embeddings(), self.projection_dtype, int8=int8
         )
         self.proposal_heads = int8_copy(self.heads, skip=("projections",)) if int8 else self.heads
+        # the proposers' CUDA graphs (medusa.runtime.StepGraph), kept from call to call: each generate call builds a
+        # proposer, and capturing its graphs again would cost every call
+        self.step_graphs: dict = {}
 
     @property
     def config(self) -> MedusaConfig:

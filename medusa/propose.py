@@ -113,7 +113,9 @@ class MedusaProposer:
     Heads with `copy_ngram` rank their copy guess (medusa.ngram) first.
     """
 
-    def __init__(self, heads, projection: CandidateProjection, tree: TreeBuffers, embed_tokens=None):
+    def __init__(
+        self, heads, projection: CandidateProjection, tree: TreeBuffers, embed_tokens=None, graphs: dict | None = None
+    ):
         if len(tree.topk_per_head) > heads.config.num_heads:
             raise ValueError(f"tree needs {len(tree.topk_per_head)} heads, the model has {heads.config.num_heads}")
         if heads.config.condition_on_next_token and embed_tokens is None:
@@ -136,8 +138,19 @@ class MedusaProposer:
         self._context_read = None  # its output at the last of them
         self._unread: list[torch.Tensor] = []  # hidden states of positions committed by steps without guesses
         self._no_copies = torch.full((heads.config.num_heads,), -1, dtype=torch.long, device=tree.parent.device)
-        self._guess = StepGraph(self.guess, "the heads' proposal")
-        self._read_graph = StepGraph(self.read_rows, "the context layer's read")
+        # the step's CUDA graphs, shared through `graphs` with later proposers of the same heads and tree: a graph
+        # replays this proposer's own computation (its tree tensors, kept alive by the graph's bound method)
+        graphs = {} if graphs is None else graphs
+        tree_key = (
+            str(tree.parent.device),
+            tree.topk_per_head,
+            *(tuple(t.tolist()) for t in (tree.parent, tree.depth, tree.candidate_index)),
+        )
+        parts = (id(heads), id(embed_tokens))
+        self._guess = graphs.setdefault(
+            ("guess", *parts, id(projection), tree_key), StepGraph(self.guess, "the heads' proposal")
+        )
+        self._read_graph = graphs.setdefault(("read", *parts), StepGraph(self.read_rows, "the context layer's read"))
 
     def read(self, state) -> torch.Tensor:
         """(H,): what the heads read this step: the last hidden state, or for heads with a context layer its output
@@ -260,4 +273,5 @@ class PlainProposer:
 
 def build_medusa_proposer(model, tree: TreeBuffers) -> MedusaProposer:
     embed = model.base.get_input_embeddings() if model.heads.config.condition_on_next_token else None
-    return MedusaProposer(getattr(model, "proposal_heads", model.heads), model.candidate_projection, tree, embed)
+    heads = getattr(model, "proposal_heads", model.heads)
+    return MedusaProposer(heads, model.candidate_projection, tree, embed, getattr(model, "step_graphs", None))

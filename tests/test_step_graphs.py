@@ -195,3 +195,20 @@ def test_the_context_layers_read_compiles_as_one_graph_per_row_count_and_equals_
             torch.testing.assert_close(eager[0], whole[start + 1], rtol=1e-4, atol=1e-4)
             past = eager[1:]
     assert int(past[2]) == 10
+
+
+def test_proposers_of_one_model_share_their_graphs_from_call_to_call():
+    """generate builds a proposer per call; its graphs are the model's, so a GPU captures them once, not per call.
+    A graph replays its first proposer's computation: the proposal of a later one equals its own."""
+    from medusa.propose import build_medusa_proposer  # noqa: PLC0415
+
+    model = MedusaModel(make_tiny_model("llama"), heads_of("path"), projection_dtype=torch.float32)
+    build = lambda paths: build_medusa_proposer(model, build_buffers(TreeSpec(paths, 3), 3))  # noqa: E731
+    first, second, other = build(HAND_TREE), build(HAND_TREE), build([[0], [0, 0]])
+    assert second._guess is first._guess and second._read_graph is first._read_graph
+    assert other._guess is not first._guess  # another tree, another graph
+    hidden, root, copies = torch.randn(HIDDEN), torch.tensor(7), chain_tensor([9, 4], 3)
+    with torch.inference_mode():
+        assert torch.equal(second._guess(hidden, root, copies), second.guess(hidden, root, copies))
+    model.refresh_candidate_projection()  # new weights to propose with: graphs of their own
+    assert build(HAND_TREE)._guess is not first._guess

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
 import torch
 
@@ -36,6 +37,7 @@ class StepGraph:
     def __init__(self, fn, name: str):
         self.fn, self.name = fn, name
         self._graphs: dict[tuple, _Captured] = {}
+        self._lock = threading.Lock()  # copy in, replay, copy out: one caller at a time
 
     @property
     def failed(self) -> bool:
@@ -54,7 +56,7 @@ class StepGraph:
         if graph is None and len(self._graphs) >= MAX_SHAPES:
             return self.fn(*args)
         try:
-            with torch.inference_mode():
+            with self._lock, torch.inference_mode():
                 if graph is None:
                     graph = self._graphs[key] = _Captured(self.fn, args)
                 return graph.replay(args)
