@@ -75,7 +75,8 @@ def test_the_proposal_compiles_as_one_graph_equal_to_eager_and_again_for_the_nex
             assert torch.equal(compiled(hidden, root, copies), eager)
             if chain:
                 assert eager[1] == chain[0]  # node 1 (rank 0 of head 0) holds the copy
-        # a proposer of the next generate call (new tree buffers) reuses the graph: no recompile each call
+        # a proposer of the next generate call (new tree buffers) traces to the same graph: guess reads nothing of
+        # its instance but the tree's values and shapes
         with torch._dynamo.config.patch(error_on_recompile=True):
             recompiled = torch.compile(again.guess, fullgraph=True, dynamic=False, backend="aot_eager")
             assert torch.equal(recompiled(hidden, root, copies), eager)

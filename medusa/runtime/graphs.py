@@ -3,10 +3,10 @@
 On a GPU each ran eagerly, hundreds of kernel launches a step: the proposal alone cost 4-6 ms of an H100 bf16 step
 whose verify took 3-4 (docs/benchmarks/h100-step-graphs). Each is captured here once per input shape with
 `torch.cuda.CUDAGraph` and replayed: one launch. Not torch.compile's CUDA graphs ("reduce-overhead"): those share one
-tree with the verify's graphs, and calling a second compiled function between verifies made the verify 1.9 ms slower
-and the step no faster (the record beside that benchmark). The function must be pure tensor code with fixed shapes
-(no host syncs, no data-dependent shapes); the CPU tests compile each one with `fullgraph=True`, which refuses
-anything else. Elsewhere (a CPU) the function runs as it is.
+tree with the verify's graphs, and calling a second compiled function between verifies made a tree's verify 0.8-1.4
+ms slower and the step no faster (the record beside that benchmark). The function must be pure tensor code with
+fixed shapes (no host syncs, no data-dependent shapes); the CPU tests compile each one with `fullgraph=True`, which
+refuses anything else. Elsewhere (a CPU) the function runs as it is.
 """
 
 from __future__ import annotations

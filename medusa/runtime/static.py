@@ -188,12 +188,11 @@ class CompiledEngine:
         """Where the next forward writes: transformers' static layers keep that count themselves, in place. Set with
         two multi-tensor kernels, not a fill per layer: a step sets it twice (verify, commit), and on a GPU those 60
         fills were most of a plain step's 111 kernel launches (docs/benchmarks/h100-step-graphs)."""
-        counts = {
-            id(layer.cumulative_length): layer.cumulative_length for layer in cache.layers if layer.is_initialized
-        }
+        initialized = [layer.cumulative_length for layer in cache.layers if layer.is_initialized]
+        counts = list({id(t): t for t in initialized}.values())  # each once: adding to a shared one twice counts twice
         if counts:
-            torch._foreach_zero_(list(counts.values()))
-            torch._foreach_add_(list(counts.values()), length)
+            torch._foreach_zero_(counts)
+            torch._foreach_add_(counts, length)
         for layer in cache.layers:
             if hasattr(layer, "cumulative_length_int"):
                 layer.cumulative_length_int = length
