@@ -3,6 +3,7 @@ compute, no Hub access): the table in docs/training.md ("Memory").
 
     python scripts/training_memory.py                    # SmolLM2-135M, Llama-3-8B- and 70B-shaped, 2,048 tokens
     python scripts/training_memory.py --tokens 4096 --lora-r 16 --heads 4 --shapes Llama-3-8B
+    python scripts/training_memory.py --shapes SmolLM2-135M --measure   # and measured here, one process each
 
 For each shape the base is built on the meta device, LoRA-adapted by peft and run forward over `--tokens` tokens
 with medusa's own training forward (HeadTrainer: heads, fused loss); the activation bytes are those of every tensor
@@ -72,8 +73,9 @@ def saved_bytes(step) -> int:
     return sum(kept.values())
 
 
-def build(shape: dict, lora_r: int, num_heads: int, checkpointing: bool, dtype: torch.dtype):
-    """-> (HeadTrainer on the meta device, frozen base parameters by kind) for a Llama of `shape`."""
+def build(shape: dict, lora_r: int, num_heads: int, checkpointing: bool, dtype: torch.dtype, device="meta", int8=False):
+    """-> (HeadTrainer on `device` (random weights), frozen base parameters by kind) for a Llama of `shape`; `int8`:
+    the decoder's linear layers in torchao weight-only int8, as training's model.quantize int8 holds them."""
     from peft import LoraConfig, get_peft_model
 
     from medusa.train.config import HeadsConfig, TrainingConfig
@@ -81,9 +83,13 @@ def build(shape: dict, lora_r: int, num_heads: int, checkpointing: bool, dtype: 
 
     config = LlamaConfig(**shape, max_position_embeddings=8192)
     config._attn_implementation = "sdpa"
-    with torch.device("meta"):
+    with torch.device(device):
         base = AutoModelForCausalLM.from_config(config, dtype=dtype)
         base.requires_grad_(False)
+        if int8:
+            from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+            quantize_(base.get_decoder(), Int8WeightOnlyConfig())
         if checkpointing:
             enable_gradient_checkpointing(base)
         frozen = {"decoder linear": 0, "decoder rows": 0, "embeddings + lm_head": 0, "norms": 0}
@@ -147,13 +153,65 @@ def rows(name: str, shape: dict, tokens: int, lora_r: int, num_heads: int) -> li
     ]
 
 
+MEASURED = {  # configuration -> (base dtype, int8 decoder, gradient checkpointing): what --measure runs
+    "plain (fp32 base)": (torch.float32, False, False),
+    "gradient checkpointing": (torch.float32, False, True),
+    "bf16 base": (torch.bfloat16, False, False),
+    "int8 base": (torch.bfloat16, True, False),
+    "bf16 base + checkpointing": (torch.bfloat16, False, True),
+    "int8 base + checkpointing": (torch.bfloat16, True, True),
+}
+
+
+def measure_one(label: str, shape: dict, tokens: int, lora_r: int, num_heads: int) -> dict:
+    """One configuration in this process, on the CPU with random weights: peak resident memory after building the
+    trainer, and after one training step (forward and backward over one sequence of `tokens`, AdamW's step)."""
+    import resource
+
+    peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # noqa: E731 - Linux reports KiB
+    dtype, int8, checkpointing = MEASURED[label]
+    torch.manual_seed(0)
+    trainer, _ = build(shape, lora_r, num_heads, checkpointing, dtype, device="cpu", int8=int8)
+    built = peak()
+    optimizer = torch.optim.AdamW([p for p in trainer.parameters() if p.requires_grad], lr=1e-4)
+    ids = torch.randint(0, shape["vocab_size"], (1, tokens))
+    trainer(input_ids=ids, loss_mask=torch.ones_like(ids))["loss"].backward()
+    optimizer.step()
+    return {"configuration": label, "built": built, "peak": peak()}
+
+
+def measure(name: str, tokens: int, lora_r: int, num_heads: int) -> None:
+    """Each configuration of MEASURED in a process of its own (peak memory is per process), printed as a table."""
+    import json
+    import subprocess
+    import sys
+
+    print(f"\n{name}, measured on this CPU (random weights, peak resident memory per process, GiB):\n")
+    print("| configuration | after building | after one step | growth (states + activations + transients) |")
+    print("|---|---|---|---|")
+    for label in MEASURED:
+        command = [sys.executable, __file__, "--measure-one", label, "--shapes", name, "--tokens", str(tokens)]
+        command += ["--lora-r", str(lora_r), "--heads", str(num_heads)]
+        result = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+        built, peak = result["built"] / GIB, result["peak"] / GIB
+        print(f"| {label} | {built:.2f} | {peak:.2f} | {peak - built:.2f} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=2048, help="tokens per micro-batch (one sequence)")
     parser.add_argument("--lora-r", type=int, default=16)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--measure", action="store_true", help="also run each configuration here, on the CPU")
+    parser.add_argument("--measure-one", choices=list(MEASURED), help=argparse.SUPPRESS)  # (one measuring process)
     args = parser.parse_args()
+    if args.measure_one:
+        import json
+
+        shape = SHAPES[args.shapes[0]]
+        print(json.dumps(measure_one(args.measure_one, shape, args.tokens, args.lora_r, args.heads)))
+        return
     print(f"Medusa-2, LoRA r={args.lora_r} on every decoder linear layer, {args.heads} heads, {args.tokens} tokens")
     print("| base | configuration | base weights GiB | trainable + grads + AdamW GiB | activations GiB | total GiB |")
     print("|---|---|---|---|---|---|")
@@ -167,6 +225,9 @@ def main() -> None:
                 f"| {name} ({trainable / 1e6:.1f} M trainable) | {label} | {base / GIB:.2f} | {states / GIB:.2f} | "
                 f"{act / GIB:.2f} | {total / GIB:.2f} |"
             )
+    if args.measure:
+        for name in args.shapes:
+            measure(name, args.tokens, args.lora_r, args.heads)
 
 
 if __name__ == "__main__":

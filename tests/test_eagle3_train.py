@@ -3,14 +3,26 @@ and writes a draft that decodes exactly."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from medusa import MedusaModel
 from medusa.eagle3 import Eagle3Model
 from medusa.eagle3_io import load_eagle3
-from tests.test_train import run, save_tiny_base, sections, write_shards
+from tests.test_train import (
+    _assert_same_weights,
+    _launch_two,
+    assert_killed_then_resumed_equals_uninterrupted,
+    run,
+    save_tiny_base,
+    sections,
+    write_shards,
+)
 
 
 @pytest.fixture(scope="module")
@@ -62,3 +74,41 @@ def test_resume_equals_uninterrupted(tmp_path, tiny_base, tiny_data):
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0, msg=name)
     assert whole.eval_history[-1] == pytest.approx(resumed.eval_history[-1], abs=1e-6)
+
+
+@pytest.mark.slow
+def test_fsdp_over_two_processes_trains_the_draft_as_ddp_does(tmp_path, tiny_base, tiny_data):
+    """The draft under training.shard fsdp over 2 CPU processes (gloo), the target's layers sharded: the same draft
+    (within 1e-5) and held-out scores as DDP over the same 2 processes, which see the same conversations; its
+    checkpoints hold the draft's whole weights, as a single-process run's do."""
+    common = dict(max_steps=6, warmup_steps=2, save_every=3, grad_accum=2, eval_every=3)
+    outputs, logs = {}, {}
+    for shard in ("none", "fsdp"):
+        raw = eagle3_sections(tmp_path / shard, tiny_base, tiny_data, shard=shard, **common)
+        config = tmp_path / shard / "config.yaml"
+        config.write_text(yaml.safe_dump(raw))
+        logs[shard] = _launch_two(tmp_path / shard, config, "torchrun")
+        outputs[shard] = Path(raw["training"]["output_dir"])
+    held = next(line for line in logs["fsdp"].splitlines() if line.startswith("FSDP2: this process holds"))
+    local, total = (int(n.replace(",", "")) for n in held.split("holds ")[1].split(" weights")[0].split(" of "))
+    assert local <= total // 2 + 1000, held  # the target's layers and the root split between the 2 processes
+    assert "FSDP2" not in logs["none"]
+    _assert_same_weights(outputs["none"], outputs["fsdp"], ("model.safetensors",), atol=1e-5)
+    history = [json.loads((outputs[s] / "training_history.json").read_text()) for s in ("none", "fsdp")]
+    assert len(history[0]) == 2 and history[0][-1]["eval/step0/top1"] > 0
+    for ddp, fsdp in zip(*history):
+        assert fsdp == pytest.approx(ddp, abs=1e-6)
+    checkpoint = tmp_path / "fsdp" / "ckpt" / "checkpoints" / "checkpoint_0"
+    saved = load_file(str(checkpoint / "model.safetensors"))
+    whole = load_file(str(outputs["fsdp"] / "model.safetensors"))
+    assert {k.removeprefix("draft.") for k in saved} >= {k for k in whole if k not in ("d2t", "t2d")}
+
+
+@pytest.mark.slow
+def test_fsdp_sigkill_then_resume_equals_uninterrupted(tmp_path, tiny_base, tiny_data):
+    """The draft sharded over 2 processes, SIGKILLed after its first checkpoint and resumed with --resume: the same
+    draft as the uninterrupted sharded run."""
+    common = dict(max_steps=12, warmup_steps=2, save_every=4, grad_accum=2, shard="fsdp")
+    assert_killed_then_resumed_equals_uninterrupted(
+        tmp_path, lambda directory: eagle3_sections(directory, tiny_base, tiny_data, **common), ("model.safetensors",)
+    )

@@ -810,16 +810,21 @@ def test_deepspeed_launches_are_refused_with_the_reason(kind):
 
 
 def test_sharding_refuses_what_it_cannot_shard(tmp_path, tiny_base, tiny_data, monkeypatch):
-    """An int8 (torchao) base and the EAGLE-3 draft are refused by name, also when `--use_fsdp` asked for sharding."""
+    """An int8 (torchao) base is refused by name, for heads and for the EAGLE-3 draft, also when `--use_fsdp` asked
+    for sharding; so are heads whose hidden states the whole base would precompute in every process."""
     raw = sections(tmp_path, tiny_base, tiny_data, precompute_hidden=False, shard="fsdp")
     raw["model"]["quantize"] = "int8"
     with pytest.raises(NotImplementedError, match="cannot shard the int8"):
         run(raw)
-    raw = sections(tmp_path, tiny_base, tiny_data, precompute_hidden=False)
-    raw["eagle3"] = {"enabled": True}
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    with pytest.raises(NotImplementedError, match="not the EAGLE-3 draft"):
+    raw = sections(tmp_path, tiny_base, tiny_data)
+    raw["model"]["quantize"] = "int8"
+    raw["eagle3"] = {"enabled": True}
+    with pytest.raises(NotImplementedError, match="cannot shard the int8"):
         run(raw)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # (train.py turned it off for accelerate on a CPU)
+    with pytest.raises(ValueError, match="precompute_hidden runs the whole base in every process"):
+        run(sections(tmp_path, tiny_base, tiny_data, precompute_hidden=True))
 
 
 def _launch_two(tmp_path: Path, config: Path, how: str, *args: str, kill_when: Path | None = None) -> str:
@@ -934,15 +939,13 @@ def test_fsdp_over_two_processes_matches_one_process(tmp_path, tiny_base, tiny_d
         }
 
 
-@pytest.mark.slow
-def test_fsdp_sigkill_then_resume_equals_uninterrupted(tmp_path, tiny_base, tiny_data):
-    """A Medusa-2 run sharded over 2 processes, SIGKILLed after its first checkpoint, resumed with --resume in 2
-    processes: the same heads and adapter as the uninterrupted sharded run."""
-    options = dict(max_steps=40, save_every=4, batch_size=2, precompute_hidden=False, shard="fsdp", **MEDUSA2)
+def assert_killed_then_resumed_equals_uninterrupted(tmp_path: Path, make_raw, files: tuple[str, ...]) -> None:
+    """`make_raw(directory)` -> a config run in 2 processes (torchrun) twice: uninterrupted, and SIGKILLed after its
+    first checkpoint then resumed with --resume. Both end with the same weights in `files` (within 1e-6)."""
     outputs = []
     for name in ("whole", "split"):
-        (tmp_path / name).mkdir()
-        raw = sections(tmp_path / name, tiny_base, tiny_data, **options)
+        (tmp_path / name).mkdir(exist_ok=True)
+        raw = make_raw(tmp_path / name)
         config = tmp_path / name / "config.yaml"
         config.write_text(yaml.safe_dump(raw))
         if name == "split":
@@ -953,7 +956,19 @@ def test_fsdp_sigkill_then_resume_equals_uninterrupted(tmp_path, tiny_base, tiny
         else:
             _launch_two(tmp_path / name, config, "torchrun")
         outputs.append(Path(raw["training"]["output_dir"]))
-    _assert_same_weights(*outputs, (WEIGHTS_NAME, "adapter_model.safetensors"), atol=1e-6)
+    _assert_same_weights(*outputs, files, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_fsdp_sigkill_then_resume_equals_uninterrupted(tmp_path, tiny_base, tiny_data):
+    """A Medusa-2 run sharded over 2 processes, SIGKILLed after its first checkpoint, resumed with --resume in 2
+    processes: the same heads and adapter as the uninterrupted sharded run."""
+    options = dict(max_steps=40, save_every=4, batch_size=2, precompute_hidden=False, shard="fsdp", **MEDUSA2)
+    assert_killed_then_resumed_equals_uninterrupted(
+        tmp_path,
+        lambda directory: sections(directory, tiny_base, tiny_data, **options),
+        (WEIGHTS_NAME, "adapter_model.safetensors"),
+    )
 
 
 def _kill_processes_reading(path: Path) -> None:

@@ -245,7 +245,8 @@ class TrainingConfig:
     # activations of its frozen base, so there it is refused
     gradient_checkpointing: bool = False
     # none | fsdp: shard the base, heads and adapters over the processes with torch's FSDP2 (CPU and GPU);
-    # `accelerate launch --use_fsdp` sets it. Needs precompute_hidden false (hidden states from the sharded base)
+    # `accelerate launch --use_fsdp` sets it. Heads need precompute_hidden false (hidden states from the sharded
+    # base); an EAGLE-3 draft always reads them online
     shard: str = "none"
 
     def __post_init__(self):
@@ -296,11 +297,6 @@ class TrainingConfig:
                 "training.precompute_hidden needs a frozen base, but medusa2 adapts it with LoRA: "
                 "set training.precompute_hidden false for Medusa-2"
             )
-        if self.shard == "fsdp" and self.precompute_hidden:
-            raise ValueError(
-                "training.shard fsdp shards the base, but precompute_hidden runs the whole base in every process: "
-                "set training.precompute_hidden false (hidden states computed online by the sharded base)"
-            )
         if self.save_dtype is not None:
             resolve_dtype(self.save_dtype)
         if not self.output_dir:
@@ -348,6 +344,12 @@ class Config:
     eagle3: Eagle3Config = field(default_factory=Eagle3Config)
 
     def __post_init__(self):
+        # (an EAGLE-3 draft reads the target's hidden states online: precompute_hidden is for heads)
+        if self.training.shard == "fsdp" and self.training.precompute_hidden and not self.eagle3.enabled:
+            raise ValueError(
+                "training.shard fsdp shards the base, but precompute_hidden runs the whole base in every process: "
+                "set training.precompute_hidden false (hidden states computed online by the sharded base)"
+            )
         if self.training.gradient_checkpointing and not (self.training.medusa2 or self.eagle3.enabled):
             raise ValueError(
                 "training.gradient_checkpointing recomputes what backward needs of a network that trains, but "

@@ -17,10 +17,12 @@ import json
 import math
 import random
 import time
+from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from torch import nn
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
@@ -31,6 +33,7 @@ from medusa.train import checkpoints
 from medusa.train.batches import data_fingerprint, load_conversations, split_eval
 from medusa.train.config import Config
 from medusa.train.data import frequent_tokens
+from medusa.train.sharding import full_trainable_state, shard_trainer
 from medusa.train.trainer import load_frozen_base
 
 
@@ -77,23 +80,40 @@ def step_losses(draft, base, ids: torch.Tensor, first_scored: int, steps: int, d
         else:
             per_position, choice = score(hidden[0], positions)
         count = int(scored.sum())
-        if count:
-            total = total + decay**step * per_position[scored].mean()
+        # nothing scored: a zero that still reaches every weight, so that processes stay in step (DDP and FSDP
+        # reduce the gradients of every weight each backward)
+        total = total + decay**step * (per_position[scored].mean() if count else per_position.sum() * 0.0)
         agree = (draft.target_ids[choice] == chosen[positions]) & scored
         stats.append([count, int(agree.sum())])
     return total, stats
 
 
-def train_eagle3(cfg: Config, *, resume: bool = False, stop_after_steps: int | None = None):
+class Eagle3Trainer(nn.Module):
+    """The frozen target and the draft as one module whose forward is a conversation's `step_losses`: what DDP
+    wraps and FSDP shards (the target's decoder layers each, the rest at this root, whose weights are gathered for
+    the whole forward, as the draft reads the target's embeddings between its own steps)."""
+
+    def __init__(self, base: nn.Module, draft: Eagle3Draft):
+        super().__init__()
+        self.base, self.draft = base, draft
+
+    def forward(self, ids: torch.Tensor, first_scored: int, steps: int, decay: float):
+        return step_losses(self.draft, self.base, ids, first_scored, steps, decay)
+
+
+def train_eagle3(
+    cfg: Config, *, resume: bool = False, stop_after_steps: int | None = None, launched_fsdp: bool = False
+):
     from accelerate import Accelerator
     from accelerate.utils import set_seed
     from transformers import get_scheduler
 
-    from medusa.train.train import TrainResult, check_distributed_type
+    from medusa.train.train import TrainResult, check_distributed_type, resolve_shard
 
-    tcfg, ecfg = cfg.training, cfg.eagle3
-    accelerator = Accelerator(project_config=checkpoints.project_configuration(tcfg))
+    accelerator = Accelerator(project_config=checkpoints.project_configuration(cfg.training))
     check_distributed_type(accelerator)
+    shard = resolve_shard(cfg, accelerator, launched_fsdp)
+    tcfg, ecfg = cfg.training, cfg.eagle3
     main = accelerator.is_main_process
     set_seed(tcfg.seed)
     ckpt_root = checkpoints.checkpoint_root(tcfg)
@@ -102,8 +122,8 @@ def train_eagle3(cfg: Config, *, resume: bool = False, stop_after_steps: int | N
             checkpoints.check_writable(directory)
     resume_from = checkpoints.check_resume(ckpt_root, resume)
 
-    with accelerator.main_process_first():
-        base = load_frozen_base(cfg.model, accelerator.device)
+    with accelerator.main_process_first():  # sharded: loaded on the CPU, each process moves its shards only
+        base = load_frozen_base(cfg.model, torch.device("cpu") if shard else accelerator.device)
     vocab_size = base.get_output_embeddings().weight.shape[0]
     convs = []
     for data_dir in [cfg.data.out_dir, *cfg.data.extra_dirs]:
@@ -114,16 +134,33 @@ def train_eagle3(cfg: Config, *, resume: bool = False, stop_after_steps: int | N
         .sort()
         .values
     )
-    draft = build_draft(cfg, base, vocabulary).to(accelerator.device)
+    draft = build_draft(cfg, base, vocabulary)
     draft.gradient_checkpointing = tcfg.gradient_checkpointing
+    trainer = Eagle3Trainer(base, draft)
+    if shard:
+        shard_trainer(trainer, accelerator.device)
+        local = sum(p.to_local().numel() for p in trainer.parameters())
+        accelerator.print(
+            f"FSDP2: this process holds {local:,} of {sum(p.numel() for p in trainer.parameters()):,} weights"
+        )
+    else:
+        trainer.draft.to(accelerator.device)
 
     steps_per_epoch = math.ceil(len(train_idx) / (tcfg.grad_accum * accelerator.num_processes))
     max_steps = tcfg.max_steps or tcfg.epochs * steps_per_epoch
     optimizer = torch.optim.AdamW(
-        [p for p in draft.parameters() if p.requires_grad], lr=tcfg.lr, weight_decay=tcfg.weight_decay
+        [p for p in trainer.draft.parameters() if p.requires_grad], lr=tcfg.lr, weight_decay=tcfg.weight_decay
     )
+    # Not passed to accelerator.prepare: its wrapper would step the schedule once per process at every step.
     scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=tcfg.warmup_steps, num_training_steps=max_steps)
-    draft, optimizer, scheduler = accelerator.prepare(draft, optimizer, scheduler)
+    accelerator.register_for_checkpointing(scheduler)
+    # Sharded, the trainer and AdamW stay out of accelerate (it would wrap the trainer in DDP on CPU processes);
+    # `checkpoints` saves and loads them whole.
+    sharded = (trainer, optimizer) if shard else None
+    if not shard:
+        trainer, optimizer = accelerator.prepare(trainer, optimizer)
+    accelerator.register_save_state_pre_hook(checkpoints.save_trainable_only(trainer))
+    accelerator.register_load_state_pre_hook(checkpoints.check_trainable(trainer))
     snapshot = {
         "eagle3": asdict(ecfg),
         "training": {k: v for k, v in asdict(tcfg).items() if k not in checkpoints.RESUMABLE_CHANGES},
@@ -133,12 +170,12 @@ def train_eagle3(cfg: Config, *, resume: bool = False, stop_after_steps: int | N
     }
     step = 0
     if resume_from is not None:
-        checkpoints.resume(accelerator, resume_from, snapshot)
+        checkpoints.resume(accelerator, resume_from, snapshot, sharded)
         step = json.loads((resume_from / checkpoints.STATE_NAME).read_text())["step"]
         accelerator.print(f"resumed from {resume_from} at step {step}")
     order = list(train_idx)
     mine = order[accelerator.process_index :: accelerator.num_processes]
-    unwrapped = accelerator.unwrap_model(draft)
+    unwrapped = accelerator.unwrap_model(trainer)  # (sharded: the trainer itself, whose forward gathers)
 
     def conversation(index: int, evaluating: bool = False):
         """(ids (1, T), the first position scored): held-out conversations score their answers only."""
@@ -147,30 +184,34 @@ def train_eagle3(cfg: Config, *, resume: bool = False, stop_after_steps: int | N
         return torch.tensor([conv.ids], device=accelerator.device), first
 
     def evaluate() -> dict:
-        unwrapped.eval()
+        unwrapped.draft.eval()
         totals = [[0, 0] for _ in range(ecfg.ttt_steps)]
         with torch.no_grad():
-            for index in eval_idx:
-                _, stats = step_losses(unwrapped, base, *conversation(index, True), ecfg.ttt_steps, ecfg.step_decay)
+            for index in eval_idx:  # every process evaluates them all (sharded, each forward is collective)
+                _, stats = unwrapped(*conversation(index, True), ecfg.ttt_steps, ecfg.step_decay)
                 for total, (count, agree) in zip(totals, stats):
                     total[0] += count
                     total[1] += agree
-        unwrapped.train()
+        unwrapped.draft.train()
         return {f"eval/step{j}/top1": agree / max(count, 1) for j, (count, agree) in enumerate(totals)}
 
     start, history, done = time.perf_counter(), [], 0
     bar = tqdm(total=max_steps, initial=step, desc="eagle3", disable=not main)
-    draft.train()
+    unwrapped.base.eval()  # frozen: no dropout (from_pretrained's mode, kept explicit)
+    unwrapped.draft.train()
     while step < max_steps:
         epoch, within = divmod(step * tcfg.grad_accum, max(len(mine), 1))
         random.Random(tcfg.seed + epoch).shuffle(epoch_order := list(mine))
         for micro in range(tcfg.grad_accum):
+            last = micro == tcfg.grad_accum - 1
+            if shard:  # FSDP2: reduce-scatter the gradients at the last micro-step only
+                trainer.set_requires_gradient_sync(last)
             index = epoch_order[(within + micro) % len(epoch_order)]
-            loss, _ = step_losses(draft, base, *conversation(index), ecfg.ttt_steps, ecfg.step_decay)
-            if torch.is_tensor(loss):
+            with nullcontext() if shard or last else accelerator.no_sync(trainer):
+                loss, _ = trainer(*conversation(index), ecfg.ttt_steps, ecfg.step_decay)
                 accelerator.backward(loss / tcfg.grad_accum)
         if tcfg.max_grad_norm:
-            accelerator.clip_grad_norm_(draft.parameters(), tcfg.max_grad_norm)
+            accelerator.clip_grad_norm_(trainer.parameters(), tcfg.max_grad_norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
@@ -186,29 +227,47 @@ def train_eagle3(cfg: Config, *, resume: bool = False, stop_after_steps: int | N
             history.append({"step": step, **evaluate()})
             tqdm.write(json.dumps(history[-1]))
         if tcfg.save_every and step % tcfg.save_every == 0 and step < max_steps:
-            checkpoints.save(accelerator, step, snapshot)
+            checkpoints.save(accelerator, step, snapshot, sharded)
         if stop_after_steps is not None and done >= stop_after_steps:
-            checkpoints.save(accelerator, step, snapshot)
+            checkpoints.save(accelerator, step, snapshot, sharded)
             return TrainResult(None, step, history, 0.0, time.perf_counter() - start)
     bar.close()
     history.append({"step": step, **evaluate()})
     tqdm.write(json.dumps(history[-1]))
     output = None
+    whole = whole_draft(cfg, trainer, vocabulary) if shard else unwrapped.draft  # sharded: gathered (collective)
     if main:
         card = model_card(
-            cfg, unwrapped, history[-1], len(train_idx), sum(convs[i].response_tokens for i in train_idx), step
+            cfg, whole, history[-1], len(train_idx), sum(convs[i].response_tokens for i in train_idx), step
         )
         output = save_eagle3(
-            unwrapped,
+            whole,
             tcfg.output_dir,
             verifier=cfg.model.base or DEFAULT_BASE,
-            verifier_architectures=list(base.config.architectures or []),
+            verifier_architectures=list(unwrapped.base.config.architectures or []),
             speculative_tokens=ecfg.speculative_tokens,
             dtype=torch.bfloat16 if tcfg.save_dtype == "bfloat16" else None,
             extra_files={"README.md": card, "training_history.json": json.dumps(history, indent=2) + "\n"},
         )
     accelerator.wait_for_everyone()
     return TrainResult(output, step, history, 0.0, time.perf_counter() - start)
+
+
+def whole_draft(cfg: Config, trainer: Eagle3Trainer, vocabulary: torch.Tensor) -> Eagle3Draft:
+    """The sharded trainer's draft as one ordinary module on the CPU: its weights gathered whole (collective:
+    every process calls this), its buffers rebuilt from the vocabulary."""
+    state = {k.removeprefix("draft."): v for k, v in full_trainable_state(trainer).items() if k.startswith("draft.")}
+    config = trainer.base.config
+    aux = cfg.eagle3.aux_layers or default_aux_layers(config.get_text_config().num_hidden_layers)
+    draft = Eagle3Draft(config, aux, cfg.eagle3.draft_vocab_size, trainer.draft.t2d.numel())
+    draft.set_vocabulary(vocabulary)
+    missing, unexpected = draft.load_state_dict(state, strict=False)
+    trained = {name for name, _ in draft.named_parameters()}
+    if unexpected or trained & set(missing):
+        raise RuntimeError(
+            f"gathering the sharded draft: missing {sorted(trained & set(missing))}, unexpected {unexpected}"
+        )
+    return draft
 
 
 def model_card(cfg: Config, draft: Eagle3Draft, final: dict, conversations: int, tokens: int, steps: int) -> str:

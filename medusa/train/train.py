@@ -61,20 +61,15 @@ class TrainResult:
 def train(cfg: Config, *, resume: bool = False, stop_after_steps: int | None = None) -> TrainResult:
     """Run one training job. `stop_after_steps` stops (as if preempted) after that many optimizer steps of this
     invocation, without writing the output (to test resumption)."""
-    from accelerate import Accelerator, PartialState
-    from accelerate.utils import DistributedType, set_seed
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
     from transformers import get_scheduler
 
-    if cfg.eagle3.enabled and (cfg.training.shard == "fsdp" or _env_flag("ACCELERATE_USE_FSDP")):
-        raise NotImplementedError(
-            "training.shard fsdp (or `accelerate launch --use_fsdp`) shards Medusa heads training only, not the "
-            "EAGLE-3 draft yet: train the draft with DDP (`accelerate launch --multi_gpu ...`), model.dtype "
-            "bfloat16 or model.quantize int8 for the frozen base"
-        )
+    launched_fsdp, state = start_processes()
     if cfg.eagle3.enabled:  # an EAGLE-3 draft instead of heads
         from medusa.train.eagle3 import train_eagle3
 
-        return train_eagle3(cfg, resume=resume, stop_after_steps=stop_after_steps)
+        return train_eagle3(cfg, resume=resume, stop_after_steps=stop_after_steps, launched_fsdp=launched_fsdp)
     tcfg = cfg.training
     if tcfg.distill and cfg.heads.projection != "shared":
         raise ValueError(
@@ -83,16 +78,6 @@ def train(cfg: Config, *, resume: bool = False, stop_after_steps: int | None = N
         )
     if tcfg.report_to == "wandb":
         os.environ.setdefault("WANDB_MODE", "offline")  # no account needed; `wandb sync` uploads later
-    launched_fsdp = _env_flag("ACCELERATE_USE_FSDP")  # `accelerate launch --use_fsdp`
-    if launched_fsdp and not _accelerator_available():
-        # accelerate 1.x builds its FSDP plugin for accelerator devices only (it raises on CPU): train.py shards
-        # with FSDP2 itself in any case, so the launch's request is kept in training.shard instead
-        os.environ["ACCELERATE_USE_FSDP"] = "false"
-    # cpu=True on a host without an accelerator: torchrun-started processes then join one gloo group (without it
-    # accelerate leaves each of them alone in a world of one).
-    state = PartialState(
-        cpu=_env_flag("ACCELERATE_USE_CPU") or not _accelerator_available(), timeout=timedelta(hours=2)
-    )  # generous: the main process merges the hidden-state cache alone
     mixed = resolve_mixed_precision(tcfg.mixed_precision, state.device)
     accelerator = Accelerator(
         mixed_precision=mixed,
@@ -101,14 +86,8 @@ def train(cfg: Config, *, resume: bool = False, stop_after_steps: int | None = N
     )
     main = accelerator.is_main_process
     check_distributed_type(accelerator)
-    if tcfg.shard == "none" and (launched_fsdp or accelerator.distributed_type == DistributedType.FSDP):
-        cfg.training = tcfg = replace(tcfg, shard="fsdp")  # `accelerate launch --use_fsdp` (checked again)
-    shard = tcfg.shard == "fsdp" and accelerator.num_processes > 1  # (one process holds everything anyway)
-    if tcfg.shard == "fsdp" and cfg.model.quantize != "none":
-        raise NotImplementedError(
-            "training.shard fsdp cannot shard the int8 (torchao) base: set model.quantize none (model.dtype "
-            "bfloat16 halves the base instead), or train without sharding"
-        )
+    shard = resolve_shard(cfg, accelerator, launched_fsdp)
+    tcfg = cfg.training
 
     def log(message: str) -> None:
         if main:
@@ -328,6 +307,39 @@ def train(cfg: Config, *, resume: bool = False, stop_after_steps: int | None = N
     del trainer, optimizer
     shut_down(accelerator)
     return TrainResult(output_dir, total_steps, run_state.eval_history, tok_s, wall)
+
+
+def start_processes():
+    """Join this launch's processes (if any) before an Accelerator is built. -> (whether `accelerate launch
+    --use_fsdp` asked for sharding, accelerate's PartialState)."""
+    from accelerate import PartialState
+
+    launched_fsdp = _env_flag("ACCELERATE_USE_FSDP")  # `accelerate launch --use_fsdp`
+    if launched_fsdp and not _accelerator_available():
+        # accelerate 1.x builds its FSDP plugin for accelerator devices only (it raises on CPU): train.py shards
+        # with FSDP2 itself in any case, so the launch's request is kept in training.shard instead
+        os.environ["ACCELERATE_USE_FSDP"] = "false"
+    # cpu=True on a host without an accelerator: torchrun-started processes then join one gloo group (without it
+    # accelerate leaves each of them alone in a world of one).
+    state = PartialState(
+        cpu=_env_flag("ACCELERATE_USE_CPU") or not _accelerator_available(), timeout=timedelta(hours=2)
+    )  # generous: the main process merges the hidden-state cache alone
+    return launched_fsdp, state
+
+
+def resolve_shard(cfg: Config, accelerator, launched_fsdp: bool) -> bool:
+    """Whether this run shards with FSDP2 (training.shard fsdp, or `accelerate launch --use_fsdp`, which sets it in
+    cfg.training); one process holds everything anyway. Refuses what cannot be sharded."""
+    from accelerate.utils import DistributedType
+
+    if cfg.training.shard == "none" and (launched_fsdp or accelerator.distributed_type == DistributedType.FSDP):
+        cfg.training = replace(cfg, training=replace(cfg.training, shard="fsdp")).training  # the whole checked again
+    if cfg.training.shard == "fsdp" and cfg.model.quantize != "none":
+        raise NotImplementedError(
+            "training.shard fsdp cannot shard the int8 (torchao) base: set model.quantize none (model.dtype "
+            "bfloat16 halves the base instead), or train without sharding"
+        )
+    return cfg.training.shard == "fsdp" and accelerator.num_processes > 1
 
 
 def check_distributed_type(accelerator) -> None:
