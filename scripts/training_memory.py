@@ -14,6 +14,10 @@ decoder weights plus one scale per output row, embeddings and lm_head in bf16). 
 gradients and optimizer states by 2 and keeps the activations (each process runs its own batch): what train.py's
 training.shard fsdp brings (tested over 2 CPU processes), computed here, not measured.
 Transients (one chunk of logits, the KL reference's forward under no_grad, allocator slack) are not counted.
+
+--measure runs each configuration for real on this CPU (random weights, a process each, two gloo processes sharded
+as training.shard fsdp shards for the FSDP row) and prints each process's peak resident memory after building the
+trainer and after one training step: what the computed table leaves out shows there.
 """
 
 from __future__ import annotations
@@ -153,31 +157,70 @@ def rows(name: str, shape: dict, tokens: int, lora_r: int, num_heads: int) -> li
     ]
 
 
-MEASURED = {  # configuration -> (base dtype, int8 decoder, gradient checkpointing): what --measure runs
-    "plain (fp32 base)": (torch.float32, False, False),
-    "gradient checkpointing": (torch.float32, False, True),
-    "bf16 base": (torch.bfloat16, False, False),
-    "int8 base": (torch.bfloat16, True, False),
-    "bf16 base + checkpointing": (torch.bfloat16, False, True),
-    "int8 base + checkpointing": (torch.bfloat16, True, True),
+MEASURED = {  # configuration -> (base dtype, int8 decoder, gradient checkpointing, processes): what --measure runs
+    "plain (fp32 base)": (torch.float32, False, False, 1),
+    "gradient checkpointing": (torch.float32, False, True, 1),
+    "bf16 base": (torch.bfloat16, False, False, 1),
+    "int8 base": (torch.bfloat16, True, False, 1),
+    "bf16 base + checkpointing": (torch.bfloat16, False, True, 1),
+    "int8 base + checkpointing": (torch.bfloat16, True, True, 1),
+    "FSDP over 2, bf16 + checkpointing": (torch.bfloat16, False, True, 2),
 }
 
 
-def measure_one(label: str, shape: dict, tokens: int, lora_r: int, num_heads: int) -> dict:
+def measure_one(label: str, shape: dict, tokens: int, lora_r: int, num_heads: int, rank: int = 0) -> dict:
     """One configuration in this process, on the CPU with random weights: peak resident memory after building the
-    trainer, and after one training step (forward and backward over one sequence of `tokens`, AdamW's step)."""
+    trainer (and sharding it over the process group, where MEASURED says so, as train.py's training.shard fsdp
+    does), and after one training step (forward and backward over one sequence of `tokens`, AdamW's step)."""
     import resource
 
     peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # noqa: E731 - Linux reports KiB
-    dtype, int8, checkpointing = MEASURED[label]
+    dtype, int8, checkpointing, processes = MEASURED[label]
     torch.manual_seed(0)
     trainer, _ = build(shape, lora_r, num_heads, checkpointing, dtype, device="cpu", int8=int8)
+    if processes > 1:
+        from medusa.train.sharding import shard_trainer
+
+        shard_trainer(trainer, torch.device("cpu"))
     built = peak()
     optimizer = torch.optim.AdamW([p for p in trainer.parameters() if p.requires_grad], lr=1e-4)
+    torch.manual_seed(rank)  # each process its own sequence, as in training
     ids = torch.randint(0, shape["vocab_size"], (1, tokens))
     trainer(input_ids=ids, loss_mask=torch.ones_like(ids))["loss"].backward()
     optimizer.step()
     return {"configuration": label, "built": built, "peak": peak()}
+
+
+def _measure_rank(rank: int, processes: int, port: int, args: tuple, results) -> None:
+    """A process of a sharded measurement: joins a gloo group of `processes`, reports its own peaks."""
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(processes))
+    torch.distributed.init_process_group("gloo")
+    results.put(measure_one(*args, rank=rank))
+    torch.distributed.destroy_process_group()
+
+
+def measure_sharded(label: str, shape: dict, tokens: int, lora_r: int, num_heads: int) -> dict:
+    """MEASURED[label]'s processes, each measuring itself -> the largest peaks among them."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    processes = MEASURED[label][3]
+    with socket.socket() as sock:  # a free port for the rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    mp.start_processes(
+        _measure_rank,
+        args=(processes, port, (label, shape, tokens, lora_r, num_heads), results),
+        nprocs=processes,
+        start_method="spawn",
+    )
+    each = [results.get() for _ in range(processes)]
+    return {"configuration": label, **{key: max(r[key] for r in each) for key in ("built", "peak")}}
 
 
 def measure(name: str, tokens: int, lora_r: int, num_heads: int) -> None:
@@ -186,7 +229,8 @@ def measure(name: str, tokens: int, lora_r: int, num_heads: int) -> None:
     import subprocess
     import sys
 
-    print(f"\n{name}, measured on this CPU (random weights, peak resident memory per process, GiB):\n")
+    print(f"\n{name}, measured on this CPU (random weights, peak resident memory per process, GiB; sharded: the")
+    print("largest of the processes):\n")
     print("| configuration | after building | after one step | growth (states + activations + transients) |")
     print("|---|---|---|---|")
     for label in MEASURED:
@@ -210,7 +254,8 @@ def main() -> None:
         import json
 
         shape = SHAPES[args.shapes[0]]
-        print(json.dumps(measure_one(args.measure_one, shape, args.tokens, args.lora_r, args.heads)))
+        one = measure_sharded if MEASURED[args.measure_one][3] > 1 else measure_one
+        print(json.dumps(one(args.measure_one, shape, args.tokens, args.lora_r, args.heads)))
         return
     print(f"Medusa-2, LoRA r={args.lora_r} on every decoder linear layer, {args.heads} heads, {args.tokens} tokens")
     print("| base | configuration | base weights GiB | trainable + grads + AdamW GiB | activations GiB | total GiB |")

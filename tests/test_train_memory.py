@@ -171,3 +171,20 @@ def test_heads_learn_on_an_int8_base(tmp_path, tiny_base, tiny_data, medusa2):
         assert any("lora_B" in k and v.abs().max() > 0 for k, v in adapter.items())
     else:
         assert len(list((tmp_path / "cache").glob("hidden-*.safetensors"))) == 1
+
+
+@pytest.mark.slow
+def test_the_memory_script_measures_a_configuration_in_a_process_of_its_own():
+    """scripts/training_memory.py --measure's per-configuration process: a real training step of SmolLM2's shape on
+    the CPU, whose peak memory grew past the built trainer's by at least one [T, V] block of logits."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent.parent / "scripts" / "training_memory.py"
+    command = [sys.executable, str(script), "--measure-one", "bf16 base + checkpointing", "--shapes", "SmolLM2-135M"]
+    out = subprocess.run([*command, "--tokens", "512"], check=True, capture_output=True, text=True)
+    result = json.loads(out.stdout.splitlines()[-1])
+    assert result["configuration"] == "bf16 base + checkpointing"
+    assert result["peak"] > result["built"] + 512 * 49152 * 4, result  # one fp32 [512, V] block: 96 MiB
