@@ -15,9 +15,10 @@ gradients and optimizer states by 2 and keeps the activations (each process runs
 training.shard fsdp brings (tested over 2 CPU processes), computed here, not measured.
 Transients (one chunk of logits, the KL reference's forward under no_grad, allocator slack) are not counted.
 
---measure runs each configuration for real on this CPU (random weights, a process each, two gloo processes sharded
-as training.shard fsdp shards for the FSDP row) and prints each process's peak resident memory after building the
-trainer and after one training step: what the computed table leaves out shows there.
+--measure runs each configuration for real on this CPU (Linux; random weights, a process each, two gloo processes
+sharded as training.shard fsdp shards for the FSDP row) and prints each process's resident memory once the trainer is
+built and its peak during one training step (the kernel's high-water mark, reset before the step): what the computed
+table leaves out shows there.
 """
 
 from __future__ import annotations
@@ -168,13 +169,23 @@ MEASURED = {  # configuration -> (base dtype, int8 decoder, gradient checkpointi
 }
 
 
-def measure_one(label: str, shape: dict, tokens: int, lora_r: int, num_heads: int, rank: int = 0) -> dict:
-    """One configuration in this process, on the CPU with random weights: peak resident memory after building the
-    trainer (and sharding it over the process group, where MEASURED says so, as train.py's training.shard fsdp
-    does), and after one training step (forward and backward over one sequence of `tokens`, AdamW's step)."""
-    import resource
+def _memory(field: str) -> int:
+    """This process's VmRSS (resident now) or VmHWM (its peak since the last reset) in bytes (Linux)."""
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith(field + ":"))
+    return int(line.split()[1]) * 1024  # reported in kB
 
-    peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # noqa: E731 - Linux reports KiB
+
+def _reset_peak() -> None:
+    """Start VmHWM again from the resident memory now (Linux >= 4.0), so a step's peak is its own."""
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+
+
+def measure_one(label: str, shape: dict, tokens: int, lora_r: int, num_heads: int, rank: int = 0) -> dict:
+    """One configuration in this process, on the CPU with random weights: the resident memory once the trainer is
+    built (and sharded over the process group, where MEASURED says so, as train.py's training.shard fsdp does), and
+    the peak during one training step (forward and backward over one sequence of `tokens`, AdamW's step)."""
     dtype, int8, checkpointing, processes = MEASURED[label]
     torch.manual_seed(0)
     trainer, _ = build(shape, lora_r, num_heads, checkpointing, dtype, device="cpu", int8=int8)
@@ -182,13 +193,14 @@ def measure_one(label: str, shape: dict, tokens: int, lora_r: int, num_heads: in
         from medusa.train.sharding import shard_trainer
 
         shard_trainer(trainer, torch.device("cpu"))
-    built = peak()
     optimizer = torch.optim.AdamW([p for p in trainer.parameters() if p.requires_grad], lr=1e-4)
     torch.manual_seed(rank)  # each process its own sequence, as in training
     ids = torch.randint(0, shape["vocab_size"], (1, tokens))
+    built = _memory("VmRSS")
+    _reset_peak()
     trainer(input_ids=ids, loss_mask=torch.ones_like(ids))["loss"].backward()
     optimizer.step()
-    return {"configuration": label, "built": built, "peak": peak()}
+    return {"configuration": label, "built": built, "peak": _memory("VmHWM")}
 
 
 def _measure_rank(rank: int, processes: int, port: int, args: tuple, results) -> None:
@@ -229,9 +241,9 @@ def measure(name: str, tokens: int, lora_r: int, num_heads: int) -> None:
     import subprocess
     import sys
 
-    print(f"\n{name}, measured on this CPU (random weights, peak resident memory per process, GiB; sharded: the")
+    print(f"\n{name}, measured on this CPU (random weights, resident memory per process, GiB; sharded: the")
     print("largest of the processes):\n")
-    print("| configuration | after building | after one step | growth (states + activations + transients) |")
+    print("| configuration | built | peak of one step | growth (states + activations + transients) |")
     print("|---|---|---|---|")
     for label in MEASURED:
         command = [sys.executable, __file__, "--measure-one", label, "--shapes", name, "--tokens", str(tokens)]

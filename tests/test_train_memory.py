@@ -176,7 +176,8 @@ def test_heads_learn_on_an_int8_base(tmp_path, tiny_base, tiny_data, medusa2):
 @pytest.mark.slow
 def test_the_memory_script_measures_a_configuration_in_a_process_of_its_own():
     """scripts/training_memory.py --measure's per-configuration process: a real training step of SmolLM2's shape on
-    the CPU, whose peak memory grew past the built trainer's by at least one [T, V] block of logits."""
+    the CPU, whose own peak (the high-water mark reset before it) lies above the built trainer's resident memory by
+    at least one [T, V] block of logits."""
     import json
     import subprocess
     import sys
