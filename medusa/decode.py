@@ -180,9 +180,9 @@ class SpeculativeGenerator:
         model runs on one of the same kind)."""
         raise NotImplementedError
 
-    def batch_defaults(self, rows: int) -> tuple[str | None, list | None]:
-        """The proposer and tree a batch of `rows` decodes with when the call names neither; (None, None): what one
-        sequence takes (MedusaModel's plan chooses per batch size)."""
+    def batch_defaults(self, rows: int, engine: str) -> tuple[str | None, list | None]:
+        """The proposer and tree a batch of `rows` decodes with on `engine` when the call names neither; (None,
+        None): what one sequence takes (MedusaModel's plan chooses per batch size and engine)."""
         return None, None
 
     def _generate_batch(
@@ -198,10 +198,11 @@ class SpeculativeGenerator:
                 f"engine={engine!r} takes one sequence; a batch runs on {' or '.join(map(repr, BATCH_ENGINES))}: "
                 "pass one of them or None"
             )
-        target = self.engine(engine or batch_engine(self.base))
+        engine = engine or batch_engine(self.base)
+        target = self.engine(engine)
         eager = self.engine("eager")  # what a row's draft model runs on
         if proposer is None and tree is None:
-            proposer, tree = self.batch_defaults(len(rows))
+            proposer, tree = self.batch_defaults(len(rows), engine)
         ends = end_token_ids(self.base, tokenizer, settings.eos_token_id)
         pad = settings.pad_token_id
         if pad is None:  # as transformers: the (first) end-of-sequence token

@@ -372,11 +372,12 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         plan's tree, else the heads' own (a plain plan has none: its guard-free calls use the heads')."""
         return _tree_arg(tree) or (self.plan.tree if self.plan is not None else None) or self.tree
 
-    def batch_defaults(self, rows: int) -> tuple[str | None, list | None]:
-        """The plan's choice for a batch of `rows` (medusa.plan.batch_choice: timed per batch size on first use)."""
+    def batch_defaults(self, rows: int, engine: str) -> tuple[str | None, list | None]:
+        """The plan's choice for a batch of `rows` on `engine` (medusa.plan.batch_choice: timed per batch size and
+        engine on first use)."""
         if self.plan is None:
             return None, None
-        choice = batch_choice(self, rows)
+        choice = batch_choice(self, rows, engine=engine)
         return choice["proposer"], choice["tree"] or None
 
     def make_proposer(self, proposer: str | None, tree, sampling: SamplingConfig, generator, engine=None):

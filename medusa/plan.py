@@ -112,7 +112,9 @@ class Plan:
     key: dict = field(default_factory=dict)
     calibration_s: float = 0.0  # timing, compiling excluded
     compile_s: float = 0.0  # spent compiling the engines timed (torch.compile), before timing them
-    batches: dict = field(default_factory=dict)  # str(batch bucket) -> its choice (batch_choice), once measured
+    batches: dict = field(
+        default_factory=dict
+    )  # batch_key (bucket, engine) -> its choice (batch_choice), once measured
 
     @property
     def step_ms(self) -> float | None:
@@ -422,23 +424,28 @@ def batch_bucket(rows: int) -> int:
     return next((bucket for bucket in BATCH_BUCKETS if bucket >= rows), BATCH_BUCKETS[-1])
 
 
-def batch_choice(model, rows: int, progress: bool = True) -> dict:
+def batch_key(rows: int, engine: str) -> str:
+    """Where the plan keeps the choice for batches of `rows` rows on `engine` (its bucket's, batch_bucket)."""
+    return f"{batch_bucket(rows)} on {engine}"
+
+
+def batch_choice(model, rows: int, progress: bool = True, engine: str | None = None) -> dict:
     """The proposer and tree a batch of `rows` decodes with under `model.plan`: {"proposer", "tree",
     "expected_speedup" (over batched plain decoding), "verify_ms" ({nodes: ms} at the bucket's rows), "engine"}.
-    Measured on the engine batches run on (runtime.batch_engine) the first time a bucket is asked for, then kept in
-    the plan and its cache file."""
-    plan, bucket = model.plan, batch_bucket(rows)
-    # a choice timed on another engine than batches now run on (an older plan's, say) is timed again
-    if plan.batches.get(str(bucket), {}).get("engine") != batch_engine(model.base):
+    Measured on `engine` (default: the one batches run on, runtime.batch_engine) the first time a bucket is asked
+    for on it, then kept in the plan and its cache file."""
+    plan, engine = model.plan, engine or batch_engine(model.base)
+    key = batch_key(rows, engine)  # (an older plan's keys name no engine: timed again)
+    if key not in plan.batches:
         if progress:
-            print(f"calibrating batches of {bucket} rows (once; kept with the plan)", file=sys.stderr, flush=True)
-        plan.batches[str(bucket)] = _calibrate_batch(model, bucket)
+            print(f"calibrating batches of {key} (once; kept with the plan)", file=sys.stderr, flush=True)
+        plan.batches[key] = _calibrate_batch(model, batch_bucket(rows), engine)
         if plan.key:
             _save(plan, plan_path(plan.key))
-    return plan.batches[str(bucket)]
+    return plan.batches[key]
 
 
-def _calibrate_batch(model, rows: int, context: int = CONTEXT, repeats: int = BATCH_REPEATS) -> dict:
+def _calibrate_batch(model, rows: int, engine: str, context: int = CONTEXT, repeats: int = BATCH_REPEATS) -> dict:
     """Expected tokens per second of `rows` rows decoding plainly and with each tree size in BATCH_NODES: the batched
     verify timed at that many rows, each row's propose + accept (and a context layer's read) timed on one
     sequence, the expected tau as the plan's (choose) -> the choice with the most, plain unless one beats it by
@@ -450,12 +457,12 @@ def _calibrate_batch(model, rows: int, context: int = CONTEXT, repeats: int = BA
             "tree": plan.tree,
             "expected_speedup": None,
             "verify_ms": {},
-            "engine": batch_engine(model.base),
+            "engine": engine,
         }
     proposer = plan.proposer if plan.proposer in ("medusa", "dynamic") else "dynamic"
     order = grow_tree(acc, max(BATCH_NODES))
     sizes = [n for n in BATCH_NODES if n - 1 <= len(order)]
-    sampling, eager, engine = SamplingConfig(), engine_for(model.base, "eager"), batch_engine(model.base)
+    sampling, eager = SamplingConfig(), engine_for(model.base, "eager")
     vocab = model.base.get_output_embeddings().weight.shape[0]
     prompt = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(0)).to(model.device)
     with torch.inference_mode():

@@ -76,7 +76,7 @@ def main() -> None:
     if "planned" in methods:  # the plan's choice per batch size is timed on its first use: not inside the timings
         for size in args.sizes:
             if size > 1:
-                model.batch_defaults(size)
+                model.batch_defaults(size, engine)
     table = []
     for size in args.sizes:
         rates, identical = {}, {}

@@ -12,6 +12,7 @@ import medusa.guard
 import medusa.model
 import medusa.plan
 import medusa.precision
+import medusa.runtime
 from medusa import MedusaModel
 from medusa.guard import BACKOFF, PROBE, WINDOW, GuardedProposer
 from medusa.plan import (
@@ -345,10 +346,15 @@ def test_a_batch_takes_the_tree_its_rows_can_afford(tmp_path, monkeypatch):
     assert small["proposer"] != "plain" and len(small["tree"]) + 1 == 4  # 8 tokens verify at the price of one
     assert large["proposer"] == "plain" and large["tree"] == []  # 16 rows: every tree costs more than it accepts
     assert medusa.plan.batch_choice(model, 12) == large and timed == [2, 16]  # 12 rows: the 16 bucket, timed once
+    engine = small["engine"]
     saved = json.loads(plan_path(model.plan.key).read_text())["batches"]
-    assert saved["2"] == small and saved["16"] == large
+    assert saved[f"2 on {engine}"] == small and saved[f"16 on {engine}"] == large
     again = MedusaModel.from_pretrained(heads_dir, base=base_dir, plan="auto")
     assert medusa.plan.batch_choice(again, 2) == small and timed == [2, 16]  # read back, not timed again
+    other = "eager" if engine != "eager" else "compiled"  # a call naming the other batch engine: timed on it
+    assert medusa.plan.batch_choice(again, 2, engine=other)["engine"] == other and timed == [2, 16, 2]
+    assert medusa.plan.batch_choice(again, 2) == small and medusa.plan.batch_choice(again, 2, engine=other)
+    assert timed == [2, 16, 2]  # each kept under its own engine
 
 
 def test_a_flat_batched_curve_keeps_the_largest_tree(tmp_path, monkeypatch):
@@ -371,7 +377,7 @@ def test_a_planned_batch_decodes_each_row_as_alone(tmp_path, monkeypatch, family
     ids = torch.tensor([prompts[0], [0] * 3 + prompts[1]])  # left-padded
     mask = torch.tensor([[1] * 6, [0] * 3 + [1] * 3])
     out = model.generate(ids, attention_mask=mask, max_new_tokens=20, return_dict_in_generate=True)
-    assert "2" in model.plan.batches
+    assert f"2 on {medusa.runtime.batch_engine(model.base)}" in model.plan.batches
     for row, prompt in zip(out.sequences, prompts):
         alone = torch.tensor([prompt])
         reference = model.base.generate(
