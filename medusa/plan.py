@@ -112,9 +112,8 @@ class Plan:
     key: dict = field(default_factory=dict)
     calibration_s: float = 0.0  # timing, compiling excluded
     compile_s: float = 0.0  # spent compiling the engines timed (torch.compile), before timing them
-    batches: dict = field(
-        default_factory=dict
-    )  # batch_key (bucket, engine) -> its choice (batch_choice), once measured
+    # batch_key (a bucket and an engine) -> its choice (batch_choice), once measured
+    batches: dict = field(default_factory=dict)
 
     @property
     def step_ms(self) -> float | None:
