@@ -10,9 +10,9 @@ with medusa's own training forward (HeadTrainer: heads, fused loss); the activat
 autograd keeps for backward (saved-tensor hooks, once per storage), with and without transformers' gradient
 checkpointing. Weights, gradients and AdamW states are counted from the parameters: trainable ones (LoRA, heads) in
 fp32 with fp32 gradients and two fp32 AdamW moments; the frozen base in fp32, bf16, or int8 (torchao weight-only: int8
-decoder weights plus one scale per output row, embeddings and lm_head in bf16). "FSDP over 2" divides weights,
+decoder weights plus one scale per output row, embeddings and lm_head in bf16). The FSDP row divides weights,
 gradients and optimizer states by 2 and keeps the activations (each process runs its own batch): what train.py's
-training.shard fsdp brings (tested over 2 CPU processes), computed here, not measured.
+training.shard fsdp brings (tested over 2 CPU processes), computed here (--measure runs it in 2 gloo processes).
 Transients (one chunk of logits, the KL reference's forward under no_grad, allocator slack) are not counted.
 
 --measure runs each configuration for real on this CPU (Linux; random weights, a process each, two gloo processes
@@ -122,6 +122,18 @@ def build(shape: dict, lora_r: int, num_heads: int, checkpointing: bool, dtype: 
     return trainer, frozen
 
 
+CONFIGURATIONS = {  # label -> (base dtype, int8 decoder, gradient checkpointing, processes): the table's rows, and
+    # what --measure runs (an int8 base computes on bf16 activations)
+    "plain (fp32 base)": (torch.float32, False, False, 1),
+    "gradient checkpointing": (torch.float32, False, True, 1),
+    "bf16 base": (torch.bfloat16, False, False, 1),
+    "int8 base": (torch.bfloat16, True, False, 1),
+    "bf16 base + checkpointing": (torch.bfloat16, False, True, 1),
+    "int8 base + checkpointing": (torch.bfloat16, True, True, 1),
+    "FSDP over 2, bf16 + checkpointing": (torch.bfloat16, False, True, 2),
+}
+
+
 def rows(name: str, shape: dict, tokens: int, lora_r: int, num_heads: int) -> list[tuple]:
     # one unpadded sequence is never packed; transformers' check for packing reads values meta tensors do not have
     transformers.masking_utils.find_packed_sequence_indices = lambda position_ids: None
@@ -142,31 +154,12 @@ def rows(name: str, shape: dict, tokens: int, lora_r: int, num_heads: int) -> li
         + 2 * (frozen["embeddings + lm_head"] + frozen["norms"]),
     }
     states = 16 * trainable  # fp32 weight + fp32 gradient + two fp32 AdamW moments (bf16 base: the same)
-    f32, b16 = torch.float32, torch.bfloat16
-    configurations = [
-        ("plain (fp32 base)", base_bytes["fp32"], activations[f32, False], 1),
-        ("gradient checkpointing", base_bytes["fp32"], activations[f32, True], 1),
-        ("bf16 base", base_bytes["bf16"], activations[b16, False], 1),
-        ("int8 base", base_bytes["int8"], activations[b16, False], 1),
-        ("bf16 base + checkpointing", base_bytes["bf16"], activations[b16, True], 1),
-        ("int8 base + checkpointing", base_bytes["int8"], activations[b16, True], 1),
-        ("FSDP over 2 (computed), bf16 + checkpointing", base_bytes["bf16"], activations[b16, True], 2),
-    ]
-    return [
-        (name, label, base / shards, states / shards, act, (base + states) / shards + act, trainable)
-        for label, base, act, shards in configurations
-    ]
-
-
-MEASURED = {  # configuration -> (base dtype, int8 decoder, gradient checkpointing, processes): what --measure runs
-    "plain (fp32 base)": (torch.float32, False, False, 1),
-    "gradient checkpointing": (torch.float32, False, True, 1),
-    "bf16 base": (torch.bfloat16, False, False, 1),
-    "int8 base": (torch.bfloat16, True, False, 1),
-    "bf16 base + checkpointing": (torch.bfloat16, False, True, 1),
-    "int8 base + checkpointing": (torch.bfloat16, True, True, 1),
-    "FSDP over 2, bf16 + checkpointing": (torch.bfloat16, False, True, 2),
-}
+    table = []
+    for label, (dtype, int8, checkpointing, shards) in CONFIGURATIONS.items():
+        base = base_bytes["int8" if int8 else "fp32" if dtype == torch.float32 else "bf16"]
+        act = activations[dtype, checkpointing]
+        table.append((name, label, base / shards, states / shards, act, (base + states) / shards + act, trainable))
+    return table
 
 
 def _memory(field: str) -> int:
@@ -184,9 +177,10 @@ def _reset_peak() -> None:
 
 def measure_one(label: str, shape: dict, tokens: int, lora_r: int, num_heads: int, rank: int = 0) -> dict:
     """One configuration in this process, on the CPU with random weights: the resident memory once the trainer is
-    built (and sharded over the process group, where MEASURED says so, as train.py's training.shard fsdp does), and
-    the peak during one training step (forward and backward over one sequence of `tokens`, AdamW's step)."""
-    dtype, int8, checkpointing, processes = MEASURED[label]
+    built (and sharded over the process group where the configuration has 2 processes, as train.py's training.shard
+    fsdp does), and the peak during one training step (forward and backward over one sequence of `tokens`, AdamW's
+    step)."""
+    dtype, int8, checkpointing, processes = CONFIGURATIONS[label]
     torch.manual_seed(0)
     trainer, _ = build(shape, lora_r, num_heads, checkpointing, dtype, device="cpu", int8=int8)
     if processes > 1:
@@ -214,12 +208,12 @@ def _measure_rank(rank: int, processes: int, port: int, args: tuple, results) ->
 
 
 def measure_sharded(label: str, shape: dict, tokens: int, lora_r: int, num_heads: int) -> dict:
-    """MEASURED[label]'s processes, each measuring itself -> the largest peaks among them."""
+    """CONFIGURATIONS[label]'s processes, each measuring itself -> the largest peaks among them."""
     import socket
 
     import torch.multiprocessing as mp
 
-    processes = MEASURED[label][3]
+    processes = CONFIGURATIONS[label][3]
     with socket.socket() as sock:  # a free port for the rendezvous
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -236,7 +230,7 @@ def measure_sharded(label: str, shape: dict, tokens: int, lora_r: int, num_heads
 
 
 def measure(name: str, tokens: int, lora_r: int, num_heads: int) -> None:
-    """Each configuration of MEASURED in a process of its own (peak memory is per process), printed as a table."""
+    """Each configuration of CONFIGURATIONS in a process of its own (peak memory is per process), printed as a table."""
     import json
     import subprocess
     import sys
@@ -245,7 +239,7 @@ def measure(name: str, tokens: int, lora_r: int, num_heads: int) -> None:
     print("largest of the processes):\n")
     print("| configuration | built | peak of one step | growth (states + activations + transients) |")
     print("|---|---|---|---|")
-    for label in MEASURED:
+    for label in CONFIGURATIONS:
         command = [sys.executable, __file__, "--measure-one", label, "--shapes", name, "--tokens", str(tokens)]
         command += ["--lora-r", str(lora_r), "--heads", str(num_heads)]
         result = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
@@ -260,13 +254,14 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--measure", action="store_true", help="also run each configuration here, on the CPU")
-    parser.add_argument("--measure-one", choices=list(MEASURED), help=argparse.SUPPRESS)  # (one measuring process)
+    # one measuring process (--measure starts one per configuration)
+    parser.add_argument("--measure-one", choices=list(CONFIGURATIONS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure_one:
         import json
 
         shape = SHAPES[args.shapes[0]]
-        one = measure_sharded if MEASURED[args.measure_one][3] > 1 else measure_one
+        one = measure_sharded if CONFIGURATIONS[args.measure_one][3] > 1 else measure_one
         print(json.dumps(one(args.measure_one, shape, args.tokens, args.lora_r, args.heads)))
         return
     print(f"Medusa-2, LoRA r={args.lora_r} on every decoder linear layer, {args.heads} heads, {args.tokens} tokens")

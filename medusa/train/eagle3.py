@@ -235,7 +235,7 @@ def train_eagle3(
     history.append({"step": step, **evaluate()})
     tqdm.write(json.dumps(history[-1]))
     output = None
-    whole = whole_draft(cfg, trainer, vocabulary) if shard else unwrapped.draft  # sharded: gathered (collective)
+    whole = whole_draft(trainer, vocabulary) if shard else unwrapped.draft  # sharded: gathered (collective)
     if main:
         card = model_card(
             cfg, whole, history[-1], len(train_idx), sum(convs[i].response_tokens for i in train_idx), step
@@ -253,13 +253,12 @@ def train_eagle3(
     return TrainResult(output, step, history, 0.0, time.perf_counter() - start)
 
 
-def whole_draft(cfg: Config, trainer: Eagle3Trainer, vocabulary: torch.Tensor) -> Eagle3Draft:
+def whole_draft(trainer: Eagle3Trainer, vocabulary: torch.Tensor) -> Eagle3Draft:
     """The sharded trainer's draft as one ordinary module on the CPU: its weights gathered whole (collective:
     every process calls this), its buffers rebuilt from the vocabulary."""
     state = {k.removeprefix("draft."): v for k, v in full_trainable_state(trainer).items() if k.startswith("draft.")}
-    config = trainer.base.config
-    aux = cfg.eagle3.aux_layers or default_aux_layers(config.get_text_config().num_hidden_layers)
-    draft = Eagle3Draft(config, aux, cfg.eagle3.draft_vocab_size, trainer.draft.t2d.numel())
+    sharded = trainer.draft  # (its sizes and aux layers are plain attributes and unsharded buffers)
+    draft = Eagle3Draft(trainer.base.config, sharded.aux_layers, sharded.d2t.numel(), sharded.t2d.numel())
     draft.set_vocabulary(vocabulary)
     missing, unexpected = draft.load_state_dict(state, strict=False)
     trained = {name for name, _ in draft.named_parameters()}
