@@ -25,6 +25,7 @@ from draccus.utils import DecodingError, ParsingError
 
 from medusa.config import MedusaConfig
 from medusa.loading import resolve_dtype
+from medusa.train.losses import CHUNK_TOKENS
 
 
 # draccus would turn the string "no" into False, True into 1 and 123 into "123": a YAML slip must be refused instead.
@@ -224,7 +225,7 @@ class TrainingConfig:
     precompute_hidden: bool = True  # frozen base: run it once over the data, reuse its hidden states every epoch
     precompute_batch_tokens: int = 8192  # padded tokens per base forward while precomputing
     mixed_precision: str = "auto"  # auto (bf16 where the hardware has it) | bf16 | no
-    chunk_tokens: int = 2048  # rows per vocabulary-projection chunk: bounds the [rows, V] logits in memory
+    chunk_tokens: int = CHUNK_TOKENS  # rows per vocabulary-projection chunk: bounds the [rows, V] logits in memory
     # Medusa-2: LoRA on the base, trained with the heads; the base keeps its distribution through a KL term
     medusa2: bool = False
     lora_r: int = 16  # LoRA rank (Medusa-2)

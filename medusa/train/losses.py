@@ -17,6 +17,9 @@ from medusa.heads import MedusaHeads, following_tokens, head_target_offset, toke
 
 BASE_TARGET_OFFSET = 1  # the base lm_head at position t predicts token t+1
 TOPK = 5  # accuracies reported: top-1 .. top-5
+# rows per [rows, V] block of logits: 512 bounds a step's transients (a 2,048-token SmolLM2 step grew 1.28 GiB less than
+# at 2,048) and trained no slower on the 2-core CPU (docs/training.md, "Memory")
+CHUNK_TOKENS = 512
 
 
 def head_weights(num_heads: int, decay: float = 0.8, coefficient: float = 1.0) -> list[float]:
@@ -124,7 +127,7 @@ def linear_cross_entropy(
     targets: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
-    chunk_size: int = 2048,
+    chunk_size: int = CHUNK_TOKENS,
     compute_dtype: torch.dtype | None = None,
     topk: int = TOPK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,7 +186,7 @@ def linear_kl(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
-    chunk_size: int = 2048,
+    chunk_size: int = CHUNK_TOKENS,
     compute_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Summed KL(reference || model) of the projections of `ref_x` (reference) and `x` (trained) through one head.
@@ -224,7 +227,7 @@ def medusa_heads_loss(
     *,
     decay: float = 0.8,
     coefficient: float = 1.0,
-    chunk_size: int = 2048,
+    chunk_size: int = CHUNK_TOKENS,
     compute_dtype: torch.dtype | None = None,
     topk: int = TOPK,
     normalizer: torch.Tensor | None = None,
@@ -328,7 +331,7 @@ def base_kl_loss(
     loss_mask: torch.Tensor,
     lm_head: nn.Module,
     *,
-    chunk_size: int = 2048,
+    chunk_size: int = CHUNK_TOKENS,
     compute_dtype: torch.dtype | None = None,
     normalizer: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
