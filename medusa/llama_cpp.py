@@ -39,6 +39,14 @@ def binaries_dir() -> Path:
     return Path(os.environ.get("LLAMA_CPP_BIN", default)).expanduser()
 
 
+def build_info() -> dict:
+    """Which llama.cpp a benchmark ran: its binaries' folder and the line build_llama_cpp.sh writes beside them
+    (`BUILD_INFO`: the version and the CPU flags it was built for; None for a build made otherwise)."""
+    folder = binaries_dir()
+    info = folder.parent / "BUILD_INFO"
+    return {"bin": str(folder), "build": info.read_text().strip() if info.is_file() else None}
+
+
 def missing_reason(methods: tuple[str, ...] = ("plain", "lookup", "quantize")) -> str | None:
     """None when the binaries `methods` need are present; else one line naming the first missing one and the fix,
     for a benchmark to print when it skips the peer."""

@@ -273,6 +273,7 @@ def test_llama_cpp_runs_beside_our_methods_timed_by_its_own_lines(tmp_path, fake
 
     monkeypatch.setattr(benchmark, "base_gguf", lambda source: write_gguf(tmp_path / "m.gguf", 0))  # F32
     fake.behave(text="the cat sat", stderr=COMPLETION_STDERR)
+    (tmp_path / "BUILD_INFO").write_text("llama.cpp from llama-cpp-python 9.9, built for AVX2\n")  # beside bin/
     summary = benchmark.main([*argv, "--methods", "baseline,llama_cpp", "--out", str(tmp_path / "run")])
     peer = summary["overall"]["llama_cpp"]
     assert peer["new_tokens"] == 64 and peer["time_s"] == pytest.approx((692.10 + 7433.03 + 3.13) / 1000)
@@ -281,7 +282,13 @@ def test_llama_cpp_runs_beside_our_methods_timed_by_its_own_lines(tmp_path, fake
     assert base["speedup_vs_llama_cpp"] == pytest.approx(base["tokens_per_s"] / peer["tokens_per_s"])
     prompt = [c for c in fake.calls() if c["name"] == "llama-completion"][-1]["argv"]
     assert QUESTIONS[3]["turns"][0] + " | assistant:" in prompt[prompt.index("-p") + 1]  # as templated text
-    assert "vs llama.cpp" in (tmp_path / "run" / "summary.md").read_text()
+    markdown = (tmp_path / "run" / "summary.md").read_text()
+    assert "vs llama.cpp" in markdown
+    # which llama.cpp ran, and on what CPU, is written down with the figures
+    build = "llama.cpp from llama-cpp-python 9.9, built for AVX2"
+    assert summary["settings"]["llama_cpp"] == {"bin": str(tmp_path / "bin"), "build": build}
+    assert build in markdown and f"({summary['settings']['hardware']['capability']})" in markdown
+    assert skipped["settings"]["llama_cpp"]["build"] is None  # no BUILD_INFO yet
 
     monkeypatch.setenv("LLAMA_CPP_BIN", str(tmp_path / "nowhere"))
     absent = benchmark.main([*argv, "--methods", "baseline,llama_cpp_lookup", "--out", str(tmp_path / "absent")])

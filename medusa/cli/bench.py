@@ -635,6 +635,13 @@ def write_markdown(summary: dict, path: Path) -> None:
         f"{s['num_questions']} questions. Speedup = tokens/s over baseline tokens/s (total tokens / total time).",
         "",
     ]
+    hardware, peer = s.get("hardware") or {}, s.get("llama_cpp")
+    if hardware.get("gpu"):
+        lines += [f"GPU: {hardware['gpu']}.", ""]
+    elif hardware.get("isa"):
+        lines += [f"CPU: {hardware.get('cpu', '?')}, {' '.join(hardware['isa'])} ({hardware.get('capability')}).", ""]
+    if peer:
+        lines += [f"llama.cpp: `{peer['bin']}`, {peer['build'] or 'no BUILD_INFO beside it'}.", ""]
     if s.get("skipped"):
         lines += ["Skipped: " + "; ".join(f"`{m}`: {why}" for m, why in s["skipped"].items()), ""]
     lines += [
@@ -817,6 +824,7 @@ def main(argv=None) -> dict:
             "inductor": "StaticCache, torch.compile (inductor: frozen weights, C++ GEMM templates on CPU)",
         }[model.best_plain_engine],
         "hardware": describe(model.device),
+        "llama_cpp": llama_cpp.build_info() if set(PEERS) & set(args.methods) else None,
         "plan": None
         if model.plan is None
         else {
