@@ -17,8 +17,8 @@ from medusa.heads import MedusaHeads, following_tokens, head_target_offset, toke
 
 BASE_TARGET_OFFSET = 1  # the base lm_head at position t predicts token t+1
 TOPK = 5  # accuracies reported: top-1 .. top-5
-# rows per [rows, V] block of logits: 512 bounds a step's transients (a 2,048-token SmolLM2 step grew 1.28 GiB less than
-# at 2,048) and trained no slower on the 2-core CPU (docs/training.md, "Memory")
+# rows per [rows, V] block of logits: those blocks, not the activations, set a checkpointed step's memory, and smaller
+# ones trained no slower on the CPU (docs/training.md, "Memory")
 CHUNK_TOKENS = 512
 
 
