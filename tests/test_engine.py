@@ -386,6 +386,33 @@ def test_bf16_attention_runs_in_fp32_on_a_cpu():
         torch.testing.assert_close(ours, theirs, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_half_precision_caches_keep_fp32_rows_and_change_no_number(family, monkeypatch):
+    """bf16 on a CPU attends in fp32 (shared_gqa_sdpa): a static cache keeps its rows widened once, as written
+    (kv_dtype), and every logit and hidden state equals those of a cache kept in bf16 and widened at every step,
+    through a tree's verify, a commit of a path that moves rows, and the next verify."""
+    from medusa.runtime.attention import use_shared_gqa_sdpa
+
+    model = make_tiny_model(family, dtype=torch.bfloat16)
+    use_shared_gqa_sdpa(model)
+    torch.manual_seed(5)
+    prompt = torch.randint(1, 90, (1, 9))
+    buffers = build_buffers(TreeSpec(HAND_TREE, 3), 3)
+    first, follow = (Candidates(tokens=torch.randint(1, 90, (buffers.num_nodes,)), tree=buffers) for _ in range(2))
+    results = {}
+    for widened in (True, False):
+        if not widened:
+            monkeypatch.setattr(medusa.runtime.static, "kv_dtype", lambda model: None)
+        engine = CompiledEngine(model, prepack=False)
+        state, verified = _verify(engine, model, prompt, first)
+        assert state.cache.layers[0].keys.dtype == (torch.float32 if widened else torch.bfloat16)
+        engine.commit(state.cache, state.length, torch.tensor([0, 1, 3, 6]))
+        after = engine.verify(state.cache, follow, state.length + 4)
+        results[widened] = (state.new_hidden, verified.logits, verified.hidden, after.logits, after.hidden)
+    for wide, narrow in zip(results[True], results[False]):
+        assert torch.equal(wide, narrow)
+
+
 def test_packed_layers_follow_in_place_changes_to_the_shared_weight():
     linear = nn.Linear(8, 5)
     packed = PackedLinear(linear)

@@ -28,18 +28,19 @@ import torch
 import transformers
 from torch import nn
 from transformers import StaticCache
-from transformers.cache_utils import StaticLayer
 
 from medusa.fileio import atomic_file, one_at_a_time
 from medusa.hardware import describe
 from medusa.loading import cache_root
+from medusa.runtime.attention import kv_dtype
+from medusa.runtime.kv_cache import KeptDtypeLayer
 from medusa.runtime.torch_patches import no_gemm_choice, probe_vector_isas_meanwhile, wrapper_compiled_beside_kernels
 from medusa.runtime.verify import base_features, with_cache
 
 logger = logging.getLogger(__name__)
 
-AOT_FORMAT = 3  # bump when what is exported changes (2: medusa's attention, 3: the rows written), so old packages
-# are not loaded
+AOT_FORMAT = 4  # bump when what is exported changes (2: medusa's attention, 3: the rows written, 4: kv_dtype's
+# cache), so old packages are not loaded
 # The one-token package (half-precision weights on a CPU): one query token, no freezing, so every linear stays a
 # matmul against a transposed view of the model's own weight, which aten runs as a GEMV without oneDNN
 # (`without_onednn`); it holds no weights and reads the model's own tensors (docs/engines.md).
@@ -49,9 +50,10 @@ MAX_QUERY = 256  # the most tokens one verify forward may take (a tree's nodes)
 GEMM_BACKENDS = "max_autotune_gemm_backends"
 
 
-class WrittenRowsLayer(StaticLayer):
+class WrittenRowsLayer(KeptDtypeLayer):
     """transformers' static layer over given tensors that hands attention only their first `visible` rows (the rows
-    written, this step's included): a step costs the context it reads, not the cache's allocation."""
+    written, this step's included): a step costs the context it reads, not the cache's allocation. New rows are
+    written in the given tensors' dtype (runtime.attention.kv_dtype)."""
 
     def __init__(self, max_cache_len: int, visible: int):
         super().__init__(max_cache_len=max_cache_len)
@@ -80,6 +82,7 @@ def _cache_over(
         layer.cumulative_length = length.clone()  # each layer advances its own count
         layer.max_batch_size, layer.num_heads, layer.head_dim = k.shape[0], k.shape[1], k.shape[3]
         layer.dtype, layer.device, layer.is_initialized = k.dtype, k.device, True
+        layer.kept_dtype = k.dtype
     return cache
 
 
@@ -126,7 +129,8 @@ def _export(model, rows: int, one_token: bool = False):
     config = model.config.get_text_config()
     heads = config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    blank = lambda: torch.zeros((1, heads, rows, head_dim), dtype=model.dtype, device=model.device)  # noqa: E731
+    dtype = kv_dtype(model) or model.dtype  # what the engine's caches keep
+    blank = lambda: torch.zeros((1, heads, rows, head_dim), dtype=dtype, device=model.device)  # noqa: E731
     keys = [blank() for _ in range(config.num_hidden_layers)]
     values = [blank() for _ in range(config.num_hidden_layers)]
     n, past = (1 if one_token else 2), 3  # examples that are neither 0 nor 1 (export would specialise on those)

@@ -44,6 +44,17 @@ def shared_gqa_sdpa(
     return out.transpose(1, 2).contiguous(), None
 
 
+def kv_dtype(model) -> torch.dtype | None:
+    """The dtype a static cache keeps `model`'s key and value rows in: float32 where it attends in fp32 over half-
+    precision activations (`shared_gqa_sdpa` on a CPU), so that each row is widened once, as it is written, instead
+    of the whole cache at every layer of every step (the same numbers: bf16 and fp16 widen exactly); None elsewhere
+    (rows kept as they come). Twice the cache's memory there (docs/engines.md)."""
+    uses_ours = getattr(getattr(model, "config", None), "_attn_implementation", None) == SHARED_GQA_SDPA
+    if uses_ours and model.device.type == "cpu" and model.dtype in (torch.bfloat16, torch.float16):
+        return torch.float32
+    return None
+
+
 @functools.cache
 def _register() -> None:
     AttentionInterface.register(SHARED_GQA_SDPA, shared_gqa_sdpa)

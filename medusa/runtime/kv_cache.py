@@ -36,6 +36,18 @@ def commit(cache, past_length: int, accepted_nodes: torch.Tensor) -> None:
             layer.cumulative_length = keep
 
 
+class KeptDtypeLayer(StaticLayer):
+    """transformers' static layer that keeps its rows in `kept_dtype` (set by the engine that allocates it:
+    runtime.attention.kv_dtype; None: as they come), converting each step's new rows as they are written."""
+
+    kept_dtype: torch.dtype | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.kept_dtype is not None:
+            key_states, value_states = key_states.to(self.kept_dtype), value_states.to(self.kept_dtype)
+        return super().update(key_states, value_states, *args, **kwargs)
+
+
 class RowsLayer(StaticLayer):
     """A static layer whose batch rows are written at their own lengths (one list shared by every layer): a forward of
     N tokens writes row b's at lengths[b] .. + N and attends over the first max(lengths) + N positions (the caller's

@@ -14,10 +14,10 @@ import time
 
 import torch
 from transformers import StaticCache
-from transformers.cache_utils import StaticLayer
 
 from medusa.loading import cache_root
-from medusa.runtime.kv_cache import keep_rows
+from medusa.runtime.attention import kv_dtype
+from medusa.runtime.kv_cache import KeptDtypeLayer, keep_rows
 from medusa.runtime.prepack import can_prepack, prepacked_copy
 from medusa.runtime.quantize import QUANTIZED, precision_of
 from medusa.runtime.torch_patches import parses_kept, use_inductor_cache
@@ -66,7 +66,7 @@ def engines_set_aside(model):
             model.__dict__[ENGINES_ATTRIBUTE] = engines
 
 
-class PrefixStaticLayer(StaticLayer):
+class PrefixStaticLayer(KeptDtypeLayer):
     """transformers' static layer (allocated once, written in place) that hands attention only the rows written so
     far, as a DynamicCache does: an uncompiled forward then attends over past + q rows rather than the whole
     allocation, and a one-token step needs no mask. Not for torch.compile: the visible length varies."""
@@ -88,7 +88,7 @@ class PrefixStaticLayer(StaticLayer):
         return self.length
 
 
-class GuardedStaticLayer(StaticLayer):
+class GuardedStaticLayer(KeptDtypeLayer):
     """transformers' static layer, its tensors marked as fixed-address inputs as transformers marks them, but guarded:
     each cache size, at an address of its own, gets graphs of its own (inductor's, or CUDA graphs recorded for it)
     instead of failing an assertion in those compiled for another."""
@@ -172,16 +172,21 @@ class CompiledEngine:
         if self.torch_compile and rows in self._sized:  # the smallest compiled size that fits: reads no more
             self._cache = self._sized[rows]
         elif self.torch_compile:  # a size of its own, kept for the calls that fit; compiled now, not mid-call
-            self._cache = StaticCache(config=self.model.config, max_cache_len=rows)
-            self._cache.layers = [GuardedStaticLayer(rows) for _ in self._cache.layers]
-            self._sized[rows] = self._cache
+            self._cache = self._sized[rows] = self._static_cache(GuardedStaticLayer, rows)
             self._compile_for(self._cache, progress)
         elif self._cache is None or self._cache.layers[0].max_cache_len < rows:
-            self._cache = StaticCache(config=self.model.config, max_cache_len=rows)
             # shapes may vary: attend over the written rows only
-            self._cache.layers = [PrefixStaticLayer(rows) for _ in self._cache.layers]
+            self._cache = self._static_cache(PrefixStaticLayer, rows)
         self._set_length(self._cache, 0)
         return self._cache
+
+    def _static_cache(self, layer_class, rows: int) -> StaticCache:
+        """A StaticCache of `rows` rows whose layers are `layer_class`, keeping their rows in the runner's kv_dtype."""
+        cache = StaticCache(config=self.model.config, max_cache_len=rows)
+        cache.layers = [layer_class(rows) for _ in cache.layers]
+        for layer in cache.layers:
+            layer.kept_dtype = kv_dtype(self.runner)
+        return cache
 
     @staticmethod
     def _set_length(cache: StaticCache, length: int) -> None:
