@@ -47,8 +47,9 @@ def shared_gqa_sdpa(
 def kv_dtype(model) -> torch.dtype | None:
     """The dtype a static cache keeps `model`'s key and value rows in: float32 where it attends in fp32 over half-
     precision activations (`shared_gqa_sdpa` on a CPU), so that each row is widened once, as it is written, instead
-    of the whole cache at every layer of every step (the same numbers: bf16 and fp16 widen exactly); None elsewhere
-    (rows kept as they come). Twice the cache's memory there (docs/engines.md)."""
+    of the whole cache at every layer of every step; None elsewhere (rows kept as they come). Eager forwards give the
+    same numbers (bf16 and fp16 widen exactly); a compiled one may store the rotary keys unrounded, which moves
+    answers by near-ties. Twice the cache's memory (docs/engines.md, session 30)."""
     uses_ours = getattr(getattr(model, "config", None), "_attn_implementation", None) == SHARED_GQA_SDPA
     if uses_ours and model.device.type == "cpu" and model.dtype in (torch.bfloat16, torch.float16):
         return torch.float32

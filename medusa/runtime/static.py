@@ -184,8 +184,9 @@ class CompiledEngine:
         """A StaticCache of `rows` rows whose layers are `layer_class`, keeping their rows in the runner's kv_dtype."""
         cache = StaticCache(config=self.model.config, max_cache_len=rows)
         cache.layers = [layer_class(rows) for _ in cache.layers]
+        kept = kv_dtype(self.runner)
         for layer in cache.layers:
-            layer.kept_dtype = kv_dtype(self.runner)
+            layer.kept_dtype = kept
         return cache
 
     @staticmethod
