@@ -11,6 +11,12 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 SHARED_GQA_SDPA = "medusa_shared_gqa_sdpa"
 
 
+def attends_in_fp32(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `shared_gqa_sdpa` computes attention over activations of `dtype` on `device` in fp32 (half precision
+    on a CPU): what it widens to, and what kv_dtype keeps a cache in."""
+    return torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+
+
 def shared_gqa_sdpa(
     module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None, **kwargs
 ):
@@ -21,7 +27,7 @@ def shared_gqa_sdpa(
     - on a CPU, bf16 and fp16 attend in fp32: torch's CPU flash kernel is slower in bf16 than in fp32 at every query
       length, several times at one token (docs/engines.md), and fp32 loses nothing.
     Everything else: transformers'."""
-    if query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16):
+    if attends_in_fp32(query.device, query.dtype):
         floating = attention_mask is not None and attention_mask.is_floating_point()
         mask = attention_mask.float() if floating else attention_mask  # a boolean mask stays as it is
         out, weights = shared_gqa_sdpa(
@@ -51,7 +57,7 @@ def kv_dtype(model) -> torch.dtype | None:
     same numbers (bf16 and fp16 widen exactly); a compiled one may store the rotary keys unrounded, which moves
     answers by near-ties. Twice the cache's memory (docs/engines.md, session 30)."""
     uses_ours = getattr(getattr(model, "config", None), "_attn_implementation", None) == SHARED_GQA_SDPA
-    if uses_ours and model.device.type == "cpu" and model.dtype in (torch.bfloat16, torch.float16):
+    if uses_ours and attends_in_fp32(model.device, model.dtype):
         return torch.float32
     return None
 
