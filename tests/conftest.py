@@ -129,3 +129,27 @@ def tiny_model(request):
 def smollm2():
     """The real embedded default with untrained heads (loads from the safetensors cache after the first time)."""
     return MedusaModel.from_base()
+
+
+CONTEXT_WINDOW = 5  # the context layer of context_heads
+
+
+def context_heads(window: int = CONTEXT_WINDOW, path: bool = True, seed: int = 1, feature_layers=()) -> MedusaHeads:
+    """Random heads of the shipped kind (a context layer, conditioned on the next token and the path), every map
+    non-zero, so the context layer is far from the identity."""
+    torch.manual_seed(seed)
+    heads = MedusaHeads(
+        MedusaConfig(
+            hidden_size=HIDDEN,
+            vocab_size=VOCAB,
+            num_heads=3,
+            condition_on_next_token=True,
+            condition_on_path=path,
+            context_window=window,
+            feature_layers=list(feature_layers),
+        )
+    )
+    for name, p in heads.named_parameters():
+        if "norm" not in name:  # the context layer's smaller, so that its attention does not saturate
+            torch.nn.init.normal_(p, std=0.05 if name.startswith("context.") else 0.3)
+    return heads

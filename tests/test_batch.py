@@ -129,7 +129,7 @@ def test_batch_inputs_that_cannot_decode_exactly_are_refused_by_name():
 def test_heads_with_a_context_layer_and_base_features_read_each_rows_own_positions(family):
     """The context layer reads each row's prompt (not its padding) and every position its steps commit; the heads
     read the row's own base-layer features."""
-    from tests.test_context_layer import context_heads
+    from tests.conftest import context_heads
 
     base = make_tiny_model(family)
     model = MedusaModel(base, context_heads(feature_layers=[0, 1]), tree=[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])

@@ -18,29 +18,8 @@ from medusa.train.batches import Conversation
 from medusa.train.hidden_cache import HiddenCache, cache_lookback, span_start
 from medusa.train.losses import medusa_heads_loss
 from medusa.tree import TreeSpec, build_buffers
-from tests.conftest import FAMILIES, HIDDEN, VOCAB, make_tiny_model
-
-WINDOW = 5
-
-
-def context_heads(window: int = WINDOW, path: bool = True, seed: int = 1, feature_layers=()) -> MedusaHeads:
-    """Random heads and context layer (every map non-zero, so the layer is far from the identity)."""
-    torch.manual_seed(seed)
-    heads = MedusaHeads(
-        MedusaConfig(
-            hidden_size=HIDDEN,
-            vocab_size=VOCAB,
-            num_heads=3,
-            condition_on_next_token=True,
-            condition_on_path=path,
-            context_window=window,
-            feature_layers=list(feature_layers),
-        )
-    )
-    for name, p in heads.named_parameters():
-        if "norm" not in name:  # the context layer's smaller, so that its attention does not saturate
-            torch.nn.init.normal_(p, std=0.05 if name.startswith("context.") else 0.3)
-    return heads
+from tests.conftest import CONTEXT_WINDOW as WINDOW
+from tests.conftest import FAMILIES, HIDDEN, VOCAB, context_heads, make_tiny_model
 
 
 def test_fresh_context_layer_is_the_identity_and_needs_the_next_token():

@@ -14,6 +14,7 @@ from medusa.loading import base_fingerprint
 from medusa.runtime import CompiledEngine, EagerEngine, InductorEngine, engine_for, make_engine, prepacked_copy
 from medusa.runtime.prepack import FusedMember, FusedProjections, PackedLinear
 from medusa.runtime.quantize import quantize_target
+from medusa.runtime.verify import bias_over_rows, tree_attention_mask
 from medusa.sampling import SamplingConfig
 from medusa.tree import Candidates, TreeSpec, build_buffers
 from tests.conftest import FAMILIES, make_heads, make_tiny_model, run_together
@@ -76,6 +77,32 @@ def test_compiled_engine_greedy_identity(family, proposer):
     out = model.generate(prompt, max_new_tokens=40, proposer=proposer, engine="compiled", return_dict_in_generate=True)
     assert torch.equal(out.sequences, reference)
     assert out.stats.new_tokens == 40
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_graphed_verify_from_a_past_tensor_equals_verify_and_repeats(family):
+    """What a CUDA graph of the verify replays (CompiledEngine.forward_from), run here on a CPU: on a fixed-size cache
+    with the past's length given as a tensor, its logits and features equal verify's over the written rows, and a
+    second call with the same arguments (a graph's warm-up runs it twice) gives the same and leaves the cache's
+    write position where one call does. Its mask compiles with fullgraph=True: no host value enters it."""
+    model = make_tiny_model(family)
+    torch.manual_seed(3)
+    prompt = torch.randint(1, 90, (1, 11))
+    tree = build_buffers(TreeSpec(HAND_TREE, 3), 3)
+    candidates = Candidates(tokens=torch.randint(1, 90, (tree.num_nodes,)), tree=tree)
+    engine = CompiledEngine(model, torch_compile=False, prepack=False)
+    _, reference = _verify(engine, model, prompt, candidates)
+    fixed = engine._static_cache(medusa.runtime.static.GuardedStaticLayer, 64)
+    engine.prefill(fixed, prompt)
+    bias, past = tree.attention_bias(model.dtype, "cpu"), torch.tensor(prompt.shape[1])
+    with torch.inference_mode():
+        for _ in range(2):
+            logits, hidden = engine.forward_from(fixed, (), candidates.tokens, tree.depth, bias, past)
+            torch.testing.assert_close(logits, reference.logits, **TOL)
+            torch.testing.assert_close(hidden, reference.hidden, **TOL)
+            assert int(fixed.layers[-1].cumulative_length) == prompt.shape[1] + tree.num_nodes
+    graphed_mask = torch.compile(bias_over_rows, fullgraph=True, dynamic=False)(bias, past, 64)
+    assert torch.equal(graphed_mask, tree_attention_mask(candidates, 11, model.dtype, 64))
 
 
 def test_cache_is_kept_and_grown_only_when_needed():

@@ -6,12 +6,13 @@ Skipped without a GPU (CI has none); run on one with `pytest -m gpu`.
 import pytest
 import torch
 
+import medusa.runtime.static
 from medusa import MedusaModel
 from medusa.acceptance import GREEDY_PATH, greedy_path
 from medusa.decode import prefill
 from medusa.ngram import chain_tensor
 from medusa.propose import build_medusa_proposer
-from medusa.runtime import CompiledEngine, EagerEngine
+from medusa.runtime import CompiledEngine, EagerEngine, engine_for
 from medusa.runtime import graphs as step_graphs
 from medusa.sampling import SamplingConfig
 from medusa.tree import Candidates, TreeSpec, build_buffers
@@ -24,8 +25,21 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 TOL = dict(atol=1e-4, rtol=1e-4)  # fp32 (no TF32): inductor's fused kernels sum in another order than eager's
 
 
+VERIFY_GRAPHS = pytest.mark.parametrize(
+    "verify_graphs", [False, True], ids=["compiled-graphs", "hand-captured"], indirect=True
+)
+
+
+@pytest.fixture
+def verify_graphs(request, monkeypatch):
+    """The verify through torch.compile's CUDA graphs, or captured by hand around inductor's kernels."""
+    monkeypatch.setattr(medusa.runtime.static, "VERIFY_GRAPHS", request.param)
+    return request.param
+
+
+@VERIFY_GRAPHS
 @pytest.mark.parametrize("family", FAMILIES)
-def test_cuda_graph_engine_logits_and_commit_equal_eager(family):
+def test_cuda_graph_engine_logits_and_commit_equal_eager(family, verify_graphs):
     """One engine per family (each compile costs seconds): q=1, then a tree, then a commit of a path that is not a
     prefix of the rows and the verify after it, each equal to the eager engine's."""
     model = make_tiny_model(family).cuda()
@@ -33,6 +47,7 @@ def test_cuda_graph_engine_logits_and_commit_equal_eager(family):
     prompt = torch.randint(1, 90, (1, 11), device="cuda")
     compiled, eager = CompiledEngine(model), EagerEngine(model)
     assert compiled.torch_compile and not compiled.prepacked  # CUDA: graphs, no CPU packing
+    assert compiled.verify_graphs == verify_graphs
     tree = build_buffers(TreeSpec(HAND_TREE, 3), 3).to("cuda")
     chain = build_buffers(TreeSpec([], 3), 3).to("cuda")
     for buffers in (chain, tree):
@@ -52,10 +67,14 @@ def test_cuda_graph_engine_logits_and_commit_equal_eager(family):
         engine.commit(state.cache, state.length, accepted)
         after.append(engine.verify(state.cache, follow, state.length + 4).logits)
     torch.testing.assert_close(after[1], after[0], **TOL)
+    if verify_graphs:  # one cache, a graph per node count: 1 and 2 (the engine's warm-up), the tree's
+        assert "the verify" not in step_graphs._FAILED
+        assert [graph.captured for graph in compiled._graphed.values()] == [len({1, 2, tree.num_nodes})]
 
 
+@VERIFY_GRAPHS
 @pytest.mark.parametrize("family", FAMILIES)
-def test_cuda_graph_engine_greedy_identity(family):
+def test_cuda_graph_engine_greedy_identity(family, verify_graphs):
     base = make_tiny_model(family).cuda()
     model = MedusaModel(base, make_heads(random=True).cuda(), projection_dtype=torch.float32)
     prompt = torch.tensor([[3, 4, 5, 6, 3, 4]], device="cuda")
@@ -66,8 +85,10 @@ def test_cuda_graph_engine_greedy_identity(family):
         )
         assert torch.equal(out.sequences, reference), proposer
         assert out.stats.new_tokens == 40
-    assert not step_graphs._FAILED  # the proposal and the acceptance ran as CUDA graphs
+    assert not step_graphs._FAILED  # the proposal and the acceptance (and the verify, hand-captured) ran as graphs
     assert GREEDY_PATH.captured > 0
+    engine = engine_for(base, "compiled")
+    assert engine.verify_graphs == verify_graphs and bool(engine._graphed) == verify_graphs
 
 
 @pytest.mark.parametrize("kind", ["plain", "path"])
@@ -119,7 +140,7 @@ def test_cuda_graph_engine_runs_each_call_on_the_smallest_cache_that_fits():
 def test_context_heads_read_through_a_graph_keep_greedy_identity():
     """Heads with a context layer (the shipped kind): each step's read runs as a CUDA graph per row count; generate
     stays identical to transformers' greedy output, and the graphed read equals the eager one step after step."""
-    from tests.test_context_layer import context_heads  # noqa: PLC0415
+    from tests.conftest import context_heads  # noqa: PLC0415
 
     base = make_tiny_model("llama").cuda()
     model = MedusaModel(base, context_heads().cuda(), projection_dtype=torch.float32)

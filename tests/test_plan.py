@@ -150,7 +150,7 @@ def test_planned_generate_is_exact_and_arguments_override_the_plan(tmp_path, mon
 
 def _guarded(plain_ms, family="llama", context=False):
     if context:
-        from tests.test_context_layer import context_heads
+        from tests.conftest import context_heads
 
         heads = context_heads()
     else:

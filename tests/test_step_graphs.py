@@ -174,7 +174,7 @@ def test_a_step_graph_keeps_one_graph_per_input_shape_up_to_its_limit(monkeypatc
 def test_the_context_layers_read_compiles_as_one_graph_per_row_count_and_equals_eager():
     """A step's read (heads with a context layer): the layer's state has one shape from the first read on (padded to
     its window), and its position count is a tensor, so the read of r rows is one fixed graph for every step."""
-    from tests.test_context_layer import context_heads  # noqa: PLC0415
+    from tests.conftest import context_heads  # noqa: PLC0415
 
     model = MedusaModel(make_tiny_model("llama"), context_heads(), projection_dtype=torch.float32)
     proposer = gpu_like_proposer(model)

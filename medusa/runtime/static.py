@@ -7,6 +7,7 @@ a mask over the whole allocation. What each costs where: docs/engines.md."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import sys
@@ -17,11 +18,12 @@ from transformers import StaticCache
 
 from medusa.loading import cache_root
 from medusa.runtime.attention import kv_dtype
+from medusa.runtime.graphs import StepGraph, upload_ids
 from medusa.runtime.kv_cache import KeptDtypeLayer, keep_rows
 from medusa.runtime.prepack import can_prepack, prepacked_copy
 from medusa.runtime.quantize import QUANTIZED, precision_of
 from medusa.runtime.torch_patches import parses_kept, use_inductor_cache
-from medusa.runtime.verify import PrefillOutput, VerifyOutput, run_prefill, verify
+from medusa.runtime.verify import PrefillOutput, VerifyOutput, bias_over_rows, forward_nodes, run_prefill, verify
 from medusa.tree import Candidates, TreeSpec, build_buffers, chain
 
 logger = logging.getLogger(__name__)
@@ -36,6 +38,9 @@ INDUCTOR_CPU_OPTIONS = {
     "max_autotune": True,
     "max_autotune_gemm_backends": "CPP,ATEN",
 }
+# MEDUSA_VERIFY_GRAPHS=1: on a GPU the verify runs as CUDA graphs captured by hand around inductor's kernels (one per
+# cache and node count), not through torch.compile's CUDA graphs (a guard check and a graph tree's launch per call)
+VERIFY_GRAPHS = os.environ.get("MEDUSA_VERIFY_GRAPHS", "0") == "1"
 ENGINES_ATTRIBUTE = "_medusa_engines"  # where medusa.runtime.engine_for keeps a model's engines
 
 
@@ -122,12 +127,15 @@ class CompiledEngine:
         with engines_set_aside(model):
             self.runner = self._runner_for(model)
         self.verify_runner = self.runner
+        cuda = model.device.type == "cuda"
+        self.verify_graphs = VERIFY_GRAPHS and cuda and self.torch_compile and not self.ahead_of_time
+        self._graphed: dict[tuple, StepGraph] = {}  # (cache, feature layers) -> its verify's graphs, one per N
         if self.torch_compile:
             use_inductor_cache(cache_root() / "inductor")
         if self.torch_compile and not self.ahead_of_time:
             self.verify_runner = torch.compile(
                 self.runner,
-                mode="reduce-overhead" if model.device.type == "cuda" else None,
+                mode="reduce-overhead" if cuda and not self.verify_graphs else None,
                 dynamic=False,  # dynamic only where verify marks it (the query length)
             )
         self._cache: StaticCache | None = None  # the last one handed out
@@ -194,8 +202,7 @@ class CompiledEngine:
         """Where the next forward writes: transformers' static layers keep that count themselves, in place. Set with
         two multi-tensor kernels, not a fill per layer: a step sets it twice (verify, commit), and on a GPU those 60
         fills were most of a plain step's 111 kernel launches (docs/benchmarks/h100-step-graphs)."""
-        initialized = [layer.cumulative_length for layer in cache.layers if layer.is_initialized]
-        counts = list({id(t): t for t in initialized}.values())  # each once: adding to a shared one twice counts twice
+        counts = _write_positions(cache)
         if counts:
             torch._foreach_zero_(counts)
             torch._foreach_add_(counts, length)
@@ -226,6 +233,8 @@ class CompiledEngine:
         # prefix layers show attention past + N rows, as in the eager engine; fixed-size ones the whole allocation
         mask_rows = None if isinstance(cache.layers[0], PrefixStaticLayer) else rows
         try:
+            if self.verify_graphs and self.verify_runner is not self.runner:
+                return self._graphed_verify(cache, candidates, past_length, tuple(feature_layers))
             with self._compile_config():
                 return verify(self.verify_runner, cache, candidates, past_length, feature_layers, mask_rows)
         except Exception as err:  # noqa: BLE001 - a compiler failure must not end generation: run uncompiled
@@ -239,6 +248,28 @@ class CompiledEngine:
             self.verify_runner = self.runner
             self._set_length(cache, past_length)
             return verify(self.runner, cache, candidates, past_length, feature_layers, mask_rows)
+
+    def _graphed_verify(self, cache, candidates: Candidates, past_length: int, feature_layers: tuple) -> VerifyOutput:
+        """verify as one CUDA graph replay (the first call of each node count captures it): the tokens, the tree and
+        the past's length go in as tensors, so nothing a step changes is baked into the graph."""
+        graph = self._graphed.get((id(cache), feature_layers))
+        if graph is None:
+            forward = functools.partial(self.forward_from, cache, feature_layers)
+            graph = self._graphed[(id(cache), feature_layers)] = StepGraph(forward, "the verify")
+        tree, device = candidates.tree, candidates.tokens.device
+        bias = tree.attention_bias(self.runner.dtype, device)
+        logits, hidden = graph(candidates.tokens, tree.depth, bias, upload_ids(past_length, device))
+        return VerifyOutput(logits=logits, hidden=hidden)
+
+    def forward_from(self, cache, feature_layers, tokens, depth, bias, past) -> tuple[torch.Tensor, torch.Tensor]:
+        """The verify over a fixed-size cache as tensor work alone: N tokens (N,), the tree's depth (N,) and bias (N, N)
+        written after `past` rows (a 0-d long tensor), which also sets where the cache writes; -> logits (N, V),
+        features (N, F). Calling it again with the same arguments does the same thing (a graph's warm-up runs it)."""
+        counts = _write_positions(cache)
+        torch._foreach_copy_(counts, [past] * len(counts))
+        mask = bias_over_rows(bias, past, cache.layers[0].max_cache_len)
+        out = forward_nodes(self.verify_runner, cache, tokens[None], (past + depth)[None], mask, feature_layers, True)
+        return out.logits, out.hidden
 
     @torch.inference_mode()  # hands back caches made under it (their tensors are inference tensors)
     def warm_up(self, progress: bool = True, max_length: int | None = None) -> float:
@@ -304,3 +335,10 @@ class CompiledEngine:
     @torch.inference_mode()
     def truncate(self, cache, length: int) -> None:
         self._set_length(cache, length)
+
+
+def _write_positions(cache: StaticCache) -> list[torch.Tensor]:
+    """The device counts where a static cache's layers write next, each once (layers may share one: adding to a
+    shared one twice would count twice)."""
+    initialized = [layer.cumulative_length for layer in cache.layers if layer.is_initialized]
+    return list({id(t): t for t in initialized}.values())

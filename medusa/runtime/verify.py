@@ -66,20 +66,18 @@ def tree_attention_mask(
 ) -> torch.Tensor:
     """(1, 1, N, rows) additive mask, rows = past + N by default: the whole past is visible, the tree part follows
     ancestry, and rows beyond past + N (a static cache's unwritten allocation) are hidden."""
-    tree = candidates.tree
-    bias = tree.attention_bias(dtype, candidates.tokens.device)
-    past = torch.zeros((tree.num_nodes, past_length), dtype=dtype, device=bias.device)
-    parts = [past, bias]
-    if rows is not None and rows > past_length + tree.num_nodes:
-        parts.append(
-            torch.full(
-                (tree.num_nodes, rows - past_length - tree.num_nodes),
-                torch.finfo(dtype).min,
-                dtype=dtype,
-                device=bias.device,
-            )
-        )
-    return torch.cat(parts, dim=1)[None, None]
+    bias = candidates.tree.attention_bias(dtype, candidates.tokens.device)
+    return bias_over_rows(bias, past_length, rows or past_length + candidates.tree.num_nodes)
+
+
+def bias_over_rows(bias: torch.Tensor, past_length: int | torch.Tensor, rows: int) -> torch.Tensor:
+    """The tree's (N, N) bias placed after `past_length` visible rows in a (1, 1, N, rows) mask, hidden beyond.
+    `past_length` may be a 0-d tensor: then no host value enters, and a CUDA graph that builds the mask reads the
+    length from that tensor's address at every replay."""
+    n = bias.shape[0]
+    place = torch.arange(rows, device=bias.device) - past_length  # each row's place in the tree part
+    mask = torch.where(place < n, bias.index_select(1, place.clamp(0, n - 1)), torch.finfo(bias.dtype).min)
+    return torch.where(place < 0, 0.0, mask)[None, None]
 
 
 def verify_inputs(candidates: Candidates, past_length: int, dtype: torch.dtype, mask_rows: int | None = None):
@@ -98,10 +96,16 @@ def verify(
     """Run the target once over the N candidate tokens; the cache grows by N rows (commit keeps the accepted ones).
 
     One token sees the whole past: it goes without a mask (transformers' one-token path, as in its `generate`),
-    unless `mask_rows` asks for a mask of that fixed width (a compiled graph's static shapes). With `mask_rows`, N is
-    marked dynamic for torch.compile: one graph serves every tree size (N = 1 gets its own, as dynamo specialises 1)."""
+    unless `mask_rows` asks for a mask of that fixed width (a compiled graph's static shapes)."""
     tokens, position_ids, mask = verify_inputs(candidates, past_length, model.dtype, mask_rows)
-    if mask_rows is not None:
+    return forward_nodes(model, cache, tokens, position_ids, mask, feature_layers, fixed_width=mask_rows is not None)
+
+
+def forward_nodes(model, cache, tokens, position_ids, mask, feature_layers=(), fixed_width=False) -> VerifyOutput:
+    """The verify's forward over (1, N) tokens at their positions under `mask`. A mask of a fixed width (a compiled
+    graph's static shapes) marks N dynamic for torch.compile: one graph serves every tree size (N = 1 gets its own,
+    as dynamo specialises 1)."""
+    if fixed_width:
         torch._dynamo.mark_static(mask, 3)  # the cache's size: a graph each
         if tokens.shape[1] > 1:
             for tensor, dim in ((tokens, 1), (position_ids, 1), (mask, 2)):
