@@ -15,6 +15,13 @@ from tests.test_llama_cpp import COMPLETION_STDERR, fake, write_gguf  # noqa: F4
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 
+@pytest.fixture(autouse=True)
+def cache_of_this_test(tmp_path, monkeypatch):
+    """`medusa bench` calibrates plans for the tiny models it runs: kept in the test's folder, not in the user's
+    cache (where they accumulated, one per test run)."""
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "medusa-cache"))
+
+
 def load_script(name: str):
     spec = importlib.util.spec_from_file_location(f"scripts_{name}", SCRIPTS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
