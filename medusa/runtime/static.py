@@ -268,7 +268,8 @@ class CompiledEngine:
         counts = _write_positions(cache)
         torch._foreach_copy_(counts, [past] * len(counts))
         mask = bias_over_rows(bias, past, cache.layers[0].max_cache_len)
-        out = forward_nodes(self.verify_runner, cache, tokens[None], (past + depth)[None], mask, feature_layers, True)
+        positions = (past + depth)[None]
+        out = forward_nodes(self.verify_runner, cache, tokens[None], positions, mask, feature_layers, fixed_width=True)
         return out.logits, out.hidden
 
     @torch.inference_mode()  # hands back caches made under it (their tensors are inference tensors)
