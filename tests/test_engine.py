@@ -101,8 +101,11 @@ def test_the_graphed_verify_from_a_past_tensor_equals_verify_and_repeats(family)
             torch.testing.assert_close(logits, reference.logits, **TOL)
             torch.testing.assert_close(hidden, reference.hidden, **TOL)
             assert int(fixed.layers[-1].cumulative_length) == prompt.shape[1] + tree.num_nodes
+    expected = torch.full((tree.num_nodes, 64), torch.finfo(model.dtype).min)  # past visible, tree, unwritten hidden
+    expected[:, :11], expected[:, 11 : 11 + tree.num_nodes] = 0, bias
     graphed_mask = torch.compile(bias_over_rows, fullgraph=True, dynamic=False)(bias, past, 64)
-    assert torch.equal(graphed_mask, tree_attention_mask(candidates, 11, model.dtype, 64))
+    assert torch.equal(graphed_mask[0, 0], expected)
+    assert torch.equal(tree_attention_mask(candidates, 11, model.dtype, 64)[0, 0], expected)
 
 
 def test_cache_is_kept_and_grown_only_when_needed():
