@@ -96,9 +96,10 @@ class _Captured:
 _FAILED: set[str] = set()  # names of the StepGraphs that could not be captured
 
 
-def upload_ids(ids: list[int] | torch.Tensor, device) -> torch.Tensor:
-    """Token ids (a list, or a CPU tensor) -> a long tensor on `device`. To a GPU through pinned memory without
-    waiting: a pageable copy waits for the work queued before it, which puts the host back in step with the GPU."""
+def upload_ids(ids: int | list[int] | torch.Tensor, device) -> torch.Tensor:
+    """Token ids or a length (an int, a list, or a CPU tensor) -> a long tensor on `device`. To a GPU through pinned
+    memory without waiting: a pageable copy waits for the work queued before it, which puts the host back in step
+    with the GPU."""
     ids = torch.as_tensor(ids, dtype=torch.long)
     if torch.device(device).type != "cuda":
         return ids.to(device)

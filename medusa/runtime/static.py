@@ -252,10 +252,10 @@ class CompiledEngine:
     def _graphed_verify(self, cache, candidates: Candidates, past_length: int, feature_layers: tuple) -> VerifyOutput:
         """verify as one CUDA graph replay (the first call of each node count captures it): the tokens, the tree and
         the past's length go in as tensors, so nothing a step changes is baked into the graph."""
-        graph = self._graphed.get((id(cache), feature_layers))
-        if graph is None:
-            forward = functools.partial(self.forward_from, cache, feature_layers)
-            graph = self._graphed[(id(cache), feature_layers)] = StepGraph(forward, "the verify")
+        key = (id(cache), feature_layers)
+        if key not in self._graphed:
+            self._graphed[key] = StepGraph(functools.partial(self.forward_from, cache, feature_layers), "the verify")
+        graph = self._graphed[key]
         tree, device = candidates.tree, candidates.tokens.device
         bias = tree.attention_bias(self.runner.dtype, device)
         logits, hidden = graph(candidates.tokens, tree.depth, bias, upload_ids(past_length, device))
