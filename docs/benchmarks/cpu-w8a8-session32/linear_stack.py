@@ -1,7 +1,7 @@
 """SmolLM2's 30 layers of linears (q/k/v, o, gate/up, down; no attention) compiled by inductor (frozen weights, C++
 GEMM templates), caches flushed before each call: W8A8 written as the quantized pattern (inductor's AVX512-VNNI int8
-GEMM template) against int8 weight-only (`_weight_int8pack_mm`, as shipped), ms at 1-16 rows. Self-contained:
-    .venv/bin/python docs/benchmarks/cpu-w8a8-session32/linear_stack.py 30
+GEMM template) against int8 weight-only (`_weight_int8pack_mm`, as shipped), ms at 1-16 rows. From the root:
+    PYTHONPATH=. .venv/bin/python docs/benchmarks/cpu-w8a8-session32/linear_stack.py 30
 """
 
 import statistics
@@ -13,6 +13,8 @@ import torch._inductor.config as ic
 import torch.ao.quantization.fx._decomposed  # noqa: F401 - registers quantized_decomposed
 import torch.nn as nn
 
+from medusa.runtime.prepack import quantize_int8  # the library's int8 weights, one bf16 scale per row
+
 torch.set_num_threads(2)
 
 qd = torch.ops.quantized_decomposed
@@ -22,10 +24,9 @@ H, INTER, L = 576, 1536, int(sys.argv[1]) if len(sys.argv) > 1 else 30
 class QLin(nn.Module):
     def __init__(self, o, i):
         super().__init__()
-        w = torch.randn(o, i) * 0.05
-        s = w.abs().amax(1) / 127
-        self.register_buffer("wq", (w / s[:, None]).round().clamp(-127, 127).to(torch.int8))
-        self.register_buffer("ws", s.float())
+        wq, ws = quantize_int8(torch.randn(o, i) * 0.05)
+        self.register_buffer("wq", wq)
+        self.register_buffer("ws", ws.float())
         self.register_buffer("wz", torch.zeros(o, dtype=torch.int64))
 
     def forward(self, x):
@@ -39,10 +40,9 @@ class QLin(nn.Module):
 class WLin(nn.Module):  # weight-only int8 as the engine does it
     def __init__(self, o, i):
         super().__init__()
-        w = torch.randn(o, i) * 0.05
-        s = w.abs().amax(1) / 127
-        self.register_buffer("wq", (w / s[:, None]).round().clamp(-127, 127).to(torch.int8))
-        self.register_buffer("ws", s.bfloat16())
+        wq, ws = quantize_int8(torch.randn(o, i) * 0.05)
+        self.register_buffer("wq", wq)
+        self.register_buffer("ws", ws)
 
     def forward(self, x):
         return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.wq, self.ws).to(x.dtype)

@@ -1,5 +1,5 @@
 """One verify of a chain of six tokens against the same six verified one at a time, on the real model: the largest
-logit difference per row (0 everywhere: each row computed as it is alone). Apply w8a8.patch first; from the root:
+logit difference per row (0 at a row computed as it would be alone). Apply w8a8.patch first; from the root:
     PYTHONPATH=. .venv/bin/python docs/benchmarks/cpu-w8a8-session32/rows.py w8a8|int8|float32 inductor|eager
 """
 
