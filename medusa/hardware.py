@@ -69,6 +69,14 @@ def vector_int4(device: torch.device | str = "cpu") -> bool:
     return device.type == "cpu" and torch.backends.cpu.get_cpu_capability() == "AVX512" and native_bf16(device)
 
 
+def vector_int8_gemm(device: torch.device | str = "cpu") -> bool:
+    """inductor's int8 x int8 GEMM template (w8a8's compiled verify) at vector speed: it is written for AVX512-VNNI,
+    under torch's AVX-512 kernels; elsewhere the compiled graph calls oneDNN's int8 matmul, which costs tens of
+    microseconds a call (docs/engines.md)."""
+    device = torch.device(device)
+    return device.type == "cpu" and torch.backends.cpu.get_cpu_capability() == "AVX512" and "avx512_vnni" in cpu_flags()
+
+
 def describe(device: torch.device | str = "cpu") -> dict:
     """What a latency measurement depends on: the processor, its usable ISA, threads and torch's version."""
     device = torch.device(device)

@@ -20,8 +20,9 @@ from medusa.loading import cache_root
 BUILD_SCRIPT = "bash ../shared/peers/build_llama_cpp.sh"
 BINARIES = {"plain": "llama-completion", "lookup": "llama-lookup", "quantize": "llama-quantize"}
 
-# Our precision names -> the GGUF type llama.cpp runs at that precision (Q4_1: the shipped file's own type).
-PRECISIONS = {"float32": "F32", "bfloat16": "BF16", "int8": "Q8_0", "int4": "Q4_1"}
+# Our precision names -> the GGUF type llama.cpp runs at that precision (Q4_1: the shipped file's own type). Q8_0 rounds
+# activations to 8 bits too (per block of 32), so it stands beside both int8 and w8a8.
+PRECISIONS = {"float32": "F32", "bfloat16": "BF16", "int8": "Q8_0", "w8a8": "Q8_0", "int4": "Q4_1"}
 
 # llama.h's llama_ftype values for the types above, as written in a GGUF file's `general.file_type`.
 _FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 32: "BF16"}

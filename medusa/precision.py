@@ -8,6 +8,10 @@ relative to plain decoding of the same target at the same precision.
   scheme) on bf16 activations where the CPU has native bf16, else float32 ones; CPU precisions. int4 only where torch
   runs its AVX-512 kernels on bf16 activations (elsewhere its kernel is a reference loop), so it is refused there,
   naming int8.
+- "w8a8": int8 weights and int8 activations, each row with its own scale (medusa.runtime.quantize), as llama.cpp's
+  Q8_0 computes; a verify of up to about eight tokens costs what one does. Less accurate than weight-only int8
+  (docs/engines.md has the measurement); only where inductor's int8 GEMM runs at vector speed (AVX512-VNNI), else
+  refused, naming int8.
 - "auto": bfloat16 where the hardware computes it natively, else float32.
 """
 
@@ -17,12 +21,12 @@ import os
 
 import torch
 
-from medusa.hardware import native_bf16, vector_int4
+from medusa.hardware import native_bf16, vector_int4, vector_int8_gemm
 from medusa.loading import DTYPES, load_base, resolve_dtype
 from medusa.runtime import QUANTIZED, quantize_target
 
 PRECISIONS = ("float32", "bfloat16", "float16", *QUANTIZED, "auto")
-# set to 1 to run bf16 where the CPU only emulates it, and int4 where its kernel has no vector path
+# set to 1 to run bf16 where the CPU only emulates it, and int4 and w8a8 where their kernels have no vector path
 ALLOW_EMULATED = "MEDUSA_ALLOW_EMULATED_BF16"
 
 
@@ -36,6 +40,12 @@ def activation_dtype(dtype, device) -> torch.dtype:
             "aten's int4 kernel runs at vector speed only on bf16 activations under torch's AVX-512 kernels; on this "
             "CPU it is a reference loop, about ten times slower than int8. Use dtype='int8' (weight-only, a quarter "
             f"of the bytes), or set {ALLOW_EMULATED}=1 to run int4 anyway"
+        )
+    if dtype == "w8a8" and not vector_int8_gemm(device) and os.environ.get(ALLOW_EMULATED) != "1":
+        raise ValueError(
+            "w8a8's compiled int8 x int8 GEMM is written for AVX512-VNNI under torch's AVX-512 kernels, which this "
+            "CPU (or this process's ATEN_CPU_CAPABILITY) does not offer; elsewhere each GEMM is a oneDNN call that "
+            f"costs more than it saves. Use dtype='int8' (weight-only), or set {ALLOW_EMULATED}=1 to run w8a8 anyway"
         )
     if dtype == "auto" or dtype in QUANTIZED:
         return torch.bfloat16 if native_bf16(device) else torch.float32

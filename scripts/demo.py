@@ -10,7 +10,7 @@ Each next to llama.cpp at the same precision (F32, Q8_0/BF16) when its binaries 
 (../shared/peers/build_llama_cpp.sh; $LLAMA_CPP_BIN). It ends saying which to pick.
 
     python scripts/demo.py [--heads DIR] [--max-new-tokens 128] [--dtype float32|bfloat16|auto] [--prompts N]
-                           [--fast-dtype auto|int8|bfloat16|none] [--plan auto|off] [--recalibrate]
+                           [--fast-dtype auto|int8|w8a8|bfloat16|none] [--plan auto|off] [--recalibrate]
 """
 
 from __future__ import annotations
@@ -164,7 +164,8 @@ def main() -> None:
     parser.add_argument(
         "--fast-dtype",
         default="auto",
-        help="the second run's precision: auto (int8 on a CPU, bfloat16 on a GPU), int8, bfloat16, or none",
+        help="the second run's precision: auto (int8 on a CPU, bfloat16 on a GPU), int8, w8a8 (int8 activations "
+        "too: AVX512-VNNI), bfloat16, or none",
     )
     parser.add_argument("--prompts", type=int, default=len(PROMPTS))
     parser.add_argument("--plan", default="auto", choices=["auto", "off"])

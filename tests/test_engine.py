@@ -416,6 +416,71 @@ def test_bf16_attention_runs_in_fp32_on_a_cpu():
         torch.testing.assert_close(ours, theirs, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor"])
+def test_reduction_attention_computes_each_query_as_plain_decoding_does(compiled):
+    """reduction_sdpa (w8a8's attention): a query among others, and a tree node whose siblings sit between it and its
+    parent, come out bit for bit as the same query attending alone over exactly its own keys (what plain decoding
+    computes), eager and through inductor with the query rows and keys dynamic; and it is sdpa within rounding."""
+    from medusa.runtime.attention import reduction_sdpa
+    from medusa.runtime.static import INDUCTOR_CPU_OPTIONS
+
+    def attend(query, key, value, mask):
+        if compiled:
+            for tensor, dim in ((query, 2), (key, 2), (value, 2), (mask, 2), (mask, 3)):
+                torch._dynamo.maybe_mark_dynamic(tensor, dim)
+        return sdpa(query, key, value, mask, 0.125, True)
+
+    sdpa = torch.compile(reduction_sdpa, dynamic=False) if compiled else reduction_sdpa
+    torch.manual_seed(6)
+    past, rows, hidden = 37, 6, torch.finfo(torch.float32).min  # more keys than a vector's lanes, not a multiple
+    query, key, value = (
+        torch.randn(1, 9, rows, 64),
+        torch.randn(1, 3, past + rows, 64),
+        torch.randn(1, 3, past + rows, 64),
+    )
+    chain = torch.zeros(1, 1, rows, past + rows).masked_fill(
+        torch.ones(rows, past + rows).triu(past + 1).bool(), hidden
+    )
+    with torch.inference_mode(), torch._inductor.config.patch(INDUCTOR_CPU_OPTIONS):
+        together = attend(query, key, value, chain)
+        torch.testing.assert_close(
+            together,
+            torch.nn.functional.scaled_dot_product_attention(query, key, value, chain, scale=0.125, enable_gqa=True),
+        )
+        for i in range(rows):  # row i alone: the past and the chain's first i + 1 tokens
+            keys = past + i + 1
+            alone = attend(query[:, :, i : i + 1], key[:, :, :keys], value[:, :, :keys], torch.zeros(1, 1, 1, keys))
+            assert torch.equal(together[:, :, i], alone[:, :, 0]), i
+        for i in range(1, rows):  # a node at past + i whose parent is the last past row, siblings before it hidden
+            mask = torch.zeros(1, 1, 1, past + rows)
+            mask[..., past:] = hidden
+            mask[..., past + i] = 0.0
+            moved_key, moved_value = key.clone(), value.clone()
+            moved_key[:, :, past + i], moved_value[:, :, past + i] = key[:, :, past], value[:, :, past]
+            node = attend(query[:, :, :1], moved_key, moved_value, mask)
+            alone = attend(
+                query[:, :, :1], key[:, :, : past + 1], value[:, :, : past + 1], torch.zeros(1, 1, 1, past + 1)
+            )
+            assert torch.equal(node, alone), i
+
+
+def test_row_invariant_attention_without_a_mask_is_causal_from_the_first_key():
+    """Unmasked (transformers' prefill), row_invariant_sdpa is sdpa's causal attention, aligned to the first key: a
+    static cache hands over its unwritten rows after the prompt's, and those must stay unseen."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from medusa.runtime.attention import row_invariant_sdpa
+
+    torch.manual_seed(7)
+    module = SimpleNamespace(num_key_value_groups=3, is_causal=True)
+    query, key, value = torch.randn(1, 9, 5, 16), torch.randn(1, 3, 12, 16), torch.randn(1, 3, 12, 16)
+    ours, _ = row_invariant_sdpa(module, query, key, value, None, scaling=0.25)
+    theirs, _ = sdpa_attention_forward(module, query, key, value, None, scaling=0.25)
+    torch.testing.assert_close(ours, theirs)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_half_precision_caches_keep_fp32_rows_and_change_no_number(family, monkeypatch):
     """bf16 on a CPU attends in fp32 (shared_gqa_sdpa): a static cache keeps its rows widened once, as written

@@ -367,5 +367,8 @@ def test_a_source_already_of_the_type_is_used_as_is(fake, tmp_path):
 
 
 def test_every_precision_has_a_gguf_type():
-    assert llama_cpp.PRECISIONS == {"float32": "F32", "bfloat16": "BF16", "int8": "Q8_0", "int4": "Q4_1"}
+    from medusa.precision import PRECISIONS
+
+    assert set(llama_cpp.PRECISIONS) == set(PRECISIONS) - {"float16", "auto"}  # every precision a benchmark names
+    assert llama_cpp.PRECISIONS["int8"] == llama_cpp.PRECISIONS["w8a8"] == "Q8_0"  # Q8_0 rounds activations too
     assert set(llama_cpp.PRECISIONS.values()) <= set(llama_cpp._FILE_TYPES.values())

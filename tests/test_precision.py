@@ -1,13 +1,15 @@
-"""Precision as the user's choice (medusa.precision, medusa.runtime.quantize): int8 and int4 targets on every engine
-against their eager reference, speculative decoding exact relative to plain decoding of the same quantised target,
-and the precisions this machine refuses."""
+"""Precision as the user's choice (medusa.precision, medusa.runtime.quantize): int8, int4 and w8a8 targets on every
+engine against their eager reference, speculative decoding exact relative to plain decoding of the same quantised
+target, and the precisions this machine refuses."""
 
 import pytest
 import torch
 
 import medusa.precision
 import medusa.runtime.prepack
+import medusa.runtime.static
 from medusa import MedusaModel
+from medusa.decode import prefill
 from medusa.plan import plan_key
 from medusa.precision import ALLOW_EMULATED, activation_dtype, load_target
 from medusa.runtime import (
@@ -19,6 +21,7 @@ from medusa.runtime import (
     precision_of,
     quantize_target,
 )
+from medusa.runtime.attention import ROW_INVARIANT_ROWS
 from medusa.runtime.prepack import dequantizing_pays
 from medusa.runtime.quantize import (
     INT4_DEQUANTIZED_FROM_ROWS,
@@ -26,9 +29,13 @@ from medusa.runtime.quantize import (
     Int4WeightLinear,
     Int8WeightLinear,
     QuantizedLinear,
+    W8A8Linear,
     quantize_int4,
+    quantize_rows,
+    w8a8_linear,
 )
-from medusa.tree import Candidates, TreeSpec, build_buffers
+from medusa.sampling import SamplingConfig
+from medusa.tree import Candidates, TreeSpec, build_buffers, chain
 from tests.conftest import FAMILIES, make_heads, make_tiny_model, save_tiny_checkpoint
 from tests.test_engine import _verify
 from tests.test_tree import HAND_TREE
@@ -42,8 +49,9 @@ def quantised_target(family: str, precision: str = "int8"):
     return quantize_target(make_tiny_model(family, dtype=torch.bfloat16), precision)
 
 
-LAYERS = {"int8": Int8WeightLinear, "int4": Int4WeightLinear}
-DRIFT = {"int8": 0.15, "int4": 0.5}  # the largest logit change quantising makes, relative to the largest logit
+LAYERS = {"int8": Int8WeightLinear, "int4": Int4WeightLinear, "w8a8": W8A8Linear}
+# the largest logit change quantising makes, relative to the largest logit
+DRIFT = {"int8": 0.15, "int4": 0.5, "w8a8": 0.2}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -162,6 +170,9 @@ def test_unknown_and_slow_precisions_are_refused_with_the_fix(tmp_path, monkeypa
     monkeypatch.setattr(medusa.precision, "vector_int4", lambda device="cpu": False)  # torch's AVX2 kernels
     with pytest.raises(ValueError, match=r"int4 kernel.*reference loop.*dtype='int8'.*MEDUSA_ALLOW_EMULATED"):
         load_target(str(base_dir), dtype="int4")
+    monkeypatch.setattr(medusa.precision, "vector_int8_gemm", lambda device="cpu": False)  # no AVX512-VNNI
+    with pytest.raises(ValueError, match=r"w8a8.*AVX512-VNNI.*dtype='int8'.*MEDUSA_ALLOW_EMULATED"):
+        load_target(str(base_dir), dtype="w8a8")
     assert activation_dtype("auto", "cpu") == torch.float32
     monkeypatch.setenv(ALLOW_EMULATED, "1")
     model, _ = load_target(str(base_dir), dtype="bfloat16")
@@ -210,3 +221,127 @@ def test_a_dequantised_target_computes_the_quantised_weights_in_float32(precisio
     assert not [m for m in model.modules() if isinstance(m, QuantizedLinear)] and precision_of(model) == "float32"
     assert not torch.equal(model.get_output_embeddings().weight, model.get_input_embeddings().weight)
     torch.testing.assert_close(exact, quantised, **INT8_TOL)  # the kernels round activations to bf16 on the way
+
+
+def test_w8a8_rounds_each_row_on_its_own_and_sums_exactly():
+    """A row's output is the same alone as among other rows (its own scale, integer sums), so a tree's verify computes
+    each node's linears as plain decoding does; and it is the int8 levels' exact product, scaled."""
+    torch.manual_seed(0)
+    layer = W8A8Linear(torch.nn.Linear(64, 48))
+    rows = torch.randn(7, 64, dtype=torch.bfloat16) * torch.logspace(-2, 2, 7)[:, None].bfloat16()  # scales apart
+    together = layer(rows)
+    for i in range(7):
+        assert torch.equal(layer(rows[i : i + 1]), together[i : i + 1])
+    levels, scales = quantize_rows(rows)
+    assert levels.abs().max() == 127 and torch.equal(levels, levels.round())
+    sums = levels.double() @ layer.weight_int8.double().T  # exact in float64 at these sizes
+    expected = (sums.float() * (scales * layer.scales) + layer.bias).to(torch.bfloat16)
+    torch.testing.assert_close(together, expected, atol=0, rtol=2**-7)  # one bf16 rounding
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not medusa.precision.vector_int8_gemm(), reason="inductor's int8 GEMM template needs AVX512-VNNI")
+def test_w8a8_compiles_to_inductors_int8_gemm_template():
+    """What makes w8a8 worth having: inductor's freezing pass lowers its pattern to the AVX512-VNNI GEMM template
+    (a oneDNN call per GEMM otherwise: tens of microseconds each), computing what the uncompiled layer does."""
+    from torch._inductor.utils import run_and_get_code
+
+    from medusa.runtime.static import INDUCTOR_CPU_OPTIONS
+
+    torch.manual_seed(0)
+    layer = W8A8Linear(torch.nn.Linear(256, 192, bias=False)).eval()
+    rows = torch.randn(4, 256, dtype=torch.bfloat16)
+    with torch.no_grad(), torch._inductor.config.patch({**INDUCTOR_CPU_OPTIONS, "max_autotune_gemm_backends": "CPP"}):
+        compiled, code = run_and_get_code(torch.compile(layer, dynamic=False), rows)
+    assert "dpbusd" in "".join(code)  # the VNNI multiply-add of u8 by s8
+    torch.testing.assert_close(compiled, layer(rows), atol=0, rtol=2**-7)
+    with torch.no_grad():  # the same sums through the pattern uncompiled (quantized_decomposed's float reference)
+        eager_pattern = torch.compile(
+            lambda x: w8a8_linear(x, layer.weight_int8, layer.scales, layer.zeros), backend="eager"
+        )(rows)
+    torch.testing.assert_close(eager_pattern, layer(rows), atol=0, rtol=2**-7)
+
+
+def _chain_and_one_at_a_time(engine, model, prompt: torch.Tensor, tokens: torch.Tensor):
+    """The logits of `tokens` verified as one chain after `prompt`, and of the same tokens verified one at a time."""
+    with torch.inference_mode():
+        state = prefill(model, prompt, SamplingConfig(), engine=engine, max_length=128)
+        chained = build_buffers(TreeSpec(chain(len(tokens) - 1)), len(tokens) - 1)
+        together = engine.verify(state.cache, Candidates(tokens=tokens, tree=chained), state.length).logits.clone()
+        state = prefill(model, prompt, SamplingConfig(), engine=engine, max_length=128)
+        alone = build_buffers(TreeSpec([]), 1)
+        rows = []
+        for i, token in enumerate(tokens):
+            rows.append(engine.verify(state.cache, Candidates(token[None], alone), state.length + i).logits[0].clone())
+            engine.commit(state.cache, state.length + i, torch.tensor([0]))
+    return together, torch.stack(rows)
+
+
+def _last_sibling_and_plain(engine, model, prompt: torch.Tensor, tokens: torch.Tensor):
+    """The logits at the last of tokens[1:] verified as siblings under tokens[0] (so it sits past the others in the
+    cache), and at the same token after tokens[0] in plain decoding."""
+    with torch.inference_mode():
+        state = prefill(model, prompt, SamplingConfig(), engine=engine, max_length=128)
+        siblings = build_buffers(TreeSpec([[i] for i in range(len(tokens) - 1)]), 1)
+        tree = engine.verify(state.cache, Candidates(tokens=tokens, tree=siblings), state.length).logits[-1].clone()
+        state = prefill(model, prompt, SamplingConfig(), engine=engine, max_length=128)
+        alone = build_buffers(TreeSpec([]), 1)
+        engine.verify(state.cache, Candidates(tokens[:1], alone), state.length)
+        engine.commit(state.cache, state.length, torch.tensor([0]))
+        plain = engine.verify(state.cache, Candidates(tokens[-1:], alone), state.length + 1).logits[0].clone()
+    return tree, plain
+
+
+W8A8_PROMPTS = (9, ROW_INVARIANT_ROWS + 5)  # prompt lengths either side of it (the prefill's two paths)
+
+
+def _assert_every_node_as_plain_decoding(engine, model) -> None:
+    """After prompts either side of ROW_INVARIANT_ROWS: a chain's verify equals its tokens verified one at a time, and
+    a node past its siblings equals its token in plain decoding, bit for bit; and `engine` gives eager's logits."""
+    tokens = torch.randint(1, 90, (6,), generator=torch.Generator().manual_seed(1))
+    for length in W8A8_PROMPTS:
+        prompt = torch.randint(1, 90, (1, length), generator=torch.Generator().manual_seed(length))
+        together, alone = _chain_and_one_at_a_time(engine, model, prompt, tokens)
+        assert torch.equal(together, alone), (length, (together - alone).abs().amax(-1))
+        _, reference = _chain_and_one_at_a_time(EagerEngine(model), model, prompt, tokens)
+        torch.testing.assert_close(alone.float(), reference.float(), **INT8_TOL)
+        tree, plain = _last_sibling_and_plain(engine, model, prompt, tokens)
+        assert torch.equal(tree, plain), length
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("engine", [EagerEngine, CompiledEngine])
+def test_a_w8a8_verify_computes_every_node_as_plain_decoding_does(family, engine):
+    """w8a8's exactness is by construction: each node of a tree's verify (in a chain, or past its siblings) comes out
+    bit for bit as plain decoding computes that token (rounding activations to int8 would turn any difference into a
+    level), and the prefill attends causally from the first cached row, as the eager engine's does."""
+    model = quantised_target(family, "w8a8")
+    engine = engine(model)
+    _assert_every_node_as_plain_decoding(engine, model)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("engine", ["eager", "compiled"])
+def test_speculation_on_a_w8a8_target_is_identical_to_its_plain_decoding(family, engine):
+    """No near-ties to allow: every node is computed as plain decoding computes it."""
+    model = MedusaModel(quantised_target(family, "w8a8"), make_heads(random=True).to(torch.bfloat16))
+    for seed in range(3):
+        prompt = torch.randint(1, 90, (1, 5 + 7 * seed), generator=torch.Generator().manual_seed(seed))
+        plain = model.generate(prompt, max_new_tokens=24, proposer="plain", engine=engine)[0].tolist()
+        for tree in (None, chain(3), HAND_TREE):
+            fast = model.generate(prompt, max_new_tokens=24, engine=engine, tree=tree)[0].tolist()
+            assert fast == plain, (seed, tree)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not medusa.precision.vector_int8_gemm(), reason="inductor's int8 GEMM template needs AVX512-VNNI")
+def test_the_w8a8_package_computes_every_node_as_plain_decoding_does(tmp_path, monkeypatch):
+    """The same bit for bit through the AOTInductor package on the engine's own settings (the int8 GEMM template):
+    inductor's lowering of the attention must not depend on the number of query rows."""
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
+    monkeypatch.setattr(medusa.runtime.static, "COMPILED_MIN_ROWS", 128)
+    model = quantised_target("llama", "w8a8")
+    engine = InductorEngine(model)
+    engine.warm_up(progress=False, max_length=128)
+    assert engine.ahead_of_time and engine._packages
+    _assert_every_node_as_plain_decoding(engine, model)

@@ -32,7 +32,7 @@ from transformers import StaticCache
 from medusa.fileio import atomic_file, one_at_a_time
 from medusa.hardware import describe
 from medusa.loading import cache_root
-from medusa.runtime.attention import kv_dtype
+from medusa.runtime.attention import ROW_INVARIANT_SDPA, kv_dtype
 from medusa.runtime.kv_cache import KeptDtypeLayer
 from medusa.runtime.torch_patches import no_gemm_choice, probe_vector_isas_meanwhile, wrapper_compiled_beside_kernels
 from medusa.runtime.verify import base_features, with_cache
@@ -109,6 +109,7 @@ class VerifyStep(nn.Module):
 
 def package_path(model, rows: int, options: dict, weights: str, one_token: bool = False) -> Path:
     """Where the package for `model` (its `weights`: medusa.loading.base_fingerprint) over `rows` rows lives."""
+    attention = getattr(model.config, "_attn_implementation", None)
     key = {
         "format": AOT_FORMAT,
         "weights": weights,
@@ -118,6 +119,7 @@ def package_path(model, rows: int, options: dict, weights: str, one_token: bool 
         "transformers": transformers.__version__,
         **describe(model.device),
         **({"one_token": True} if one_token else {}),  # the main packages keep the names they had
+        **({"attention": ROW_INVARIANT_SDPA} if attention == ROW_INVARIANT_SDPA else {}),
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
     return cache_root() / "aoti" / f"{rows}{'-one-token' if one_token else ''}-{digest}.pt2"

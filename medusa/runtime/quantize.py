@@ -9,15 +9,24 @@ one (it says other things); speculative decoding on it is exact relative to plai
   scheme, so a Q4_1 GGUF base (the weights transformers dequantised on loading) gets its stored levels back, its
   scales and minimums rounded to the activations' dtype.
 
-inductor lowers both kernels to its C++ weight-only templates when the inductor engine compiles the target.
+- w8a8: int8 weights as int8's, and each row of activations rounded to int8 with its own scale as it arrives (what
+  llama.cpp's Q8_0 does per block of 32): integer products summed exactly in int32, then scaled. Written as the
+  quantized pattern inductor's freezing pass turns into its int8 GEMM template (AVX512-VNNI), whose cost stays flat
+  from one to about eight rows where the weight-only kernels' doubles; uncompiled, `torch._int_mm` computes the same
+  sums. A row's numbers never depend on the other rows (its own scale, exact sums), and the target attends with
+  `attention.row_invariant_sdpa`, so a tree's verify computes each node as plain decoding does, bit for bit.
+
+inductor lowers the kernels to its C++ templates when the inductor engine compiles the target.
 Embeddings and norms stay in the activations' dtype.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.ao.quantization.fx._decomposed  # noqa: F401 - registers torch.ops.quantized_decomposed (w8a8's pattern)
 from torch import nn
 
+from medusa.runtime.attention import use_row_invariant_sdpa
 from medusa.runtime.prepack import (
     INT8_BLOCK,
     can_int8,
@@ -27,7 +36,7 @@ from medusa.runtime.prepack import (
     replace_children,
 )
 
-QUANTIZED = ("int8", "int4")
+QUANTIZED = ("int8", "int4", "w8a8")
 INT4_GROUP = 32  # inputs sharing one scale and minimum (Q4_1's block)
 INT4_ROWS = 16  # aten's int4 packing takes output rows in blocks of this many
 # Unpacking every int4 weight costs a fixed time per forward: a float GEMM over them pays from this many rows of a
@@ -121,6 +130,61 @@ class Int8WeightLinear(QuantizedLinear):
         return int8_linear(x, self.weight_int8, self.scales, self.bias)
 
 
+def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K) activations -> (their levels in -127..127 (M, K) float32, one float32 scale per row (M, 1)): symmetric,
+    rounded to nearest."""
+    rows = rows.float()
+    scales = rows.abs().amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / 127
+    return torch.round(rows / scales).clamp(-127, 127), scales
+
+
+W8A8_ZERO = 128  # the pattern's activations are uint8 around this zero point (AVX512-VNNI multiplies u8 by s8)
+
+
+def w8a8_linear(
+    x: torch.Tensor, quantized: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias=None, vocabulary=False
+):
+    """x (..., in) -> (..., out) in x's dtype: x's rows rounded to int8 each with its own scale, times the int8
+    weights (out, in) with theirs (float32, one per output row), the products summed exactly. `vocabulary`: the
+    projection to the vocabulary, whose logits stay float32 (see W8A8Linear)."""
+    rows = x.reshape(-1, x.shape[-1])
+    levels, row_scales = quantize_rows(rows)
+    if torch.compiler.is_compiling():  # the pattern inductor's freezing pass lowers to its int8 GEMM template
+        shifted = (levels + W8A8_ZERO).to(torch.uint8)
+        activations = torch.ops.quantized_decomposed.dequantize_per_tensor(shifted, 1.0, W8A8_ZERO, 0, 255, torch.uint8)
+        weight = torch.ops.quantized_decomposed.dequantize_per_channel(
+            quantized, scales, zeros, 0, -128, 127, torch.int8
+        )
+        out = nn.functional.linear(activations, weight) * row_scales
+    else:
+        # one multiplication by the scales' outer product: as two, inductor's freezing pass matches SmoothQuant's
+        # pattern and hands the GEMM to oneDNN's qlinear (tens of ms a step, docs/engines.md)
+        out = torch._int_mm(levels.to(torch.int8), quantized.t()).float() * (row_scales * scales)
+    if bias is not None:
+        out = out + bias
+    return (out if vocabulary else out.to(x.dtype)).reshape(*x.shape[:-1], quantized.shape[0])
+
+
+class W8A8Linear(QuantizedLinear):
+    # The projection to the vocabulary keeps its logits in float32: a step's hidden states move by a rounding with
+    # the number of query rows (as at every precision), rounding activations to int8 can turn that into a level, and
+    # bf16 logits then tie often enough that plain and speculative decoding parted in every answer (near-ties).
+    vocabulary = False
+
+    def __init__(self, linear: nn.Linear, tied: torch.Tensor | None = None):
+        super().__init__(linear, tied)
+        quantized, scales = quantize_int8(linear.weight)
+        self.register_buffer("weight_int8", quantized)
+        self.register_buffer("scales", scales.float())
+        self.register_buffer("zeros", torch.zeros_like(scales, dtype=torch.long))  # symmetric: the pattern names them
+
+    def dequantized(self) -> torch.Tensor:
+        return self.weight_int8.float() * self.scales[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return w8a8_linear(x, self.weight_int8, self.scales, self.zeros, self.bias, self.vocabulary)
+
+
 class Int4WeightLinear(QuantizedLinear):
     def __init__(self, linear: nn.Linear, tied: torch.Tensor | None = None):
         super().__init__(linear, tied)
@@ -138,8 +202,9 @@ class Int4WeightLinear(QuantizedLinear):
 
 def _quantized_layer(precision: str, device: torch.device, linear: nn.Linear):
     """The quantised layer class for `linear` at `precision`, or None where the kernel does not take its shape."""
-    if precision == "int8":
-        return Int8WeightLinear if can_int8(device, linear.in_features) else None
+    if precision in ("int8", "w8a8"):
+        layer = Int8WeightLinear if precision == "int8" else W8A8Linear
+        return layer if can_int8(device, linear.in_features) else None
     return Int4WeightLinear if can_int4(device, linear.in_features, linear.out_features) else None
 
 
@@ -159,7 +224,13 @@ def quantize_target(model: nn.Module, precision: str) -> nn.Module:
         layer = _quantized_layer(precision, device, child) if type(child) is nn.Linear else None
         return layer(child, embeddings if child.weight is embeddings else None) if layer is not None else None
 
+    output = model.get_output_embeddings()
     replace_children(model, quantized)
+    projection = model.get_output_embeddings()
+    if isinstance(projection, W8A8Linear) and projection is not output:
+        projection.vocabulary = True  # see W8A8Linear
+    if precision == "w8a8":
+        use_row_invariant_sdpa(model)
     model.medusa_precision = precision  # what plans and packages are keyed on
     return model
 

@@ -17,7 +17,7 @@ import torch
 from transformers import StaticCache
 
 from medusa.loading import cache_root
-from medusa.runtime.attention import kv_dtype
+from medusa.runtime.attention import ROW_INVARIANT_SDPA, kv_dtype
 from medusa.runtime.graphs import StepGraph, upload_ids
 from medusa.runtime.kv_cache import KeptDtypeLayer, keep_rows
 from medusa.runtime.prepack import can_prepack, prepacked_copy
@@ -38,6 +38,10 @@ INDUCTOR_CPU_OPTIONS = {
     "max_autotune": True,
     "max_autotune_gemm_backends": "CPP,ATEN",
 }
+# attention written as reductions (attention.row_invariant_sdpa): inductor would inline the rotary embedding of the
+# queries into the score reduction, computing it again for every key, unless pointwise results of more than this many
+# operations are stored first (its CPU default: 50; docs/engines.md)
+REALIZE_OPCOUNT, ROW_INVARIANT_REALIZE_OPCOUNT = "realize_cpu_opcount_threshold", 5
 # MEDUSA_VERIFY_GRAPHS=1: on a GPU the verify runs as CUDA graphs captured by hand around inductor's kernels (one per
 # cache and node count), not through torch.compile's CUDA graphs (a guard check and a graph tree's launch per call)
 VERIFY_GRAPHS = os.environ.get("MEDUSA_VERIFY_GRAPHS", "0") == "1"
@@ -51,6 +55,8 @@ def inductor_cpu_options(model) -> dict:
     linear layers that read one input (q/k/v, gate/up) concatenated into one GEMM each (fewer, larger calls); an int8
     target does not (its concatenated pattern leaves the template: a slower step, docs/engines.md)."""
     options = dict(INDUCTOR_CPU_OPTIONS)
+    if getattr(model.config, "_attn_implementation", None) == ROW_INVARIANT_SDPA:
+        options[REALIZE_OPCOUNT] = ROW_INVARIANT_REALIZE_OPCOUNT
     if precision_of(model) in QUANTIZED:
         return options
     options["cpp.enable_concat_linear"] = True
