@@ -9,9 +9,10 @@ relative to plain decoding of the same target at the same precision.
   runs its AVX-512 kernels on bf16 activations (elsewhere its kernel is a reference loop), so it is refused there,
   naming int8.
 - "w8a8": int8 weights and int8 activations, each row with its own scale (medusa.runtime.quantize), as llama.cpp's
-  Q8_0 computes; a verify of up to about eight tokens costs what one does. Less accurate than weight-only int8
-  (docs/engines.md has the measurement); only where inductor's int8 GEMM runs at vector speed (AVX512-VNNI), else
-  refused, naming int8.
+  Q8_0 computes; a tree's verify grows slowly with its nodes where weight-only int8's doubles past four, and
+  speculative decoding on it is identical to its plain decoding. Less accurate than weight-only int8 (docs/engines.md
+  has the measurements); only where inductor's int8 GEMM runs at vector speed (AVX512-VNNI), else refused, naming
+  int8; for the inductor engine (uncompiled, its attention is exact but slow at long contexts).
 - "auto": bfloat16 where the hardware computes it natively, else float32.
 """
 
