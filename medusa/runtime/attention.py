@@ -46,10 +46,10 @@ def shared_gqa_sdpa(
             module, query.float(), key.float(), value.float(), mask, dropout, scaling, is_causal, sdpa, **kwargs
         )
         return out.to(query.dtype), weights
-    torchs = sdpa is None  # torch's own, looked up at the call (probes replace it)
+    torch_kernel = sdpa is None  # torch's own, looked up at each call
     sdpa = sdpa or torch.nn.functional.scaled_dot_product_attention
     if (
-        (torchs and (attention_mask is None or getattr(module, "num_key_value_groups", 1) == 1))
+        (torch_kernel and (attention_mask is None or getattr(module, "num_key_value_groups", 1) == 1))
         or dropout
         or kwargs.get("position_bias") is not None
         or kwargs.get("softcap") is not None
