@@ -224,10 +224,9 @@ def quantize_target(model: nn.Module, precision: str) -> nn.Module:
         layer = _quantized_layer(precision, device, child) if type(child) is nn.Linear else None
         return layer(child, embeddings if child.weight is embeddings else None) if layer is not None else None
 
-    output = model.get_output_embeddings()
     replace_children(model, quantized)
     projection = model.get_output_embeddings()
-    if isinstance(projection, W8A8Linear) and projection is not output:
+    if isinstance(projection, W8A8Linear):
         projection.vocabulary = True  # see W8A8Linear
     if precision == "w8a8":
         use_row_invariant_sdpa(model)
