@@ -7,12 +7,15 @@ Runs plain greedy `generate` (transformers, eager) and each proposer over each t
 on a few prompts (after a warm-up, which compiles the engine). Outputs must be identical on the eager engine; other
 engines report how many are. Prints the median speedup, tau and the mean milliseconds per step of prefill
 (amortised), propose (heads), verify (target forward), accept and commit (on a GPU each phase is synchronised, so
-the phases add up to more than an unprofiled step). A dynamic tree takes each tree's size.
+the phases add up to more than an unprofiled step), and what the proposal spent in the heads' context layer, in the
+heads and in their candidate projection (a part of the heads' time). A dynamic tree takes each tree's size.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import itertools
 import json
 import statistics
@@ -21,6 +24,7 @@ import time
 import torch
 
 from medusa import MedusaModel, load_tree
+from medusa.propose import CandidateProjection, MedusaProposer
 from medusa.proposers import PROPOSERS
 from medusa.runtime import ENGINES
 
@@ -29,6 +33,40 @@ PROMPTS = [
     "Explain how a hash table works.",
     "What are the health benefits of green tea?",
 ]
+
+
+# parts of a proposal, timed where the proposers call them: (label, class, method)
+PROPOSAL_PARTS = (
+    ("context read", MedusaProposer, "read"),
+    ("heads", MedusaProposer, "path_logits"),
+    ("heads", MedusaProposer, "head_logits"),
+    ("their projection", CandidateProjection, "head_logits"),
+)
+
+
+@contextlib.contextmanager
+def timed_parts(seconds: dict[str, float]):
+    """Adds the seconds spent in each of PROPOSAL_PARTS to `seconds` while inside (methods wrapped, then restored)."""
+    originals = [(owner, name, getattr(owner, name)) for _, owner, name in PROPOSAL_PARTS]
+
+    def timed(label, method):
+        @functools.wraps(method)
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                seconds[label] = seconds.get(label, 0.0) + time.perf_counter() - start
+
+        return run
+
+    for (label, owner, name), (_, _, method) in zip(PROPOSAL_PARTS, originals):
+        setattr(owner, name, timed(label, method))
+    try:
+        yield seconds
+    finally:
+        for owner, name, method in originals:
+            setattr(owner, name, method)
 
 
 def main() -> None:
@@ -57,22 +95,23 @@ def main() -> None:
     model.base.generate(**chat("Hi"), max_new_tokens=8, do_sample=False)
     for tree, proposer in itertools.product(args.trees, args.proposers):
         paths = model.tree if tree is None else json.loads(tree) if tree.startswith("[") else load_tree(tree)
-        ratios, taus, per_step, differing = [], [], {}, []
+        ratios, taus, per_step, part_ms, differing = [], [], {}, {}, []
         for text in PROMPTS:
             ids = chat(text)
             start = time.perf_counter()
             plain = model.base.generate(**ids, max_new_tokens=args.max_new_tokens, do_sample=False)
             plain_s = time.perf_counter() - start
             start = time.perf_counter()
-            out = model.generate(
-                ids,
-                max_new_tokens=args.max_new_tokens,
-                tree=paths,
-                proposer=proposer,
-                engine=args.engine,
-                profile=True,
-                return_dict_in_generate=True,
-            )
+            with timed_parts({}) as parts:
+                out = model.generate(
+                    ids,
+                    max_new_tokens=args.max_new_tokens,
+                    tree=paths,
+                    proposer=proposer,
+                    engine=args.engine,
+                    profile=True,
+                    return_dict_in_generate=True,
+                )
             fast_s = time.perf_counter() - start
             if not torch.equal(plain, out.sequences):
                 if args.engine == "eager":  # the exact reference: any difference is a bug
@@ -83,11 +122,15 @@ def main() -> None:
             taus.append(out.stats.mean_accepted_tokens)
             for phase, seconds in out.stats.timings.items():
                 per_step.setdefault(phase, []).append(seconds / out.stats.steps * 1000)
+            for label in dict.fromkeys(label for label, _, _ in PROPOSAL_PARTS):
+                part_ms.setdefault(label, []).append(parts.get(label, 0.0) / out.stats.steps * 1000)
         phases = ", ".join(f"{k} {statistics.mean(v):.1f}" for k, v in per_step.items())
+        proposal = ", ".join(f"{k} {statistics.mean(v):.1f}" for k, v in part_ms.items())
         print(
             f"{proposer} {args.engine} {len(paths) + 1:>3}-node tree: median speedup {statistics.median(ratios):.2f}x, "
             f"tau {statistics.mean(taus):.2f}; "
-            f"ms per step: {phases}; plain generate {plain_s / plain_tokens * 1000:.1f} ms/token; "
+            f"ms per step: {phases} (of the proposal: {proposal}); "
+            f"plain generate {plain_s / plain_tokens * 1000:.1f} ms/token; "
             f"identical {len(PROMPTS) - len(differing)}/{len(PROMPTS)}"
         )
 

@@ -382,3 +382,21 @@ def test_the_benchmarks_precision_defaults_to_bf16_on_a_gpu_and_fp32_on_a_cpu():
     assert benchmark.parse_args([*base, "--device", "cuda"]).dtype == "bfloat16"
     assert benchmark.parse_args([*base, "--device", "cuda:1"]).dtype == "bfloat16"
     assert benchmark.parse_args([*base, "--device", "cuda", "--dtype", "float32"]).dtype == "float32"
+
+
+def test_profile_step_times_the_proposal_parts_and_restores_them():
+    """scripts/profile_step.py's timed_parts: the seconds spent in a wrapped part are counted under its label, and
+    the proposers' own methods are back in place afterwards (also when the timed code raises)."""
+    from medusa.propose import CandidateProjection, MedusaProposer
+
+    profile_step = load_script("profile_step")
+    originals = {name: getattr(owner, name) for _, owner, name in profile_step.PROPOSAL_PARTS}
+    projection = CandidateProjection(weight=torch.randn(32, 16), token_ids=None)
+    with profile_step.timed_parts({}) as seconds:
+        logits = projection.head_logits(0, torch.randn(2, 16))
+    assert logits.shape == (2, 32)
+    assert seconds["their projection"] > 0 and "context read" not in seconds
+    with pytest.raises(AttributeError), profile_step.timed_parts({}) as seconds:
+        MedusaProposer.read(None, None)  # no proposer: fails inside the timed part
+    assert "context read" in seconds
+    assert {name: getattr(owner, name) for _, owner, name in profile_step.PROPOSAL_PARTS} == originals
