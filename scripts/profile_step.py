@@ -42,11 +42,13 @@ PROPOSAL_PARTS = (
     ("heads", MedusaProposer, "head_logits"),
     ("their projection", CandidateProjection, "head_logits"),
 )
+PART_LABELS = tuple(dict.fromkeys(label for label, _, _ in PROPOSAL_PARTS))
 
 
 @contextlib.contextmanager
-def timed_parts(seconds: dict[str, float]):
-    """Adds the seconds spent in each of PROPOSAL_PARTS to `seconds` while inside (methods wrapped, then restored)."""
+def timed_parts():
+    """Yields a dict of the seconds spent in each of PROPOSAL_PARTS while inside (methods wrapped, then restored)."""
+    seconds: dict[str, float] = {}
     originals = [(owner, name, getattr(owner, name)) for _, owner, name in PROPOSAL_PARTS]
 
     def timed(label, method):
@@ -102,7 +104,7 @@ def main() -> None:
             plain = model.base.generate(**ids, max_new_tokens=args.max_new_tokens, do_sample=False)
             plain_s = time.perf_counter() - start
             start = time.perf_counter()
-            with timed_parts({}) as parts:
+            with timed_parts() as parts:
                 out = model.generate(
                     ids,
                     max_new_tokens=args.max_new_tokens,
@@ -122,7 +124,7 @@ def main() -> None:
             taus.append(out.stats.mean_accepted_tokens)
             for phase, seconds in out.stats.timings.items():
                 per_step.setdefault(phase, []).append(seconds / out.stats.steps * 1000)
-            for label in dict.fromkeys(label for label, _, _ in PROPOSAL_PARTS):
+            for label in PART_LABELS:
                 part_ms.setdefault(label, []).append(parts.get(label, 0.0) / out.stats.steps * 1000)
         phases = ", ".join(f"{k} {statistics.mean(v):.1f}" for k, v in per_step.items())
         proposal = ", ".join(f"{k} {statistics.mean(v):.1f}" for k, v in part_ms.items())

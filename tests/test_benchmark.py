@@ -392,11 +392,11 @@ def test_profile_step_times_the_proposal_parts_and_restores_them():
     profile_step = load_script("profile_step")
     originals = {name: getattr(owner, name) for _, owner, name in profile_step.PROPOSAL_PARTS}
     projection = CandidateProjection(weight=torch.randn(32, 16), token_ids=None)
-    with profile_step.timed_parts({}) as seconds:
+    with profile_step.timed_parts() as seconds:
         logits = projection.head_logits(0, torch.randn(2, 16))
     assert logits.shape == (2, 32)
     assert seconds["their projection"] > 0 and "context read" not in seconds
-    with pytest.raises(AttributeError), profile_step.timed_parts({}) as seconds:
+    with pytest.raises(AttributeError), profile_step.timed_parts() as seconds:
         MedusaProposer.read(None, None)  # no proposer: fails inside the timed part
     assert "context read" in seconds
     assert {name: getattr(owner, name) for _, owner, name in profile_step.PROPOSAL_PARTS} == originals
