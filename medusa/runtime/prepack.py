@@ -57,12 +57,18 @@ def can_int8(device: torch.device, in_features: int) -> bool:
     )
 
 
+def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K) values -> (their levels in -127..127 (M, K) float32, one float32 scale per row (M, 1)): symmetric,
+    rounded to nearest. w8a8's activations as they arrive; `quantize_int8`'s weights."""
+    rows = rows.float()
+    scales = rows.abs().amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / 127
+    return torch.round(rows / scales).clamp(-127, 127), scales
+
+
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, in) float weight -> (int8 weight, bf16 scale per output row): symmetric, rounded to nearest."""
-    weight = weight.detach().float()
-    scales = weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
-    quantized = torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
-    return quantized, scales.to(torch.bfloat16)
+    """(out, in) float weight -> (int8 weight, bf16 scale per output row): `quantize_rows`, stored."""
+    levels, scales = quantize_rows(weight.detach())
+    return levels.to(torch.int8).contiguous(), scales[:, 0].to(torch.bfloat16)
 
 
 def dequantizing_pays(rows: int, dtype: torch.dtype, least_rows: int = 0) -> bool:

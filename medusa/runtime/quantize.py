@@ -33,6 +33,7 @@ from medusa.runtime.prepack import (
     dequantizing_pays,
     int8_linear,
     quantize_int8,
+    quantize_rows,
     replace_children,
 )
 
@@ -128,14 +129,6 @@ class Int8WeightLinear(QuantizedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return int8_linear(x, self.weight_int8, self.scales, self.bias)
-
-
-def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(M, K) activations -> (their levels in -127..127 (M, K) float32, one float32 scale per row (M, 1)): symmetric,
-    rounded to nearest."""
-    rows = rows.float()
-    scales = rows.abs().amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / 127
-    return torch.round(rows / scales).clamp(-127, 127), scales
 
 
 W8A8_ZERO = 128  # the pattern's activations are uint8 around this zero point (AVX512-VNNI multiplies u8 by s8)
