@@ -7,9 +7,11 @@ grows deep chains, an uncertain one spreads wide near the root.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 
-from medusa.ngram import copy_guesses, put_first
 from medusa.propose import build_medusa_proposer
 from medusa.tree import Candidates, TreeBuffers, TreeSpec, buffers_from_parents, build_buffers, chain
 
@@ -20,69 +22,78 @@ DEFAULT_TOPK = 10  # children tried per node: the widest static Medusa trees use
 COPY_PROBABILITY = 0.75
 
 
-def copy_first_logp(
-    tokens: torch.Tensor, logp: torch.Tensor, guesses: torch.Tensor, probability: float = COPY_PROBABILITY
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A head's top guesses tokens, logp (P, W) with its copy guesses (P,) (-1: none) ranked first -> (tokens, logp)
-    (P, W) scored as the mixture `probability` * copy + (1 - probability) * head; rows without a copy are unchanged."""
-    merged = put_first(tokens, guesses)
-    same = merged[:, :, None] == tokens[:, None, :]  # (P, W, W): where each kept token sat among the head's guesses
-    own = torch.where(same.any(-1), logp.gather(1, same.int().argmax(-1)), torch.full_like(logp, -float("inf")))
-    is_copy = merged == guesses[:, None]
-    mixed = torch.where(
-        is_copy, torch.log(probability + (1 - probability) * own.exp()), own + torch.log1p(torch.tensor(-probability))
-    )
-    return merged, torch.where((guesses >= 0)[:, None], mixed, own)
+def copy_first(tokens: list[int], logp: list[float], guess: int, probability: float = COPY_PROBABILITY):
+    """A head's top guesses `tokens` and their log-probabilities `logp` for one path, with its copy guess (-1: none)
+    ranked first -> (tokens, logp) scored as the mixture `probability` * copy + (1 - probability) * head; without a
+    copy they are returned as they are."""
+    if guess < 0:
+        return tokens, logp
+    own = dict(zip(tokens, logp))
+    others = [t for t in tokens if t != guess][: len(tokens) - 1]
+    copy_logp = math.log(probability + (1 - probability) * math.exp(own.get(guess, -math.inf)))
+    return [guess, *others], [copy_logp] + [own[t] + math.log1p(-probability) for t in others]
 
 
-def prune_beam(beam: torch.Tensor, paths: torch.Tensor, scores_so_far: torch.Tensor, budget: int):
-    """The previous level's kept nodes (scores `beam` (B,), sorted descending, and their `paths`) whose children can
-    still make the final cut. A child scores at most its parent (log-probabilities <= 0) and comes after every
-    shallower node in the cut's stable order, so once `budget` nodes score at least t, a parent scoring <= t has no
-    child in the cut. The survivors are a prefix of the beam (it is sorted), so their indices, and the proposal, are
-    those of the unpruned search; only head calls that could not matter are skipped."""
-    if scores_so_far.numel() < budget:
-        return beam, paths
-    threshold = scores_so_far.topk(budget).values[-1]
-    keep = int((beam > threshold).sum())  # host sync: how many rows the next head runs on
-    return beam[:keep], paths[:keep]
+@dataclass
+class Level:
+    """One depth of the search: the best children of the previous level's kept nodes, best first in one stable
+    order (score, then parent, then rank)."""
+
+    scores: list[float]  # log-probability of each node's path
+    parents: list[int]  # index of its parent among the previous level's nodes
+    tokens: list[int]
 
 
-def keep_best(beam: torch.Tensor, top_logp: torch.Tensor, top_tokens: torch.Tensor, budget: int):
-    """One level of the search: the kept parents' scores `beam` (B,), their children's log-probabilities and tokens
-    (B, s) -> the best `budget` children (scores, index of the parent in the beam, tokens), sorted descending in one
-    stable order (score, then parent, then rank)."""
-    scores = (beam[:, None] + top_logp).flatten()  # (B * s,) ordered by parent, then rank
-    order = torch.sort(scores, descending=True, stable=True).indices[:budget]
-    return scores[order], order // top_logp.shape[1], top_tokens.flatten()[order]
+def keep_best(beam: list[float], top_logp: list[list[float]], top_tokens: list[list[int]], budget: int) -> Level:
+    """The kept parents' path scores `beam` (B,), their children's log-probabilities and tokens (B, s) -> the best
+    `budget` children. The search runs on the host: its few dozen numbers cost less as Python floats than as tensor
+    ops."""
+    children = [
+        (score + logp, parent, token)
+        for parent, (score, row_logp, row_tokens) in enumerate(zip(beam, top_logp, top_tokens))
+        for logp, token in zip(row_logp, row_tokens)
+    ]
+    children.sort(key=lambda child: -child[0])  # stable: ties keep parent, then rank order
+    kept = children[:budget]
+    return Level([c[0] for c in kept], [c[1] for c in kept], [c[2] for c in kept])
 
 
-def cut_tree(root: torch.Tensor, level_scores, level_parents, level_tokens, budget: int) -> Candidates:
+def surviving_parents(beam: list[float], levels: list[Level], budget: int) -> int:
+    """How many of the previous level's kept nodes (scores `beam`, sorted descending) can still have a child in the
+    final cut. A child scores at most its parent (log-probabilities <= 0) and comes after every shallower node in the
+    cut's stable order, so once `budget` nodes score at least t, a parent scoring <= t has no child in the cut. The
+    survivors are a prefix of the beam, so their indices, and the proposal, are those of the unpruned search; only
+    head calls that could not matter are skipped."""
+    scores = sorted((s for level in levels for s in level.scores), reverse=True)
+    if len(scores) < budget:
+        return len(beam)
+    return sum(score > scores[budget - 1] for score in beam)
+
+
+def cut_tree(root: torch.Tensor, levels: list[Level], budget: int) -> Candidates:
     """The best `budget` nodes across the levels `keep_best` kept, as a tree rooted at `root` (1,). Within a level the
     stable global order equals the level's own, so each level contributes a prefix of its sorted list, and since a
     child never scores above its parent the cut is prefix-closed."""
-    all_scores = torch.cat(level_scores)
-    level_of = torch.cat([torch.full_like(s, d, dtype=torch.long) for d, s in enumerate(level_scores)])
-    chosen = torch.sort(all_scores, descending=True, stable=True).indices[:budget]
-    counts = torch.bincount(level_of[chosen], minlength=len(level_scores)).tolist()  # host sync: sizes are data
-
-    starts = [1 + sum(counts[:d]) for d in range(len(counts))]  # node index of each level's first node
-    tokens, parents, depths = [root], [root.new_zeros(1)], [root.new_zeros(1)]
-    for d, count in enumerate(counts):
+    ranked = sorted(((score, d) for d, level in enumerate(levels) for score in level.scores), key=lambda x: -x[0])
+    counts = [0] * len(levels)
+    for _, d in ranked[:budget]:
+        counts[d] += 1
+    parents, tokens, start = [0], [], 0  # start: node index of the previous level's first node (the root's: 0)
+    for level, count in zip(levels, counts):
         if count == 0:
             break
-        tokens.append(level_tokens[d][:count])
-        parents.append(starts[d - 1] + level_parents[d][:count] if d else root.new_zeros(count))
-        depths.append(root.new_full((count,), d + 1))
-    tree = buffers_from_parents(torch.cat(parents), torch.cat(depths))
-    return Candidates(tokens=torch.cat(tokens), tree=tree)
+        parents += [start + p for p in level.parents[:count]]
+        tokens += level.tokens[:count]
+        start = len(parents) - count
+    new = torch.tensor(tokens, dtype=root.dtype).to(root.device, non_blocking=True)
+    return Candidates(tokens=torch.cat([root, new]), tree=buffers_from_parents(parents, root.device))
 
 
 class DynamicTreeProposer:
     """Each step: the best `num_nodes - 1` paths by the product of head probabilities, a tree rooted at the root token.
 
     A node at depth d holds one of the top-`topk` tokens of head d-1 (its copy guess first, scored by
-    `copy_first_logp`, for heads with `copy_ngram`). Log-probabilities are <= 0, so a path never
+    `copy_first`, for heads with `copy_ngram`). Log-probabilities are <= 0, so a path never
     scores above its prefix and the best set is prefix-closed; one stable order (score, then level, then parent and
     rank) is used for every cut so that ties cannot break that closure.
     """
@@ -100,39 +111,39 @@ class DynamicTreeProposer:
         root = state.root_token.view(1)
         budget = self.num_nodes - 1  # non-root nodes
         if budget == 0 or self.depth == 0:
-            return Candidates(tokens=root, tree=buffers_from_parents(root.new_zeros(1), root.new_zeros(1)))
+            return Candidates(tokens=root, tree=buffers_from_parents([0], root.device))
         by_path = self.medusa.by_path
         hidden, copies = self.medusa.read(state), self.medusa.step_copies(state)
         if not by_path:  # every head reads only the root: all levels' guesses at once
             logits = self.medusa.head_logits(hidden, state.root_token, self.depth)  # (D, V')
 
         # Level d keeps its best `budget` candidates, sorted; children of those are level d+1's candidates.
-        level_scores, level_parents, level_tokens = [], [], []
-        beam = root.new_zeros(
-            1, dtype=torch.float32
-        )  # (B,) scores of the previous level's kept nodes (the root: log 1)
-        paths = root.new_zeros(1, 0)  # (B, d) tokens of the kept nodes' paths after the root
+        levels: list[Level] = []
+        beam, paths = [0.0], [()]  # the previous level's kept nodes: path scores (the root: log 1), tokens after root
         for d in range(self.depth):
-            if d:  # only nodes above the budget-th best score so far can have a child in the final cut: see prune_beam
-                beam, paths = prune_beam(beam, paths, torch.cat(level_scores), budget)
-                if beam.numel() == 0:  # nothing deeper can be chosen: the remaining heads need not run
+            if d:  # only nodes above the budget-th best score so far can have a child in the final cut
+                keep = surviving_parents(beam, levels, budget)
+                if keep == 0:  # nothing deeper can be chosen: the remaining heads need not run
                     break
-            # (B, V') when each kept node's children depend on its path, else (1, V') shared by all
-            level_logits = self.medusa.path_logits(hidden, state.root_token, d, paths) if by_path else logits[d : d + 1]
+                beam, paths = beam[:keep], paths[:keep]
+            if by_path:  # (B, V'): each kept node's children depend on its path
+                path_ids = torch.tensor(paths, dtype=torch.long).view(len(paths), d).to(root.device)
+                level_logits = self.medusa.path_logits(hidden, state.root_token, d, path_ids)
+            else:  # (1, V'): shared by all
+                level_logits = logits[d : d + 1]
             width = min(self.topk, budget, level_logits.shape[-1])  # the same at every level
             top_logp, top_index = level_logits.float().log_softmax(-1).clamp(max=0).topk(width, dim=-1)
-            top_tokens = self.medusa.projection.token(top_index).expand(beam.shape[0], width)  # (B, s)
-            if copies:
-                guesses = copy_guesses(copies, d, paths if by_path else None).to(top_tokens.device)
-                top_tokens, top_logp = copy_first_logp(
-                    top_tokens, top_logp.expand(beam.shape[0], width), guesses.expand(beam.shape[0])
-                )
-            kept = keep_best(beam, top_logp, top_tokens, budget)
-            for level, part in zip((level_scores, level_parents, level_tokens), kept):
-                level.append(part)
-            beam = level_scores[-1]
-            paths = torch.cat([paths[level_parents[-1]], level_tokens[-1][:, None]], dim=1)
-        return cut_tree(root, level_scores, level_parents, level_tokens, budget)
+            top_logp, top_tokens = top_logp.tolist(), self.medusa.projection.token(top_index).tolist()
+            if not by_path:
+                top_logp, top_tokens = top_logp * len(beam), top_tokens * len(beam)
+            if d < len(copies):  # the copy guess, after the path that follows the copy chain (any path: root heads)
+                for row, path in enumerate(paths):
+                    if not by_path or list(path) == copies[:d]:
+                        top_tokens[row], top_logp[row] = copy_first(top_tokens[row], top_logp[row], copies[d])
+            levels.append(keep_best(beam, top_logp, top_tokens, budget))
+            beam = levels[-1].scores
+            paths = [paths[p] + (t,) for p, t in zip(levels[-1].parents, levels[-1].tokens)]
+        return cut_tree(root, levels, budget)
 
     def observe(self, state, accepted_tokens: list[int]) -> None:
         pass

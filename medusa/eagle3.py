@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AutoModel, DynamicCache, PretrainedConfig
 
 from medusa.draft import TargetAndDraft
-from medusa.dynamic_tree import DEFAULT_TOPK, cut_tree, keep_best, prune_beam
+from medusa.dynamic_tree import DEFAULT_TOPK, Level, cut_tree, keep_best, surviving_parents
 from medusa.runtime import int8_copy, with_cache
 from medusa.sampling import SamplingConfig, greedy_tokens, target_probs
 from medusa.tree import Candidates, TreeSpec, build_buffers, chain
@@ -253,27 +253,27 @@ class Eagle3Proposer:
     def _tree(self, state, hidden: torch.Tensor) -> Candidates:
         """The dynamic tree from the root's output `hidden` (1, H) (see the class docstring)."""
         root, budget = state.root_token.view(1).to(hidden.device), self.num_nodes - 1
-        beam = hidden.new_zeros(1, dtype=torch.float32)  # the kept nodes' path scores; the root: log 1
+        beam = [0.0]  # the kept nodes' path scores; the root: log 1
         sees = torch.zeros((1, 0), dtype=torch.bool, device=hidden.device)  # which drafted rows each kept node sees
-        levels = ([], [], [])  # per level: scores, parent index in the previous level, tokens
+        levels: list[Level] = []
         for depth in range(self.depth):
             if depth:  # run the level's nodes that can still have a child in the cut
-                beam, parents = prune_beam(beam, levels[1][-1], torch.cat(levels[0]), budget)
-                if beam.numel() == 0:
+                count = surviving_parents(beam, levels, budget)
+                if count == 0:
                     break
-                count = beam.numel()
+                beam = beam[:count]
+                parents = torch.tensor(levels[-1].parents[:count]).to(hidden.device)
                 sees = torch.cat([sees[parents], torch.eye(count, dtype=torch.bool, device=hidden.device)], dim=1)
                 committed = torch.ones((count, self.seen), dtype=torch.bool, device=hidden.device)
                 mask = additive_mask(torch.cat([committed, sees], dim=1), hidden.dtype)
                 positions = torch.full((1, count), state.length + depth - 1, device=hidden.device)
-                embeds = self.embed_tokens(levels[2][-1][:count])[None]
+                embeds = self.embed_tokens(torch.tensor(levels[-1].tokens[:count]).to(hidden.device))[None]
                 hidden = self.draft(hidden[parents][None], embeds, positions, mask, self.cache)[0]
             logp = self.draft.logits(hidden).float().log_softmax(-1)
             top_logp, top_index = logp.topk(min(self.topk, budget, logp.shape[-1]), dim=-1)
-            for level, part in zip(levels, keep_best(beam, top_logp, self.draft.target_ids[top_index], budget)):
-                level.append(part)
-            beam = levels[0][-1]
-        return cut_tree(root, *levels, budget)
+            levels.append(keep_best(beam, top_logp.tolist(), self.draft.target_ids[top_index].tolist(), budget))
+            beam = levels[-1].scores
+        return cut_tree(root, levels, budget)
 
     def observe(self, state, accepted_tokens: list[int]) -> None:
         self._unread.append(state.new_hidden)

@@ -34,10 +34,7 @@ def graft_chain(candidates: Candidates, chain_tokens: list[int]) -> Candidates:
     if not new:
         return candidates
     n, device = len(tokens), candidates.tokens.device
-    base_depth = int(tree.depth[node])
-    new_parents = torch.tensor([node] + list(range(n, n + len(new) - 1)), dtype=torch.long, device=device)
-    new_depths = torch.arange(base_depth + 1, base_depth + 1 + len(new), dtype=torch.long, device=device)
-    merged = buffers_from_parents(torch.cat([tree.parent, new_parents]), torch.cat([tree.depth, new_depths]))
+    merged = buffers_from_parents(parent + [node] + list(range(n, n + len(new) - 1)), device)
     return Candidates(
         tokens=torch.cat([candidates.tokens, torch.tensor(new, dtype=torch.long, device=device)]),
         tree=merged,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -131,37 +132,37 @@ def _build_buffers(paths: tuple[tuple[int, ...], ...], num_heads: int) -> TreeBu
     return TreeBuffers(n, visible, depth, parent, candidate_index, tuple(topk), leaf_paths)
 
 
-def buffers_from_parents(parent: torch.Tensor, depth: torch.Tensor) -> TreeBuffers:
+def buffers_from_parents(parent: Sequence[int] | torch.Tensor, device: torch.device | str | None = None) -> TreeBuffers:
     """Tree buffers for an arbitrary tree given in topological order: the per-step trees (dynamic, prompt lookup).
 
-    parent: (N,) long, parent[0] = 0 (the root), parent[i] < i. depth: (N,) long, depth[0] = 0.
-    Leaves are listed in node order, like build_buffers. `candidate_index` is unused for such trees (their tokens are
-    placed directly) and holds zeros; `topk_per_head` is empty.
+    parent: (N,) node ids, parent[0] = 0 (the root), parent[i] < i; a tensor gives its device. Leaves are listed in
+    node order, like build_buffers. `candidate_index` is unused for such trees (their tokens are placed directly) and
+    holds zeros; `topk_per_head` is empty. Built once per tree shape and device, then shared: a dynamic proposer's
+    trees repeat from step to step, and a shared one keeps its attention bias (`attention_bias`) too.
     """
-    n = parent.numel()
-    device = parent.device
-    nodes = torch.arange(n, device=device)
-    max_depth = int(depth.max()) if n > 1 else 0
+    if isinstance(parent, torch.Tensor):
+        device, parent = device or parent.device, parent.tolist()
+    return _buffers_from_parents(tuple(parent), str(torch.device(device or "cpu")))
 
-    visible = torch.eye(n, dtype=torch.bool, device=device)  # (N, N)
-    ancestor = nodes
-    for _ in range(max_depth):  # walk every node up one level at a time; the root is its own parent, so it stays
-        ancestor = parent[ancestor]
-        visible[nodes, ancestor] = True
 
-    is_leaf = torch.ones(n, dtype=torch.bool, device=device)
-    is_leaf[parent[1:]] = False
-    leaves = nodes[is_leaf]  # (L,)
-    rows = torch.arange(leaves.numel(), device=device)
-    leaf_paths = torch.full((leaves.numel(), max_depth + 1), n, dtype=torch.long, device=device)  # (L, D + 1)
-    node, column = leaves, depth[leaves]
-    for _ in range(max_depth + 1):  # fill each path from its leaf back to the root
-        live = column >= 0
-        leaf_paths[rows[live], column[live]] = node[live]
-        node, column = parent[node], column - 1
-    return TreeBuffers(
-        n, visible, depth.clone(), parent.clone(), torch.zeros(n, dtype=torch.long, device=device), (), leaf_paths
-    )
+@functools.lru_cache(maxsize=4096)
+def _buffers_from_parents(parent: tuple[int, ...], device: str) -> TreeBuffers:
+    n = len(parent)
+    if n == 0 or parent[0] != 0 or any(not 0 <= p < i for i, p in enumerate(parent[1:], 1)):
+        raise ValueError(f"a tree's parents must start with the root (0) and precede each node, got {list(parent)}")
+    depth, ancestors = [0] * n, [[0] for _ in range(n)]  # ancestors[i]: root .. i
+    for i in range(1, n):
+        depth[i] = depth[parent[i]] + 1
+        ancestors[i] = ancestors[parent[i]] + [i]
+    visible = torch.zeros(n, n, dtype=torch.bool)
+    for i, line in enumerate(ancestors):
+        visible[i, line] = True
+    leaves = sorted(set(range(n)) - set(parent[1:]))
+    max_depth = max(depth)
+    leaf_paths = torch.tensor([ancestors[i] + [n] * (max_depth - depth[i]) for i in leaves], dtype=torch.long)
+    as_long = functools.partial(torch.tensor, dtype=torch.long)
+    tree = TreeBuffers(n, visible, as_long(depth), as_long(parent), torch.zeros(n, dtype=torch.long), (), leaf_paths)
+    return tree.to(device)
 
 
 def load_tree(name_or_path: str | Path) -> list[list[int]]:

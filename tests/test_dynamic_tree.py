@@ -121,7 +121,7 @@ def test_dynamic_tree_pruning_changes_no_proposal(monkeypatch, num_nodes, coarse
     proposals, rows = [], []
     for prune in (True, False):
         if not prune:
-            monkeypatch.setattr(dynamic_tree, "prune_beam", lambda beam, paths, scores, budget: (beam, paths))
+            monkeypatch.setattr(dynamic_tree, "surviving_parents", lambda beam, levels, budget: len(beam))
         heads = PathHeads(vocab=12, coarse=coarse)
         candidates = DynamicTreeProposer(heads, num_nodes=num_nodes, depth=4, topk=5).propose(_state(root=3))
         _check_tree(candidates, root=3)

@@ -104,7 +104,7 @@ HAND_LEAF_PATHS = [[0, 2, 5, 5], [0, 1, 3, 4]]  # leaves in node order, padded w
 
 
 def test_buffers_from_parents_hand_drawn_tree():
-    tree = buffers_from_parents(torch.tensor(HAND_PARENT), torch.tensor(HAND_DEPTH))
+    tree = buffers_from_parents(torch.tensor(HAND_PARENT))
     assert tree.num_nodes == 5
     assert tree.visible.long().tolist() == HAND_VISIBLE
     assert tree.leaf_paths.tolist() == HAND_LEAF_PATHS
@@ -113,7 +113,7 @@ def test_buffers_from_parents_hand_drawn_tree():
 
 
 def test_buffers_from_parents_root_only():
-    tree = buffers_from_parents(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+    tree = buffers_from_parents([0])
     assert tree.num_nodes == 1 and tree.leaf_paths.tolist() == [[0]] and tree.visible.tolist() == [[True]]
 
 
@@ -127,7 +127,14 @@ def test_buffers_from_parents_root_only():
 )
 def test_buffers_from_parents_match_the_static_builder(paths):
     static = build_buffers(TreeSpec(paths))
-    dynamic = buffers_from_parents(static.parent, static.depth)
+    dynamic = buffers_from_parents(static.parent)
     assert dynamic.num_nodes == static.num_nodes
     for name in ("visible", "depth", "parent", "leaf_paths"):
         assert torch.equal(getattr(dynamic, name), getattr(static, name)), name
+
+
+def test_buffers_from_parents_are_built_once_per_shape_and_refuse_a_bad_order():
+    assert buffers_from_parents([0, 0, 1]) is buffers_from_parents(torch.tensor([0, 0, 1]))
+    for bad in ([], [1, 0], [0, 2, 0], [0, 0, 2]):
+        with pytest.raises(ValueError, match="parents must start with the root"):
+            buffers_from_parents(bad)
