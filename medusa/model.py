@@ -42,6 +42,9 @@ from medusa.tree import TreeSpec, build_buffers, chain, load_tree
 logger = logging.getLogger(__name__)
 
 DEFAULT_HEADS_DIR = EMBEDDED_HEADS_ROOT / "smollm2-135m-instruct"
+# How many of a vocabulary subset's most frequent candidates the heads rank on a CPU, where the projection is the
+# largest part of proposing: half of the shipped 8,192 kept tau (training prompts, docs/engines.md, session 35).
+CPU_CANDIDATES = 4096
 
 
 def _default_tree(num_heads: int) -> list[list[int]]:
@@ -111,10 +114,15 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
     def refresh_candidate_projection(self) -> None:
         """Rebuild what proposing uses (after changing the heads' weights, vocabulary subset or device): the
         projection, and the heads it runs. On a CPU both compute on int8 weights (medusa.runtime.int8_copy: 14 small
-        GEMMs a step of the dynamic tree read a quarter of the bytes; the target verifies every guess exactly)."""
+        GEMMs a step of the dynamic tree read a quarter of the bytes; the target verifies every guess exactly), and
+        the projection ranks the CPU_CANDIDATES most frequent candidates of a vocabulary subset."""
         int8 = self.base.device.type == "cpu" and self.base.dtype in (torch.float32, torch.bfloat16)
         self.candidate_projection = CandidateProjection.build(
-            self.heads, self.base.get_output_embeddings(), self.projection_dtype, int8=int8
+            self.heads,
+            self.base.get_output_embeddings(),
+            self.projection_dtype,
+            int8=int8,
+            most_frequent=CPU_CANDIDATES if int8 else None,
         )
         self.proposal_heads = int8_copy(self.heads, skip=("projections",)) if int8 else self.heads
         # the proposers' CUDA graphs (medusa.runtime.StepGraph), kept from call to call: each generate call builds a

@@ -45,7 +45,8 @@ PLAN_VERSION = 12  # 3: the inductor engine is an option; 4: the dynamic tree sk
 # int8 weights on a CPU (cheaper heads and context reads); 9: more repeats, a verify curve that never falls, near-ties
 # go to the larger expected tau (choices that do not flip on noise); 10: the inductor engine attends over the rows
 # written and concatenates float projections (cheaper verifies, flatter over tree size); 11: half-precision one-token
-# steps on aten's GEMV (a cheaper plain step); 12: the dynamic tree's search on host lists (a cheaper proposal)
+# steps on aten's GEMV (a cheaper plain step); 12: the dynamic tree's search on host lists, a CPU's heads rank 4,096
+# candidates (a cheaper proposal)
 SIZES = (1, 2, 4, 6, 8, 12, 16, 24)  # tree nodes timed, root included (1 = plain decoding)
 SLOW_ENGINE = 1.25  # an engine whose plain step is this much slower than the fastest one's is not timed further
 MIN_GAIN = 1.05  # a speculative option must beat plain decoding by this much to be chosen

@@ -38,10 +38,17 @@ class CandidateProjection:
     int8: tuple[torch.Tensor, torch.Tensor] | None = None  # a shared weight in int8 and its row scales, else None
 
     @classmethod
-    def build(cls, heads, lm_head, dtype: torch.dtype, int8: bool = False) -> CandidateProjection:
-        """`int8`: rank on int8 weights (medusa.runtime.quantize_int8) where the CPU kernel takes the shape."""
-        weight = heads.candidate_weight(lm_head).detach().to(dtype).contiguous()
+    def build(
+        cls, heads, lm_head, dtype: torch.dtype, int8: bool = False, most_frequent: int | None = None
+    ) -> CandidateProjection:
+        """`int8`: rank on int8 weights (medusa.runtime.quantize_int8) where the CPU kernel takes the shape.
+        `most_frequent`: rank only that many of the heads' vocabulary subset, its first (training orders it most
+        frequent first: medusa.train.data.frequent_tokens); heads without a subset rank the whole vocabulary."""
+        weight = heads.candidate_weight(lm_head).detach()
         subset = getattr(heads, "vocab_subset", None)
+        if most_frequent is not None and subset is not None:
+            weight, subset = weight[..., :most_frequent, :], subset[:most_frequent]
+        weight = weight.to(dtype).contiguous()
         if int8 and weight.dim() == 2 and can_int8(weight.device, weight.shape[1]):
             return cls(weight, subset, int8=quantize_int8(weight))
         packed = pack(weight) if weight.dim() == 2 and can_prepack(weight.device, dtype) else None

@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch import nn
 
+import medusa.model
 from medusa import MedusaModel
 from medusa.propose import CandidateProjection
 from medusa.runtime import can_int8, int8_copy, quantize_int8
@@ -105,3 +106,18 @@ def test_int8_proposing_leaves_greedy_output_identical(family, proposer):
     expected = base.generate(prompt, max_new_tokens=24, do_sample=False)
     got = model.generate(prompt, max_new_tokens=24, proposer=proposer)
     assert torch.equal(got, expected)
+
+
+def test_a_cpu_model_ranks_the_most_frequent_candidates_of_its_subset(monkeypatch):
+    """The subset is ordered most frequent first (medusa.train.data.frequent_tokens): a CPU ranks its first
+    CPU_CANDIDATES, the same rows of the same weights."""
+    heads = make_heads(num_heads=2, random=True)
+    heads.set_vocab_subset(torch.tensor([7, 3, 11, 2, 5, 1]))
+    monkeypatch.setattr(medusa.model, "CPU_CANDIDATES", 4)
+    model = MedusaModel(make_tiny_model("gemma"), heads)
+    projection = model.candidate_projection
+    assert projection.token_ids.tolist() == [7, 3, 11, 2]
+    rows = model.base.get_output_embeddings().weight[[7, 3, 11, 2]]
+    torch.testing.assert_close(projection.weight, rows.to(projection.weight.dtype))
+    whole = CandidateProjection.build(heads, model.base.get_output_embeddings(), torch.float32)
+    assert whole.token_ids.tolist() == [7, 3, 11, 2, 5, 1]  # elsewhere (evaluation, a GPU) the whole subset
