@@ -179,10 +179,15 @@ class MedusaProposer:
                 f"the context layer has read {self._seen} positions, the cache holds {state.length} and the "
                 f"steps since added {rows}: call read (or skip) once per step"
             )
-        following = upload_ids(state.tokens[-rows:], new_hidden.device)
-        past = self._context or self.heads.context.empty_past(new_hidden.device, new_hidden.dtype)
+        keys, values, seen = self._context or self.heads.context.empty_past(new_hidden.device, new_hidden.dtype)
+        # Only the last row's output and the last window - 1 rows' keys and values are kept, and a row's keys and
+        # values depend on that row alone: rows before the last `window` reach neither (a prompt is read in 64 rows)
+        reach = min(rows, self.heads.context.window)
+        new_hidden, seen = new_hidden[rows - reach :], seen + (rows - reach)
+        following = upload_ids(state.tokens[-reach:], new_hidden.device)
+        past = keys, values, seen
         # a step's few rows: a CUDA graph per row count on a GPU; the prompt (or skipped steps') rows as they are
-        read = self._read_graph if self._context is not None and rows <= self.tree.max_depth + 1 else self.read_rows
+        read = self._read_graph if self._context is not None and reach <= self.tree.max_depth + 1 else self.read_rows
         self._context_read, *context = read(new_hidden, following, *past)
         self._context, self._seen, self._unread = tuple(context), state.length, []
         return self._context_read

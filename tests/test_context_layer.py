@@ -168,7 +168,9 @@ def test_proposer_reads_what_evaluation_scores(layers):
             else:
                 proposer.skip(state)
             start = end
-        assert calls == [8, 6, 5]  # the prompt; the two skipped steps' 4 positions with the next step's 2; 5
+        # the prompt's 8 positions; the two skipped steps' 4 with the next step's 2; 5: each the last WINDOW of them,
+        # all that reaches the output read and the keys kept (the reads above equal the whole sequence's)
+        assert calls == [WINDOW, WINDOW, 5]
     # head_rank_hits scores the heads on those features: head 0 at position t reads whole[t] and ids[t + 1]
     got = head_rank_hits(model, ids, response_start=6, ranks=1)
     with torch.no_grad():
