@@ -121,3 +121,10 @@ def test_a_cpu_model_ranks_the_most_frequent_candidates_of_its_subset(monkeypatc
     torch.testing.assert_close(projection.weight, rows.to(projection.weight.dtype))
     whole = CandidateProjection.build(heads, model.base.get_output_embeddings(), torch.float32)
     assert whole.token_ids.tolist() == [7, 3, 11, 2, 5, 1]  # elsewhere (evaluation, a GPU) the whole subset
+
+
+def test_prepared_linears_trace_into_one_graph():
+    """torch.compile over the heads' int8 copy (a context layer's read, say) must not break at each linear."""
+    heads = int8_copy(nn.Sequential(nn.Linear(64, 32), nn.SiLU(), nn.Linear(32, 16)))
+    x = torch.randn(2, 64)
+    torch.testing.assert_close(torch.compile(heads, backend="eager", fullgraph=True)(x), heads(x))

@@ -113,7 +113,8 @@ class PreparedLinear(nn.Module):
         self.prepared_version = self.weight._version
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight._version != self.prepared_version:
+        # a traced graph takes the weights as prepared (the check would break it at every linear and recompile)
+        if not torch.compiler.is_compiling() and self.weight._version != self.prepared_version:
             self.prepare()
         return self.compute(x)
 
