@@ -136,7 +136,9 @@ class DynamicTreeProposer:
             top_logp, top_tokens = top_logp.tolist(), self.medusa.projection.token(top_index).tolist()
             if not by_path:
                 top_logp, top_tokens = top_logp * len(beam), top_tokens * len(beam)
-            if d < len(copies):  # the copy guess, after the path that follows the copy chain (any path: root heads)
+            # the copy guess, after the path that follows the copy chain (any path: root heads): ngram.copy_guesses'
+            # rule, on host lists
+            if d < len(copies):
                 for row, path in enumerate(paths):
                     if not by_path or list(path) == copies[:d]:
                         top_tokens[row], top_logp[row] = copy_first(top_tokens[row], top_logp[row], copies[d])
