@@ -109,27 +109,21 @@ def _build_buffers(paths: tuple[tuple[int, ...], ...], num_heads: int) -> TreeBu
         topk[len(p) - 1] = max(topk[len(p) - 1], p[-1] + 1)
     head_offset = [1 + sum(topk[:k]) for k in range(num_heads)]  # where head k's top-s starts in the flat list
 
-    visible = torch.eye(n, dtype=torch.bool)
-    depth = torch.zeros(n, dtype=torch.long)
-    parent = torch.zeros(n, dtype=torch.long)
-    candidate_index = torch.zeros(n, dtype=torch.long)
+    parent, candidate_index = [0] * n, [0] * n
     for p, i in index.items():
-        if not p:
-            continue
-        depth[i] = len(p)
-        parent[i] = index[p[:-1]]
-        candidate_index[i] = head_offset[len(p) - 1] + p[-1]
-        for d in range(len(p)):
-            visible[i, index[p[:d]]] = True
-
-    children = {p[:-1] for p in paths}
-    leaves = [p for p in index if p not in children] if paths else [()]
-    max_depth = max((len(p) for p in leaves), default=0)
-    leaf_paths = torch.full((len(leaves), max_depth + 1), n, dtype=torch.long)
-    for row, leaf in enumerate(leaves):
-        for d in range(len(leaf) + 1):
-            leaf_paths[row, d] = index[leaf[:d]]
-    return TreeBuffers(n, visible, depth, parent, candidate_index, tuple(topk), leaf_paths)
+        if p:
+            parent[i] = index[p[:-1]]
+            candidate_index[i] = head_offset[len(p) - 1] + p[-1]
+    shape = _buffers_from_parents(tuple(parent), "cpu")  # mask, depths and leaf paths follow from the parents
+    return TreeBuffers(
+        n,
+        shape.visible,
+        shape.depth,
+        shape.parent,
+        torch.tensor(candidate_index, dtype=torch.long),
+        tuple(topk),
+        shape.leaf_paths,
+    )
 
 
 def buffers_from_parents(parent: Sequence[int] | torch.Tensor, device: torch.device | str | None = None) -> TreeBuffers:
