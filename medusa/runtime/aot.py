@@ -41,6 +41,8 @@ logger = logging.getLogger(__name__)
 
 AOT_FORMAT = 4  # bump when what is exported changes (2: medusa's attention, 3: the rows written, 4: kv_dtype's
 # cache), so old packages are not loaded
+ROW_INVARIANT_FORMAT = 2  # the same for what only w8a8 exports (attention.reduction_sdpa): 2, the values read
+# where they lie
 # The one-token package (half-precision weights on a CPU): one query token, no freezing, so every linear stays a
 # matmul against a transposed view of the model's own weight, which aten runs as a GEMV without oneDNN
 # (`without_onednn`); it holds no weights and reads the model's own tensors (docs/engines.md).
@@ -119,7 +121,11 @@ def package_path(model, rows: int, options: dict, weights: str, one_token: bool 
         "transformers": transformers.__version__,
         **describe(model.device),
         **({"one_token": True} if one_token else {}),  # the main packages keep the names they had
-        **({"attention": ROW_INVARIANT_SDPA} if attention == ROW_INVARIANT_SDPA else {}),
+        **(
+            {"attention": ROW_INVARIANT_SDPA, "attention_format": ROW_INVARIANT_FORMAT}
+            if attention == ROW_INVARIANT_SDPA
+            else {}
+        ),
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
     return cache_root() / "aoti" / f"{rows}{'-one-token' if one_token else ''}-{digest}.pt2"

@@ -79,14 +79,14 @@ def reduction_sdpa(query, key, value, attn_mask=None, scale=None, enable_gqa=Fal
     if attn_mask is not None:
         scores = scores.masked_fill(~attn_mask, -torch.inf) if attn_mask.dtype == torch.bool else scores + attn_mask
     # Every sum over the keys runs key after key: a tree's node does not sit where plain decoding puts the same token
-    # (its siblings come between), and a sum grouped by the keys' places would round them otherwise. The weights' sum
-    # rides along the values as a column of ones; inductor loops over the keys in order there, aten's sum is a
-    # cascade grouped by place and its cumulative sum a sequential scan.
-    weights = (scores - scores.amax(-1, keepdim=True)).exp()
-    ones = torch.ones_like(value[..., :1])
-    products = weights.unsqueeze(-1) * torch.cat([value, ones], -1).unsqueeze(-3)  # (B, heads, q, k, head_dim + 1)
+    # (its siblings come between), and a sum grouped by the keys' places would round them otherwise. The values' sum:
+    # inductor loops over the keys in order where each key adds a vector (a row of values, read where it lies);
+    # uncompiled, aten's cumulative sum, a sequential scan (its sum is a cascade grouped by place). The weights' sum:
+    # that scan, compiled too (inductor would vectorise a sum of one number a key over the keys).
+    weights = (scores - scores.amax(-1, keepdim=True)).exp()  # (B, heads, q, k)
+    products = weights.unsqueeze(-1) * value.unsqueeze(-3)  # (B, heads, q, k, head_dim)
     summed = products.sum(-2) if torch.compiler.is_compiling() else products.cumsum(-2)[..., -1, :]
-    return summed[..., :-1] / summed[..., -1:]  # (B, heads, q, head_dim)
+    return summed / weights.cumsum(-1)[..., -1:]  # (B, heads, q, head_dim)
 
 
 def row_invariant_sdpa(
