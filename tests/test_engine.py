@@ -416,6 +416,23 @@ def test_bf16_attention_runs_in_fp32_on_a_cpu():
         torch.testing.assert_close(ours, theirs, atol=2e-2, rtol=2e-2)
 
 
+def test_a_change_to_the_row_invariant_attention_names_new_packages_for_its_targets_only(monkeypatch):
+    """w8a8's attention (row_invariant_sdpa) is exported into its targets' packages: a new ROW_INVARIANT_FORMAT names
+    new packages for them, so none compiled from the old attention is loaded, and leaves other targets' names alone."""
+    from medusa.runtime.attention import use_row_invariant_sdpa
+
+    plain, row_invariant = make_tiny_model("llama"), make_tiny_model("llama")
+    use_row_invariant_sdpa(row_invariant)
+
+    def paths():
+        return [medusa.runtime.aot.package_path(m, 512, {}, "weights") for m in (plain, row_invariant)]
+
+    before = paths()
+    monkeypatch.setattr(medusa.runtime.aot, "ROW_INVARIANT_FORMAT", medusa.runtime.aot.ROW_INVARIANT_FORMAT + 1)
+    after = paths()
+    assert after[0] == before[0] and after[1] != before[1]
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor"])
 def test_reduction_attention_computes_each_query_as_plain_decoding_does(compiled):
     """reduction_sdpa (w8a8's attention): a query among others, and a tree node whose siblings sit between it and its
