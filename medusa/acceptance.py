@@ -57,11 +57,12 @@ def _row(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 def greedy(candidates: Candidates, verified: VerifyOutput, sampling: SamplingConfig, generator=None) -> Acceptance:
     """Longest root-to-leaf path whose every token is the argmax of its parent's logits, plus that argmax at its end.
-    A CUDA graph on a GPU for a tree (medusa.runtime.StepGraph); the root alone (plain decoding) is a few kernels, no
-    more than a graph's input copies, and runs as it is."""
+    A CUDA graph on a GPU for a tree (medusa.runtime.StepGraph); the root alone (plain decoding) is its argmax, one
+    kernel and the step's host sync."""
     tree = candidates.tree
-    run = GREEDY_PATH if tree.num_nodes > 1 else greedy_path
-    return _unpacked(*run(candidates.tokens, verified.logits, tree.parent, tree.leaf_paths))
+    if tree.num_nodes == 1:
+        return Acceptance(nodes=tree.leaf_paths[0], tokens=greedy_tokens(verified.logits).tolist())
+    return _unpacked(*GREEDY_PATH(candidates.tokens, verified.logits, tree.parent, tree.leaf_paths))
 
 
 def greedy_path(

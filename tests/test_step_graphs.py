@@ -5,6 +5,7 @@ The captured path itself is tested on a GPU in tests/test_gpu.py."""
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import pytest
@@ -17,6 +18,7 @@ from medusa.ngram import chain_tensor, copy_guesses, put_first
 from medusa.propose import CandidateProjection, MedusaProposer
 from medusa.runtime import StepGraph, VerifyOutput
 from medusa.runtime import graphs as step_graphs
+from medusa.runtime.kv_cache import keep_rows, row_mover
 from medusa.sampling import SamplingConfig
 from medusa.tree import Candidates, TreeSpec, build_buffers
 from tests.conftest import FAMILIES, HIDDEN, VOCAB, make_tiny_model
@@ -213,3 +215,40 @@ def test_proposers_of_one_model_share_their_graphs_from_call_to_call():
         assert torch.equal(second._guess(hidden, root, copies), second.guess(hidden, root, copies))
     model.refresh_candidate_projection()  # new weights to propose with: graphs of their own
     assert build(HAND_TREE)._guess is not first._guess
+
+
+class CapturedOnACpu:
+    """Stands in for a CUDA graph's capture where there is no GPU, doing what `_Captured` does to the state a function
+    reads: two warm-up runs on static copies of the arguments, then each replay copies the call's arguments in and
+    runs the function on those copies."""
+
+    def __init__(self, fn, args):
+        self.fn, self.inputs = fn, tuple(a.clone() for a in args)
+        for _ in range(2):
+            fn(*self.inputs)
+
+    def replay(self, args):
+        for static, given in zip(self.inputs, args):
+            static.copy_(given)
+        return self.fn(*self.inputs)
+
+
+def test_the_kv_commit_survives_its_capture_and_moves_each_row_once(monkeypatch):
+    """A commit moves rows it also reads: run on the call's own arguments, a capture's warm-ups would move them three
+    times. row_mover captures each accepted length with an identity move instead, so the rows end as one move."""
+    monkeypatch.setattr(step_graphs, "_on_gpu", lambda args: True)
+    monkeypatch.setattr(step_graphs, "_Captured", CapturedOnACpu)
+    torch.manual_seed(0)
+    layers = [torch.randn(1, 2, 16, 4) for _ in range(3)]
+    past, accepted = torch.tensor(5), torch.tensor([0, 2, 3, 6])
+    expected = [rows.clone() for rows in layers]
+    keep_rows(expected, 5, accepted)  # one move, uncaptured
+    assert not torch.equal(expected[0][:, :, 6:9], layers[0][:, :, 6:9])  # the move changes what a repeat reads
+    mover = row_mover(layers)
+    mover(past, accepted)
+    for rows, want in zip(layers, expected):
+        assert torch.equal(rows, want)
+    assert mover.captured == 1
+    unguarded = [rows.clone() for rows in expected]
+    StepGraph(functools.partial(keep_rows, unguarded), "a commit captured on its own arguments")(past, accepted)
+    assert not torch.equal(unguarded[0], expected[0])  # what the identity capture prevents

@@ -32,10 +32,14 @@ class StepGraph:
     read nothing else that changes between calls except through its arguments (tensors it closes over, such as a
     proposer's tree, are read at the addresses captured). If capturing fails, a warning says so and every StepGraph
     of that `name` runs eagerly from then on in this process (a proposer is built per call): a step must not fail
-    for want of a graph."""
+    for want of a graph.
 
-    def __init__(self, fn, name: str):
-        self.fn, self.name = fn, name
+    A function that changes state it also reads (the KV commit moves cache rows) must not run three times on one
+    call's arguments: `capture_with(*args)` gives the arguments a shape is captured (and warmed up) with instead,
+    ones whose runs change nothing."""
+
+    def __init__(self, fn, name: str, capture_with=None):
+        self.fn, self.name, self.capture_with = fn, name, capture_with
         self._graphs: dict[tuple, _Captured] = {}
         self._lock = threading.Lock()  # copy in, replay, copy out: one caller at a time
 
@@ -58,7 +62,8 @@ class StepGraph:
         try:
             with self._lock, torch.inference_mode():
                 if graph is None:
-                    graph = self._graphs[key] = _Captured(self.fn, args)
+                    captured_args = args if self.capture_with is None else self.capture_with(*args)
+                    graph = self._graphs[key] = _Captured(self.fn, captured_args)
                 return graph.replay(args)
         except Exception as err:  # noqa: BLE001 - a capture failure must not end generation: run eagerly
             logger.warning(

@@ -3,16 +3,34 @@ own lengths (medusa.batch)."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
+from medusa.runtime.graphs import StepGraph
 
-def keep_rows(rows: torch.Tensor, past_length: int, accepted_nodes: torch.Tensor) -> None:
-    """The one KV gather: rows past_length + accepted_nodes (src) -> past_length .. past_length + a (dst), in place
-    on `rows` (B, heads, T, head_dim). Rows beyond stay as they are (stale)."""
-    keep = past_length + accepted_nodes.numel()
-    rows[:, :, past_length:keep] = rows[:, :, past_length + accepted_nodes]  # the right side is gathered (copied) first
+
+def keep_rows(tensors: list[torch.Tensor], past_length: int | torch.Tensor, accepted_nodes: torch.Tensor) -> None:
+    """The one KV gather: in each of `tensors` (B, heads, T, head_dim), rows past_length + accepted_nodes (src) ->
+    past_length .. past_length + a (dst), in place; rows beyond stay as they are (stale). Fixed shapes and no host
+    sync, also with the past's length as a 0-d device tensor: a CUDA graph can hold it (the static engine's commit)."""
+    source = past_length + accepted_nodes
+    target = past_length + torch.arange(accepted_nodes.numel(), device=accepted_nodes.device)
+    for rows in tensors:
+        rows.index_copy_(2, target, rows.index_select(2, source))  # the source rows are gathered (copied) first
+
+
+def row_mover(tensors: list[torch.Tensor]) -> StepGraph:
+    """keep_rows over `tensors` (a cache's keys and values), called with the past's length as a 0-d tensor and the
+    accepted nodes: on a GPU a CUDA graph per accepted length, as it is elsewhere. A move changes rows it reads, so
+    each length is captured with an identity move (the capture's warm-up runs move nothing)."""
+    return StepGraph(functools.partial(keep_rows, tensors), "the KV commit", capture_with=_identity_move)
+
+
+def _identity_move(past: torch.Tensor, accepted_nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return past, torch.arange(accepted_nodes.numel(), device=accepted_nodes.device)
 
 
 @torch.inference_mode()
@@ -28,10 +46,8 @@ def commit(cache, past_length: int, accepted_nodes: torch.Tensor) -> None:
                 "the sequence outgrew a sliding-window layer's cache; tree verification supports sliding-window "
                 "models only while prompt + new tokens stay inside the window"
             )
-        for name in ("keys", "values"):
-            rows = getattr(layer, name)
-            keep_rows(rows, past_length, accepted_nodes)
-            setattr(layer, name, rows[:, :, :keep])
+        keep_rows([layer.keys, layer.values], past_length, accepted_nodes)
+        layer.keys, layer.values = layer.keys[:, :, :keep], layer.values[:, :, :keep]
         if hasattr(layer, "cumulative_length"):
             layer.cumulative_length = keep
 

@@ -19,7 +19,7 @@ from transformers import StaticCache
 from medusa.loading import cache_root
 from medusa.runtime.attention import ROW_INVARIANT_SDPA, kv_dtype
 from medusa.runtime.graphs import StepGraph, upload_ids
-from medusa.runtime.kv_cache import KeptDtypeLayer, keep_rows
+from medusa.runtime.kv_cache import KeptDtypeLayer, keep_rows, row_mover
 from medusa.runtime.prepack import can_prepack, prepacked_copy
 from medusa.runtime.quantize import QUANTIZED, precision_of
 from medusa.runtime.torch_patches import parses_kept, use_inductor_cache
@@ -42,9 +42,10 @@ INDUCTOR_CPU_OPTIONS = {
 # queries into the score reduction, computing it again for every key, unless pointwise results of more than this many
 # operations are stored first (its CPU default: 50; docs/engines.md)
 REALIZE_OPCOUNT, ROW_INVARIANT_REALIZE_OPCOUNT = "realize_cpu_opcount_threshold", 5
-# MEDUSA_VERIFY_GRAPHS=1: on a GPU the verify runs as CUDA graphs captured by hand around inductor's kernels (one per
-# cache and node count), not through torch.compile's CUDA graphs (a guard check and a graph tree's launch per call)
-VERIFY_GRAPHS = os.environ.get("MEDUSA_VERIFY_GRAPHS", "0") == "1"
+# On a GPU the verify runs as CUDA graphs captured by hand around inductor's kernels (one per cache and node count), not
+# through torch.compile's CUDA graphs (a guard check and a graph tree's launch per call): a plain step a third cheaper
+# on an H200 (docs/benchmarks/h200-verify-graphs). MEDUSA_VERIFY_GRAPHS=0: torch.compile's graphs instead
+VERIFY_GRAPHS = os.environ.get("MEDUSA_VERIFY_GRAPHS", "1") != "0"
 ENGINES_ATTRIBUTE = "_medusa_engines"  # where medusa.runtime.engine_for keeps a model's engines
 
 
@@ -136,6 +137,7 @@ class CompiledEngine:
         cuda = model.device.type == "cuda"
         self.verify_graphs = VERIFY_GRAPHS and cuda and self.torch_compile and not self.ahead_of_time
         self._graphed: dict[tuple, StepGraph] = {}  # (cache, feature layers) -> its verify's graphs, one per N
+        self._row_movers: dict[int, StepGraph] = {}  # a GPU cache's first tensor -> its commit's graphs, one per a
         if self.torch_compile:
             use_inductor_cache(cache_root() / "inductor")
         if self.torch_compile and not self.ahead_of_time:
@@ -218,12 +220,13 @@ class CompiledEngine:
             if isinstance(layer, PrefixStaticLayer):
                 layer.length = length
 
-    def _start_step(self, cache, candidates: Candidates, past_length: int) -> int:
-        """Check that the step's N nodes fit in `cache` and write from past_length on. -> the cache's rows."""
+    def _start_step(self, cache, candidates: Candidates, past_length: int, set_length: bool = True) -> int:
+        """Check that the step's N nodes fit in `cache` and (set_length) write from past_length on. -> its rows."""
         n, rows = candidates.tokens.numel(), cache.layers[0].max_cache_len
         if past_length + n > rows:
             raise RuntimeError(f"the static cache has {rows} rows; this step needs {past_length + n}")
-        self._set_length(cache, past_length)
+        if set_length:
+            self._set_length(cache, past_length)
         return rows
 
     @torch.inference_mode()
@@ -235,11 +238,12 @@ class CompiledEngine:
     def verify(self, cache, candidates: Candidates, past_length: int, feature_layers=()) -> VerifyOutput:
         """One forward over the N nodes, written at rows past_length .. past_length + N; the mask shows the past and
         the tree's ancestry (and, for torch.compile's fixed shapes, (1, 1, N, rows) hides the rows beyond)."""
-        rows = self._start_step(cache, candidates, past_length)
+        graphed = self.verify_graphs and self.verify_runner is not self.runner
+        rows = self._start_step(cache, candidates, past_length, set_length=not graphed)  # a graph sets it itself
         # prefix layers show attention past + N rows, as in the eager engine; fixed-size ones the whole allocation
         mask_rows = None if isinstance(cache.layers[0], PrefixStaticLayer) else rows
         try:
-            if self.verify_graphs and self.verify_runner is not self.runner:
+            if graphed:
                 return self._graphed_verify(cache, candidates, past_length, tuple(feature_layers))
             with self._compile_config():
                 return verify(self.verify_runner, cache, candidates, past_length, feature_layers, mask_rows)
@@ -334,10 +338,19 @@ class CompiledEngine:
         """Rows past_length + accepted_nodes (src) -> past_length .. past_length + a (dst), in place; rows beyond are
         stale and masked out by the next verify."""
         if accepted_nodes.tolist() != list(range(accepted_nodes.numel())):  # a prefix of the rows stays where it is
-            for layer in cache.layers:
-                keep_rows(layer.keys, past_length, accepted_nodes)
-                keep_rows(layer.values, past_length, accepted_nodes)
+            self._row_mover(cache)(upload_ids(past_length, accepted_nodes.device), accepted_nodes)
         self._set_length(cache, past_length + accepted_nodes.numel())
+
+    def _row_mover(self, cache: StaticCache):
+        """keep_rows over every layer of `cache`: on a GPU one graph per accepted length (launched one by one, its
+        two kernels a tensor cost an 8B-shaped step half a verify: docs/benchmarks/h200-verify-graphs)."""
+        tensors = [rows for layer in cache.layers for rows in (layer.keys, layer.values)]
+        if tensors[0].device.type != "cuda":  # nothing to capture; caches come and go there
+            return functools.partial(keep_rows, tensors)
+        key = id(tensors[0])  # the mover holds that tensor: the id is not reused while the entry lives
+        if key not in self._row_movers:
+            self._row_movers[key] = row_mover(tensors)
+        return self._row_movers[key]
 
     @torch.inference_mode()
     def truncate(self, cache, length: int) -> None:

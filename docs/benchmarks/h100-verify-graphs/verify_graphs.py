@@ -5,7 +5,7 @@ length as a tensor). Issue #37. SmolLM2-135M's shape with random weights and the
 not depend on the weights; tau does), the step graphs on in both.
 
     python docs/benchmarks/h100-verify-graphs/verify_graphs.py --out DIR [--dtypes bfloat16,float32]
-        [--runs plain,medusa2,medusa6] [--new-tokens 96] [--rounds 2]
+        [--runs plain,medusa2,medusa6] [--new-tokens 96] [--rounds 2] [--hand-captured-only]
 
 Per dtype: both engines built side by side (two copies of one random model), each run alternated between them for
 `--rounds` rounds (tokens/s and ms per step unsynchronised, ms per phase synchronised), then launches per step
@@ -108,6 +108,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--nodes", default="1,7", help="node counts of the verify timed alone")
     parser.add_argument("--lazy", action="store_true", help="compile each graph when first used, not ahead")
+    parser.add_argument(
+        "--hand-captured-only", action="store_true", help="build and time the hand-captured verify alone"
+    )
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -115,22 +118,25 @@ def main() -> None:
     print(f"{gpu}, torch {torch.__version__}", flush=True)
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
-        models = {setting: build(dtype, setting, args.lazy) for setting in SETTINGS}
+        settings = (True,) if args.hand_captured_only else (False, True)
+        models = {setting: build(dtype, setting, args.lazy) for setting in settings}
         prompts = [torch.randint(100, 20000, (1, n), device=DEVICE) for n in (90, 110)]
         rows = []
         for round_ in range(args.rounds):
             for name in args.runs.split(","):
-                for setting in (False, True) if round_ % 2 == 0 else (True, False):
+                for setting in settings if round_ % 2 == 0 else settings[::-1]:
                     row = step_graphs_script.measure(models[setting], prompts, args.new_tokens, name, RUNS[name])
                     row = {"dtype": dtype_name, "verify": SETTINGS[setting], "round": round_, **row}
                     rows.append(row)
                     print(json.dumps({k: v for k, v in row.items() if k != "sequences"}), flush=True)
         alone = {
             SETTINGS[setting]: {n: verify_alone(models[setting], int(n)) for n in args.nodes.split(",")}
-            for setting in SETTINGS
+            for setting in settings
         }
         print(f"{dtype_name}: verify alone, ms: {alone}", flush=True)
-        for row in rows[: 2 * len(args.runs.split(","))]:  # profiler sessions last: launches of the first round
+        for row in rows[
+            : len(settings) * len(args.runs.split(","))
+        ]:  # profiler sessions last: launches of the first round
             setting = row["verify"] == SETTINGS[True]
             row.update(
                 step_graphs_script.launches_per_step(
