@@ -5,6 +5,7 @@ at `$LLAMA_CPP_BIN` (built by `../shared/peers/build_llama_cpp.sh`) and their ab
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shlex
@@ -29,9 +30,23 @@ _FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 32: "BF16"}
 
 Method = Literal["plain", "lookup"]
 
+logger = logging.getLogger(__name__)
+
+# GGUF files whose run died by a signal with llama.cpp's repacked weights (its extra CPU buffers: AMX and repacked
+# layouts; Q8_0 prompts died with SIGSEGV on a Xeon with AMX), run with --no-repack from then on in this process
+WITHOUT_REPACKING: set[str] = set()
+
 
 class LlamaCppError(RuntimeError):
     """A llama.cpp binary failed or printed what this module cannot read."""
+
+
+class LlamaCppCrash(LlamaCppError):
+    """A llama.cpp binary died by a signal."""
+
+    def __init__(self, message: str, signal: int):
+        super().__init__(message)
+        self.signal = signal
 
 
 def binaries_dir() -> Path:
@@ -42,10 +57,15 @@ def binaries_dir() -> Path:
 
 def build_info() -> dict:
     """Which llama.cpp a benchmark ran: its binaries' folder and the line build_llama_cpp.sh writes beside them
-    (`BUILD_INFO`: the version and the CPU flags it was built for; None for a build made otherwise)."""
+    (`BUILD_INFO`: the version and the CPU flags it was built for; None for a build made otherwise) and the GGUF
+    files that ran with --no-repack after a crash."""
     folder = binaries_dir()
     info = folder.parent / "BUILD_INFO"
-    return {"bin": str(folder), "build": info.read_text().strip() if info.is_file() else None}
+    return {
+        "bin": str(folder),
+        "build": info.read_text().strip() if info.is_file() else None,
+        "without_repacking": sorted(Path(f).name for f in WITHOUT_REPACKING),
+    }
 
 
 def missing_reason(methods: tuple[str, ...] = ("plain", "lookup", "quantize")) -> str | None:
@@ -256,7 +276,7 @@ def generate(
         command += ["-n", str(max(max_new_tokens - 1, 1))]
         if draft_max is not None:
             command += ["--spec-draft-n-max", str(draft_max)]
-    result = _run(command, timeout=timeout)
+    result = _run_repacked_or_not(command, gguf, timeout)
     timings = parse_timings(result.stderr)
     if method == "plain":
         return _plain_run(gguf, result.stdout, timings, command, result.stderr)
@@ -352,6 +372,24 @@ def _require(timings: dict, names: tuple[str, ...], command: list[str], stderr: 
         )
 
 
+def _run_repacked_or_not(command: list[str], gguf: Path, timeout: float | None) -> subprocess.CompletedProcess:
+    """_run; where llama.cpp dies by a signal with its repacked weights, again with --no-repack (a warning says so,
+    build_info records it), and so on for that file: the peer runs as a user of this CPU would get it to run."""
+    if str(gguf) not in WITHOUT_REPACKING:
+        try:
+            return _run(command, timeout=timeout)
+        except LlamaCppCrash as err:
+            logger.warning(
+                "%s died by signal %d on %s with llama.cpp's repacked weights; running that file with --no-repack "
+                "from now on",
+                Path(command[0]).name,
+                err.signal,
+                gguf.name,
+            )
+            WITHOUT_REPACKING.add(str(gguf))
+    return _run([*command, "--no-repack"], timeout=timeout)
+
+
 def _run(command: list[str], timeout: float | None = None) -> subprocess.CompletedProcess:
     """Run a llama.cpp binary; a failure names the command and shows the end of its stderr."""
     # LLAMA_ARG_* variables would change the flags behind our back, LLAMA_LOG_* the lines parse_timings reads
@@ -370,10 +408,9 @@ def _run(command: list[str], timeout: float | None = None) -> subprocess.Complet
         stderr = err.stderr.decode(errors="replace") if isinstance(err.stderr, bytes) else err.stderr or ""
         raise LlamaCppError(f"{_shown(command)} ran past {timeout} s; its stderr ended with:\n{_tail(stderr)}") from err
     if result.returncode != 0:
-        raise LlamaCppError(
-            f"{_shown(command)} failed with exit status {result.returncode}; its stderr ended with:\n"
-            f"{_tail(result.stderr)}"
-        )
+        message = f"{_shown(command)} failed with exit status {result.returncode}; its stderr ended with:\n"
+        message += _tail(result.stderr)
+        raise LlamaCppCrash(message, -result.returncode) if result.returncode < 0 else LlamaCppError(message)
     return result
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from medusa import llama_cpp
 from medusa.cli import bench as benchmark
 from medusa.questions import encode_conversation, load_questions, per_group
 from tests.conftest import save_tiny_checkpoint, tiny_tokenizer
@@ -279,7 +280,8 @@ def test_llama_cpp_runs_beside_our_methods_timed_by_its_own_lines(tmp_path, fake
     assert "GGUF" in skipped["settings"]["skipped"]["llama_cpp"] and list(skipped["overall"]) == ["baseline"]
 
     monkeypatch.setattr(benchmark, "base_gguf", lambda source: write_gguf(tmp_path / "m.gguf", 0))  # F32
-    fake.behave(text="the cat sat", stderr=COMPLETION_STDERR)
+    fake.behave(text="the cat sat", stderr=COMPLETION_STDERR, crash_unless_no_repack=True)
+    monkeypatch.setattr(llama_cpp, "WITHOUT_REPACKING", set())
     (tmp_path / "BUILD_INFO").write_text("llama.cpp from llama-cpp-python 9.9, built for AVX2\n")  # beside bin/
     summary = benchmark.main([*argv, "--methods", "baseline,llama_cpp", "--out", str(tmp_path / "run")])
     peer = summary["overall"]["llama_cpp"]
@@ -293,7 +295,12 @@ def test_llama_cpp_runs_beside_our_methods_timed_by_its_own_lines(tmp_path, fake
     assert "vs llama.cpp" in markdown
     # which llama.cpp ran, and on what CPU, is written down with the figures
     build = "llama.cpp from llama-cpp-python 9.9, built for AVX2"
-    assert summary["settings"]["llama_cpp"] == {"bin": str(tmp_path / "bin"), "build": build}
+    assert summary["settings"]["llama_cpp"] == {
+        "bin": str(tmp_path / "bin"),
+        "build": build,
+        "without_repacking": ["m.gguf"],
+    }
+    assert "run with --no-repack (it crashed with repacked weights): m.gguf" in markdown
     assert build in markdown and f"({summary['settings']['hardware']['capability']})" in markdown
     assert skipped["settings"]["llama_cpp"]["build"] is None  # no BUILD_INFO yet
 

@@ -5,6 +5,7 @@ llama-completion and llama-lookup built by ../shared/peers/build_llama_cpp.sh, S
 from __future__ import annotations
 
 import json
+import logging
 import os
 import struct
 import sys
@@ -91,7 +92,7 @@ target:
 
 # One script stands in for every binary; it acts by the name it is called as and does what fake.json says.
 FAKE_BINARY = """\
-import json, os, sys
+import json, os, signal, sys
 from pathlib import Path
 
 here = Path(__file__).parent
@@ -101,6 +102,8 @@ with open(here / "calls.jsonl", "a") as log:
     env = sorted(k for k in os.environ if k.startswith("LLAMA_"))
     log.write(json.dumps({"argv": sys.argv[1:], "name": name, "env": env}) + "\\n")
 sys.stderr.write(spec.get("stderr", ""))
+if spec.get("crash_unless_no_repack") and "--no-repack" not in sys.argv:
+    os.kill(os.getpid(), signal.SIGSEGV)
 if name == "llama-quantize":
     dst, file_type = sys.argv[-2], sys.argv[-1]
     Path(dst).write_text(spec.get("written", "weights as ") + file_type)
@@ -271,6 +274,23 @@ def test_a_failing_binary_raises_naming_the_command_and_its_stderr(fake, tmp_pat
     assert "llama-completion" in message and "exit status 1" in message
     assert "error loading model: bad magic" in message
     assert "line 39" in message and "line 0\n" not in message  # the tail, not all of it
+
+
+def test_a_crash_with_repacked_weights_runs_again_without_them_and_says_so(fake, tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(llama_cpp, "WITHOUT_REPACKING", set())
+    gguf = write_gguf(tmp_path / "m.gguf", 7)
+    fake.behave(text=POEM, stderr=COMPLETION_STDERR, crash_unless_no_repack=True)
+    with caplog.at_level(logging.WARNING, logger="medusa.llama_cpp"):
+        first = llama_cpp.generate(gguf, PROMPT, 64, 2)
+    second = llama_cpp.generate(gguf, PROMPT, 64, 2)
+    assert first.text == second.text == POEM
+    assert ["--no-repack" in call["argv"] for call in fake.calls()] == [False, True, True]  # one crash, then not
+    assert "llama-completion died by signal 11 on m.gguf" in caplog.text
+    assert llama_cpp.build_info()["without_repacking"] == ["m.gguf"]
+    fake.behave(text="", stderr="still broken\n", exit_code=1)  # a failure that is no crash is not retried
+    with pytest.raises(llama_cpp.LlamaCppError, match="exit status 1"):
+        llama_cpp.generate(write_gguf(tmp_path / "other.gguf", 7), PROMPT, 8, 2)
+    assert "--no-repack" not in fake.calls()[-1]["argv"]
 
 
 def test_output_without_timing_lines_is_refused_clearly(fake, tmp_path):

@@ -642,7 +642,13 @@ def write_markdown(summary: dict, path: Path) -> None:
     elif hardware.get("isa"):
         lines += [f"CPU: {hardware.get('cpu', '?')}, {' '.join(hardware['isa'])} ({hardware.get('capability')}).", ""]
     if peer:
-        lines += [f"llama.cpp: `{peer['bin']}`, {peer['build'] or 'no BUILD_INFO beside it'}.", ""]
+        crashed = peer.get("without_repacking")
+        lines += [
+            f"llama.cpp: `{peer['bin']}`, {peer['build'] or 'no BUILD_INFO beside it'}"
+            + (f"; run with --no-repack (it crashed with repacked weights): {', '.join(crashed)}" if crashed else "")
+            + ".",
+            "",
+        ]
     if s.get("skipped"):
         lines += ["Skipped: " + "; ".join(f"`{m}`: {why}" for m, why in s["skipped"].items()), ""]
     lines += [
@@ -943,6 +949,9 @@ def main(argv=None) -> dict:
                 raw.flush()
                 records[(q["question_id"], m)] = r
 
+    if settings["llama_cpp"] is not None:  # the files that had to run without repacked weights are known now
+        settings["llama_cpp"] = llama_cpp.build_info()
+        atomic_write_text(settings_path, json.dumps(settings, indent=2))
     summary = summarize(records, questions, methods, settings)
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
     write_markdown(summary, out / "summary.md")
