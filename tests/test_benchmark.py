@@ -301,6 +301,9 @@ def test_llama_cpp_runs_beside_our_methods_timed_by_its_own_lines(tmp_path, fake
         "without_repacking": ["m.gguf"],
     }
     assert "run with --no-repack (it crashed with repacked weights): m.gguf" in markdown
+    monkeypatch.setattr(llama_cpp, "WITHOUT_REPACKING", set())  # a later process resumes: nothing left to run
+    resumed = benchmark.main([*argv, "--methods", "baseline,llama_cpp", "--out", str(tmp_path / "run")])
+    assert resumed["settings"]["llama_cpp"]["without_repacking"] == ["m.gguf"]  # what the records ran with
     assert build in markdown and f"({summary['settings']['hardware']['capability']})" in markdown
     assert skipped["settings"]["llama_cpp"]["build"] is None  # no BUILD_INFO yet
 

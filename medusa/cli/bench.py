@@ -855,10 +855,12 @@ def main(argv=None) -> dict:
         "processor": platform.processor(),
     }
     settings_path, raw_path = out / "settings.json", out / "raw.jsonl"
+    earlier_without_repacking = []  # a resumed run's records that llama.cpp ran with --no-repack in an earlier process
     if args.overwrite:
         raw_path.unlink(missing_ok=True)
     elif settings_path.is_file() and raw_path.is_file():
         old = json.loads(settings_path.read_text())
+        earlier_without_repacking = (old.get("llama_cpp") or {}).get("without_repacking", [])
         changed = {k: (old.get(k), settings[k]) for k in RESUME_KEYS if old.get(k) != settings[k]}
         if changed:
             raise ValueError(
@@ -951,6 +953,8 @@ def main(argv=None) -> dict:
 
     if settings["llama_cpp"] is not None:  # the files that had to run without repacked weights are known now
         settings["llama_cpp"] = llama_cpp.build_info()
+        without = set(settings["llama_cpp"]["without_repacking"]) | set(earlier_without_repacking)
+        settings["llama_cpp"]["without_repacking"] = sorted(without)
         atomic_write_text(settings_path, json.dumps(settings, indent=2))
     summary = summarize(records, questions, methods, settings)
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
