@@ -39,7 +39,7 @@ from medusa.tree_builder import check_accuracy, expected_tau, grow_tree, sync, t
 logger = logging.getLogger(__name__)
 
 ACCURACY_NAME = "medusa_accuracy.json"  # in a heads directory: {"acc_given_prefix": [[...], ...], "source": ...}
-PLAN_VERSION = 13  # 3: the inductor engine is an option; 4: the dynamic tree skips heads that cannot matter (cheaper);
+PLAN_VERSION = 14  # 3: the inductor engine is an option; 4: the dynamic tree skips heads that cannot matter (cheaper);
 # 5: the inductor engine runs ahead-of-time packages on CPU; 6: a context layer's read of each step's positions costed;
 # 7: pre-packed weights laid out for 8 rows (cheaper heads, context reads and pre-packed verifies); 8: proposing on
 # int8 weights on a CPU (cheaper heads and context reads); 9: more repeats, a verify curve that never falls, near-ties
@@ -47,7 +47,7 @@ PLAN_VERSION = 13  # 3: the inductor engine is an option; 4: the dynamic tree sk
 # written and concatenates float projections (cheaper verifies, flatter over tree size); 11: half-precision one-token
 # steps on aten's GEMV (a cheaper plain step); 12: the dynamic tree's search on host lists, a CPU's heads rank 4,096
 # candidates (a cheaper proposal); 13: w8a8's attention reads the values in place (cheaper verifies, most at long
-# contexts)
+# contexts); 14: bf16 one-token steps on AMX run the main package (a cheaper plain step there)
 SIZES = (1, 2, 4, 6, 8, 12, 16, 24)  # tree nodes timed, root included (1 = plain decoding)
 SLOW_ENGINE = 1.25  # an engine whose plain step is this much slower than the fastest one's is not timed further
 MIN_GAIN = 1.05  # a speculative option must beat plain decoding by this much to be chosen

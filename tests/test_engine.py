@@ -4,12 +4,13 @@ import pytest
 import torch
 from torch import nn
 
+import medusa.hardware
 import medusa.runtime.aot
 import medusa.runtime.static
 import medusa.runtime.torch_patches
 from medusa import MedusaModel
 from medusa.decode import prefill
-from medusa.hardware import cpu_flags, native_bf16
+from medusa.hardware import ISA_FLAGS, amx, cpu_flags, native_bf16
 from medusa.loading import base_fingerprint
 from medusa.runtime import CompiledEngine, EagerEngine, InductorEngine, engine_for, make_engine, prepacked_copy
 from medusa.runtime.prepack import FusedMember, FusedProjections, PackedLinear
@@ -150,6 +151,16 @@ def test_isa_limits_from_the_environment_are_honoured(monkeypatch):
     assert not native_bf16("cpu")
 
 
+def test_amx_is_seen_unless_onednn_is_held_below_it(monkeypatch):
+    """The one-token bf16 package is skipped on AMX (hardware.amx); a oneDNN limit below AMX makes it run again."""
+    monkeypatch.setattr(medusa.hardware, "_cpuinfo", lambda: ("an AMX CPU", frozenset(ISA_FLAGS)))
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    assert amx("cpu") and not amx("meta")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    assert not amx("cpu") and native_bf16("cpu")
+
+
 FAST_INDUCTOR = {"freezing": True}  # the inductor engine's settings less max-autotune's GEMM benchmarking: tests
 # check what is compiled and loaded, not how fast it runs
 
@@ -200,6 +211,7 @@ def test_half_precision_one_token_steps_run_a_package_on_the_models_own_weights(
     Its logits and hidden states match eager's within bf16 rounding; a tree still runs the main package."""
     monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
     monkeypatch.setattr(medusa.runtime.static, "INDUCTOR_CPU_OPTIONS", FAST_INDUCTOR)
+    monkeypatch.setattr(medusa.runtime.inductor, "amx", lambda device: False)
     model = make_tiny_model(family, dtype=torch.bfloat16)
     torch.manual_seed(3)
     prompt = torch.randint(1, 90, (1, 7))
@@ -230,6 +242,8 @@ def test_half_precision_one_token_steps_run_a_package_on_the_models_own_weights(
     assert not InductorEngine(make_tiny_model(family)).one_token_gemv  # fp32: the main package's C++ template
     int8 = quantize_target(make_tiny_model(family, dtype=torch.bfloat16), "int8")  # bf16 activations, int8 weights
     assert not InductorEngine(int8).one_token_gemv  # its int8 template beats aten's int8 kernel at one token
+    monkeypatch.setattr(medusa.runtime.inductor, "amx", lambda device: True)
+    assert not InductorEngine(model).one_token_gemv  # on AMX the main package's oneDNN GEMM is faster at one row
 
 
 def test_an_unreadable_package_is_compiled_again(tmp_path, monkeypatch, caplog):
