@@ -47,7 +47,7 @@ PLAN_VERSION = 14  # 3: the inductor engine is an option; 4: the dynamic tree sk
 # written and concatenates float projections (cheaper verifies, flatter over tree size); 11: half-precision one-token
 # steps on aten's GEMV (a cheaper plain step); 12: the dynamic tree's search on host lists, a CPU's heads rank 4,096
 # candidates (a cheaper proposal); 13: w8a8's attention reads the values in place (cheaper verifies, most at long
-# contexts); 14: bf16 one-token steps on AMX run the main package (a cheaper plain step there)
+# contexts); 14: bf16 on AMX runs inductor's C++ GEMM template, one-token steps too (cheaper steps)
 SIZES = (1, 2, 4, 6, 8, 12, 16, 24)  # tree nodes timed, root included (1 = plain decoding)
 SLOW_ENGINE = 1.25  # an engine whose plain step is this much slower than the fastest one's is not timed further
 MIN_GAIN = 1.05  # a speculative option must beat plain decoding by this much to be chosen

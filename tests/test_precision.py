@@ -190,13 +190,18 @@ def test_the_plan_is_keyed_on_the_precision(tmp_path):
     assert keys["int8"]["dtype"] == "int8" and keys["bfloat16"]["dtype"] == "bfloat16"
 
 
-def test_inductor_takes_onednn_for_bf16_gemms_and_its_template_for_int8_ones():
+def test_inductor_takes_onednn_for_bf16_gemms_without_amx_and_its_template_for_int8_ones(monkeypatch):
+    import medusa.runtime.static
     from medusa.runtime.static import inductor_cpu_options
 
     backends = "max_autotune_gemm_backends"
+    monkeypatch.setattr(medusa.runtime.static, "amx", lambda device: False)
     assert inductor_cpu_options(make_tiny_model("llama"))[backends] == "CPP,ATEN"
     assert inductor_cpu_options(make_tiny_model("llama", dtype=torch.bfloat16))[backends] == "ATEN"
     assert inductor_cpu_options(quantised_target("llama"))[backends] == "CPP,ATEN"
+    monkeypatch.setattr(medusa.runtime.static, "amx", lambda device: True)  # the template's AMX kernels: bf16 only
+    assert inductor_cpu_options(make_tiny_model("llama", dtype=torch.bfloat16))[backends] == "CPP,ATEN"
+    assert inductor_cpu_options(make_tiny_model("llama", dtype=torch.float16))[backends] == "ATEN"
 
 
 def test_inductor_concatenates_float_projections_but_not_int8_ones():

@@ -16,6 +16,7 @@ import time
 import torch
 from transformers import StaticCache
 
+from medusa.hardware import amx
 from medusa.loading import cache_root
 from medusa.runtime.attention import ROW_INVARIANT_SDPA, kv_dtype
 from medusa.runtime.graphs import StepGraph, upload_ids
@@ -51,7 +52,8 @@ ENGINES_ATTRIBUTE = "_medusa_engines"  # where medusa.runtime.engine_for keeps a
 
 def inductor_cpu_options(model) -> dict:
     """inductor's settings on a CPU for `model`: bf16 and fp16 GEMMs go to oneDNN (aten's packed linear): inductor's
-    C++ template widens them to fp32 on a CPU without AMX, and ran a bf16 step at half oneDNN's speed. An int8 target's
+    C++ template widens them to fp32 on a CPU without AMX, and ran a bf16 step at half oneDNN's speed. On AMX bf16
+    keeps the template (its AMX micro-kernels beat oneDNN there). An int8 target's
     weight-only GEMMs keep the template first (its int8 kernels beat aten's at 1-4 rows). Float targets have the
     linear layers that read one input (q/k/v, gate/up) concatenated into one GEMM each (fewer, larger calls); an int8
     target does not (its concatenated pattern leaves the template: a slower step, docs/engines.md)."""
@@ -61,8 +63,10 @@ def inductor_cpu_options(model) -> dict:
     if precision_of(model) in QUANTIZED:
         return options
     options["cpp.enable_concat_linear"] = True
-    if model.dtype in (torch.bfloat16, torch.float16) and "max_autotune_gemm_backends" in options:
-        options["max_autotune_gemm_backends"] = "ATEN"
+    amx_template = model.dtype == torch.bfloat16 and amx(model.device)
+    backends = "max_autotune_gemm_backends"
+    if model.dtype in (torch.bfloat16, torch.float16) and backends in options and not amx_template:
+        options[backends] = "ATEN"
     return options
 
 
