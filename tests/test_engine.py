@@ -243,7 +243,7 @@ def test_half_precision_one_token_steps_run_a_package_on_the_models_own_weights(
     int8 = quantize_target(make_tiny_model(family, dtype=torch.bfloat16), "int8")  # bf16 activations, int8 weights
     assert not InductorEngine(int8).one_token_gemv  # its int8 template beats aten's int8 kernel at one token
     monkeypatch.setattr(medusa.runtime.inductor, "amx", lambda device: True)
-    assert not InductorEngine(model).one_token_gemv  # on AMX the main package's oneDNN GEMM is faster at one row
+    assert not InductorEngine(model).one_token_gemv  # on AMX the main package's AMX GEMMs are faster at one row
 
 
 def test_an_unreadable_package_is_compiled_again(tmp_path, monkeypatch, caplog):

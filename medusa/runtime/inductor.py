@@ -33,7 +33,7 @@ class InductorEngine(CompiledEngine):
         self._packages: dict[int, object] = {}  # cache rows -> the loaded package's runner
         # half-precision weights on a CPU: one-token steps run a package of their own on aten's GEMV
         # (aot.ONE_TOKEN_OPTIONS); not quantized ones, whose int8 template beats aten's int8 kernel there, nor bf16
-        # ones on AMX, where the main package's oneDNN GEMM beats the GEMV at one row too
+        # ones on AMX, where the main package's AMX GEMMs beat the GEMV at one row too
         precision = precision_of(model)
         bf16_on_amx = precision == "bfloat16" and amx(model.device)
         self.one_token_gemv = self.ahead_of_time and precision in ("bfloat16", "float16") and not bf16_on_amx
