@@ -80,10 +80,19 @@ def vector_int4(device: torch.device | str = "cpu") -> bool:
 
 def vector_int8_gemm(device: torch.device | str = "cpu") -> bool:
     """inductor's int8 x int8 GEMM template (w8a8's compiled verify) at vector speed: it is written for AVX512-VNNI,
-    under torch's AVX-512 kernels; elsewhere the compiled graph calls oneDNN's int8 matmul, which costs tens of
-    microseconds a call (docs/engines.md)."""
+    under torch's AVX-512 kernels; elsewhere inductor hands each GEMM to oneDNN, which costs tens of microseconds a
+    call (docs/engines.md)."""
     device = torch.device(device)
     return device.type == "cpu" and torch.backends.cpu.get_cpu_capability() == "AVX512" and "avx512_vnni" in cpu_flags()
+
+
+def w8a8_kernel(device: torch.device | str = "cpu") -> str | None:
+    """What computes w8a8's integer sums here: "template" (inductor's, AVX512-VNNI), "fbgemm" (torch's quantized
+    linear, an x86 CPU without it: AVX2), or None (no int8 GEMM worth running)."""
+    if vector_int8_gemm(device):
+        return "template"
+    cpu = torch.device(device).type == "cpu"
+    return "fbgemm" if cpu and "fbgemm" in torch.backends.quantized.supported_engines else None
 
 
 def describe(device: torch.device | str = "cpu") -> dict:

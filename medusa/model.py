@@ -217,7 +217,7 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         compile: whether the plan may choose the `inductor` engine (default: `$MEDUSA_COMPILE` != "0"): on a CPU it
         compiles once per machine (minutes, then cached; docs/engines.md), on a GPU in each process.
         dtype: the target's precision, the user's choice (medusa.precision): "float32" (default, exact), "bfloat16",
-        "int8" / "int4" (weight-only, CPU), "w8a8" (int8 weights and activations, CPU with AVX512-VNNI) or "auto"
+        "int8" / "int4" (weight-only, CPU), "w8a8" (int8 weights and activations, x86 CPU) or "auto"
         (bf16 where the hardware computes it natively, else float32); bf16 on a CPU that only emulates it is refused.
         """
         model = cls._load(

@@ -11,8 +11,9 @@ relative to plain decoding of the same target at the same precision.
 - "w8a8": int8 weights and int8 activations, each row with its own scale (medusa.runtime.quantize), as llama.cpp's
   Q8_0 computes; a tree's verify grows slowly with its nodes where weight-only int8's doubles past four, and
   speculative decoding on it is identical to its plain decoding. Less accurate than weight-only int8 (docs/engines.md
-  has the measurements); only where inductor's int8 GEMM runs at vector speed (AVX512-VNNI), else refused, naming
-  int8; for the inductor engine (uncompiled, its attention is exact but slow at long contexts).
+  has the measurements); where inductor's int8 GEMM template runs at vector speed (AVX512-VNNI), else on fbgemm's
+  (x86: AVX2, weights at 7 bits), else refused, naming int8; for the inductor engine (uncompiled, its attention is
+  exact but slow at long contexts).
 - "auto": bfloat16 where the hardware computes it natively, else float32.
 """
 
@@ -22,7 +23,7 @@ import os
 
 import torch
 
-from medusa.hardware import native_bf16, vector_int4, vector_int8_gemm
+from medusa.hardware import native_bf16, vector_int4, w8a8_kernel
 from medusa.loading import DTYPES, load_base, resolve_dtype
 from medusa.runtime import QUANTIZED, quantize_target
 
@@ -42,11 +43,11 @@ def activation_dtype(dtype, device) -> torch.dtype:
             "CPU it is a reference loop, about ten times slower than int8. Use dtype='int8' (weight-only, a quarter "
             f"of the bytes), or set {ALLOW_EMULATED}=1 to run int4 anyway"
         )
-    if dtype == "w8a8" and not vector_int8_gemm(device) and os.environ.get(ALLOW_EMULATED) != "1":
+    if dtype == "w8a8" and w8a8_kernel(device) is None and os.environ.get(ALLOW_EMULATED) != "1":
         raise ValueError(
-            "w8a8's compiled int8 x int8 GEMM is written for AVX512-VNNI under torch's AVX-512 kernels, which this "
-            "CPU (or this process's ATEN_CPU_CAPABILITY) does not offer; elsewhere each GEMM is a oneDNN call that "
-            f"costs more than it saves. Use dtype='int8' (weight-only), or set {ALLOW_EMULATED}=1 to run w8a8 anyway"
+            "w8a8 runs its int8 x int8 GEMMs on inductor's AVX512-VNNI template or on fbgemm (x86), neither of which "
+            "this CPU or torch build offers; elsewhere each GEMM is a oneDNN call that costs more than it saves. Use "
+            f"dtype='int8' (weight-only), or set {ALLOW_EMULATED}=1 to run w8a8 anyway"
         )
     if dtype == "auto" or dtype in QUANTIZED:
         return torch.bfloat16 if native_bf16(device) else torch.float32

@@ -2,14 +2,20 @@
 engine against their eager reference, speculative decoding exact relative to plain decoding of the same quantised
 target, and the precisions this machine refuses."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 import medusa.precision
 import medusa.runtime.prepack
+import medusa.runtime.quantize
 import medusa.runtime.static
 from medusa import MedusaModel
 from medusa.decode import prefill
+from medusa.hardware import vector_int8_gemm
 from medusa.plan import plan_key
 from medusa.precision import ALLOW_EMULATED, activation_dtype, load_target
 from medusa.runtime import (
@@ -24,6 +30,7 @@ from medusa.runtime import (
 from medusa.runtime.attention import ROW_INVARIANT_ROWS
 from medusa.runtime.prepack import dequantizing_pays
 from medusa.runtime.quantize import (
+    FBGEMM_WEIGHT_TOP,
     INT4_DEQUANTIZED_FROM_ROWS,
     INT4_GROUP,
     Int4WeightLinear,
@@ -170,8 +177,8 @@ def test_unknown_and_slow_precisions_are_refused_with_the_fix(tmp_path, monkeypa
     monkeypatch.setattr(medusa.precision, "vector_int4", lambda device="cpu": False)  # torch's AVX2 kernels
     with pytest.raises(ValueError, match=r"int4 kernel.*reference loop.*dtype='int8'.*MEDUSA_ALLOW_EMULATED"):
         load_target(str(base_dir), dtype="int4")
-    monkeypatch.setattr(medusa.precision, "vector_int8_gemm", lambda device="cpu": False)  # no AVX512-VNNI
-    with pytest.raises(ValueError, match=r"w8a8.*AVX512-VNNI.*dtype='int8'.*MEDUSA_ALLOW_EMULATED"):
+    monkeypatch.setattr(medusa.precision, "w8a8_kernel", lambda device="cpu": None)  # neither VNNI nor fbgemm
+    with pytest.raises(ValueError, match=r"w8a8.*AVX512-VNNI.*fbgemm.*dtype='int8'.*MEDUSA_ALLOW_EMULATED"):
         load_target(str(base_dir), dtype="w8a8")
     assert activation_dtype("auto", "cpu") == torch.float32
     monkeypatch.setenv(ALLOW_EMULATED, "1")
@@ -228,11 +235,23 @@ def test_a_dequantised_target_computes_the_quantised_weights_in_float32(precisio
     torch.testing.assert_close(exact, quantised, **INT8_TOL)  # the kernels round activations to bf16 on the way
 
 
-def test_w8a8_rounds_each_row_on_its_own_and_sums_exactly():
+@pytest.fixture(params=["template", "fbgemm"])
+def w8a8_kernel(request, monkeypatch):
+    """w8a8 targets built for either kernel (inductor's VNNI template, or fbgemm as on an AVX2 CPU). Uncompiled, the
+    template's layers sum with torch._int_mm, exact where oneDNN has VNNI (an AVX2 CPU never takes the template)."""
+    if request.param == "template" and not vector_int8_gemm():
+        pytest.skip("torch._int_mm's sums saturate without AVX512-VNNI, where w8a8 takes fbgemm")
+    monkeypatch.setattr(medusa.runtime.quantize, "w8a8_kernel", lambda device="cpu": request.param)
+    return request.param
+
+
+def test_w8a8_rounds_each_row_on_its_own_and_sums_exactly(w8a8_kernel):
     """A row's output is the same alone as among other rows (its own scale, integer sums), so a tree's verify computes
     each node's linears as plain decoding does; and it is the int8 levels' exact product, scaled."""
     torch.manual_seed(0)
     layer = W8A8Linear(torch.nn.Linear(64, 48))
+    assert layer.fbgemm == (w8a8_kernel == "fbgemm")
+    assert layer.weight_int8.abs().max() == (FBGEMM_WEIGHT_TOP if layer.fbgemm else 127)
     rows = torch.randn(7, 64, dtype=torch.bfloat16) * torch.logspace(-2, 2, 7)[:, None].bfloat16()  # scales apart
     together = layer(rows)
     for i in range(7):
@@ -244,8 +263,32 @@ def test_w8a8_rounds_each_row_on_its_own_and_sums_exactly():
     torch.testing.assert_close(together, expected, atol=0, rtol=2**-7)  # one bf16 rounding
 
 
+SATURATING_SUMS = """
+import torch
+from medusa.runtime.quantize import FBGEMM_WEIGHT_TOP, int8_sums
+levels = torch.full((3, 256), 127.0)
+levels[1] = -127
+levels[2, ::2] = 0
+for top in (FBGEMM_WEIGHT_TOP, 127):
+    weight = torch.full((32, 256), top, dtype=torch.int8)
+    weight[1::2] = -top
+    exact = levels.double() @ weight.double().T
+    print(top, torch.equal(int8_sums(levels, weight, torch.ones(32)).double(), exact))
+"""
+
+
 @pytest.mark.slow
-@pytest.mark.skipif(not medusa.precision.vector_int8_gemm(), reason="inductor's int8 GEMM template needs AVX512-VNNI")
+def test_fbgemm_sums_stay_exact_where_avx2_saturates_pairs_of_products():
+    """AVX2's multiply-add of u8 by s8 saturates each pair of products at 16 bits: with w8a8's activations up to 255
+    (levels around a zero point of 128), weights within FBGEMM_WEIGHT_TOP levels keep every sum exact; at 127 levels
+    (shown here) they would not. fbgemm on its AVX2 kernels, whatever this CPU has."""
+    env = {**os.environ, "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2"}
+    run = subprocess.run([sys.executable, "-c", SATURATING_SUMS], env=env, capture_output=True, text=True, check=True)
+    assert run.stdout.split() == [str(FBGEMM_WEIGHT_TOP), "True", "127", "False"], run.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not vector_int8_gemm(), reason="inductor's int8 GEMM template needs AVX512-VNNI")
 def test_w8a8_compiles_to_inductors_int8_gemm_template():
     """What makes w8a8 worth having: inductor's freezing pass lowers its pattern to the AVX512-VNNI GEMM template
     (a oneDNN call per GEMM otherwise: tens of microseconds each), computing what the uncompiled layer does."""
@@ -316,7 +359,7 @@ def _assert_every_node_as_plain_decoding(engine, model) -> None:
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("engine", [EagerEngine, CompiledEngine])
-def test_a_w8a8_verify_computes_every_node_as_plain_decoding_does(family, engine):
+def test_a_w8a8_verify_computes_every_node_as_plain_decoding_does(family, engine, w8a8_kernel):
     """w8a8's exactness is by construction: each node of a tree's verify (in a chain, or past its siblings) comes out
     bit for bit as plain decoding computes that token (rounding activations to int8 would turn any difference into a
     level), and the prefill attends causally from the first cached row, as the eager engine's does."""
@@ -327,7 +370,7 @@ def test_a_w8a8_verify_computes_every_node_as_plain_decoding_does(family, engine
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("engine", ["eager", "compiled"])
-def test_speculation_on_a_w8a8_target_is_identical_to_its_plain_decoding(family, engine):
+def test_speculation_on_a_w8a8_target_is_identical_to_its_plain_decoding(family, engine, w8a8_kernel):
     """No near-ties to allow: every node is computed as plain decoding computes it."""
     model = MedusaModel(quantised_target(family, "w8a8"), make_heads(random=True).to(torch.bfloat16))
     for seed in range(3):
@@ -339,7 +382,7 @@ def test_speculation_on_a_w8a8_target_is_identical_to_its_plain_decoding(family,
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not medusa.precision.vector_int8_gemm(), reason="inductor's int8 GEMM template needs AVX512-VNNI")
+@pytest.mark.skipif(not vector_int8_gemm(), reason="inductor's int8 GEMM template needs AVX512-VNNI")
 def test_the_w8a8_package_computes_every_node_as_plain_decoding_does(tmp_path, monkeypatch):
     """The same bit for bit through the AOTInductor package on the engine's own settings (the int8 GEMM template):
     inductor's lowering of the attention must not depend on the number of query rows."""
@@ -350,3 +393,24 @@ def test_the_w8a8_package_computes_every_node_as_plain_decoding_does(tmp_path, m
     engine.warm_up(progress=False, max_length=128)
     assert engine.ahead_of_time and engine._packages
     _assert_every_node_as_plain_decoding(engine, model)
+
+
+@pytest.mark.slow
+def test_the_w8a8_package_on_fbgemm_reads_the_models_weights_and_computes_every_node_as_plain_decoding(
+    tmp_path, monkeypatch
+):
+    """Where inductor has no int8 GEMM kernel (AVX2), the package calls fbgemm for its GEMMs: it holds no weights of
+    its own, so fbgemm packs each of the model's weights once for the prefill and every step; and every node comes out
+    bit for bit as plain decoding computes it."""
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
+    monkeypatch.setattr(medusa.runtime.static, "COMPILED_MIN_ROWS", 128)
+    monkeypatch.setattr(medusa.runtime.quantize, "w8a8_kernel", lambda device="cpu": "fbgemm")
+    model = quantised_target("llama", "w8a8")
+    engine = InductorEngine(model)
+    engine.warm_up(progress=False, max_length=128)
+    assert engine.ahead_of_time and engine._packages
+    _assert_every_node_as_plain_decoding(engine, model)
+    layers = [m.weight_int8 for m in model.modules() if isinstance(m, W8A8Linear)]
+    packed = medusa.runtime.quantize._fbgemm_weights
+    assert layers and all(packed[id(weight)][0]() is weight for weight in layers)
+    assert sum(entry[0]() is not None for entry in packed.values()) == len(layers)  # no copies packed as well

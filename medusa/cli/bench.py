@@ -152,7 +152,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         choices=[p for p in PRECISIONS if p != "auto"],  # a benchmark names the precision it measures
         help="the target's precision (medusa.precision; int8 and int4: weight-only, CPU; w8a8: int8 weights and "
-        "activations, CPU with AVX512-VNNI; default: bfloat16 on a GPU, "
+        "activations, x86 CPU; default: bfloat16 on a GPU, "
         "float32 on a CPU); llama.cpp runs the matching GGUF type",
     )
     parser.add_argument(

@@ -43,10 +43,11 @@ AOT_FORMAT = 4  # bump when what is exported changes (2: medusa's attention, 3: 
 # cache), so old packages are not loaded
 ROW_INVARIANT_FORMAT = 2  # the same for what only w8a8 exports (attention.reduction_sdpa): 2, the values read
 # where they lie
-# The one-token package (half-precision weights on a CPU): one query token, no freezing, so every linear stays a
-# matmul against a transposed view of the model's own weight, which aten runs as a GEMV without oneDNN
-# (`without_onednn`); it holds no weights and reads the model's own tensors (docs/engines.md).
-ONE_TOKEN_OPTIONS = {"freezing": False, "aot_inductor.package_constants_in_so": False}
+# A package that holds no weights and reads the model's own tensors (`own_weights`). The one-token package
+# (half-precision weights on a CPU): one query token, no freezing, so every linear stays a matmul against a
+# transposed view of the model's own weight, which aten runs as a GEMV without oneDNN (`without_onednn`); w8a8 on
+# fbgemm, whose GEMMs are calls out of the package that pack the weights they are given once (docs/engines.md).
+OWN_WEIGHTS_OPTIONS = {"freezing": False, "aot_inductor.package_constants_in_so": False}
 DEFAULT_CACHE_GB = 8  # a few models' packages at two or three cache sizes each
 MAX_QUERY = 256  # the most tokens one verify forward may take (a tree's nodes)
 GEMM_BACKENDS = "max_autotune_gemm_backends"
@@ -162,7 +163,7 @@ def _export(model, rows: int, one_token: bool = False):
 
 
 def own_weights(runner, model) -> None:
-    """Point a package compiled without its weights (ONE_TOKEN_OPTIONS) at `model`'s own parameters and buffers, by
+    """Point a package compiled without its weights (OWN_WEIGHTS_OPTIONS) at `model`'s own parameters and buffers, by
     the names export gave them (VerifyStep's): nothing is copied, and the package follows in-place changes."""
     step = VerifyStep(model)
     named = dict(step.named_parameters(remove_duplicate=False))  # tied weights under each name
@@ -202,8 +203,8 @@ def load_or_compile(
     model, rows: int, options: dict, weights: str, label: str = "", progress: bool = True, one_token: bool = False
 ):
     """The AOTInductor runner of `model`'s verify forward over `rows` cache rows: loaded from its package, or
-    compiled (minutes on a small CPU) and saved there first. `one_token`: the one-token package (compiled with
-    ONE_TOKEN_OPTIONS), reading `model`'s own weights. -> (runner, seconds spent compiling)."""
+    compiled (minutes on a small CPU) and saved there first. `one_token`: the one-token package. A package compiled
+    with OWN_WEIGHTS_OPTIONS reads `model`'s own weights. -> (runner, seconds spent compiling)."""
     path = package_path(model, rows, options, weights, one_token)
     seen = _version(path)
     runner = _load(path) if seen else None
@@ -214,7 +215,7 @@ def load_or_compile(
             runner = _load(path) if _version(path) not in (None, seen) else None
             if runner is None:
                 runner, seconds = _compile(model, rows, options, path, label, progress, one_token)
-    if one_token:
+    if options.get("aot_inductor.package_constants_in_so", True) is False:
         own_weights(runner, model)
     return runner, seconds
 

@@ -32,7 +32,7 @@ class InductorEngine(CompiledEngine):
         self.ahead_of_time = model.device.type != "cuda" and plain_weights
         self._packages: dict[int, object] = {}  # cache rows -> the loaded package's runner
         # half-precision weights on a CPU: one-token steps run a package of their own on aten's GEMV
-        # (aot.ONE_TOKEN_OPTIONS); not quantized ones, whose int8 template beats aten's int8 kernel there, nor bf16
+        # (aot.OWN_WEIGHTS_OPTIONS); not quantized ones, whose int8 template beats aten's int8 kernel there, nor bf16
         # ones on AMX, where the main package's AMX GEMMs beat the GEMV at one row too
         precision = precision_of(model)
         bf16_on_amx = precision == "bfloat16" and amx(model.device)
@@ -100,7 +100,7 @@ class InductorEngine(CompiledEngine):
             return 0.0
         try:
             self._one_token[rows], seconds = aot.load_or_compile(
-                self.runner, rows, aot.ONE_TOKEN_OPTIONS, self._weights, self.label, progress, one_token=True
+                self.runner, rows, aot.OWN_WEIGHTS_OPTIONS, self._weights, self.label, progress, one_token=True
             )
             return seconds
         except Exception as err:  # noqa: BLE001 - the main package still serves one-token steps

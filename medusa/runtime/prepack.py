@@ -57,17 +57,17 @@ def can_int8(device: torch.device, in_features: int) -> bool:
     )
 
 
-def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(M, K) values -> (their levels in -127..127 (M, K) float32, one float32 scale per row (M, 1)): symmetric,
+def quantize_rows(rows: torch.Tensor, top: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K) values -> (their levels in -top..top (M, K) float32, one float32 scale per row (M, 1)): symmetric,
     rounded to nearest. w8a8's activations as they arrive; `quantize_int8`'s weights."""
     rows = rows.float()
-    scales = rows.abs().amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / 127
-    return torch.round(rows / scales).clamp(-127, 127), scales
+    scales = rows.abs().amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / top
+    return torch.round(rows / scales).clamp(-top, top), scales
 
 
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, in) float weight -> (int8 weight, bf16 scale per output row): `quantize_rows`, stored."""
-    levels, scales = quantize_rows(weight.detach())
+def quantize_int8(weight: torch.Tensor, top: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, in) float weight -> (int8 weight in -top..top, bf16 scale per output row): `quantize_rows`, stored."""
+    levels, scales = quantize_rows(weight.detach(), top)
     return levels.to(torch.int8).contiguous(), scales[:, 0].to(torch.bfloat16)
 
 

@@ -13,8 +13,10 @@ one (it says other things); speculative decoding on it is exact relative to plai
   llama.cpp's Q8_0 does per block of 32): integer products summed exactly in int32, then scaled. Written as the
   quantized pattern inductor's freezing pass turns into its int8 GEMM template (AVX512-VNNI), whose cost stays flat
   from one to about eight rows where the weight-only kernels' doubles; uncompiled, `torch._int_mm` computes the same
-  sums. A row's numbers never depend on the other rows (its own scale, exact sums), and the target attends with
-  `attention.row_invariant_sdpa`, so a tree's verify computes each node as plain decoding does, bit for bit.
+  sums. Where that template has no kernel (an AVX2 CPU), fbgemm's quantized linear computes the sums (`int8_sums`,
+  compiled or not; as flat there), on weights within FBGEMM_WEIGHT_TOP levels. A row's numbers never depend on the
+  other rows (its own scale, exact sums), and the target attends with `attention.row_invariant_sdpa`, so a tree's
+  verify computes each node as plain decoding does, bit for bit.
 
 inductor lowers the kernels to its C++ templates when the inductor engine compiles the target.
 Embeddings and norms stay in the activations' dtype.
@@ -22,10 +24,15 @@ Embeddings and norms stay in the activations' dtype.
 
 from __future__ import annotations
 
+import functools
+import warnings
+import weakref
+
 import torch
 import torch.ao.quantization.fx._decomposed  # noqa: F401 - registers torch.ops.quantized_decomposed (w8a8's pattern)
 from torch import nn
 
+from medusa.hardware import w8a8_kernel
 from medusa.runtime.attention import use_row_invariant_sdpa
 from medusa.runtime.prepack import (
     INT8_BLOCK,
@@ -132,17 +139,69 @@ class Int8WeightLinear(QuantizedLinear):
 
 
 W8A8_ZERO = 128  # the pattern's activations are uint8 around this zero point (AVX512-VNNI multiplies u8 by s8)
+# Without AVX512-VNNI, fbgemm multiplies u8 by s8 with AVX2's multiply-add, which saturates each pair of products at
+# 16 bits: with activations up to 255 (W8A8_ZERO + 127), weights within this many levels keep every sum exact
+FBGEMM_WEIGHT_TOP = 63
+_fbgemm_weights: dict[int, tuple] = {}  # id of an int8 weight tensor -> (a weak reference to it, fbgemm's packed copy)
+
+
+def fbgemm_weight(weight: torch.Tensor, scales: torch.Tensor):
+    """fbgemm's packed copy of an int8 weight (N, K) with its float32 scales (N,), made on first use and dropped with
+    the weight (the weights of a quantised target are never written again)."""
+    key = id(weight)
+    held = _fbgemm_weights.get(key)
+    if held is None or held[0]() is not weight:
+        zeros = torch.zeros(weight.shape[0], dtype=torch.long)
+        with warnings.catch_warnings():  # torch deprecates quantized tensors; fbgemm's linear still takes only them
+            warnings.simplefilter("ignore", UserWarning)
+            quantized = torch.quantize_per_channel(
+                weight.float() * scales[:, None], scales.double(), zeros, 0, torch.qint8
+            )
+            packed = torch.ops.quantized.linear_prepack(quantized, None)
+        held = _fbgemm_weights[key] = (weakref.ref(weight, lambda _: _fbgemm_weights.pop(key, None)), packed)
+    return held[1]
+
+
+@torch.library.custom_op("medusa::int8_sums", mutates_args=())
+def int8_sums(levels: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """levels (M, K) float32 holding integers in -127..127, weight (N, K) int8 -> (M, N) float32: each row's exact
+    integer sums times each output row's scale, by fbgemm's dynamically quantised linear. fbgemm rounds its whole
+    input to uint8 with one scale and zero point from the input's minimum and maximum, so a last row holding -128
+    and 127 pins them at 1 and W8A8_ZERO: every level goes in as it is, whatever the other rows hold."""
+    pinned = torch.cat([levels, _pin(levels.shape[1])])
+    return torch.ops.quantized.linear_dynamic(pinned, fbgemm_weight(weight, scales), False)[:-1]
+
+
+@functools.cache
+def _pin(width: int) -> torch.Tensor:
+    pin = torch.zeros(1, width)
+    pin[0, :2] = torch.tensor([-W8A8_ZERO, W8A8_ZERO - 1])
+    return pin
+
+
+@int8_sums.register_fake
+def _(levels, weight, scales):
+    return levels.new_empty(levels.shape[0], weight.shape[0])
 
 
 def w8a8_linear(
-    x: torch.Tensor, quantized: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias=None, vocabulary=False
+    x: torch.Tensor,
+    quantized: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor,
+    bias=None,
+    vocabulary=False,
+    fbgemm=False,
 ):
     """x (..., in) -> (..., out) in x's dtype: x's rows rounded to int8 each with its own scale, times the int8
     weights (out, in) with theirs (float32, one per output row), the products summed exactly. `vocabulary`: the
-    projection to the vocabulary, whose logits stay float32 (see W8A8Linear)."""
+    projection to the vocabulary, whose logits stay float32 (see W8A8Linear). `fbgemm`: the sums by `int8_sums`
+    (weights within FBGEMM_WEIGHT_TOP levels), compiled or not."""
     rows = x.reshape(-1, x.shape[-1])
     levels, row_scales = quantize_rows(rows)
-    if torch.compiler.is_compiling():  # the pattern inductor's freezing pass lowers to its int8 GEMM template
+    if fbgemm:
+        out = int8_sums(levels, quantized, scales) * row_scales
+    elif torch.compiler.is_compiling():  # the pattern inductor's freezing pass lowers to its int8 GEMM template
         shifted = (levels + W8A8_ZERO).to(torch.uint8)
         activations = torch.ops.quantized_decomposed.dequantize_per_tensor(shifted, 1.0, W8A8_ZERO, 0, 255, torch.uint8)
         weight = torch.ops.quantized_decomposed.dequantize_per_channel(
@@ -166,7 +225,9 @@ class W8A8Linear(QuantizedLinear):
 
     def __init__(self, linear: nn.Linear, tied: torch.Tensor | None = None):
         super().__init__(linear, tied)
-        quantized, scales = quantize_int8(linear.weight)
+        # inductor's int8 GEMM template where it has a kernel (AVX512-VNNI), else fbgemm's (AVX2) on narrower weights
+        self.fbgemm = w8a8_kernel(linear.weight.device) == "fbgemm"
+        quantized, scales = quantize_int8(linear.weight, FBGEMM_WEIGHT_TOP if self.fbgemm else 127)
         self.register_buffer("weight_int8", quantized)
         self.register_buffer("scales", scales.float())
         self.register_buffer("zeros", torch.zeros_like(scales, dtype=torch.long))  # symmetric: the pattern names them
@@ -175,7 +236,7 @@ class W8A8Linear(QuantizedLinear):
         return self.weight_int8.float() * self.scales[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return w8a8_linear(x, self.weight_int8, self.scales, self.zeros, self.bias, self.vocabulary)
+        return w8a8_linear(x, self.weight_int8, self.scales, self.zeros, self.bias, self.vocabulary, self.fbgemm)
 
 
 class Int4WeightLinear(QuantizedLinear):
@@ -225,6 +286,11 @@ def quantize_target(model: nn.Module, precision: str) -> nn.Module:
         use_row_invariant_sdpa(model)
     model.medusa_precision = precision  # what plans and packages are keyed on
     return model
+
+
+def sums_on_fbgemm(model: nn.Module) -> bool:
+    """Whether `model` is a w8a8 target whose integer sums fbgemm computes (`int8_sums`)."""
+    return any(isinstance(m, W8A8Linear) and m.fbgemm for m in model.modules())
 
 
 def dequantize_target(model: nn.Module) -> nn.Module:

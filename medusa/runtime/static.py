@@ -18,11 +18,12 @@ from transformers import StaticCache
 
 from medusa.hardware import amx
 from medusa.loading import cache_root
+from medusa.runtime.aot import OWN_WEIGHTS_OPTIONS
 from medusa.runtime.attention import ROW_INVARIANT_SDPA, kv_dtype
 from medusa.runtime.graphs import StepGraph, upload_ids
 from medusa.runtime.kv_cache import KeptDtypeLayer, keep_rows, row_mover
 from medusa.runtime.prepack import can_prepack, prepacked_copy
-from medusa.runtime.quantize import QUANTIZED, precision_of
+from medusa.runtime.quantize import QUANTIZED, precision_of, sums_on_fbgemm
 from medusa.runtime.torch_patches import parses_kept, use_inductor_cache
 from medusa.runtime.verify import PrefillOutput, VerifyOutput, bias_over_rows, forward_nodes, run_prefill, verify
 from medusa.tree import Candidates, TreeSpec, build_buffers, chain
@@ -60,6 +61,8 @@ def inductor_cpu_options(model) -> dict:
     options = dict(INDUCTOR_CPU_OPTIONS)
     if getattr(model.config, "_attn_implementation", None) == ROW_INVARIANT_SDPA:
         options[REALIZE_OPCOUNT] = ROW_INVARIANT_REALIZE_OPCOUNT
+    if sums_on_fbgemm(model):  # nothing for inductor to freeze: it reads the weights fbgemm packed for the model
+        options.update(OWN_WEIGHTS_OPTIONS)
     if precision_of(model) in QUANTIZED:
         return options
     options["cpp.enable_concat_linear"] = True
