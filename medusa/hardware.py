@@ -2,7 +2,8 @@
 
 CPUs of one cloud machine kind differ (AVX-512 with native bf16 on one, AVX2 only on another), and what wins on one
 loses on the other. The environment variables that limit the ISA (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA,
-MKL_ENABLE_INSTRUCTIONS) are honoured, so an AVX-512 machine told to behave like an AVX2 one is described as one.
+MKL_ENABLE_INSTRUCTIONS) are honoured, so an AVX-512 machine told to behave like an AVX2 one is described as one
+(fbgemm, w8a8's kernel there, reads only its own: FBGEMM_ENABLE_INSTRUCTIONS=AVX2).
 """
 
 from __future__ import annotations

@@ -410,3 +410,36 @@ def test_profile_step_times_the_proposal_parts_and_restores_them():
         MedusaProposer.read(None, None)  # no proposer: fails inside the timed part
     assert "context read" in seconds
     assert {name: getattr(owner, name) for _, owner, name in profile_step.PROPOSAL_PARTS} == originals
+
+
+def test_the_plans_fixed_options_run_as_methods_with_its_trees(tmp_path):
+    """ "medusa@N" / "medusa_dynamic@N": the tree of N nodes the plan grows from the heads' accuracy table, so planned
+    can be compared with each option it weighed, side by side in one run."""
+    from medusa.plan import save_accuracy
+    from medusa.tree_builder import grow_tree
+
+    base_dir, heads_dir = save_tiny_checkpoint(tmp_path)
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps(QUESTIONS[3]) + "\n")
+    argv = ["--questions", str(questions), "--base", str(base_dir), "--heads", str(heads_dir), "--max-new-tokens", "10"]
+    argv += ["--threads", "1", "--methods", "baseline,medusa@3,medusa_dynamic@5,medusa@6"]
+    summary = benchmark.main(argv + ["--out", str(tmp_path / "no-table")])
+    assert list(summary["overall"]) == ["baseline"] and "accuracy table" in summary["settings"]["skipped"]["medusa@3"]
+
+    acc = [[0.6, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.1, 0.05]]
+    save_accuracy(heads_dir, acc)
+    summary = benchmark.main(argv + ["--out", str(tmp_path / "run")])
+    assert list(summary["overall"]) == ["baseline", "medusa@3", "medusa_dynamic@5", "medusa@6"]
+    assert all(stats["identical"] for stats in summary["overall"].values())  # greedy fp32: lossless
+    raw = [json.loads(line) for line in (tmp_path / "run" / "raw.jsonl").read_text().splitlines()]
+    for method, nodes in (("medusa@3", 3), ("medusa@6", 6)):
+        depth = max(len(path) for path in grow_tree(acc, nodes))
+        proposed = {n for r in raw if r["method"] == method for t in r["turns"] for n in t["proposed_lengths"]}
+        assert proposed == {depth}, method  # a static tree proposes its depth every step
+    assert grow_tree(acc, 3) != grow_tree(acc, 6)
+
+
+@pytest.mark.parametrize("name", ["medusa@1", "plain@4", "medusa@x", "eagle3@4"])
+def test_a_sized_method_names_a_tree_method_and_two_nodes_at_least(name):
+    with pytest.raises(SystemExit):
+        benchmark.parse_args(["--questions", "q.jsonl", "--methods", name, "--out", "run"])

@@ -29,6 +29,9 @@ Methods (interleaved per question, after a warm-up):
                   (F32, BF16; made once from the base's GGUF with llama-quantize), same prompt text, greedy, same
                   threads; timed by llama.cpp's own prompt-eval + eval lines (prefill included, model load not)
   llama_cpp_lookup  llama.cpp's prompt lookup decoding (`llama-lookup`), the same way
+  medusa@N, medusa_dynamic@N, hybrid@N  one fixed option the plan weighs: that proposer with the tree of N nodes
+                  (root included) the plan grows from the heads' accuracy table, on --engine; beside `planned`,
+                  whether the plan chose well
   The llama.cpp methods use the binaries in $LLAMA_CPP_BIN (default ~/.cache/medusa-peers/llama.cpp/bin, what
   ../shared/peers/build_llama_cpp.sh builds) and are skipped, saying why, when they are absent or the base is no GGUF.
   Their output ids are their text tokenized by the base's tokenizer.
@@ -79,6 +82,7 @@ from medusa.model import DEFAULT_HEADS_DIR
 from medusa.precision import PRECISIONS
 from medusa.questions import answer_message, encode_conversation, load_questions, per_group
 from medusa.runtime import ENGINES, batch_engine, engine_for
+from medusa.tree_builder import grow_tree
 
 METHODS = (
     "baseline",
@@ -97,6 +101,8 @@ METHODS = (
     "llama_cpp",
     "llama_cpp_lookup",
 )
+# methods that take a tree: "name@N" runs the plan's tree of N nodes (sized_method)
+SIZED = {"medusa": "medusa", "medusa_dynamic": "dynamic", "hybrid": "hybrid"}
 PEERS = {"llama_cpp": "plain", "llama_cpp_lookup": "lookup"}  # method -> llama_cpp.generate's method
 # n-gram proposals made outside our loop (transformers', llama.cpp's): c = 0 (ours are timed by the profiler)
 MODEL_FREE = frozenset({"prompt_lookup", "llama_cpp_lookup"})
@@ -123,6 +129,14 @@ RESUME_KEYS = (
     "engine",
     "batch_size",
 )
+
+
+def sized_method(name: str) -> tuple[str, int] | None:
+    """ "medusa_dynamic@8" -> ("dynamic", 8): a SIZED method's proposer and its tree's nodes; None for other names."""
+    method, at, nodes = name.partition("@")
+    if not at or method not in SIZED or not nodes.isdigit() or int(nodes) < 2:
+        return None
+    return SIZED[method], int(nodes)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -209,9 +223,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.batch_size < 1:
         parser.error("--batch-size must be >= 1")
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = sorted(set(args.methods) - set(METHODS))
+    unknown = sorted(m for m in args.methods if m not in METHODS and sized_method(m) is None)
     if unknown:
-        parser.error(f"unknown methods {unknown}: choose from {', '.join(METHODS)}")
+        parser.error(
+            f"unknown methods {unknown}: choose from {', '.join(METHODS)}, or one of {', '.join(SIZED)} with "
+            "@N for the plan's tree of N nodes (N >= 2), e.g. medusa_dynamic@8"
+        )
     if args.limit is not None and args.limit < 1:
         parser.error("--limit must be >= 1")
     if args.dtype is None:  # where users of a GPU run: bf16 (the serving engines' default there)
@@ -422,6 +439,12 @@ def build_methods(names: list[str], args, model, stop_ids: list[int]) -> tuple[d
                 skipped[name] = "needs --eagle3 DIR (an EAGLE-3 draft trained for this target: train/train.py, eagle3)"
             else:
                 runs[name] = ours(eagle3_model)
+        elif sized_method(name) is not None:
+            proposer, nodes = sized_method(name)
+            if model.accuracy is None:
+                skipped[name] = "the heads have no accuracy table to grow the plan's trees from (medusa accuracy)"
+            else:
+                runs[name] = ours(model, proposer=proposer, tree=[list(p) for p in grow_tree(model.accuracy, nodes)])
         elif name == "medusa_typical":
             runs[name] = ours(model, proposer="medusa", tree=tree, acceptance="typical")
         else:
