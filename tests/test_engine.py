@@ -161,6 +161,16 @@ def test_amx_is_seen_unless_onednn_is_held_below_it(monkeypatch):
     assert not amx("cpu") and native_bf16("cpu")
 
 
+def test_w8a8_takes_inductors_template_with_vnni_else_fbgemm_else_nothing(monkeypatch):
+    monkeypatch.setattr(medusa.hardware, "vector_int8_gemm", lambda device="cpu": True)
+    assert medusa.hardware.w8a8_kernel("cpu") == "template"
+    monkeypatch.setattr(medusa.hardware, "vector_int8_gemm", lambda device="cpu": False)  # an AVX2 CPU
+    monkeypatch.setattr(type(torch.backends.quantized), "supported_engines", ["x86", "fbgemm"])
+    assert medusa.hardware.w8a8_kernel("cpu") == "fbgemm" and medusa.hardware.w8a8_kernel("cuda") is None
+    monkeypatch.setattr(type(torch.backends.quantized), "supported_engines", ["qnnpack"])  # an Arm build of torch
+    assert medusa.hardware.w8a8_kernel("cpu") is None
+
+
 FAST_INDUCTOR = {"freezing": True}  # the inductor engine's settings less max-autotune's GEMM benchmarking: tests
 # check what is compiled and loaded, not how fast it runs
 
