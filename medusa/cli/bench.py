@@ -101,7 +101,7 @@ METHODS = (
     "llama_cpp",
     "llama_cpp_lookup",
 )
-# methods that take a tree: "name@N" runs the plan's tree of N nodes (sized_method)
+# our methods that take a tree -> their proposer; "name@N" runs the plan's tree of N nodes (sized_method)
 SIZED = {"medusa": "medusa", "medusa_dynamic": "dynamic", "hybrid": "hybrid"}
 PEERS = {"llama_cpp": "plain", "llama_cpp_lookup": "lookup"}  # method -> llama_cpp.generate's method
 # n-gram proposals made outside our loop (transformers', llama.cpp's): c = 0 (ours are timed by the profiler)
@@ -448,13 +448,7 @@ def build_methods(names: list[str], args, model, stop_ids: list[int]) -> tuple[d
         elif name == "medusa_typical":
             runs[name] = ours(model, proposer="medusa", tree=tree, acceptance="typical")
         else:
-            proposer = {
-                "medusa": "medusa",
-                "medusa_dynamic": "dynamic",
-                "hybrid": "hybrid",
-                "lookup": "prompt_lookup",
-                "plain": "plain",
-            }[name]
+            proposer = {**SIZED, "lookup": "prompt_lookup", "plain": "plain"}[name]
             runs[name] = ours(model, proposer=proposer, tree=tree)
     return runs, skipped, draft_hf
 
