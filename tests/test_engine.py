@@ -221,7 +221,7 @@ def test_half_precision_one_token_steps_run_a_package_on_the_models_own_weights(
     Its logits and hidden states match eager's within bf16 rounding; a tree still runs the main package."""
     monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
     monkeypatch.setattr(medusa.runtime.static, "INDUCTOR_CPU_OPTIONS", FAST_INDUCTOR)
-    monkeypatch.setattr(medusa.runtime.inductor, "amx", lambda device: False)
+    monkeypatch.setattr(medusa.runtime.static, "amx", lambda device: False)
     model = make_tiny_model(family, dtype=torch.bfloat16)
     torch.manual_seed(3)
     prompt = torch.randint(1, 90, (1, 7))
@@ -252,7 +252,7 @@ def test_half_precision_one_token_steps_run_a_package_on_the_models_own_weights(
     assert not InductorEngine(make_tiny_model(family)).one_token_gemv  # fp32: the main package's C++ template
     int8 = quantize_target(make_tiny_model(family, dtype=torch.bfloat16), "int8")  # bf16 activations, int8 weights
     assert not InductorEngine(int8).one_token_gemv  # its int8 template beats aten's int8 kernel at one token
-    monkeypatch.setattr(medusa.runtime.inductor, "amx", lambda device: True)
+    monkeypatch.setattr(medusa.runtime.static, "amx", lambda device: True)
     assert not InductorEngine(model).one_token_gemv  # on AMX the main package's AMX GEMMs are faster at one row
 
 

@@ -12,7 +12,6 @@ import logging
 import torch
 from transformers import StaticCache
 
-from medusa.hardware import amx
 from medusa.loading import base_fingerprint
 from medusa.runtime import aot, static
 from medusa.runtime.prepack import attention_copy
@@ -34,9 +33,8 @@ class InductorEngine(CompiledEngine):
         # half-precision weights on a CPU: one-token steps run a package of their own on aten's GEMV
         # (aot.OWN_WEIGHTS_OPTIONS); not quantized ones, whose int8 template beats aten's int8 kernel there, nor bf16
         # ones on AMX, where the main package's AMX GEMMs beat the GEMV at one row too
-        precision = precision_of(model)
-        bf16_on_amx = precision == "bfloat16" and amx(model.device)
-        self.one_token_gemv = self.ahead_of_time and precision in ("bfloat16", "float16") and not bf16_on_amx
+        half = precision_of(model) in ("bfloat16", "float16")
+        self.one_token_gemv = self.ahead_of_time and half and not static.bf16_on_amx(model)
         self._one_token: dict[int, object] = {}  # cache rows -> that package's runner
         self._weights: str | None = None  # the base's fingerprint, which names its packages
         super().__init__(model, torch_compile=True, prepack=prepack)

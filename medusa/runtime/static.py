@@ -51,6 +51,12 @@ VERIFY_GRAPHS = os.environ.get("MEDUSA_VERIFY_GRAPHS", "1") != "0"
 ENGINES_ATTRIBUTE = "_medusa_engines"  # where medusa.runtime.engine_for keeps a model's engines
 
 
+def bf16_on_amx(model) -> bool:
+    """A bf16 target on a CPU with AMX: inductor's C++ GEMM template multiplies it on the tile units, one-token steps
+    included (docs/engines.md, "bf16 on AMX")."""
+    return precision_of(model) == "bfloat16" and amx(model.device)
+
+
 def inductor_cpu_options(model) -> dict:
     """inductor's settings on a CPU for `model`: bf16 and fp16 GEMMs go to oneDNN (aten's packed linear): inductor's
     C++ template widens them to fp32 on a CPU without AMX, and ran a bf16 step at half oneDNN's speed. On AMX bf16
@@ -66,9 +72,8 @@ def inductor_cpu_options(model) -> dict:
     if precision_of(model) in QUANTIZED:
         return options
     options["cpp.enable_concat_linear"] = True
-    amx_template = model.dtype == torch.bfloat16 and amx(model.device)
     backends = "max_autotune_gemm_backends"
-    if model.dtype in (torch.bfloat16, torch.float16) and backends in options and not amx_template:
+    if model.dtype in (torch.bfloat16, torch.float16) and backends in options and not bf16_on_amx(model):
         options[backends] = "ATEN"
     return options
 
