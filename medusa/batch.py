@@ -144,6 +144,7 @@ def decode_batch(
             row.proposer.observe(row.state, accepted.tokens)
             stats.accepted_lengths.append(len(accepted.tokens))
             stats.proposed_lengths.append(c.tree.max_depth)
+            stats.verified_nodes.append(size)
             if not emit(row, accepted.tokens):
                 still.append(row)
         cache.commit(kept)

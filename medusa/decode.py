@@ -429,6 +429,7 @@ def decode(
         stats.steps += 1
         stats.accepted_lengths.append(len(accepted.tokens))
         stats.proposed_lengths.append(candidates.tree.max_depth)
+        stats.verified_nodes.append(candidates.tree.num_nodes)
         done = emit(accepted.tokens, verified.logits[accepted.nodes] if keep_logits else None)
     if streamer is not None:
         streamer.end()

@@ -91,6 +91,7 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         self.projection_dtype = projection_dtype or _candidate_dtype(base)
         self.refresh_candidate_projection()
         self.accuracy: list[list[float]] | None = None  # acc_given_prefix per head and rank (medusa.plan)
+        self.decoded_taus: dict | None = None  # each option's tokens per step on held-out prompts (medusa.plan)
         self.plan: Plan | None = None  # what generate uses by default (medusa.plan); None: eager, the heads' tree
         self.engine_override: str | None = None  # from_pretrained(engine=...): wins over the plan
         self.adapter: dict[str, bytes] | None = None  # Medusa-2: the adapter files loaded, saved again with the heads
@@ -274,7 +275,7 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
             model = merge_adapter(model, path)
         medusa = cls(model, heads, tokenizer, tree=_tree_arg(tree))
         medusa.adapter = adapter_files(path) if adapter else None
-        medusa.accuracy = load_accuracy(path)
+        medusa.accuracy, medusa.decoded_taus = load_accuracy(path)
         return medusa
 
     @classmethod
@@ -346,7 +347,7 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         def write(tmp: Path) -> None:
             save_heads(self.heads, tmp, tree=self.tree, dtype=dtype)
             if self.accuracy is not None:
-                save_accuracy(tmp, self.accuracy, source="saved with the heads")
+                save_accuracy(tmp, self.accuracy, source="saved with the heads", decoded=self.decoded_taus)
             for name, content in (self.adapter or {}).items():
                 (tmp / name).write_bytes(content)
             write_hook(tmp, heads_location, revision)

@@ -7,10 +7,11 @@ heads directory), and keeps the option with the most expected tokens per second:
 
     expected speedup = expected tau / (step time(N) / plain step time)
 
-where a static tree's tau is 1 + the sum of its paths' values (medusa.tree_builder). If nothing beats plain decoding
-by MIN_GAIN, the plan is plain decoding on the fastest engine. Plans are cached as JSON under the medusa cache
-(`$MEDUSA_CACHE/plans/`), keyed by what changes them (hardware, threads, torch, base, heads, dtype); `calibrate`
-redoes one.
+where a static tree's tau is 1 + the sum of its paths' values (medusa.tree_builder), discounted; where the heads ship
+taus decoded with each option on held-out prompts (`medusa accuracy --taus`), those are taken instead, and hybrid's
+step is costed at the nodes it verified there. If nothing beats plain decoding by MIN_GAIN, the plan is plain
+decoding on the fastest engine. Plans are cached as JSON under the medusa cache (`$MEDUSA_CACHE/plans/`), keyed by
+what changes them (hardware, threads, torch, base, heads, dtype, decoded taus); `calibrate` redoes one.
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ from medusa.tree_builder import check_accuracy, expected_tau, grow_tree, sync, t
 
 logger = logging.getLogger(__name__)
 
-ACCURACY_NAME = "medusa_accuracy.json"  # in a heads directory: {"acc_given_prefix": [[...], ...], "source": ...}
-PLAN_VERSION = 14  # 3: the inductor engine is an option; 4: the dynamic tree skips heads that cannot matter (cheaper);
+# in a heads directory: {"acc_given_prefix": [[...], ...], "source": ..., optionally "decoded": (check_decoded)}
+ACCURACY_NAME = "medusa_accuracy.json"
+PLAN_VERSION = 15  # 3: the inductor engine is an option; 4: the dynamic tree skips heads that cannot matter (cheaper);
 # 5: the inductor engine runs ahead-of-time packages on CPU; 6: a context layer's read of each step's positions costed;
 # 7: pre-packed weights laid out for 8 rows (cheaper heads, context reads and pre-packed verifies); 8: proposing on
 # int8 weights on a CPU (cheaper heads and context reads); 9: more repeats, a verify curve that never falls, near-ties
@@ -47,7 +49,8 @@ PLAN_VERSION = 14  # 3: the inductor engine is an option; 4: the dynamic tree sk
 # written and concatenates float projections (cheaper verifies, flatter over tree size); 11: half-precision one-token
 # steps on aten's GEMV (a cheaper plain step); 12: the dynamic tree's search on host lists, a CPU's heads rank 4,096
 # candidates (a cheaper proposal); 13: w8a8's attention reads the values in place (cheaper verifies, most at long
-# contexts); 14: bf16 on AMX runs inductor's C++ GEMM template, one-token steps too (cheaper steps)
+# contexts); 14: bf16 on AMX runs inductor's C++ GEMM template, one-token steps too (cheaper steps); 15: taus decoded on
+# held-out prompts where the heads ship them, hybrid costed at the nodes it verified there, 10 timed rounds
 SIZES = (1, 2, 4, 6, 8, 12, 16, 24)  # tree nodes timed, root included (1 = plain decoding)
 SLOW_ENGINE = 1.25  # an engine whose plain step is this much slower than the fastest one's is not timed further
 MIN_GAIN = 1.05  # a speculative option must beat plain decoding by this much to be chosen
@@ -55,7 +58,7 @@ MIN_GAIN = 1.05  # a speculative option must beat plain decoding by this much to
 # differed by more): the tie goes to the most expected tokens per step, the part of the estimate timing noise
 # does not move.
 TIE_MARGIN = 0.03
-REPEATS = 6  # timed rounds per option (medians), after one warm-up round
+REPEATS = 10  # timed rounds per option (medians), after one warm-up round
 CONTEXT = 256  # tokens in the cache while timing: a typical chat prompt
 # tau of the proposers the accuracy model does not cover, relative to a static tree of the same size, as measured on
 # Spec-Bench (limit 10, shipped heads): dynamic 2.86 vs 2.74 (medusa); hybrid 3.21, at up to HYBRID_CHAIN more nodes.
@@ -66,7 +69,8 @@ DYNAMIC_TAU_GAIN = 1.04
 TAU_CARRY_OVER = 0.73
 HYBRID_TAU_GAIN = 1.17
 CONTEXT_ROWS = 2  # positions a heads' context layer reads per step while calibrating (a step commits tau of them)
-HYBRID_CHAIN = 10  # prompt lookup's chain (medusa.prompt_lookup.NUM_TOKENS): costed at its full length
+HYBRID_CHAIN = 10  # prompt lookup's chain (medusa.prompt_lookup.NUM_TOKENS): costed at its full length without taus
+PROPOSERS = ("medusa", "dynamic", "hybrid")  # the speculative proposers a plan weighs
 # Batches (medusa.batch) verify rows x nodes tokens per forward, so the best tree shrinks as rows grow: a batch takes
 # the choice timed for the smallest of these sizes that holds it (the largest beyond), measured on its first use
 BATCH_BUCKETS = (2, 4, 8, 16)
@@ -148,26 +152,49 @@ class Plan:
         return "\n".join(lines)
 
 
-def load_accuracy(directory) -> list[list[float]] | None:
-    """The heads' accuracy table from their directory (None when there is none)."""
+def load_accuracy(directory) -> tuple[list[list[float]] | None, dict | None]:
+    """The heads' accuracy table and decoded taus (check_decoded) from their directory (None where absent)."""
     path = Path(directory) / ACCURACY_NAME
     if not path.is_file():
-        return None
+        return None, None
     try:
         data = json.loads(path.read_text())
-        return check_accuracy(data["acc_given_prefix"])
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+        decoded = data.get("decoded")
+        return check_accuracy(data["acc_given_prefix"]), None if decoded is None else check_decoded(decoded)
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as err:
         raise ValueError(
             f"{path} is not a valid accuracy table ({err}): regenerate it with medusa accuracy "
-            f"--heads-dir, or delete it to plan without one"
+            f"--heads-dir (and --taus), or delete it to plan without one"
         ) from err
 
 
-def save_accuracy(directory, acc: list[list[float]], source: str = "") -> None:
-    atomic_write_text(
-        Path(directory) / ACCURACY_NAME,
-        json.dumps({"acc_given_prefix": check_accuracy(acc), "source": source}, indent=2),
-    )
+def save_accuracy(directory, acc: list[list[float]], source: str = "", decoded: dict | None = None) -> None:
+    """Writes the table (and decoded taus, which were grown from it: a new table drops them)."""
+    data = {"acc_given_prefix": check_accuracy(acc), "source": source}
+    if decoded is not None:
+        data["decoded"] = check_decoded(decoded)
+    atomic_write_text(Path(directory) / ACCURACY_NAME, json.dumps(data, indent=2))
+
+
+def check_decoded(decoded: dict) -> dict:
+    """Validate decoded taus: {"tau": {proposer: {nodes: tokens per step}}, "nodes": {proposer: {nodes: nodes verified
+    per step}}, "source": str}, proposers from PROPOSERS, node counts >= 2, values >= 1 -> the table, keys as JSON's."""
+    checked = dict(decoded)  # with node counts as strings (JSON's keys), values as floats
+    for part in ("tau", "nodes"):
+        checked[part] = {}
+        for proposer, by_size in decoded[part].items():
+            if proposer not in PROPOSERS:
+                raise ValueError(f"decoded {part}: unknown proposer {proposer!r} (expected one of {PROPOSERS})")
+            for nodes, value in by_size.items():
+                if not (str(nodes).isdigit() and int(nodes) >= 2 and float(value) >= 1):
+                    raise ValueError(f"decoded {part} of {proposer} at {nodes!r} nodes: {value!r} is not >= 1")
+            checked[part][proposer] = {str(nodes): float(value) for nodes, value in by_size.items()}
+    return checked
+
+
+def decoded_value(decoded: dict | None, part: str, proposer: str, nodes: int) -> float | None:
+    """decoded[part][proposer][nodes] (check_decoded), None where not decoded."""
+    return None if decoded is None else decoded[part].get(proposer, {}).get(str(nodes))
 
 
 def heads_fingerprint(model) -> str:
@@ -188,6 +215,9 @@ def plan_key(model, engines: tuple[str, ...]) -> dict:
         "heads": heads_fingerprint(model),
         "dtype": precision_of(base),
         "has_accuracy": model.accuracy is not None,
+        "decoded_taus": hashlib.sha256(json.dumps(model.decoded_taus, sort_keys=True).encode()).hexdigest()[:16]
+        if model.decoded_taus
+        else None,
     }
 
 
@@ -211,7 +241,7 @@ def measure(model, engines=None, sizes=SIZES, repeats: int = REPEATS, context: i
     prompt = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(0)).to(device)
     order = grow_tree(model.accuracy, max(sizes)) if model.accuracy is not None else []
     sizes = [n for n in sizes if n == 1 or n - 1 <= len(order)]
-    jobs = [("plain", 1)] + [(p, n) for n in sizes if n > 1 for p in ("medusa", "dynamic", "hybrid")]
+    jobs = [("plain", 1)] + [(p, n) for n in sizes if n > 1 for p in PROPOSERS]
     plain_ms, states = {}, {}  # per engine: its plain step, and the prefilled state every step starts from
     for name in engines:  # plain steps first: engines far slower than the fastest are not timed further
         engine = engine_for(model.base, name)  # compiles first, if this engine does (timed apart: see calibrate)
@@ -260,6 +290,51 @@ def measure(model, engines=None, sizes=SIZES, repeats: int = REPEATS, context: i
     return results, order
 
 
+@torch.inference_mode()
+def decode_options(
+    model, prompts: list[list[int]], max_new_tokens: int = 128, sizes=SIZES, engine=None, progress: bool = True
+) -> dict:
+    """Decode each prompt (token ids) greedily with every option the plan weighs (PROPOSERS x `sizes`, trees grown
+    from the heads' accuracy table) -> decoded taus (check_decoded, "source" left to the caller): tokens committed per
+    verify step, and nodes verified per step (a hybrid's chain varies), pooled over the prompts. Greedy outputs are
+    the same whatever the option (checked: a difference raises), so only the steps differ."""
+    if model.accuracy is None:
+        raise ValueError("decoding the plan's options needs the heads' accuracy table: run medusa accuracy --heads-dir")
+    order = grow_tree(model.accuracy, max(sizes))
+    jobs = [(p, n) for n in sizes if 1 < n <= len(order) + 1 for p in PROPOSERS]
+    tau, nodes, reference = {p: {} for p in PROPOSERS}, {p: {} for p in PROPOSERS}, {}
+    start = time.perf_counter()
+    for done, (proposer, n) in enumerate(jobs):
+        committed = verified = steps = 0
+        for i, prompt in enumerate(prompts):
+            out = model.generate(
+                torch.tensor([prompt], device=model.device),
+                max_new_tokens=max_new_tokens,
+                proposer=proposer,
+                tree=[list(path) for path in order[: n - 1]],
+                engine=engine,
+                return_dict_in_generate=True,
+            )
+            new = out.sequences[0, len(prompt) :].tolist()
+            if reference.setdefault(i, new) != new:
+                raise RuntimeError(f"{proposer} with {n} nodes changed prompt {i}'s greedy output: not lossless")
+            committed += sum(out.stats.accepted_lengths)
+            verified += sum(out.stats.verified_nodes)
+            steps += len(out.stats.accepted_lengths)
+        tau[proposer][str(n)] = round(committed / max(steps, 1), 4)
+        nodes[proposer][str(n)] = round(verified / max(steps, 1), 3)
+        if progress:
+            print(
+                f"\rdecoding the plan's options: {done + 1}/{len(jobs)}, {time.perf_counter() - start:.0f} s",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
+    if progress:
+        print(file=sys.stderr)
+    return {"tau": tau, "nodes": nodes}
+
+
 def _context_read_ms(model, state, repeats: int, rows: int = CONTEXT_ROWS) -> float:
     """What heads with a context layer pay each step in decoding and not in `time_step` (whose state never moves
     on): reading the positions the last step committed. Median ms of reading `rows` of them; 0 without the layer."""
@@ -302,9 +377,10 @@ def verify_curve(jobs: dict) -> dict[int, float]:
     return {n: mean for mean, _, sizes in blocks for n in sizes}
 
 
-def choose(measured: dict, order, acc) -> tuple[Option, list[Option], Option]:
+def choose(measured: dict, order, acc, decoded: dict | None = None) -> tuple[Option, list[Option], Option]:
     """Every option's expected speedup over the fastest plain decoding -> (best, all options, that plain option).
-    Options within TIE_MARGIN of the fastest expected are a tie, won by the most expected tokens per step."""
+    Options within TIE_MARGIN of the fastest expected are a tie, won by the most expected tokens per step.
+    `decoded`: the heads' decoded taus (check_decoded), where they have them."""
     options = []
     for engine, jobs in measured.items():
         fitted = verify_curve(jobs)
@@ -313,9 +389,12 @@ def choose(measured: dict, order, acc) -> tuple[Option, list[Option], Option]:
             if proposer == "plain":
                 options.append(Option(engine, "plain", 1, 1.0, propose_ms + verify_ms))
                 continue
-            tau = planned_tau(order, n, acc, proposer)
+            tau = planned_tau(order, n, acc, proposer, decoded)
             step = propose_ms + verify_ms
-            if proposer == "hybrid":  # costed as if the whole chain were grafted on
+            verified = decoded_value(decoded, "nodes", proposer, n)
+            if proposer == "hybrid" and verified is not None:  # the tree and the chain it grafted on, on average
+                step = propose_ms + interpolate(fitted, verified)
+            elif proposer == "hybrid":  # costed as if the whole chain were grafted on
                 larger = [m for (p, m) in jobs if p == "medusa" and m >= n + HYBRID_CHAIN]
                 step = propose_ms + (fitted[min(larger)] if larger else verify_ms * 2)
             options.append(Option(engine, proposer, n, tau, step))
@@ -323,9 +402,24 @@ def choose(measured: dict, order, acc) -> tuple[Option, list[Option], Option]:
     return _fastest(options, plain), options, plain
 
 
-def planned_tau(order, nodes: int, acc, proposer: str) -> float:
-    """Expected tokens per step of `proposer` over the first `nodes - 1` paths of `order`: the accuracy table's,
-    discounted by TAU_CARRY_OVER, times what the proposer gains over a static tree of that size."""
+def interpolate(curve: dict[int, float], nodes: float) -> float:
+    """A verify curve ({nodes: ms}) at a fractional node count: linear between the sizes around it, the nearest
+    segment's slope beyond the largest."""
+    sizes = sorted(curve)
+    if nodes <= sizes[0] or len(sizes) == 1:
+        return curve[sizes[0]]
+    upper = next((n for n in sizes[1:] if n >= nodes), sizes[-1])
+    lower = sizes[sizes.index(upper) - 1]
+    return curve[lower] + (nodes - lower) * (curve[upper] - curve[lower]) / (upper - lower)
+
+
+def planned_tau(order, nodes: int, acc, proposer: str, decoded: dict | None = None) -> float:
+    """Expected tokens per step of `proposer` over the first `nodes - 1` paths of `order`: as decoded on held-out
+    prompts where `decoded` has it, else the accuracy table's, discounted by TAU_CARRY_OVER, times what the proposer
+    gains over a static tree of that size."""
+    measured = decoded_value(decoded, "tau", proposer, nodes)
+    if measured is not None:
+        return measured
     tau = 1 + TAU_CARRY_OVER * (expected_tau(order[: nodes - 1], acc) - 1)
     return tau * {"medusa": 1.0, "dynamic": DYNAMIC_TAU_GAIN, "hybrid": HYBRID_TAU_GAIN}[proposer]
 
@@ -350,17 +444,18 @@ def calibrate(
     compiled_before = compile_seconds(model.base)
     acc = model.accuracy
     measured, order = measure(model, engines, sizes if acc is not None else (1,), repeats, progress=progress)
-    plan = decide(measured, order, acc)
+    plan = decide(measured, order, acc, model.decoded_taus)
     plan.compile_s = compile_seconds(model.base) - compiled_before
     plan.key, plan.calibration_s = key or plan_key(model, engines), time.perf_counter() - start - plan.compile_s
     return plan
 
 
-def decide(measured: dict, order, acc) -> Plan:
-    """Measured step times ({engine: {(proposer, nodes): (propose_ms, verify_ms)}}), the static trees' path order and
-    the accuracy table (None: unknown) -> the plan: the best option, or plain decoding unless one beats it by
-    MIN_GAIN. Without an accuracy table: the heads' own tree (`tree` []) on the fastest engine, guarded online."""
-    best, options, plain = choose(measured, order, acc)
+def decide(measured: dict, order, acc, decoded: dict | None = None) -> Plan:
+    """Measured step times ({engine: {(proposer, nodes): (propose_ms, verify_ms)}}), the static trees' path order,
+    the accuracy table (None: unknown) and decoded taus -> the plan: the best option, or plain decoding unless one
+    beats it by MIN_GAIN. Without an accuracy table: the heads' own tree (`tree` []) on the fastest engine, guarded
+    online."""
+    best, options, plain = choose(measured, order, acc, decoded)
     if acc is None:
         best = Option(plain.engine, "medusa", 0, 0.0, 0.0, speedup=1.0)
         reason = "the heads have no accuracy table to predict acceptance from: their own tree, guarded online"
@@ -488,7 +583,13 @@ def _calibrate_batch(model, rows: int, engine: str, context: int = CONTEXT, repe
     # per row and step: its share of the batched verify, its own propose + accept (and a context layer's read)
     plain = Option(engine, "plain", 1, 1.0, verify_ms[1] / rows + row_ms[1])
     options = [plain] + [
-        Option(engine, proposer, n, planned_tau(order, n, acc, proposer), verify_ms[n] / rows + row_ms[n] + read_ms)
+        Option(
+            engine,
+            proposer,
+            n,
+            planned_tau(order, n, acc, proposer, model.decoded_taus),
+            verify_ms[n] / rows + row_ms[n] + read_ms,
+        )
         for n in sizes
     ]
     best = _fastest(options, plain)

@@ -12,7 +12,9 @@ MT_BENCH_CATEGORIES = frozenset(
 
 
 def load_questions(path: str | Path) -> list[dict]:
-    """Spec-Bench / MT-bench style JSONL: one `{question_id, category, turns: [str, ...]}` object a line."""
+    """Spec-Bench / MT-bench style JSONL: one `{question_id, category, turns: [str, ...]}` object a line; rows of the
+    training prompts' layouts (`{id, instruction, instances: [{input}]}` as self-instruct's, Alpaca's, GSM8K's, a
+    conversation) give one turn, their prompt (medusa.train.data.row_prompt)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"question file {path} does not exist")
@@ -25,12 +27,22 @@ def load_questions(path: str | Path) -> list[dict]:
         except json.JSONDecodeError as err:
             raise ValueError(f"{path}:{number} is not valid JSON ({err})") from err
         turns = row.get("turns") if isinstance(row, dict) else None
+        if isinstance(row, dict) and turns is None:
+            from medusa.train.data import row_prompt  # only for these layouts: training code stays out otherwise
+
+            prompt = row_prompt(row)
+            turns = [prompt] if prompt else None
         if not turns or not isinstance(turns[0], str):
             raise ValueError(
-                f"{path}:{number}: expected {{question_id, category, turns: [str, ...]}}, got {line[:80]!r}"
+                f"{path}:{number}: expected {{question_id, category, turns: [str, ...]}} or a prompt row (instruction, "
+                f"prompt, question or a conversation), got {line[:80]!r}"
             )
         questions.append(
-            {"question_id": row.get("question_id", number), "category": row.get("category"), "turns": turns}
+            {
+                "question_id": row.get("question_id", row.get("id", number)),
+                "category": row.get("category"),
+                "turns": turns,
+            }
         )
     if not questions:
         raise ValueError(f"{path} holds no questions")

@@ -41,6 +41,7 @@ class DecodeStats:
     proposed_lengths: list[int] = field(
         default_factory=list
     )  # depth of each verify step's candidates (gamma for a draft chain)
+    verified_nodes: list[int] = field(default_factory=list)  # nodes each verify step ran, root included
     timings: dict[str, float] = field(default_factory=dict)  # seconds per phase, when profiling
 
     @property

@@ -13,6 +13,7 @@ import torch
 from medusa import MedusaModel
 from medusa.cli import chat, main
 from medusa.evaluation import head_rank_accuracy
+from medusa.plan import ACCURACY_NAME
 from tests.conftest import save_tiny_checkpoint
 
 
@@ -136,6 +137,25 @@ def test_accuracy_scores_the_heads_on_the_targets_greedy_answers(tmp_path, capsy
     out = capsys.readouterr()
     assert "answered 2/3" in out.err and "answered 3/3" in out.err
     assert "3 questions" in out.out and "top1|prefix" in out.out
+
+
+def test_accuracy_taus_decodes_each_option_and_keeps_them_beside_the_table(tmp_path, capsys, checkpoint):
+    """--taus: every option the plan weighs answers the questions; --heads-dir keeps the table and adds the taus."""
+    heads = _accuracy(tmp_path, checkpoint, "--heads-dir")  # the table the trees grow from
+    table = json.loads((heads / ACCURACY_NAME).read_text())
+    main(
+        ["accuracy", "--taus", "--heads-dir", "--questions", str(tmp_path / "questions.jsonl"), "--heads", str(heads)]
+        + ["--base", str(checkpoint[0]), "--out", str(tmp_path / "taus.json"), "--max-new-tokens", "6"]
+    )
+    decoded = json.loads((tmp_path / "taus.json").read_text())["decoded"]
+    model = MedusaModel.from_pretrained(heads, base=checkpoint[0])
+    assert model.accuracy == table["acc_given_prefix"]  # unchanged, and its source kept
+    assert json.loads((heads / ACCURACY_NAME).read_text())["source"] == table["source"]
+    assert model.decoded_taus == decoded and "--taus" in decoded["source"]
+    assert set(decoded["tau"]) == {"medusa", "dynamic", "hybrid"}
+    assert all(n == float(size) for size, n in decoded["nodes"]["medusa"].items())  # a static tree verifies itself
+    assert all(1 <= tau <= int(size) for size, tau in decoded["tau"]["dynamic"].items())
+    assert "hybrid tau" in capsys.readouterr().out
 
 
 def test_accuracy_says_when_no_question_fits_the_context_window(tmp_path, capsys, checkpoint):

@@ -199,6 +199,9 @@ def test_questions_load_and_spread_over_categories(tmp_path):
     assert [q["turns"][0] for q in questions] == [f"q{i}" for i in range(6)]
     assert [q["category"] for q in spread(questions, 2)] == ["a", "b"]
     assert spread(questions, None) == questions and spread(questions, 10) == questions
+    instruction = {"id": "task_0", "instruction": "Rewrite it.", "instances": [{"input": "A text.", "output": "-"}]}
+    path.write_text(json.dumps(instruction) + "\n")  # self-instruct's layout: its prompt is the one turn
+    assert load_questions(path) == [{"question_id": "task_0", "category": None, "turns": ["Rewrite it.\n\nA text."]}]
     path.write_text('{"question_id": 1, "category": "x"}\n')
     with pytest.raises(ValueError, match=r"q.jsonl:1: expected \{question_id, category, turns"):
         load_questions(path)

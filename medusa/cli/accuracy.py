@@ -15,6 +15,12 @@ it emitted (misses on tokens the target was sure of are the heads' to win). scri
 "by_category", "by_target_confidence", "copy", "settings"}. Heads with `copy_ngram` rank their copy guess (the token
 that followed the last few tokens' most recent earlier occurrence, medusa/ngram.py) first, as the proposer does;
 `--copy-ngram 0` scores the network's guesses alone.
+
+`--taus` decodes instead of scoring: each option the plan weighs (medusa, dynamic and hybrid trees of each size it
+times, grown from the heads' accuracy table) answers the questions greedily, and the tokens committed and nodes
+verified per step are recorded ({"decoded": {"tau", "nodes", "source"}, "settings"}); with `--heads-dir` they go
+beside the table, where the plan takes them over its accuracy model (medusa/plan.py). Use prompts held out from the
+heads' training and from the benchmarks you will report.
 """
 
 from __future__ import annotations
@@ -41,8 +47,9 @@ from medusa.heads import head_target_offset
 from medusa.heads_io import resolve_heads
 from medusa.loading import DTYPES
 from medusa.model import DEFAULT_HEADS_DIR
-from medusa.plan import ACCURACY_NAME, save_accuracy
+from medusa.plan import ACCURACY_NAME, decode_options, save_accuracy
 from medusa.questions import load_questions, spread
+from medusa.runtime import ENGINES
 
 
 def answer_questions(model: MedusaModel, questions: list[dict], max_new_tokens: int, batch_size: int):
@@ -114,6 +121,50 @@ def print_confidence(result: RankAccuracy) -> None:
         )
 
 
+def heads_directory(args) -> Path:
+    return resolve_heads(args.heads) if args.heads else DEFAULT_HEADS_DIR
+
+
+def decode_taus(model: MedusaModel, questions: list[dict], args, started: float) -> None:
+    """--taus: each option the plan weighs decodes the questions' first turns (medusa.plan.decode_options)."""
+    if model.accuracy is None:
+        sys.exit("error: --taus grows the plan's trees from the heads' accuracy table: write one first (--heads-dir)")
+    window = model.base.config.get_text_config().max_position_embeddings
+    items = tokenize_prompts(
+        model.tokenizer, [(i, q["turns"][0]) for i, q in enumerate(questions)], window - args.max_new_tokens
+    )
+    decoded = decode_options(model, [x["prompt_ids"] for x in items], args.max_new_tokens, engine=args.engine)
+    decoded["source"] = (
+        f"medusa accuracy --taus --questions {args.questions} --limit {args.limit} --dtype {args.dtype}: "
+        f"{len(items)} questions, {args.max_new_tokens} new tokens at most, greedy"
+    )
+    print(f"{'nodes':>5} " + " ".join(f"{p + ' tau':>12} {'nodes':>6}" for p in decoded["tau"]))
+    for n in next(iter(decoded["tau"].values())):
+        print(
+            f"{n:>5} "
+            + " ".join(f"{decoded['tau'][p][n]:>12.3f} {decoded['nodes'][p][n]:>6.2f}" for p in decoded["tau"])
+        )
+    settings = {
+        "heads": args.heads or "default",
+        "questions_file": args.questions,
+        "limit": args.limit,
+        "max_new_tokens": args.max_new_tokens,
+        "dtype": args.dtype,
+        "engine": args.engine,
+        "question_ids": [questions[x["source"]]["question_id"] for x in items],
+        "torch": torch.__version__,
+        "seconds": round(time.time() - started, 1),
+    }
+    atomic_write_text(Path(args.out), json.dumps({"decoded": decoded, "settings": settings}, indent=2))
+    print(f"{len(items)} questions -> {args.out}")
+    if args.heads_dir:
+        directory = heads_directory(args)
+        model.decoded_taus = decoded
+        data = json.loads((directory / ACCURACY_NAME).read_text())
+        save_accuracy(directory, model.accuracy, source=data.get("source", ""), decoded=decoded)
+        print(f"decoded taus -> {directory / ACCURACY_NAME}")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         prog="medusa accuracy", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -144,6 +195,15 @@ def main(argv=None) -> None:
         help="also write the conditional accuracy table into the heads directory as "
         "medusa_accuracy.json, where the calibrated plan (medusa.plan) reads it",
     )
+    parser.add_argument(
+        "--taus",
+        action="store_true",
+        help="decode instead of scoring: every option the plan weighs answers the questions, and its tokens and "
+        "nodes per step are recorded (with --heads-dir: beside the table, for the plan)",
+    )
+    parser.add_argument(
+        "--engine", choices=ENGINES, default="eager", help="the engine --taus decodes on (outputs are the same)"
+    )
     args = parser.parse_args(argv)
     if args.questions is None:
         args.questions = str(bench_data_dir() / "spec_bench_question.jsonl")
@@ -158,6 +218,9 @@ def main(argv=None) -> None:
     if args.copy_ngram is not None:
         model.heads.config = dataclasses.replace(model.config, copy_ngram=args.copy_ngram)  # validated again
     questions = spread(load_questions(args.questions), args.limit)
+    if args.taus:
+        decode_taus(model, questions, args, started)
+        return
     sequences, starts, answered = answer_questions(model, questions, args.max_new_tokens, args.batch_size)
     if not sequences:
         parser.exit(
@@ -219,7 +282,7 @@ def main(argv=None) -> None:
     atomic_write_text(Path(args.out), json.dumps(report, indent=2))
     print(f"{len(answered)} questions, {positions} response tokens -> {args.out}")
     if args.heads_dir:
-        directory = resolve_heads(args.heads) if args.heads else DEFAULT_HEADS_DIR
+        directory = heads_directory(args)
         save_accuracy(
             directory,
             report["acc_given_prefix"],

@@ -80,7 +80,7 @@ def _conversation_turn(row: dict, role: str, after: int) -> str | None:
     return next((text for who, text in turns[after:] if who == role), None)
 
 
-def _row_prompt(row: dict) -> str | None:
+def row_prompt(row: dict) -> str | None:
     """The user prompt in one row of any supported layout."""
     if "prompt" in row:
         return row["prompt"]
@@ -158,7 +158,7 @@ def _source_rows(source: str, rows: int | None = None) -> list[dict]:
 def load_prompts(source: str, rows: int | None = None) -> list[str]:
     """All prompts of one source (see module docstring; `rows`: rows_to_read). Raises with the accepted layouts when
     none are found."""
-    prompts = [p for p in (_row_prompt(r) for r in _source_rows(source, rows)) if p and p.strip()]
+    prompts = [p for p in (row_prompt(r) for r in _source_rows(source, rows)) if p and p.strip()]
     if not prompts:
         raise ValueError(
             f"no prompts in {source!r}: rows need a 'prompt', 'instruction' (+'input'), 'question' or 'turns' field, "
@@ -172,7 +172,7 @@ def _per_prompt(source: str, text_of, rows: int | None) -> dict[str, str]:
     """Prompt -> `text_of(row)` for the source's rows that have both (the first one where a prompt repeats)."""
     found: dict[str, str] = {}
     for row in _source_rows(source, rows):
-        prompt, text = _row_prompt(row), text_of(row)
+        prompt, text = row_prompt(row), text_of(row)
         if prompt and prompt.strip() and text and text.strip():
             found.setdefault(prompt, text)
     return found
@@ -210,7 +210,7 @@ def evaluation_prompts(directory: Path | None = None) -> set[str]:
         if not path.is_file():
             continue
         for row in _read_rows(path):
-            turns = row.get("turns") or [_row_prompt(row) or ""]
+            turns = row.get("turns") or [row_prompt(row) or ""]
             seen.update(normalise(t) for t in turns if t)
     return seen
 
