@@ -123,6 +123,13 @@ def test_plan_is_cached_keyed_and_rebuilt_when_corrupt(tmp_path, monkeypatch, ca
     with torch.no_grad():
         model.heads.blocks[0][0].linear.bias.add_(1.0)
     assert medusa.plan.heads_fingerprint(model) != model.plan.key["heads"]
+    # and with the taus decoded beside the accuracy table, which travel with the heads
+    model.decoded_taus = decoded_taus({"dynamic": {4: 2.0}})
+    assert (
+        medusa.plan.plan_key(model, tuple(model.plan.key["engines"]))["decoded_taus"] != model.plan.key["decoded_taus"]
+    )
+    model.save_pretrained(tmp_path / "saved")
+    assert load_accuracy(tmp_path / "saved") == (STRONG, model.decoded_taus)
 
 
 def test_a_corrupt_accuracy_table_is_named(tmp_path):
