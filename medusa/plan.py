@@ -33,6 +33,7 @@ from medusa.decode import prefill
 from medusa.fileio import atomic_write_text
 from medusa.hardware import describe
 from medusa.loading import cache_root
+from medusa.questions import encode_conversation
 from medusa.runtime import ENGINES, batch_engine, compile_seconds, engine_for, precision_of
 from medusa.sampling import SamplingConfig
 from medusa.tree_builder import check_accuracy, expected_tau, grow_tree, sync, time_step
@@ -50,7 +51,8 @@ PLAN_VERSION = 15  # 3: the inductor engine is an option; 4: the dynamic tree sk
 # steps on aten's GEMV (a cheaper plain step); 12: the dynamic tree's search on host lists, a CPU's heads rank 4,096
 # candidates (a cheaper proposal); 13: w8a8's attention reads the values in place (cheaper verifies, most at long
 # contexts); 14: bf16 on AMX runs inductor's C++ GEMM template, one-token steps too (cheaper steps); 15: taus decoded on
-# held-out prompts where the heads ship them, hybrid costed at the nodes it verified there, 10 timed rounds
+# held-out prompts where the heads ship them, hybrid costed at the nodes it verified there, 10 timed rounds, steps
+# timed over the model's own text
 SIZES = (1, 2, 4, 6, 8, 12, 16, 24)  # tree nodes timed, root included (1 = plain decoding)
 SLOW_ENGINE = 1.25  # an engine whose plain step is this much slower than the fastest one's is not timed further
 MIN_GAIN = 1.05  # a speculative option must beat plain decoding by this much to be chosen
@@ -60,6 +62,9 @@ MIN_GAIN = 1.05  # a speculative option must beat plain decoding by this much to
 TIE_MARGIN = 0.03
 REPEATS = 10  # timed rounds per option (medians), after one warm-up round
 CONTEXT = 256  # tokens in the cache while timing: a typical chat prompt
+# Steps are timed over the model's own answer to this (calibration_context): the heads are as sure as in decoding, so
+# proposals cost what they will (over random tokens the dynamic tree was cheaper to search than in decoding)
+CALIBRATION_PROMPT = "Explain how a hash table works, then show a short Python example that uses one."
 # tau of the proposers the accuracy model does not cover, relative to a static tree of the same size, as measured on
 # Spec-Bench (limit 10, shipped heads): dynamic 2.86 vs 2.74 (medusa); hybrid 3.21, at up to HYBRID_CHAIN more nodes.
 DYNAMIC_TAU_GAIN = 1.04
@@ -237,8 +242,7 @@ def measure(model, engines=None, sizes=SIZES, repeats: int = REPEATS, context: i
     """
     device, sampling = model.device, SamplingConfig()
     engines = engines or planned_engines(device)
-    vocab = model.base.get_output_embeddings().weight.shape[0]
-    prompt = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(0)).to(device)
+    prompt = calibration_context(model, context)
     order = grow_tree(model.accuracy, max(sizes)) if model.accuracy is not None else []
     sizes = [n for n in sizes if n == 1 or n - 1 <= len(order)]
     jobs = [("plain", 1)] + [(p, n) for n in sizes if n > 1 for p in PROPOSERS]
@@ -288,6 +292,22 @@ def measure(model, engines=None, sizes=SIZES, repeats: int = REPEATS, context: i
             if job[0] != "plain":
                 jobs_measured[job] = (propose_ms + read_ms, verify_ms)
     return results, order
+
+
+def calibration_context(model, context: int) -> torch.Tensor:
+    """(1, `context`) token ids the plan times its steps over: CALIBRATION_PROMPT through the chat template and the
+    model's own greedy answer, not stopped at its end (random tokens where the tokenizer has no chat template)."""
+    tokenizer = model.tokenizer
+    if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+        vocab = model.base.get_output_embeddings().weight.shape[0]
+        return torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(0)).to(model.device)
+    ids = encode_conversation(tokenizer, [{"role": "user", "content": CALIBRATION_PROMPT}])[:context]
+    ids = torch.tensor([ids], device=model.device)
+    if ids.shape[1] < context:
+        ids = model.generate(
+            ids, max_new_tokens=context - ids.shape[1], eos_token_id=[], engine="eager", proposer="medusa"
+        )
+    return ids[:, :context]
 
 
 @torch.inference_mode()
