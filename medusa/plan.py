@@ -52,14 +52,10 @@ PLAN_VERSION = 15  # 3: the inductor engine is an option; 4: the dynamic tree sk
 # candidates (a cheaper proposal); 13: w8a8's attention reads the values in place (cheaper verifies, most at long
 # contexts); 14: bf16 on AMX runs inductor's C++ GEMM template, one-token steps too (cheaper steps); 15: taus decoded on
 # held-out prompts where the heads ship them, hybrid costed at the nodes it verified there, 10 timed rounds, steps
-# timed over the model's own text
+# timed over the model's own text, no near-tie given to the larger tree
 SIZES = (1, 2, 4, 6, 8, 12, 16, 24)  # tree nodes timed, root included (1 = plain decoding)
 SLOW_ENGINE = 1.25  # an engine whose plain step is this much slower than the fastest one's is not timed further
 MIN_GAIN = 1.05  # a speculative option must beat plain decoding by this much to be chosen
-# Options expected within this share of the best are a tie on this machine's noise (two calibrations of one CPU
-# differed by more): the tie goes to the most expected tokens per step, the part of the estimate timing noise
-# does not move.
-TIE_MARGIN = 0.03
 REPEATS = 10  # timed rounds per option (medians), after one warm-up round
 CONTEXT = 256  # tokens in the cache while timing: a typical chat prompt
 # Steps are timed over the model's own answer to this (calibration_context): the heads are as sure as in decoding, so
@@ -396,7 +392,6 @@ def verify_curve(jobs: dict) -> dict[int, float]:
 
 def choose(measured: dict, order, acc, decoded: dict | None = None) -> tuple[Option, list[Option], Option]:
     """Every option's expected speedup over the fastest plain decoding -> (best, all options, that plain option).
-    Options within TIE_MARGIN of the fastest expected are a tie, won by the most expected tokens per step.
     `decoded`: the heads' decoded taus (check_decoded), where they have them."""
     options = []
     for engine, jobs in measured.items():
@@ -442,13 +437,12 @@ def planned_tau(order, nodes: int, acc, proposer: str, decoded: dict | None = No
 
 
 def _fastest(options: list[Option], plain: Option) -> Option:
-    """Sets each option's speedup over `plain` -> the fastest; speculative options within TIE_MARGIN of it (and
-    beating plain by MIN_GAIN) are a tie, won by the most expected tokens per step."""
+    """Sets each option's speedup over `plain` -> the fastest. Near-ties are not given to the larger tree: timed at
+    CONTEXT tokens, a larger tree's step is underestimated more (attention over longer prompts grows with its nodes),
+    and taus decoded on held-out prompts no longer need timing noise to be outweighed."""
     for o in options:
         o.speedup = o.tokens_per_s / plain.tokens_per_s
-    best = max(options, key=lambda o: o.speedup)
-    tied = [o for o in options if o.proposer != "plain" and o.speedup >= max(MIN_GAIN, best.speedup * (1 - TIE_MARGIN))]
-    return max(tied, key=lambda o: (o.tau, o.speedup)) if tied else best
+    return max(options, key=lambda o: (o.speedup, o.tau))
 
 
 def calibrate(
