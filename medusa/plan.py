@@ -33,7 +33,6 @@ from medusa.decode import prefill
 from medusa.fileio import atomic_write_text
 from medusa.hardware import describe
 from medusa.loading import cache_root
-from medusa.questions import encode_conversation
 from medusa.runtime import ENGINES, batch_engine, compile_seconds, engine_for, precision_of
 from medusa.sampling import SamplingConfig
 from medusa.tree_builder import check_accuracy, expected_tau, grow_tree, sync, time_step
@@ -51,16 +50,16 @@ PLAN_VERSION = 15  # 3: the inductor engine is an option; 4: the dynamic tree sk
 # steps on aten's GEMV (a cheaper plain step); 12: the dynamic tree's search on host lists, a CPU's heads rank 4,096
 # candidates (a cheaper proposal); 13: w8a8's attention reads the values in place (cheaper verifies, most at long
 # contexts); 14: bf16 on AMX runs inductor's C++ GEMM template, one-token steps too (cheaper steps); 15: taus decoded on
-# held-out prompts where the heads ship them, hybrid costed at the nodes it verified there, 10 timed rounds, steps
-# timed over the model's own text, no near-tie given to the larger tree
+# held-out prompts where the heads ship them, hybrid costed at the nodes it verified there, 10 timed rounds
 SIZES = (1, 2, 4, 6, 8, 12, 16, 24)  # tree nodes timed, root included (1 = plain decoding)
 SLOW_ENGINE = 1.25  # an engine whose plain step is this much slower than the fastest one's is not timed further
 MIN_GAIN = 1.05  # a speculative option must beat plain decoding by this much to be chosen
+# Options expected within this share of the best are a tie on this machine's noise (two calibrations of one CPU
+# differed by more): the tie goes to the most expected tokens per step, the part of the estimate timing noise
+# does not move.
+TIE_MARGIN = 0.03
 REPEATS = 10  # timed rounds per option (medians), after one warm-up round
 CONTEXT = 256  # tokens in the cache while timing: a typical chat prompt
-# Steps are timed over the model's own answer to this (calibration_context): the heads are as sure as in decoding, so
-# proposals cost what they will (over random tokens the dynamic tree was cheaper to search than in decoding)
-CALIBRATION_PROMPT = "Explain how a hash table works, then show a short Python example that uses one."
 # tau of the proposers the accuracy model does not cover, relative to a static tree of the same size, as measured on
 # Spec-Bench (limit 10, shipped heads): dynamic 2.86 vs 2.74 (medusa); hybrid 3.21, at up to HYBRID_CHAIN more nodes.
 DYNAMIC_TAU_GAIN = 1.04
@@ -238,7 +237,8 @@ def measure(model, engines=None, sizes=SIZES, repeats: int = REPEATS, context: i
     """
     device, sampling = model.device, SamplingConfig()
     engines = engines or planned_engines(device)
-    prompt = calibration_context(model, context)
+    vocab = model.base.get_output_embeddings().weight.shape[0]
+    prompt = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(0)).to(device)
     order = grow_tree(model.accuracy, max(sizes)) if model.accuracy is not None else []
     sizes = [n for n in sizes if n == 1 or n - 1 <= len(order)]
     jobs = [("plain", 1)] + [(p, n) for n in sizes if n > 1 for p in PROPOSERS]
@@ -288,22 +288,6 @@ def measure(model, engines=None, sizes=SIZES, repeats: int = REPEATS, context: i
             if job[0] != "plain":
                 jobs_measured[job] = (propose_ms + read_ms, verify_ms)
     return results, order
-
-
-def calibration_context(model, context: int) -> torch.Tensor:
-    """(1, `context`) token ids the plan times its steps over: CALIBRATION_PROMPT through the chat template and the
-    model's own greedy answer, not stopped at its end (random tokens where the tokenizer has no chat template)."""
-    tokenizer = model.tokenizer
-    if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
-        vocab = model.base.get_output_embeddings().weight.shape[0]
-        return torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(0)).to(model.device)
-    ids = encode_conversation(tokenizer, [{"role": "user", "content": CALIBRATION_PROMPT}])[:context]
-    ids = torch.tensor([ids], device=model.device)
-    if ids.shape[1] < context:
-        ids = model.generate(
-            ids, max_new_tokens=context - ids.shape[1], eos_token_id=[], engine="eager", proposer="medusa"
-        )
-    return ids[:, :context]
 
 
 @torch.inference_mode()
@@ -392,6 +376,7 @@ def verify_curve(jobs: dict) -> dict[int, float]:
 
 def choose(measured: dict, order, acc, decoded: dict | None = None) -> tuple[Option, list[Option], Option]:
     """Every option's expected speedup over the fastest plain decoding -> (best, all options, that plain option).
+    Options within TIE_MARGIN of the fastest expected are a tie, won by the most expected tokens per step.
     `decoded`: the heads' decoded taus (check_decoded), where they have them."""
     options = []
     for engine, jobs in measured.items():
@@ -437,12 +422,13 @@ def planned_tau(order, nodes: int, acc, proposer: str, decoded: dict | None = No
 
 
 def _fastest(options: list[Option], plain: Option) -> Option:
-    """Sets each option's speedup over `plain` -> the fastest. Near-ties are not given to the larger tree: timed at
-    CONTEXT tokens, a larger tree's step is underestimated more (attention over longer prompts grows with its nodes),
-    and taus decoded on held-out prompts no longer need timing noise to be outweighed."""
+    """Sets each option's speedup over `plain` -> the fastest; speculative options within TIE_MARGIN of it (and
+    beating plain by MIN_GAIN) are a tie, won by the most expected tokens per step."""
     for o in options:
         o.speedup = o.tokens_per_s / plain.tokens_per_s
-    return max(options, key=lambda o: (o.speedup, o.tau))
+    best = max(options, key=lambda o: o.speedup)
+    tied = [o for o in options if o.proposer != "plain" and o.speedup >= max(MIN_GAIN, best.speedup * (1 - TIE_MARGIN))]
+    return max(tied, key=lambda o: (o.tau, o.speedup)) if tied else best
 
 
 def calibrate(

@@ -18,6 +18,7 @@ from medusa.guard import BACKOFF, PROBE, WINDOW, GuardedProposer
 from medusa.plan import (
     ACCURACY_NAME,
     MIN_GAIN,
+    TIE_MARGIN,
     Plan,
     decide,
     load_accuracy,
@@ -372,14 +373,16 @@ def test_the_plain_yardstick_is_the_fastest_plain_engine():
     assert plan.plain_engine == "inductor" and plan.plain_ms == pytest.approx(5.5)
 
 
-def test_a_near_tie_goes_to_the_fastest_expected_option():
-    """4 nodes expected 2.6% slower than 2: the plan takes 2 (a larger tree's step is the one calibration
-    underestimates); 4 nodes a little faster are taken."""
-    for verify_4, nodes in ((15.0, 4), (16.0, 2)):
+def test_a_near_tie_goes_to_the_most_expected_tokens_per_step():
+    """4 nodes expected 2.6% slower than 2 (within the noise of two calibrations): the plan takes 4, whose extra
+    tokens per step timing noise does not move; 4 nodes clearly slower stay unchosen."""
+    for verify_4, nodes in ((16.0, 4), (17.0, 2)):
         measured = curve(lambda n, v=verify_4: {1: 10.0, 2: 10.0, 4: v, 8: 40.0, 12: 60.0}[n])
         plan = decide(measured, grow_tree(STRONG, 12), STRONG)
+        fastest = max(o["speedup"] for o in plan.options)
         assert (plan.proposer, len(plan.tree) + 1) == ("dynamic", nodes)
-        assert plan.expected_speedup == pytest.approx(max(o["speedup"] for o in plan.options))
+        assert plan.expected_speedup >= fastest * (1 - TIE_MARGIN)
+    assert plan.expected_speedup == pytest.approx(fastest)
 
 
 def test_the_verify_curve_never_falls():
