@@ -1,4 +1,4 @@
-"""Never slower than plain decoding, online: a proposer wrapper that decodes plainly while guessing does not pay.
+"""Plain decoding where guessing stops paying, online: a proposer wrapper that decodes plainly while it does not.
 
 The plan (medusa.plan) expects a speedup on average text; a given answer may be unpredictable (a list of random
 names, a language the heads never saw). Over each window of speculative steps the guard compares their milliseconds

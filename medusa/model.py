@@ -400,7 +400,7 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         built = get_proposer(proposer or "medusa")(self, buffers.to(self.device))
         if not chosen_by_plan or proposer == "plain":  # an explicit proposer runs as asked
             return built
-        # never slower than plain decoding, online
+        # plain decoding where guessing stops paying, online (medusa.guard)
         return GuardedProposer(built, self.plan.plain_ms, self.device, expected_step_ms=self.plan.step_ms)
 
 
