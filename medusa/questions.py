@@ -14,7 +14,7 @@ MT_BENCH_CATEGORIES = frozenset(
 def load_questions(path: str | Path) -> list[dict]:
     """Spec-Bench / MT-bench style JSONL: one `{question_id, category, turns: [str, ...]}` object a line; rows of the
     training prompts' layouts (`{id, instruction, instances: [{input}]}` as self-instruct's, Alpaca's, GSM8K's, a
-    conversation) give one turn, their prompt (medusa.train.data.row_prompt)."""
+    conversation) give one turn, their prompt (row_prompt)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"question file {path} does not exist")
@@ -28,8 +28,6 @@ def load_questions(path: str | Path) -> list[dict]:
             raise ValueError(f"{path}:{number} is not valid JSON ({err})") from err
         turns = row.get("turns") if isinstance(row, dict) else None
         if isinstance(row, dict) and turns is None:
-            from medusa.train.data import row_prompt  # only for these layouts: training code stays out otherwise
-
             prompt = row_prompt(row)
             turns = [prompt] if prompt else None
         if not turns or not isinstance(turns[0], str):
@@ -96,3 +94,47 @@ def encode_conversation(tokenizer, messages: list[dict]) -> list[int]:
 def answer_message(tokenizer, output_ids: list[int]) -> dict:
     """A turn's generated ids -> the assistant message that goes back into the conversation before the next turn."""
     return {"role": "assistant", "content": tokenizer.decode(output_ids, skip_special_tokens=True).strip()}
+
+
+USER_ROLES = ("human", "user")
+ASSISTANT_ROLES = ("gpt", "assistant", "chatgpt", "bard", "model")
+
+
+def conversation(row: dict) -> list[tuple[str, str]] | None:
+    """A conversation row's turns as (role, text), role "user" or "assistant" (system turns and other roles left
+    out): ShareGPT's `conversations` or OpenAI's `messages`. None for rows of other layouts."""
+    turns = row.get("conversations", row.get("messages"))
+    if not isinstance(turns, list):
+        return None
+    roles = {**dict.fromkeys(USER_ROLES, "user"), **dict.fromkeys(ASSISTANT_ROLES, "assistant")}
+    out = []
+    for turn in turns:
+        role = roles.get(str(turn.get("from", turn.get("role"))).lower())
+        text = turn.get("value", turn.get("content"))
+        if role is not None and isinstance(text, str):
+            out.append((role, text))
+    return out
+
+
+def conversation_turn(row: dict, role: str, after: int) -> str | None:
+    """The first `role` turn after the first `after` turns of a conversation row (None: none, or not one)."""
+    turns = conversation(row) or []
+    if not turns or turns[0][0] != "user":
+        return None
+    return next((text for who, text in turns[after:] if who == role), None)
+
+
+def row_prompt(row: dict) -> str | None:
+    """The user prompt in one row of any supported layout."""
+    if "prompt" in row:
+        return row["prompt"]
+    if "instruction" in row:
+        extra = row.get("input") or ""
+        if not extra and row.get("instances"):
+            extra = row["instances"][0].get("input", "")
+        return row["instruction"] + ("\n\n" + extra if extra else "")
+    if "question" in row:
+        return row["question"]
+    if "turns" in row:
+        return row["turns"][0]
+    return conversation_turn(row, "user", 0)

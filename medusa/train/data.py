@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from medusa.evaluation import bench_data_dir
+from medusa.questions import conversation, conversation_turn, row_prompt
 
 BENCH_FILES = {
     "t0": "t0_train_50k_prompts.jsonl",
@@ -52,50 +53,6 @@ def _read_rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
-USER_ROLES = ("human", "user")
-ASSISTANT_ROLES = ("gpt", "assistant", "chatgpt", "bard", "model")
-
-
-def _conversation(row: dict) -> list[tuple[str, str]] | None:
-    """A conversation row's turns as (role, text), role "user" or "assistant" (system turns and other roles left
-    out): ShareGPT's `conversations` or OpenAI's `messages`. None for rows of other layouts."""
-    turns = row.get("conversations", row.get("messages"))
-    if not isinstance(turns, list):
-        return None
-    roles = {**dict.fromkeys(USER_ROLES, "user"), **dict.fromkeys(ASSISTANT_ROLES, "assistant")}
-    out = []
-    for turn in turns:
-        role = roles.get(str(turn.get("from", turn.get("role"))).lower())
-        text = turn.get("value", turn.get("content"))
-        if role is not None and isinstance(text, str):
-            out.append((role, text))
-    return out
-
-
-def _conversation_turn(row: dict, role: str, after: int) -> str | None:
-    """The first `role` turn after the first `after` turns of a conversation row (None: none, or not one)."""
-    turns = _conversation(row) or []
-    if not turns or turns[0][0] != "user":
-        return None
-    return next((text for who, text in turns[after:] if who == role), None)
-
-
-def row_prompt(row: dict) -> str | None:
-    """The user prompt in one row of any supported layout."""
-    if "prompt" in row:
-        return row["prompt"]
-    if "instruction" in row:
-        extra = row.get("input") or ""
-        if not extra and row.get("instances"):
-            extra = row["instances"][0].get("input", "")
-        return row["instruction"] + ("\n\n" + extra if extra else "")
-    if "question" in row:
-        return row["question"]
-    if "turns" in row:
-        return row["turns"][0]
-    return _conversation_turn(row, "user", 0)
-
-
 def _row_answer(row: dict) -> str | None:
     """A row's own answer, where its layout has one: Alpaca's `output`, the first instance's `output` (seed
     tasks), GSM8K's `answer` with its calculator annotations (`<<48/2=24>>`) removed, as a model would write it."""
@@ -105,14 +62,14 @@ def _row_answer(row: dict) -> str | None:
         return row["instances"][0]["output"]
     if isinstance(row.get("answer"), str):
         return re.sub(r"<<[^>]*>>", "", row["answer"])
-    return _conversation_turn(row, "assistant", 1)
+    return conversation_turn(row, "assistant", 1)
 
 
 def _row_second_turn(row: dict) -> str | None:
     """A conversation's second user turn, after the assistant's first answer: what that user asked next."""
-    turns = _conversation(row) or []
+    turns = conversation(row) or []
     answered = len(turns) > 1 and turns[0][0] == "user" and turns[1][0] == "assistant"
-    return _conversation_turn(row, "user", 2) if answered else None
+    return conversation_turn(row, "user", 2) if answered else None
 
 
 STREAM_PREFIX = "hf-stream:"
