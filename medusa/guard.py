@@ -55,6 +55,11 @@ class GuardedProposer:
         self._first = True  # the call's first step: also the context layer reading the whole prompt, not timed
         self._held: float | None = None  # a window's ms per token, waiting for the probe's plain steps
 
+    @property
+    def losing_ms(self) -> float:
+        """ms per token past which a window loses: plain decoding's (this call's, once timed) and the margin."""
+        return self.plain_ms * (1 + LOSS_MARGIN)
+
     def propose(self, state) -> Candidates:
         self._start = time.perf_counter()
         self._guessing = self.plain_left == 0
@@ -91,7 +96,7 @@ class GuardedProposer:
         else:
             # no plain step of this call timed yet: the plan's, scaled as this call's guessing steps compare with
             # the plan's (a larger cache, a longer context or a busier machine slow both alike)
-            estimate = self.plain_ms * (1 + LOSS_MARGIN)  # where a window starts to lose
+            estimate = self.losing_ms  # the plan's figure
             if self.expected_step_ms:
                 estimate *= window[0] / window[2] / self.expected_step_ms
             if ms_per_token * PROBE_MARGIN <= estimate:
@@ -104,7 +109,7 @@ class GuardedProposer:
 
     def _judge(self, ms_per_token: float) -> None:
         """A window's verdict against plain decoding's milliseconds per token (a plain step commits one)."""
-        if ms_per_token > self.plain_ms * (1 + LOSS_MARGIN):
+        if ms_per_token > self.losing_ms:
             self.plain_left, self.fallbacks = self.backoff, self.fallbacks + 1
             self.backoff *= 2
         else:

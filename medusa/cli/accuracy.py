@@ -52,11 +52,18 @@ from medusa.questions import load_questions, spread
 from medusa.runtime import ENGINES
 
 
+def first_turn_prompts(model: MedusaModel, questions: list[dict], max_new_tokens: int) -> list[dict]:
+    """Each question's first turn through the chat template, those that leave room for `max_new_tokens` in the
+    context window (tokenize_prompts: `source` is the question's index)."""
+    window = model.base.config.get_text_config().max_position_embeddings
+    turns = [(i, q["turns"][0]) for i, q in enumerate(questions)]
+    return tokenize_prompts(model.tokenizer, turns, window - max_new_tokens)
+
+
 def answer_questions(model: MedusaModel, questions: list[dict], max_new_tokens: int, batch_size: int):
     """Greedy self-distilled answers to each question's first turn -> (sequences, response_starts, answered)."""
     tokenizer = model.tokenizer
-    window = model.base.config.get_text_config().max_position_embeddings
-    items = tokenize_prompts(tokenizer, [(i, q["turns"][0]) for i, q in enumerate(questions)], window - max_new_tokens)
+    items = first_turn_prompts(model, questions, max_new_tokens)
     eos_ids, pad_id = stop_and_pad_ids(model.base, tokenizer)
     prompts = [x["prompt_ids"] for x in items]
     sequences, starts, answered = [], [], []
@@ -129,10 +136,7 @@ def decode_taus(model: MedusaModel, questions: list[dict], args, started: float)
     """--taus: each option the plan weighs decodes the questions' first turns (medusa.plan.decode_options)."""
     if model.accuracy is None:
         sys.exit("error: --taus grows the plan's trees from the heads' accuracy table: write one first (--heads-dir)")
-    window = model.base.config.get_text_config().max_position_embeddings
-    items = tokenize_prompts(
-        model.tokenizer, [(i, q["turns"][0]) for i, q in enumerate(questions)], window - args.max_new_tokens
-    )
+    items = first_turn_prompts(model, questions, args.max_new_tokens)
     decoded = decode_options(model, [x["prompt_ids"] for x in items], args.max_new_tokens, engine=args.engine)
     decoded["source"] = (
         f"medusa accuracy --taus --questions {args.questions} --limit {args.limit} --dtype {args.dtype}: "
