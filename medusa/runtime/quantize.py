@@ -24,7 +24,6 @@ Embeddings and norms stay in the activations' dtype.
 
 from __future__ import annotations
 
-import functools
 import warnings
 import weakref
 
@@ -142,46 +141,56 @@ W8A8_ZERO = 128  # the pattern's activations are uint8 around this zero point (A
 # Without AVX512-VNNI, fbgemm multiplies u8 by s8 with AVX2's multiply-add, which saturates each pair of products at
 # 16 bits: with activations up to 255 (W8A8_ZERO + 127), weights within this many levels keep every sum exact
 FBGEMM_WEIGHT_TOP = 63
-_fbgemm_weights: dict[int, tuple] = {}  # id of an int8 weight tensor -> (a weak reference to it, fbgemm's packed copy)
+_fbgemm_weights: dict[int, tuple] = {}  # id of an int8 weight tensor -> (a weak reference to it, fbgemm's copy)
 
 
-def fbgemm_weight(weight: torch.Tensor, scales: torch.Tensor):
-    """fbgemm's packed copy of an int8 weight (N, K) with its float32 scales (N,), made on first use and dropped with
-    the weight (the weights of a quantised target are never written again)."""
+def fbgemm_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fbgemm's packed copy of an int8 weight (N, K), each output row's sum of levels (fbgemm's zero-point term) and a
+    zero bias: made on first use and dropped with the weight (the weights of a quantised target are never written
+    again)."""
     key = id(weight)
     held = _fbgemm_weights.get(key)
     if held is None or held[0]() is not weight:
-        zeros = torch.zeros(weight.shape[0], dtype=torch.long)
-        with warnings.catch_warnings():  # torch deprecates quantized tensors; fbgemm's linear still takes only them
+        # torch deprecates these ops (since 1.x) but they are fbgemm's one int8 GEMM on plain tensors; each warns once
+        # a process, here rather than in the middle of a step
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            quantized = torch.quantize_per_channel(
-                weight.float() * scales[:, None], scales.double(), zeros, 0, torch.qint8
+            packed = torch.fbgemm_pack_quantized_matrix(weight)
+            copy = (packed, weight.sum(1, dtype=torch.int32), torch.zeros(weight.shape[0]))
+            torch.fbgemm_linear_int8_weight_fp32_activation(
+                torch.zeros(1, weight.shape[1]), weight, *copy[:2], 1.0, 0, copy[2]
             )
-            packed = torch.ops.quantized.linear_prepack(quantized, None)
-        held = _fbgemm_weights[key] = (weakref.ref(weight, lambda _: _fbgemm_weights.pop(key, None)), packed)
+        held = _fbgemm_weights[key] = (weakref.ref(weight, lambda _: _fbgemm_weights.pop(key, None)), copy)
     return held[1]
 
 
-@torch.library.custom_op("medusa::int8_sums", mutates_args=())
-def int8_sums(levels: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+# A library op with one CPU kernel rather than torch.library.custom_op: a step calls it once per linear layer (211 for
+# SmolLM2) and custom_op's Python wrapping costs about 25 us a call, a Library op's 14 (docs/engines.md, "w8a8 on AVX2")
+_fbgemm_library = torch.library.Library("medusa", "FRAGMENT")
+_fbgemm_library.define("fbgemm_sums(Tensor pinned, Tensor weight) -> Tensor")
+
+
+def _fbgemm_sums(pinned: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    packed, row_sums, zero = fbgemm_weight(weight)
+    return torch.fbgemm_linear_int8_weight_fp32_activation(pinned, weight, packed, row_sums, 1.0, 0, zero)
+
+
+_fbgemm_library.impl("fbgemm_sums", _fbgemm_sums, "CPU")
+
+
+@torch.library.register_fake("medusa::fbgemm_sums")
+def _(pinned, weight):
+    return pinned.new_empty(pinned.shape[0], weight.shape[0])
+
+
+def int8_sums(levels: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """levels (M, K) float32 holding integers in -127..127, weight (N, K) int8 -> (M, N) float32: each row's exact
-    integer sums times each output row's scale, by fbgemm's dynamically quantised linear. fbgemm rounds its whole
-    input to uint8 with one scale and zero point from the input's minimum and maximum, so a last row holding -128
-    and 127 pins them at 1 and W8A8_ZERO: every level goes in as it is, whatever the other rows hold."""
-    pinned = torch.cat([levels, _pin(levels.shape[1])])
-    return torch.ops.quantized.linear_dynamic(pinned, fbgemm_weight(weight, scales), False)[:-1]
-
-
-@functools.cache
-def _pin(width: int) -> torch.Tensor:
-    pin = torch.zeros(1, width)
-    pin[0, :2] = torch.tensor([-W8A8_ZERO, W8A8_ZERO - 1])
-    return pin
-
-
-@int8_sums.register_fake
-def _(levels, weight, scales):
-    return levels.new_empty(levels.shape[0], weight.shape[0])
+    integer sums, by fbgemm's int8 GEMM (compiled or not). fbgemm rounds its whole input to uint8 with one scale and
+    zero point from the input's minimum and maximum, so a last row holding -128 and 127 pins them at 1 and
+    W8A8_ZERO: every level goes in as it is, whatever the other rows hold."""
+    columns = torch.arange(levels.shape[1], device=levels.device)
+    pin = torch.where(columns == 0, -W8A8_ZERO, torch.where(columns == 1, W8A8_ZERO - 1, 0)).to(levels.dtype)
+    return torch.ops.medusa.fbgemm_sums(torch.cat([levels, pin[None]]), weight)[:-1]
 
 
 def w8a8_linear(
@@ -200,7 +209,7 @@ def w8a8_linear(
     rows = x.reshape(-1, x.shape[-1])
     levels, row_scales = quantize_rows(rows)
     if fbgemm:
-        out = int8_sums(levels, quantized, scales) * row_scales
+        out = int8_sums(levels, quantized) * (row_scales * scales)
     elif torch.compiler.is_compiling():  # the pattern inductor's freezing pass lowers to its int8 GEMM template
         shifted = (levels + W8A8_ZERO).to(torch.uint8)
         activations = torch.ops.quantized_decomposed.dequantize_per_tensor(shifted, 1.0, W8A8_ZERO, 0, 255, torch.uint8)
