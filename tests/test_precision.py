@@ -2,6 +2,7 @@
 engine against their eager reference, speculative decoding exact relative to plain decoding of the same quantised
 target, and the precisions this machine refuses."""
 
+import copy
 import os
 import subprocess
 import sys
@@ -33,6 +34,7 @@ from medusa.runtime.quantize import (
     FBGEMM_WEIGHT_TOP,
     INT4_DEQUANTIZED_FROM_ROWS,
     INT4_GROUP,
+    FusedW8A8Member,
     Int4WeightLinear,
     Int8WeightLinear,
     QuantizedLinear,
@@ -56,7 +58,8 @@ def quantised_target(family: str, precision: str = "int8"):
     return quantize_target(make_tiny_model(family, dtype=torch.bfloat16), precision)
 
 
-LAYERS = {"int8": Int8WeightLinear, "int4": Int4WeightLinear, "w8a8": W8A8Linear}
+# the layers a quantised target holds (w8a8 on fbgemm: sibling projections fused, each in its place as a member)
+LAYERS = {"int8": (Int8WeightLinear,), "int4": (Int4WeightLinear,), "w8a8": (W8A8Linear, FusedW8A8Member)}
 # the largest logit change quantising makes, relative to the largest logit
 DRIFT = {"int8": 0.15, "int4": 0.5, "w8a8": 0.2}
 
@@ -73,7 +76,7 @@ def test_a_quantised_target_has_quantised_linears_and_stays_near_its_float_self(
     linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     # every shape is one the kernels take here
     assert linears and not [m for m in model.modules() if type(m) is torch.nn.Linear]
-    assert all(type(m) is LAYERS[precision] for m in linears) and precision_of(model) == precision
+    assert all(type(m) in LAYERS[precision] for m in linears) and precision_of(model) == precision
     assert (
         model.get_output_embeddings().weight is model.get_input_embeddings().weight
         or not model.config.tie_word_embeddings
@@ -261,6 +264,27 @@ def test_w8a8_rounds_each_row_on_its_own_and_sums_exactly(w8a8_kernel):
     sums = levels.double() @ layer.weight_int8.double().T  # exact in float64 at these sizes
     expected = (sums.float() * (scales * layer.scales) + layer.bias).to(torch.bfloat16)
     torch.testing.assert_close(together, expected, atol=0, rtol=2**-7)  # one bf16 rounding
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_w8a8_on_fbgemm_fuses_sibling_projections_and_computes_what_each_computes_alone(family, monkeypatch):
+    """On fbgemm (an AVX2 CPU) q/k/v and gate/up of a w8a8 target are one GEMM over one rounding of their input; each
+    output row keeps its own scale, so the logits are bit for bit those of the layers apart, and the dequantised
+    target (what divergence.py judges with) holds each member's own weights."""
+    model = make_tiny_model(family, dtype=torch.bfloat16)
+    monkeypatch.setattr(medusa.runtime.quantize, "w8a8_kernel", lambda device="cpu": "fbgemm")
+    fused = quantize_target(copy.deepcopy(model), "w8a8")
+    monkeypatch.setattr(medusa.runtime.quantize, "_fuse_w8a8_siblings", lambda model: None)
+    apart = quantize_target(model, "w8a8")
+    members = [m for m in fused.modules() if isinstance(m, FusedW8A8Member)]
+    assert len(members) == 5 * fused.config.num_hidden_layers  # q, k, v, gate, up
+    assert not [m for m in apart.modules() if isinstance(m, FusedW8A8Member)]
+    prompt = torch.randint(1, 90, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(fused(prompt).logits, apart(prompt).logits)
+    dequantized, expected = dequantize_target(fused).state_dict(), dequantize_target(apart).state_dict()
+    assert dequantized.keys() == expected.keys()
+    assert all(torch.equal(dequantized[name], expected[name]) for name in expected)
 
 
 SATURATING_SUMS = """

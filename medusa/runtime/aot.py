@@ -41,8 +41,8 @@ logger = logging.getLogger(__name__)
 
 AOT_FORMAT = 4  # bump when what is exported changes (2: medusa's attention, 3: the rows written, 4: kv_dtype's
 # cache), so old packages are not loaded
-ROW_INVARIANT_FORMAT = 3  # the same for what only w8a8 exports (attention.reduction_sdpa): 2, the values read
-# where they lie; 3, fbgemm's sums as a library op
+ROW_INVARIANT_FORMAT = 4  # the same for what only w8a8 exports (attention.reduction_sdpa): 2, the values read
+# where they lie; 3, fbgemm's sums as a library op; 4, sibling projections on fbgemm fused
 # A package that holds no weights and reads the model's own tensors (`own_weights`). The one-token package
 # (half-precision weights on a CPU): one query token, no freezing, so every linear stays a matmul against a
 # transposed view of the model's own weight, which aten runs as a GEMV without oneDNN (`without_onednn`); w8a8 on

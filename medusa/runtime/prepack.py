@@ -164,11 +164,15 @@ class FusedProjections:
         self.bias = None if biases[0] is None else torch.cat(biases).detach()
         self.packed_versions = self._versions()
 
+    def compute(self, x: torch.Tensor) -> torch.Tensor:
+        """Every member's output over `x`, side by side."""
+        if self._versions() != self.packed_versions:
+            self._pack()
+        return packed_linear(x, self.packed, sum(self.sizes), self.bias)
+
     def output(self, x: torch.Tensor, member: int) -> torch.Tensor:
         if x is not self.input or member not in self.unserved:
-            if self._versions() != self.packed_versions:
-                self._pack()
-            out = packed_linear(x, self.packed, sum(self.sizes), self.bias)
+            out = self.compute(x)
             self.input, self.outputs, self.unserved = x, out.split(self.sizes, dim=-1), set(range(len(self.sizes)))
         self.unserved.discard(member)
         result = self.outputs[member]

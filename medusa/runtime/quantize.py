@@ -34,7 +34,9 @@ from torch import nn
 from medusa.hardware import w8a8_kernel
 from medusa.runtime.attention import use_row_invariant_sdpa
 from medusa.runtime.prepack import (
+    FUSABLE,
     INT8_BLOCK,
+    FusedProjections,
     can_int8,
     dequantizing_pays,
     int8_linear,
@@ -248,6 +250,60 @@ class W8A8Linear(QuantizedLinear):
         return w8a8_linear(x, self.weight_int8, self.scales, self.zeros, self.bias, self.vocabulary, self.fbgemm)
 
 
+class FusedW8A8(FusedProjections):
+    """Sibling projections of one input (prepack.FUSABLE: q/k/v, gate/up) as one W8A8Linear over their weights side
+    by side: one rounding of the input and one GEMM call instead of three or two. Each output row keeps its own scale,
+    so every member computes bit for bit what it would alone. For w8a8 on fbgemm, whose calls cost as much as the GEMM
+    (docs/engines.md, "w8a8 on AVX2")."""
+
+    def _pack(self) -> None:
+        first = self.linears[0]
+        together = nn.Linear(
+            first.in_features, sum(self.sizes), bias=first.bias is not None, device=first.weight.device
+        )
+        with torch.no_grad():
+            together.weight.copy_(torch.cat([linear.weight for linear in self.linears]))
+            if first.bias is not None:
+                together.bias.copy_(torch.cat([linear.bias for linear in self.linears]))
+        self.layer = W8A8Linear(together)
+        self.linears = ()  # the float weights are not needed again (a quantised target's weights never change)
+
+    def compute(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)
+
+
+class FusedW8A8Member(QuantizedLinear):
+    """One layer of a FusedW8A8 group, in its original place in the model."""
+
+    def __init__(self, linear: nn.Linear, group: FusedW8A8, member: int):
+        super().__init__(linear)  # its bias (dequantize_target's) is a slice of the group layer's, which adds it
+        self.group, self.member = group, member
+        self.layer = group.layer  # registered here too: its buffers are this layer's to export, load and count
+
+    def dequantized(self) -> torch.Tensor:
+        start = sum(self.group.sizes[: self.member])
+        return self.layer.dequantized()[start : start + self.out_features]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.output(x, self.member)
+
+
+def _fuse_w8a8_siblings(model: nn.Module) -> None:
+    """Replace each FUSABLE set of sibling nn.Linear layers in `model` with FusedW8A8Member layers of one group."""
+    for module in list(model.modules()):
+        for names in FUSABLE:
+            linears = [getattr(module, name, None) for name in names]
+            if not all(type(linear) is nn.Linear for linear in linears):
+                continue
+            if len({(linear.in_features, linear.bias is None) for linear in linears}) != 1:
+                continue
+            if not can_int8(linears[0].weight.device, linears[0].in_features):
+                continue
+            group = FusedW8A8(linears)
+            for member, (name, linear) in enumerate(zip(names, linears)):
+                setattr(module, name, FusedW8A8Member(linear, group, member))
+
+
 class Int4WeightLinear(QuantizedLinear):
     def __init__(self, linear: nn.Linear, tied: torch.Tensor | None = None):
         super().__init__(linear, tied)
@@ -287,6 +343,8 @@ def quantize_target(model: nn.Module, precision: str) -> nn.Module:
         layer = _quantized_layer(precision, device, child) if type(child) is nn.Linear else None
         return layer(child, embeddings if child.weight is embeddings else None) if layer is not None else None
 
+    if precision == "w8a8" and w8a8_kernel(device) == "fbgemm":
+        _fuse_w8a8_siblings(model)
     replace_children(model, quantized)
     projection = model.get_output_embeddings()
     if isinstance(projection, W8A8Linear):
