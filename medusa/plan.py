@@ -51,7 +51,7 @@ PLAN_VERSION = 16  # 3: the inductor engine is an option; 4: the dynamic tree sk
 # candidates (a cheaper proposal); 13: w8a8's attention reads the values in place (cheaper verifies, most at long
 # contexts); 14: bf16 on AMX runs inductor's C++ GEMM template, one-token steps too (cheaper steps); 15: taus decoded on
 # held-out prompts where the heads ship them, hybrid costed at the nodes it verified there, 10 timed rounds; 16: w8a8
-# on AVX2 calls fbgemm through a library op (a cheaper step)
+# on AVX2 calls fbgemm through a library op, sibling projections fused (a cheaper step)
 SIZES = (1, 2, 4, 6, 8, 12, 16, 24)  # tree nodes timed, root included (1 = plain decoding)
 SLOW_ENGINE = 1.25  # an engine whose plain step is this much slower than the fastest one's is not timed further
 MIN_GAIN = 1.05  # a speculative option must beat plain decoding by this much to be chosen

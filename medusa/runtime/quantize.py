@@ -13,8 +13,9 @@ one (it says other things); speculative decoding on it is exact relative to plai
   llama.cpp's Q8_0 does per block of 32): integer products summed exactly in int32, then scaled. Written as the
   quantized pattern inductor's freezing pass turns into its int8 GEMM template (AVX512-VNNI), whose cost stays flat
   from one to about eight rows where the weight-only kernels' doubles; uncompiled, `torch._int_mm` computes the same
-  sums. Where that template has no kernel (an AVX2 CPU), fbgemm's quantized linear computes the sums (`int8_sums`,
-  compiled or not; as flat there), on weights within FBGEMM_WEIGHT_TOP levels. A row's numbers never depend on the
+  sums. Where that template has no kernel (an AVX2 CPU), fbgemm's int8 GEMM computes the sums (`int8_sums`,
+  compiled or not; as flat there), on weights within FBGEMM_WEIGHT_TOP levels, sibling projections of one input fused
+  (`FusedW8A8`: fewer calls out of the compiled step). A row's numbers never depend on the
   other rows (its own scale, exact sums), and the target attends with `attention.row_invariant_sdpa`, so a tree's
   verify computes each node as plain decoding does, bit for bit.
 
