@@ -274,12 +274,7 @@ def measure(model, engines=None, sizes=SIZES, repeats: int = REPEATS, context: i
                     samples[job][1].append(verify_ms + accept_ms)
                 done += 1
             if progress:
-                print(
-                    f"\rcalibrating: {done}/{total} steps timed, {time.perf_counter() - start:.0f} s",
-                    end="",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                _progress(f"calibrating: {done}/{total} steps timed", start)
         results[name] = {job: tuple(statistics.median(s) for s in samples[job]) for job in jobs}
     if progress:
         print(file=sys.stderr)
@@ -322,15 +317,15 @@ def decode_options(
         tau[proposer][str(n)] = round(committed / max(steps, 1), 4)
         nodes[proposer][str(n)] = round(verified / max(steps, 1), 3)
         if progress:
-            print(
-                f"\rdecoding the plan's options: {done + 1}/{len(jobs)}, {time.perf_counter() - start:.0f} s",
-                end="",
-                file=sys.stderr,
-                flush=True,
-            )
+            _progress(f"decoding the plan's options: {done + 1}/{len(jobs)}", start)
     if progress:
         print(file=sys.stderr)
     return {"tau": tau, "nodes": nodes}
+
+
+def _progress(text: str, start: float) -> None:
+    """`text` and the seconds since `start` over stderr's current line (a newline ends it when the work is done)."""
+    print(f"\r{text}, {time.perf_counter() - start:.0f} s", end="", file=sys.stderr, flush=True)
 
 
 def _context_read_ms(model, state, repeats: int, rows: int = CONTEXT_ROWS) -> float:

@@ -195,16 +195,24 @@ class FusedMember(nn.Module):
         return self.group.output(x, self.member)
 
 
-def _fuse_siblings(module: nn.Module, skipped: set[int]) -> None:
+def fuse_siblings(module: nn.Module, fuse, skipped: frozenset[int] | set[int] = frozenset()) -> None:
+    """Replace each FUSABLE set of `module`'s sibling nn.Linear layers (one input width and dtype, all with a bias or
+    none, none of them in `skipped`) with `fuse(linears)`'s members, each in its layer's place; `fuse` returns None
+    to leave a set as it is."""
     for names in FUSABLE:
         linears = [getattr(module, name, None) for name in names]
         if not all(type(linear) is nn.Linear and id(linear) not in skipped for linear in linears):
             continue
         if len({(linear.in_features, linear.weight.dtype, linear.bias is None) for linear in linears}) != 1:
             continue
-        group = FusedProjections(linears)
-        for member, name in enumerate(names):
-            setattr(module, name, FusedMember(group, member))
+        members = fuse(linears)
+        for name, member in zip(names, members or ()):
+            setattr(module, name, member)
+
+
+def _prepacked_members(linears: list[nn.Linear]) -> list[FusedMember]:
+    group = FusedProjections(linears)
+    return [FusedMember(group, member) for member in range(len(linears))]
 
 
 def _copy_sharing(model: nn.Module, skip: tuple[str, ...]) -> tuple[nn.Module, set[int]]:
@@ -240,7 +248,7 @@ def prepacked_copy(model: nn.Module, skip: tuple[str, ...] = (), fuse: bool = Tr
     packed, skipped = _copy_sharing(model, skip)
     if fuse:
         for module in list(packed.modules()):
-            _fuse_siblings(module, skipped)
+            fuse_siblings(module, _prepacked_members, skipped)
     replace_children(packed, lambda m: PackedLinear(m) if type(m) is nn.Linear and id(m) not in skipped else None)
     use_shared_gqa_sdpa(packed)
     return packed

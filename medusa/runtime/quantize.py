@@ -35,11 +35,11 @@ from torch import nn
 from medusa.hardware import w8a8_kernel
 from medusa.runtime.attention import use_row_invariant_sdpa
 from medusa.runtime.prepack import (
-    FUSABLE,
     INT8_BLOCK,
     FusedProjections,
     can_int8,
     dequantizing_pays,
+    fuse_siblings,
     int8_linear,
     quantize_int8,
     quantize_rows,
@@ -289,20 +289,17 @@ class FusedW8A8Member(QuantizedLinear):
         return self.group.output(x, self.member)
 
 
+def _w8a8_members(linears: list[nn.Linear]) -> list[FusedW8A8Member] | None:
+    if not can_int8(linears[0].weight.device, linears[0].in_features):
+        return None
+    group = FusedW8A8(linears)
+    return [FusedW8A8Member(linear, group, member) for member, linear in enumerate(linears)]
+
+
 def _fuse_w8a8_siblings(model: nn.Module) -> None:
     """Replace each FUSABLE set of sibling nn.Linear layers in `model` with FusedW8A8Member layers of one group."""
     for module in list(model.modules()):
-        for names in FUSABLE:
-            linears = [getattr(module, name, None) for name in names]
-            if not all(type(linear) is nn.Linear for linear in linears):
-                continue
-            if len({(linear.in_features, linear.bias is None) for linear in linears}) != 1:
-                continue
-            if not can_int8(linears[0].weight.device, linears[0].in_features):
-                continue
-            group = FusedW8A8(linears)
-            for member, (name, linear) in enumerate(zip(names, linears)):
-                setattr(module, name, FusedW8A8Member(linear, group, member))
+        fuse_siblings(module, _w8a8_members)
 
 
 class Int4WeightLinear(QuantizedLinear):
