@@ -92,8 +92,12 @@ def w8a8_kernel(device: torch.device | str = "cpu") -> str | None:
     linear, an x86 CPU without it: AVX2), or None (no int8 GEMM worth running)."""
     if vector_int8_gemm(device):
         return "template"
-    cpu = torch.device(device).type == "cpu"
-    return "fbgemm" if cpu and "fbgemm" in torch.backends.quantized.supported_engines else None
+    return "fbgemm" if fbgemm_available(device) else None
+
+
+def fbgemm_available(device: torch.device | str = "cpu") -> bool:
+    """Whether torch's fbgemm (its x86 int8 GEMM library) runs on `device`."""
+    return torch.device(device).type == "cpu" and "fbgemm" in torch.backends.quantized.supported_engines
 
 
 def describe(device: torch.device | str = "cpu") -> dict:

@@ -33,7 +33,7 @@ from medusa.hub import EMBEDDED_HEADS_ROOT, push_to_hub
 from medusa.loading import DEFAULT_BASE, BaseSource, resolve_dtype
 from medusa.plan import Plan, batch_choice, load_accuracy, load_or_calibrate, save_accuracy
 from medusa.precision import load_target
-from medusa.propose import CandidateProjection
+from medusa.propose import CandidateProjection, compile_proposal
 from medusa.proposers import get_proposer
 from medusa.runtime import ENGINES, int8_copy
 from medusa.sampling import SamplingConfig
@@ -126,6 +126,9 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
             most_frequent=CPU_CANDIDATES if int8 else None,
         )
         self.proposal_heads = int8_copy(self.heads, skip=("projections",)) if int8 else self.heads
+        # what proposes compiled ahead of time (medusa.propose.compile_proposal), made when a call first runs on an
+        # engine that compiles ahead of time (`make_proposer`); False where there is none
+        self.compiled_proposal = None
         # the proposers' CUDA graphs (medusa.runtime.StepGraph), kept from call to call: each generate call builds a
         # proposer, and capturing its graphs again would cost every call
         self.step_graphs: dict = {}
@@ -392,6 +395,12 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
     def make_proposer(self, proposer: str | None, tree, sampling: SamplingConfig, generator, engine=None):
         """The plan's proposer and tree by default (else Medusa heads over the heads' static tree); `proposer` names
         another from the registry (plain, dynamic, hybrid, ...). The heads run as they are on any `engine`."""
+        if getattr(engine, "ahead_of_time", False) and self.compiled_proposal is None:
+            # where the target is compiled ahead of time, what proposes is too (seconds, once on this machine)
+            on_cpu = self.device.type == "cpu"
+            self.compiled_proposal = (
+                on_cpu and compile_proposal(self.proposal_heads, self.candidate_projection) or False
+            )
         chosen_by_plan = proposer is None and self.plan is not None
         if chosen_by_plan:
             proposer = self.plan.proposer

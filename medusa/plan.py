@@ -33,6 +33,7 @@ from medusa.decode import prefill
 from medusa.fileio import atomic_write_text
 from medusa.hardware import describe
 from medusa.loading import cache_root
+from medusa.propose import ContextRead
 from medusa.runtime import ENGINES, batch_engine, compile_seconds, engine_for, precision_of
 from medusa.sampling import SamplingConfig
 from medusa.tree_builder import check_accuracy, expected_tau, grow_tree, sync, time_step
@@ -41,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 # in a heads directory: {"acc_given_prefix": [[...], ...], "source": ..., optionally "decoded": (check_decoded)}
 ACCURACY_NAME = "medusa_accuracy.json"
-PLAN_VERSION = 16  # 3: the inductor engine is an option; 4: the dynamic tree skips heads that cannot matter (cheaper);
+PLAN_VERSION = 17  # 3: the inductor engine is an option; 4: the dynamic tree skips heads that cannot matter (cheaper);
 # 5: the inductor engine runs ahead-of-time packages on CPU; 6: a context layer's read of each step's positions costed;
 # 7: pre-packed weights laid out for 8 rows (cheaper heads, context reads and pre-packed verifies); 8: proposing on
 # int8 weights on a CPU (cheaper heads and context reads); 9: more repeats, a verify curve that never falls, near-ties
@@ -51,7 +52,8 @@ PLAN_VERSION = 16  # 3: the inductor engine is an option; 4: the dynamic tree sk
 # candidates (a cheaper proposal); 13: w8a8's attention reads the values in place (cheaper verifies, most at long
 # contexts); 14: bf16 on AMX runs inductor's C++ GEMM template, one-token steps too (cheaper steps); 15: taus decoded on
 # held-out prompts where the heads ship them, hybrid costed at the nodes it verified there, 10 timed rounds; 16: w8a8
-# on AVX2 calls fbgemm through a library op, sibling projections fused (a cheaper step)
+# on AVX2 calls fbgemm through a library op, sibling projections fused (a cheaper step); 17: proposing on fbgemm's int8
+# GEMM, compiled ahead of time with the inductor engine (a cheaper proposal)
 SIZES = (1, 2, 4, 6, 8, 12, 16, 24)  # tree nodes timed, root included (1 = plain decoding)
 SLOW_ENGINE = 1.25  # an engine whose plain step is this much slower than the fastest one's is not timed further
 MIN_GAIN = 1.05  # a speculative option must beat plain decoding by this much to be chosen
@@ -330,17 +332,21 @@ def _progress(text: str, start: float) -> None:
 
 def _context_read_ms(model, state, repeats: int, rows: int = CONTEXT_ROWS) -> float:
     """What heads with a context layer pay each step in decoding and not in `time_step` (whose state never moves
-    on): reading the positions the last step committed. Median ms of reading `rows` of them; 0 without the layer."""
+    on): reading the positions the last step committed, as decoding reads them (compiled where it is). Median ms of
+    reading `rows` of them; 0 without the layer."""
     heads = getattr(model, "proposal_heads", model.heads)
     if heads.context is None:
         return 0.0
+    compiled = getattr(model, "compiled_proposal", None)
+    read = compiled.context_read if compiled else ContextRead(heads)
     embed = model.base.get_input_embeddings()
     tokens = torch.tensor(state.tokens[1:], device=model.device)  # the token after each cached position
-    _, past = heads.contextualise(state.new_hidden[None, :-rows], embed(tokens[:-rows])[None])
+    _, (keys, values, seen) = heads.contextualise(state.new_hidden[None, :-rows], embed(tokens[:-rows])[None])
+    past = keys, values, torch.as_tensor(seen, device=model.device)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        heads.contextualise(state.new_hidden[None, -rows:], embed(tokens[-rows:])[None], past)
+        read(state.new_hidden[-rows:], embed(tokens[-rows:]), *past)
         sync(model.device)
         times.append(1000 * (time.perf_counter() - start))
     return statistics.median(times)

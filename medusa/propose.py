@@ -4,14 +4,28 @@ names those a MedusaModel builds by name."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from torch import nn
 
+from medusa.heads import tokens_read
 from medusa.ngram import chain_tensor, copy_chain, copy_guesses, put_first
-from medusa.runtime import StepGraph, can_int8, can_prepack, int8_linear, pack, packed_linear, quantize_int8, upload_ids
+from medusa.runtime import (
+    Int8Weight,
+    StepGraph,
+    can_int8,
+    can_prepack,
+    compiled_module,
+    pack,
+    packed_linear,
+    upload_ids,
+)
 from medusa.tree import Candidates, TreeBuffers, TreeSpec, build_buffers
+
+logger = logging.getLogger(__name__)
 
 
 class Proposer(Protocol):
@@ -35,13 +49,13 @@ class CandidateProjection:
     weight: torch.Tensor  # (V', H) shared or (K, V', H) own
     token_ids: torch.Tensor | None  # (V',) candidate index -> token id; None: the full vocabulary
     packed: torch.Tensor | None = None  # a shared weight pre-packed for oneDNN (CPU; medusa.runtime.pack), else None
-    int8: tuple[torch.Tensor, torch.Tensor] | None = None  # a shared weight in int8 and its row scales, else None
+    int8: Int8Weight | None = None  # a shared weight in int8, else None
 
     @classmethod
     def build(
         cls, heads, lm_head, dtype: torch.dtype, int8: bool = False, most_frequent: int | None = None
     ) -> CandidateProjection:
-        """`int8`: rank on int8 weights (medusa.runtime.quantize_int8) where the CPU kernel takes the shape.
+        """`int8`: rank on int8 weights (medusa.runtime.Int8Weight) where the CPU kernel takes the shape.
         `most_frequent`: rank only that many of the heads' vocabulary subset, its first (training orders it most
         frequent first: medusa.train.data.frequent_tokens); heads without a subset rank the whole vocabulary."""
         weight = heads.candidate_weight(lm_head).detach()
@@ -50,7 +64,7 @@ class CandidateProjection:
             weight, subset = weight[..., :most_frequent, :], subset[:most_frequent]
         weight = weight.to(dtype).contiguous()
         if int8 and weight.dim() == 2 and can_int8(weight.device, weight.shape[1]):
-            return cls(weight, subset, int8=quantize_int8(weight))
+            return cls(weight, subset, int8=Int8Weight.of(weight))
         packed = pack(weight) if weight.dim() == 2 and can_prepack(weight.device, dtype) else None
         return cls(weight, subset, packed)
 
@@ -63,11 +77,17 @@ class CandidateProjection:
     def head_logits(self, head: int, head_hidden: torch.Tensor) -> torch.Tensor:
         """(P, H) rows of one head -> (P, V') logits over the candidate vocabulary."""
         if self.int8 is not None:
-            return int8_linear(head_hidden, *self.int8)
+            return self.int8.linear(head_hidden)
         weight = self.weight if self.weight.dim() == 2 else self.weight[head]
         if self.packed is not None:
             return packed_linear(head_hidden.to(weight.dtype), self.packed, weight.shape[0])
         return head_hidden.to(weight.dtype) @ weight.T
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor it ranks with, by name (a packed copy aside: it is the weight's)."""
+        int8 = {"int8": self.int8.quantized, "int8_scales": self.int8.scales} if self.int8 is not None else {}
+        ids = {"token_ids": self.token_ids} if self.token_ids is not None else {}
+        return {"weight": self.weight, **ids, **int8}
 
     def token(self, index: torch.Tensor) -> torch.Tensor:
         return index if self.token_ids is None else self.token_ids[index]
@@ -113,6 +133,109 @@ def tree_levels(tree: TreeBuffers) -> list[TreeLevel]:
     return levels
 
 
+class ContextRead(nn.Module):
+    """The heads' context layer over r new positions, from its state (keys, values, seen: ContextLayer's `past`, seen
+    a 0-dim tensor): new_hidden (r, F) and the embeddings of the tokens after them (r, H) -> its output at the last
+    row (H,), and its next state. What each step's proposal reads first (`MedusaProposer.read_rows`)."""
+
+    def __init__(self, heads):
+        super().__init__()
+        self.heads = heads
+
+    def forward(self, new_hidden, following_embeddings, keys, values, seen) -> tuple[torch.Tensor, ...]:
+        features, past = self.heads.contextualise(new_hidden[None], following_embeddings[None], (keys, values, seen))
+        return features[0, -1], *past
+
+
+class PathLogits(nn.Module):
+    """Head `head` after each of P paths: what the heads read (H,) and the embeddings of the tokens the head reads
+    after it (P, tokens_read, H: the root, then the path; none for plain heads) -> (P, V') logits over the candidate
+    vocabulary (`MedusaProposer.path_logits`)."""
+
+    def __init__(self, heads, projection: CandidateProjection, head: int):
+        super().__init__()
+        self.heads, self.projection, self.head = heads, projection, head
+        # the projection's tensors as buffers too, so that a compiled package's key (every weight) covers them
+        for name, tensor in projection.tensors().items():
+            self.register_buffer(f"projection_{name}", tensor, persistent=False)
+
+    def forward(self, hidden: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
+        rows = hidden.expand(embedded.shape[0], -1)
+        if embedded.shape[1]:
+            rows = self.heads.run_head(self.head, rows, embedded[:, 0], embedded[:, 1:])
+        else:
+            rows = self.heads.run_head(self.head, rows)
+        return self.projection.head_logits(self.head, rows)
+
+
+@dataclass(frozen=True)
+class ProposalModules:
+    """What a MedusaProposer computes its guesses with, eagerly (`eager_modules`) or compiled ahead of time on a CPU
+    (`compile_proposal`): the same arithmetic either way."""
+
+    context_read: object  # ContextRead's call, None for heads without a context layer
+    path_logits: list  # PathLogits' call per head
+
+
+def eager_modules(heads, projection: CandidateProjection) -> ProposalModules:
+    read = ContextRead(heads) if heads.context is not None else None
+    return ProposalModules(read, [PathLogits(heads, projection, k) for k in range(heads.config.num_heads)])
+
+
+class Compiled:
+    """A module's forward as an AOTInductor package (runtime.compiled_module) for 1 .. `most` rows of its second
+    input, the module itself beyond: the eager heads are a few hundred small operations a step whose calls cost more
+    than their arithmetic on a CPU (docs/engines.md)."""
+
+    def __init__(self, runner, module: nn.Module, most: int):
+        self.runner, self.module, self.most = runner, module, most
+
+    def __call__(self, *inputs: torch.Tensor):
+        if inputs[1].shape[0] > self.most:
+            return self.module(*inputs)
+        # the package was compiled for contiguous inputs; a state it returned may be a view of a wider tensor
+        outputs = self.runner(*(x.contiguous() for x in inputs))  # as the module returns them
+        return tuple(outputs) if isinstance(outputs, list) else outputs
+
+
+MAX_PATHS = 64  # the most paths of one depth a compiled head takes at once (a tree's nodes at that depth)
+
+
+def compile_proposal(heads, projection: CandidateProjection, progress: bool = True) -> ProposalModules | None:
+    """`eager_modules` compiled ahead of time on a CPU (once on this machine, seconds each; loaded from the cache
+    after): the context read, and path heads (plain heads' logits come from `head_logits`); None where compiling
+    fails (a warning says why; the proposal then runs eagerly: a step must not fail for want of it)."""
+    eager = eager_modules(heads, projection)
+    dtype = next(heads.parameters()).dtype
+    size = heads.config.hidden_size
+    dim = lambda most: torch.export.Dim("rows", min=1, max=most)  # noqa: E731
+    rows = 3  # neither 0 nor 1, which export would specialise on
+    try:
+        read = None
+        if eager.context_read is not None:
+            context = heads.context
+            keys, values, _ = context.empty_past("cpu", dtype)
+            new_hidden = torch.zeros(rows, size * (1 + context.feature_layers), dtype=dtype)
+            example = (new_hidden, torch.zeros(rows, size, dtype=dtype), keys, values, torch.tensor(2 * rows))
+            shapes = ({0: dim(context.window)}, {0: dim(context.window)}, None, None, None)
+            runner = compiled_module(
+                eager.context_read, example, shapes, "context-read", "the heads' context read", progress
+            )
+            read = Compiled(runner, eager.context_read, context.window)
+        paths = list(eager.path_logits)
+        for k, module in enumerate(eager.path_logits if heads.config.condition_on_path else []):
+            example = (
+                torch.zeros(size, dtype=dtype),
+                torch.zeros(rows, tokens_read(heads.config, k), size, dtype=dtype),
+            )
+            runner = compiled_module(module, example, (None, {0: dim(MAX_PATHS)}), f"head-{k}", f"head {k}", progress)
+            paths[k] = Compiled(runner, module, MAX_PATHS)
+    except Exception as err:  # noqa: BLE001 - any failure leaves the eager modules, which compute the same
+        logger.warning("the heads could not be compiled (%s: %s); they run eagerly", type(err).__name__, err)
+        return None
+    return ProposalModules(read, paths)
+
+
 class MedusaProposer:
     """Top-s tokens of each head, read from the last committed hidden state, placed by a static tree.
 
@@ -121,8 +244,15 @@ class MedusaProposer:
     """
 
     def __init__(
-        self, heads, projection: CandidateProjection, tree: TreeBuffers, embed_tokens=None, graphs: dict | None = None
+        self,
+        heads,
+        projection: CandidateProjection,
+        tree: TreeBuffers,
+        embed_tokens=None,
+        graphs: dict | None = None,
+        modules: ProposalModules | None = None,
     ):
+        """`modules`: what computes the guesses (`compile_proposal`'s), else `eager_modules`."""
         if len(tree.topk_per_head) > heads.config.num_heads:
             raise ValueError(f"tree needs {len(tree.topk_per_head)} heads, the model has {heads.config.num_heads}")
         if heads.config.condition_on_next_token and embed_tokens is None:
@@ -140,6 +270,7 @@ class MedusaProposer:
         self.used_heads = max((k + 1 for k, s in enumerate(tree.topk_per_head) if s), default=0)
         self.by_path = heads.config.condition_on_path  # children depend on their parent's path
         self.levels = tree_levels(tree) if self.by_path else []
+        self.modules = modules or eager_modules(heads, projection)
         self._context = None  # the context layer's state after the positions read so far (see `read`)
         self._seen = 0  # how many positions that is
         self._context_read = None  # its output at the last of them
@@ -193,13 +324,9 @@ class MedusaProposer:
         return self._context_read
 
     def read_rows(self, new_hidden, following, keys, values, seen) -> tuple[torch.Tensor, ...]:
-        """The context layer over `new_hidden` (r, F) and the tokens after them (r,), from its state (keys, values,
-        seen: ContextLayer's `past`, seen a 0-dim tensor) -> its output at the last row (H,), and its next state.
-        Pure tensor code with fixed shapes for r (a CUDA graph on a GPU: `_read_graph`)."""
-        features, past = self.heads.contextualise(
-            new_hidden[None], self.embed_tokens(following)[None], (keys, values, seen)
-        )
-        return features[0, -1], *past
+        """ContextRead over `new_hidden` (r, F) and the tokens after them (r,). Pure tensor code with fixed shapes
+        for r (a CUDA graph on a GPU: `_read_graph`)."""
+        return self.modules.context_read(new_hidden, self.embed_tokens(following), keys, values, seen)
 
     def skip(self, state) -> None:
         """A step without guesses (medusa.guard): the positions it committed are kept for the context layer to read
@@ -218,9 +345,12 @@ class MedusaProposer:
     def path_logits(self, hidden: torch.Tensor, root: torch.Tensor, head: int, paths: torch.Tensor) -> torch.Tensor:
         """Head `head`'s logits after each of P paths: hidden (H,), root (), paths (P, head) token ids after the
         root -> (P, V'). Heads that read no path give P equal rows."""
+        count = tokens_read(self.heads.config, head)  # any: embed_tokens is there (checked on building)
         following = torch.cat([root.view(1, 1).expand(paths.shape[0], 1), paths], dim=1)  # (P, head + 1)
-        rows = self.heads.run_head_on_tokens(head, hidden.expand(paths.shape[0], -1), following, self.embed_tokens)
-        return self.projection.head_logits(head, rows)
+        embedded = (
+            self.embed_tokens(following[:, :count]) if count else hidden.new_empty(paths.shape[0], 0, hidden.shape[-1])
+        )
+        return self.modules.path_logits[head](hidden, embedded)
 
     def head_logits(self, hidden: torch.Tensor, next_token: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
         """hidden (H,), next_token () its following token (the root) -> (K_used, V') over the candidate vocabulary
@@ -286,4 +416,11 @@ class PlainProposer:
 def build_medusa_proposer(model, tree: TreeBuffers) -> MedusaProposer:
     embed = model.base.get_input_embeddings() if model.heads.config.condition_on_next_token else None
     heads = getattr(model, "proposal_heads", model.heads)
-    return MedusaProposer(heads, model.candidate_projection, tree, embed, getattr(model, "step_graphs", None))
+    return MedusaProposer(
+        heads,
+        model.candidate_projection,
+        tree,
+        embed,
+        getattr(model, "step_graphs", None),
+        getattr(model, "compiled_proposal", None) or None,
+    )

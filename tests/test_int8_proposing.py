@@ -6,17 +6,21 @@ import torch
 from torch import nn
 
 import medusa.model
+import medusa.runtime.prepack
 from medusa import MedusaModel
 from medusa.propose import CandidateProjection
-from medusa.runtime import can_int8, int8_copy, quantize_int8
-from medusa.runtime.prepack import INT8_BLOCK, Int8Linear, PackedLinear, int8_linear
+from medusa.runtime import Int8Weight, can_int8, int8_copy, quantize_int8
+from medusa.runtime.prepack import FBGEMM_WEIGHT_TOP, INT8_BLOCK, Int8Linear, PackedLinear, int8_linear
 from tests.conftest import FAMILIES, make_heads, make_tiny_model
 
 
-def test_int8_linear_is_close_to_the_float_layer_at_any_row_count():
+@pytest.mark.parametrize("fbgemm", [True, False])
+def test_int8_linear_is_close_to_the_float_layer_at_any_row_count(fbgemm, monkeypatch):
+    monkeypatch.setattr(medusa.runtime.prepack, "fbgemm_available", lambda device: fbgemm)
     torch.manual_seed(0)
     linear = nn.Linear(64, 48)
     quantized = Int8Linear(linear)
+    assert quantized.int8.fbgemm == fbgemm
     for rows in (1, 3, 17):
         x = torch.randn(2, rows, 64)
         expected = linear(x)
@@ -43,6 +47,32 @@ def test_int8_linear_on_a_prompt_computes_what_the_kernel_computes_row_by_row(dt
     exact = rows.float() @ weight.T
     bound = (rows.float().abs() @ weight.abs().T) / 64 + 1e-3
     assert ((together.float() - exact).abs() <= bound).all() and ((alone.float() - exact).abs() <= bound).all()
+
+
+def test_proposing_on_fbgemm_multiplies_the_input_rounded_as_a_whole_by_the_levels():
+    """fbgemm rounds its whole input to uint8 (one scale and zero point from its minimum and maximum) and multiplies
+    by weights within FBGEMM_WEIGHT_TOP levels: each output is within half an input step per weight of the float
+    product with the dequantised weights (fbgemm's AVX2 path saturates pairs of products beyond those levels:
+    test_precision's test_fbgemm_sums_stay_exact_where_avx2_saturates_pairs_of_products)."""
+    torch.manual_seed(0)
+    weight = torch.randn(48, 64)
+    x = torch.randn(5, 64) * 4
+    int8 = Int8Weight.of(weight)
+    assert int8.fbgemm and int8.quantized.abs().max() == FBGEMM_WEIGHT_TOP and int8.scales.dtype == torch.float32
+    dequantized = int8.quantized.float() * int8.scales[:, None]
+    step = (x.max() - x.min()) / 255
+    bound = 0.5 * step * dequantized.abs().sum(1) + 1e-4
+    got = int8.linear(x)
+    assert got.shape == (5, 48) and ((got - x @ dequantized.T).abs() <= bound).all()
+    torch.testing.assert_close(int8.linear(x[None], torch.ones(48))[0], got + 1)  # any leading dims, a bias
+
+
+def test_without_fbgemm_proposing_runs_on_atens_kernel(monkeypatch):
+    monkeypatch.setattr(medusa.runtime.prepack, "fbgemm_available", lambda device: False)
+    weight, x = torch.randn(48, 64), torch.randn(3, 64)
+    int8 = Int8Weight.of(weight)
+    assert not int8.fbgemm and int8.quantized.abs().max() == 127
+    torch.testing.assert_close(int8.linear(x), int8_linear(x, *quantize_int8(weight)))
 
 
 def test_quantized_weights_round_trip_within_half_a_step_per_row():

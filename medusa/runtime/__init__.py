@@ -17,11 +17,13 @@ from typing import Protocol
 
 import torch
 
+from medusa.runtime.aot import compiled_module
 from medusa.runtime.eager import EagerEngine
 from medusa.runtime.graphs import StepGraph, upload_ids
 from medusa.runtime.inductor import InductorEngine
 from medusa.runtime.kv_cache import RowsCache
 from medusa.runtime.prepack import (
+    Int8Weight,
     can_int8,
     can_prepack,
     int8_copy,
@@ -48,6 +50,7 @@ __all__ = [
     "EagerEngine",
     "Engine",
     "InductorEngine",
+    "Int8Weight",
     "QUANTIZED",
     "PrefillOutput",
     "RowsCache",
@@ -58,6 +61,7 @@ __all__ = [
     "can_prepack",
     "batch_engine",
     "compile_seconds",
+    "compiled_module",
     "engine_for",
     "engines_set_aside",
     "int8_copy",

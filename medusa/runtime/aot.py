@@ -31,7 +31,7 @@ from transformers import StaticCache
 
 from medusa.fileio import atomic_file, one_at_a_time
 from medusa.hardware import describe
-from medusa.loading import cache_root
+from medusa.loading import base_fingerprint, cache_root
 from medusa.runtime.attention import ROW_INVARIANT_SDPA, kv_dtype
 from medusa.runtime.kv_cache import KeptDtypeLayer
 from medusa.runtime.torch_patches import no_gemm_choice, probe_vector_isas_meanwhile, wrapper_compiled_beside_kernels
@@ -51,6 +51,9 @@ OWN_WEIGHTS_OPTIONS = {"freezing": False, "aot_inductor.package_constants_in_so"
 DEFAULT_CACHE_GB = 8  # a few models' packages at two or three cache sizes each
 MAX_QUERY = 256  # the most tokens one verify forward may take (a tree's nodes)
 GEMM_BACKENDS = "max_autotune_gemm_backends"
+# A small module's package (`compiled_module`): its weights held in it, no freezing (its GEMMs are calls out to
+# medusa's fbgemm op or aten's kernels; what compiling removes is the eager calls between them)
+MODULE_OPTIONS = {"freezing": False}
 
 
 class WrittenRowsLayer(KeptDtypeLayer):
@@ -205,7 +208,34 @@ def load_or_compile(
     """The AOTInductor runner of `model`'s verify forward over `rows` cache rows: loaded from its package, or
     compiled (minutes on a small CPU) and saved there first. `one_token`: the one-token package. A package compiled
     with OWN_WEIGHTS_OPTIONS reads `model`'s own weights. -> (runner, seconds spent compiling)."""
+    message = (
+        f"compiling {label or 'the target'} ahead of time for {'one-token ' if one_token else ''}steps over {rows} "
+        "cached rows"
+    )
     path = package_path(model, rows, options, weights, one_token)
+    runner, seconds = load_or_build(
+        path, lambda: _export(model, rows, one_token), options, message, progress, cpu=model.device.type == "cpu"
+    )
+    if options.get("aot_inductor.package_constants_in_so", True) is False:
+        own_weights(runner, model)
+    return runner, seconds
+
+
+def compiled_module(module: nn.Module, example: tuple, dynamic_shapes, name: str, label: str, progress: bool = True):
+    """The AOTInductor runner of a small CPU module's forward over `example`'s shapes (`dynamic_shapes` as
+    torch.export takes them), its weights held in the package: loaded, or compiled once on this machine (seconds;
+    `label` names it meanwhile) into a package named `name` and keyed by every weight. For what proposes (the heads'
+    context layer)."""
+    key = {"format": AOT_FORMAT, "module": name, "weights": base_fingerprint(module), **describe("cpu")}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
+    path = cache_root() / "aoti" / f"{name}-{digest}.pt2"
+    export = lambda: torch.export.export(module.eval(), example, dynamic_shapes=dynamic_shapes, strict=False)  # noqa: E731
+    return load_or_build(path, export, MODULE_OPTIONS, f"compiling {label} ahead of time", progress, cpu=True)[0]
+
+
+def load_or_build(path: Path, export, options: dict, message: str, progress: bool, cpu: bool):
+    """The runner in the package at `path`, or, when there is none, `export()`'s program compiled with `options` into
+    it first (`message` says so while it runs). -> (runner, seconds spent compiling)."""
     seen = _version(path)
     runner = _load(path) if seen else None
     seconds = 0.0
@@ -214,9 +244,7 @@ def load_or_compile(
         with one_at_a_time(path.with_name(f".{path.name}.lock"), f"compiling {path.name}"):
             runner = _load(path) if _version(path) not in (None, seen) else None
             if runner is None:
-                runner, seconds = _compile(model, rows, options, path, label, progress, one_token)
-    if options.get("aot_inductor.package_constants_in_so", True) is False:
-        own_weights(runner, model)
+                runner, seconds = _compile(export, options, path, message, progress, cpu)
     return runner, seconds
 
 
@@ -288,19 +316,15 @@ def prune(keep: Path) -> list[Path]:
     return deleted
 
 
-def _compile(model, rows: int, options: dict, path: Path, label: str, progress: bool, one_token: bool = False):
+def _compile(export, options: dict, path: Path, message: str, progress: bool, cpu: bool):
     start = time.perf_counter()
-    message = (
-        f"compiling {label or 'the target'} ahead of time for {'one-token ' if one_token else ''}steps over {rows} "
-        "cached rows "
-        f"(AOTInductor, once on this machine; {path.parent})"
-    )
+    message = f"{message} (AOTInductor, once on this machine; {path.parent})"
     done = _ticking(message) if progress else None
-    if model.device.type == "cpu":
+    if cpu:
         probe_vector_isas_meanwhile()
     try:
         with torch.inference_mode(False), torch.no_grad():
-            program = _export(model, rows, one_token)
+            program = export()
             with atomic_file(path, suffix=".pt2") as tmp:  # AOTInductor wants the suffix; a killed compile leaves none
                 compile_package(program, tmp, options)
     finally:

@@ -5,18 +5,21 @@ Sibling projections that read the same input (q/k/v, gate/up) are packed as one 
 small GEMV pays a fixed cost per call.
 
 What proposes (the heads, their context layer, the candidate projection) only ranks guesses that the target then
-verifies exactly, so on a CPU it runs on int8 weights instead (one scale per output row, activations in bf16:
-`int8_copy`): a quarter of the bytes each step reads. Figures: docs/engines.md."""
+verifies exactly, so on a CPU it runs on int8 weights instead (one scale per output row, on fbgemm's int8 GEMM:
+`Int8Weight`, `int8_copy`): a quarter of the bytes each step reads. Figures: docs/engines.md."""
 
 from __future__ import annotations
 
 import copy
 import itertools
+import warnings
+import weakref
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from medusa.hardware import native_bf16
+from medusa.hardware import fbgemm_available, native_bf16
 from medusa.runtime.attention import use_shared_gqa_sdpa
 
 
@@ -71,6 +74,54 @@ def quantize_int8(weight: torch.Tensor, top: int = 127) -> tuple[torch.Tensor, t
     return levels.to(torch.int8).contiguous(), scales[:, 0].to(torch.bfloat16)
 
 
+# fbgemm's int8 GEMM takes uint8 activations (0..255) and int8 weights; without AVX512-VNNI it multiplies them with
+# AVX2's multiply-add, which saturates each pair of products at 16 bits: weights within this many levels keep every
+# sum exact
+FBGEMM_WEIGHT_TOP = 63
+_fbgemm_weights: dict[int, tuple] = {}  # id of an int8 weight tensor -> (a weak reference to it, fbgemm's copy)
+
+
+def fbgemm_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fbgemm's packed copy of an int8 weight (N, K), each output row's sum of levels (fbgemm's zero-point term) and a
+    zero bias: made on first use and dropped with the weight (a quantised target's weights are never written again;
+    Int8Weight's are made anew when their layer's weight changes)."""
+    key = id(weight)
+    held = _fbgemm_weights.get(key)
+    if held is None or held[0]() is not weight:
+        # torch deprecates these ops (since 1.x) but they are fbgemm's one int8 GEMM on plain tensors; each warns once
+        # a process, here rather than in the middle of a step
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            packed = torch.fbgemm_pack_quantized_matrix(weight)
+            copy = (packed, weight.sum(1, dtype=torch.int32), torch.zeros(weight.shape[0]))
+            torch.fbgemm_linear_int8_weight_fp32_activation(
+                torch.zeros(1, weight.shape[1]), weight, *copy[:2], 1.0, 0, copy[2]
+            )
+        held = _fbgemm_weights[key] = (weakref.ref(weight, lambda _: _fbgemm_weights.pop(key, None)), copy)
+    return held[1]
+
+
+# fbgemm's int8 GEMM of a float input (N, K) by an int8 weight at scale 1: fbgemm rounds the whole input to uint8 with
+# one scale and zero point from its minimum and maximum (w8a8's `int8_sums` pins them so that its sums come out exact).
+# A library op with one CPU kernel rather than torch.library.custom_op: a step calls it once per linear layer (211 for
+# SmolLM2) and custom_op's Python wrapping costs about 25 us a call, a Library op's 14 (docs/engines.md, "w8a8 on AVX2")
+_fbgemm_library = torch.library.Library("medusa", "FRAGMENT")
+_fbgemm_library.define("fbgemm_sums(Tensor pinned, Tensor weight) -> Tensor")
+
+
+def _fbgemm_sums(pinned: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    packed, row_sums, zero = fbgemm_weight(weight)
+    return torch.fbgemm_linear_int8_weight_fp32_activation(pinned, weight, packed, row_sums, 1.0, 0, zero)
+
+
+_fbgemm_library.impl("fbgemm_sums", _fbgemm_sums, "CPU")
+
+
+@torch.library.register_fake("medusa::fbgemm_sums")
+def _(pinned, weight):
+    return pinned.new_empty(pinned.shape[0], weight.shape[0])
+
+
 def dequantizing_pays(rows: int, dtype: torch.dtype, least_rows: int = 0) -> bool:
     """Whether a float GEMM over the int8 weights converted to the activations' dtype beats aten's weight-only kernel
     for `rows` rows (a prompt): from 32 rows of bf16 activations, from 64 of fp32 ones on a CPU that emulates bf16
@@ -96,6 +147,34 @@ def int8_linear(x: torch.Tensor, quantized: torch.Tensor, scales: torch.Tensor, 
 
 # Children of one module that the model calls on the same tensor (llama, qwen2, gemma, mistral... attention and MLP).
 FUSABLE = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    """A float weight (out, in) as int8 levels with one scale per output row, for what proposes (never for the
+    target): on fbgemm's int8 GEMM where torch has it, its input rounded to uint8 as a whole with fbgemm's own scale
+    (one call; two to four times faster than aten's weight-only kernel at the heads' shapes, docs/engines.md), else
+    on aten's weight-only kernel and bf16 activations (`int8_linear`)."""
+
+    quantized: torch.Tensor  # (out, in) int8
+    scales: torch.Tensor  # (out,) float32 for fbgemm, else bf16 (aten's kernel)
+    fbgemm: bool
+
+    @classmethod
+    def of(cls, weight: torch.Tensor) -> Int8Weight:
+        fbgemm = fbgemm_available(weight.device)
+        quantized, scales = quantize_int8(weight, FBGEMM_WEIGHT_TOP if fbgemm else 127)
+        return cls(quantized, scales.float() if fbgemm else scales, fbgemm)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x (..., in) @ (quantized * scales).T + bias -> (..., out) in x's dtype."""
+        if not self.fbgemm:
+            return int8_linear(x, self.quantized, self.scales, bias)
+        rows = x.reshape(-1, x.shape[-1]).float()
+        out = torch.ops.medusa.fbgemm_sums(rows, self.quantized) * self.scales
+        if bias is not None:
+            out = out + bias
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.quantized.shape[0])
 
 
 class PreparedLinear(nn.Module):
@@ -134,15 +213,14 @@ class PackedLinear(PreparedLinear):
 
 
 class Int8Linear(PreparedLinear):
-    """nn.Linear computed on int8 weights (quantize_int8) and bf16 activations: for what proposes, never for the
-    target."""
+    """nn.Linear computed on int8 weights (Int8Weight): for what proposes, never for the target."""
 
     def prepare(self) -> None:
-        self.quantized, self.scales = quantize_int8(self.weight)
+        self.int8 = Int8Weight.of(self.weight)
         super().prepare()
 
     def compute(self, x: torch.Tensor) -> torch.Tensor:
-        return int8_linear(x, self.quantized, self.scales, self.bias)
+        return self.int8.linear(x, self.bias)
 
 
 class FusedProjections:

@@ -25,9 +25,6 @@ Embeddings and norms stay in the activations' dtype.
 
 from __future__ import annotations
 
-import warnings
-import weakref
-
 import torch
 import torch.ao.quantization.fx._decomposed  # noqa: F401 - registers torch.ops.quantized_decomposed (w8a8's pattern)
 from torch import nn
@@ -35,6 +32,7 @@ from torch import nn
 from medusa.hardware import w8a8_kernel
 from medusa.runtime.attention import use_row_invariant_sdpa
 from medusa.runtime.prepack import (
+    FBGEMM_WEIGHT_TOP,
     INT8_BLOCK,
     FusedProjections,
     can_int8,
@@ -141,49 +139,6 @@ class Int8WeightLinear(QuantizedLinear):
 
 
 W8A8_ZERO = 128  # the pattern's activations are uint8 around this zero point (AVX512-VNNI multiplies u8 by s8)
-# Without AVX512-VNNI, fbgemm multiplies u8 by s8 with AVX2's multiply-add, which saturates each pair of products at
-# 16 bits: with activations up to 255 (W8A8_ZERO + 127), weights within this many levels keep every sum exact
-FBGEMM_WEIGHT_TOP = 63
-_fbgemm_weights: dict[int, tuple] = {}  # id of an int8 weight tensor -> (a weak reference to it, fbgemm's copy)
-
-
-def fbgemm_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fbgemm's packed copy of an int8 weight (N, K), each output row's sum of levels (fbgemm's zero-point term) and a
-    zero bias: made on first use and dropped with the weight (the weights of a quantised target are never written
-    again)."""
-    key = id(weight)
-    held = _fbgemm_weights.get(key)
-    if held is None or held[0]() is not weight:
-        # torch deprecates these ops (since 1.x) but they are fbgemm's one int8 GEMM on plain tensors; each warns once
-        # a process, here rather than in the middle of a step
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            packed = torch.fbgemm_pack_quantized_matrix(weight)
-            copy = (packed, weight.sum(1, dtype=torch.int32), torch.zeros(weight.shape[0]))
-            torch.fbgemm_linear_int8_weight_fp32_activation(
-                torch.zeros(1, weight.shape[1]), weight, *copy[:2], 1.0, 0, copy[2]
-            )
-        held = _fbgemm_weights[key] = (weakref.ref(weight, lambda _: _fbgemm_weights.pop(key, None)), copy)
-    return held[1]
-
-
-# A library op with one CPU kernel rather than torch.library.custom_op: a step calls it once per linear layer (211 for
-# SmolLM2) and custom_op's Python wrapping costs about 25 us a call, a Library op's 14 (docs/engines.md, "w8a8 on AVX2")
-_fbgemm_library = torch.library.Library("medusa", "FRAGMENT")
-_fbgemm_library.define("fbgemm_sums(Tensor pinned, Tensor weight) -> Tensor")
-
-
-def _fbgemm_sums(pinned: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    packed, row_sums, zero = fbgemm_weight(weight)
-    return torch.fbgemm_linear_int8_weight_fp32_activation(pinned, weight, packed, row_sums, 1.0, 0, zero)
-
-
-_fbgemm_library.impl("fbgemm_sums", _fbgemm_sums, "CPU")
-
-
-@torch.library.register_fake("medusa::fbgemm_sums")
-def _(pinned, weight):
-    return pinned.new_empty(pinned.shape[0], weight.shape[0])
 
 
 def int8_sums(levels: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,93 @@
+"""What proposes, compiled ahead of time on a CPU (medusa.propose.compile_proposal): the same numbers as the eager
+modules, cached per machine, used by a call on an engine that compiles ahead of time, and never a reason to fail."""
+
+import pytest
+import torch
+
+import medusa.propose
+import medusa.runtime.aot
+from medusa import MedusaModel
+from medusa.propose import Compiled, build_medusa_proposer, compile_proposal, eager_modules
+from medusa.tree import TreeSpec, build_buffers, chain
+from tests.conftest import HIDDEN, context_heads, make_tiny_model
+
+pytestmark = pytest.mark.slow  # compiles a few small packages (seconds each)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def _model(family="llama"):
+    return MedusaModel(make_tiny_model(family), context_heads())
+
+
+def test_compiled_modules_compute_what_the_eager_ones_compute_at_every_row_count(cache):
+    model = _model()
+    heads, projection = model.proposal_heads, model.candidate_projection
+    compiled, eager = compile_proposal(heads, projection, progress=False), eager_modules(heads, projection)
+    assert isinstance(compiled.context_read, Compiled) and len(compiled.path_logits) == heads.config.num_heads
+    torch.manual_seed(0)
+    window = heads.context.window
+    keys, values, _ = heads.context.empty_past("cpu", torch.float32)
+    past = (torch.randn_like(keys), torch.randn_like(values), torch.tensor(9))
+    for rows in (1, 2, window):  # a step's few rows up to a prompt's last window
+        inputs = (torch.randn(rows, HIDDEN), torch.randn(rows, HIDDEN), *past)
+        for got, expected in zip(compiled.context_read(*inputs), eager.context_read(*inputs)):
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    hidden = torch.randn(HIDDEN)
+    for head, (got_head, eager_head) in enumerate(zip(compiled.path_logits, eager.path_logits)):
+        for paths in (1, 3, 7):
+            embedded = torch.randn(paths, head + 1, HIDDEN)
+            torch.testing.assert_close(got_head(hidden, embedded), eager_head(hidden, embedded), rtol=1e-4, atol=1e-3)
+
+
+def test_more_rows_than_a_package_takes_run_the_module():
+    calls = []
+    compiled = Compiled(lambda *x: calls.append("package") or [x[1]], lambda *x: calls.append("module") or x[1], 4)
+    compiled(torch.zeros(1), torch.zeros(4, 2))
+    compiled(torch.zeros(1), torch.zeros(5, 2))
+    assert calls == ["package", "module"]
+
+
+def test_packages_are_compiled_once_and_loaded_after(cache, monkeypatch):
+    model = _model()
+    compiled = []
+    real = medusa.runtime.aot._compile
+    monkeypatch.setattr(medusa.runtime.aot, "_compile", lambda *a, **k: compiled.append(a[2]) or real(*a, **k))
+    assert compile_proposal(model.proposal_heads, model.candidate_projection, progress=False) is not None
+    first = len(compiled)
+    assert first == 1 + model.config.num_heads and all(path.exists() for path in compiled)
+    assert compile_proposal(model.proposal_heads, model.candidate_projection, progress=False) is not None
+    assert len(compiled) == first  # loaded from the cache
+    with torch.no_grad():
+        model.heads.context.qkv.weight.mul_(2)  # other weights: other packages (each is keyed by all the heads')
+    model.refresh_candidate_projection()
+    compile_proposal(model.proposal_heads, model.candidate_projection, progress=False)
+    assert len(compiled) == 2 * first
+
+
+def test_a_compile_that_fails_leaves_the_eager_proposal_and_says_so(cache, monkeypatch, caplog):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(medusa.propose, "compiled_module", broken)
+    model = _model()
+    with caplog.at_level("WARNING"):
+        assert compile_proposal(model.proposal_heads, model.candidate_projection, progress=False) is None
+    assert "no compiler here" in caplog.text and "eagerly" in caplog.text
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma"])
+def test_a_call_on_the_inductor_engine_proposes_compiled_and_its_output_is_plain_decodings(cache, family):
+    model = _model(family)
+    prompt = torch.tensor([[5, 9, 2, 7, 11, 3]])
+    expected = model.base.generate(prompt, max_new_tokens=20, do_sample=False)
+    assert model.compiled_proposal is None
+    got = model.generate(prompt, max_new_tokens=20, proposer="dynamic", engine="inductor")
+    assert isinstance(model.compiled_proposal.context_read, Compiled)
+    proposer = build_medusa_proposer(model, build_buffers(TreeSpec(chain(3)), 3))
+    assert proposer.modules is model.compiled_proposal
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
