@@ -17,7 +17,7 @@ import warnings
 
 import torch
 
-from medusa.runtime.quantize import fbgemm_weight
+from medusa.runtime.prepack import fbgemm_weight
 
 warnings.simplefilter("ignore")
 torch.manual_seed(0)

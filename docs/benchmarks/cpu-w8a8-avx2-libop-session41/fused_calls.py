@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from medusa.runtime.quantize import fbgemm_weight
+from medusa.runtime.prepack import fbgemm_weight
 
 torch.manual_seed(0)
 torch.set_num_threads(2)
