@@ -7,7 +7,8 @@ relative to plain decoding of the same target at the same precision.
 - "int8" / "int4": weight-only int8 or 4-bit linear layers (medusa.runtime.quantize; int4 is llama.cpp's Q4_1
   scheme) on bf16 activations where the CPU has native bf16, else float32 ones; CPU precisions. int4 only where torch
   runs its AVX-512 kernels on bf16 activations (elsewhere its kernel is a reference loop), so it is refused there,
-  naming int8.
+  naming int8; int8 not under torch's AVX2 kernels, where it computes at float32's pace a row and both float32's plan
+  and w8a8 are faster (docs/engines.md, "The proposal on fbgemm"), so it is refused there, naming them.
 - "w8a8": int8 weights and int8 activations, each row with its own scale (medusa.runtime.quantize), as llama.cpp's
   Q8_0 computes; a tree's verify grows slowly with its nodes where weight-only int8's doubles past four, and
   speculative decoding on it is identical to its plain decoding. Less accurate than weight-only int8 (docs/engines.md
@@ -28,8 +29,22 @@ from medusa.loading import DTYPES, load_base, resolve_dtype
 from medusa.runtime import QUANTIZED, quantize_target
 
 PRECISIONS = ("float32", "bfloat16", "float16", *QUANTIZED, "auto")
-# set to 1 to run bf16 where the CPU only emulates it, and int4 and w8a8 where their kernels have no vector path
+# set to 1 to run bf16 where the CPU only emulates it, and int8, int4 and w8a8 where their kernels have no fast path
 ALLOW_EMULATED = "MEDUSA_ALLOW_EMULATED_BF16"
+
+
+def int8_runs_well(device) -> bool:
+    """Weight-only int8 at a speed worth its rounding: not under torch's AVX2 kernels (an x86 CPU without AVX-512),
+    where aten's int8 kernel and inductor's template cost what float32 costs a row, and int8 ran behind llama.cpp's
+    Q8_0, w8a8 and float32's plan alike (docs/engines.md, "The proposal on fbgemm")."""
+    return torch.device(device).type != "cpu" or torch.backends.cpu.get_cpu_capability() != "AVX2"
+
+
+def _weight_only_choice(device) -> str:
+    """The quantised precision to name in a refusal: int8 where it runs well, else w8a8."""
+    if int8_runs_well(device):
+        return "dtype='int8' (weight-only, a quarter of the bytes)"
+    return "dtype='w8a8' (int8 weights and activations, as llama.cpp's Q8_0 computes)"
 
 
 def activation_dtype(dtype, device) -> torch.dtype:
@@ -40,8 +55,15 @@ def activation_dtype(dtype, device) -> torch.dtype:
     if dtype == "int4" and not vector_int4(device) and os.environ.get(ALLOW_EMULATED) != "1":
         raise ValueError(
             "aten's int4 kernel runs at vector speed only on bf16 activations under torch's AVX-512 kernels; on this "
-            "CPU it is a reference loop, about ten times slower than int8. Use dtype='int8' (weight-only, a quarter "
-            f"of the bytes), or set {ALLOW_EMULATED}=1 to run int4 anyway"
+            f"CPU it is a reference loop, about ten times slower than int8. Use {_weight_only_choice(device)}, or "
+            f"set {ALLOW_EMULATED}=1 to run int4 anyway"
+        )
+    if dtype == "int8" and not int8_runs_well(device) and os.environ.get(ALLOW_EMULATED) != "1":
+        raise ValueError(
+            "weight-only int8 has no fast kernel under torch's AVX2 kernels (this CPU): it computes at float32's pace "
+            "a row, and both float32's plan and w8a8 run faster than it here. Use dtype='w8a8' (int8 weights and "
+            "activations, as llama.cpp's Q8_0 computes: the fastest here) or dtype='float32' (exact), or set "
+            f"{ALLOW_EMULATED}=1 to run int8 anyway"
         )
     if dtype == "w8a8" and w8a8_kernel(device) is None and os.environ.get(ALLOW_EMULATED) != "1":
         raise ValueError(
@@ -56,8 +78,8 @@ def activation_dtype(dtype, device) -> torch.dtype:
     if half and device.type == "cpu" and not native_bf16(device) and os.environ.get(ALLOW_EMULATED) != "1":
         raise ValueError(
             f"this CPU has no native bf16 (AVX512-BF16 or AMX): {str(resolved).replace('torch.', '')} would be "
-            "emulated and slower than float32. Use dtype='float32' (exact), or dtype='int8' or 'int4' (weight-only, a "
-            f"quarter or an eighth of the bytes), or set {ALLOW_EMULATED}=1 to run it anyway"
+            f"emulated and slower than float32. Use dtype='float32' (exact), or {_weight_only_choice(device)}, or set "
+            f"{ALLOW_EMULATED}=1 to run it anyway"
         )
     return resolved
 

@@ -4,8 +4,8 @@ outputs match, at two precisions:
 
 - float32, the exact one: transformers' plain `generate`, plain decoding on the plan's fastest plain engine, and the
   plan (identical to transformers, token for token);
-- the fastest precision this machine runs well (int8 weights on a CPU, bf16 on a GPU): plain decoding on our engine
-  and the plan at that precision (identical to that plain decoding, or parting at a near-tie).
+- the fastest precision this machine runs well (int8 weights on a CPU, w8a8 under AVX2, bf16 on a GPU): plain
+  decoding on our engine and the plan at that precision (identical to that plain decoding, or parting at a near-tie).
 Each next to llama.cpp at the same precision (F32, Q8_0/BF16) when its binaries are present
 (../shared/peers/build_llama_cpp.sh; $LLAMA_CPP_BIN). It ends saying which to pick.
 
@@ -24,6 +24,7 @@ import torch
 from medusa import MedusaModel, llama_cpp
 from medusa.loading import base_gguf
 from medusa.plan import planned_engines
+from medusa.precision import int8_runs_well
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -164,8 +165,8 @@ def main() -> None:
     parser.add_argument(
         "--fast-dtype",
         default="auto",
-        help="the second run's precision: auto (int8 on a CPU, bfloat16 on a GPU), int8, w8a8 (int8 activations "
-        "too: AVX512-VNNI), bfloat16, or none",
+        help="the second run's precision: auto (int8 on a CPU, w8a8 under AVX2, bfloat16 on a GPU), int8, w8a8 "
+        "(int8 activations too), bfloat16, or none",
     )
     parser.add_argument("--prompts", type=int, default=len(PROMPTS))
     parser.add_argument("--plan", default="auto", choices=["auto", "off"])
@@ -175,7 +176,7 @@ def main() -> None:
     exact = run_precision(args, load_planned(args, args.dtype), args.dtype, with_transformers=True)
     fast_dtype = args.fast_dtype
     if fast_dtype == "auto":
-        fast_dtype = "bfloat16" if torch.cuda.is_available() else "int8"
+        fast_dtype = "bfloat16" if torch.cuda.is_available() else "int8" if int8_runs_well("cpu") else "w8a8"
     results = [exact]
     if fast_dtype != "none" and fast_dtype != args.dtype:
         results.append(run_precision(args, load_planned(args, fast_dtype), fast_dtype, with_transformers=False))

@@ -183,6 +183,13 @@ def test_unknown_and_slow_precisions_are_refused_with_the_fix(tmp_path, monkeypa
     monkeypatch.setattr(medusa.precision, "w8a8_kernel", lambda device="cpu": None)  # neither VNNI nor fbgemm
     with pytest.raises(ValueError, match=r"w8a8.*AVX512-VNNI.*fbgemm.*dtype='int8'.*MEDUSA_ALLOW_EMULATED"):
         load_target(str(base_dir), dtype="w8a8")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")  # torch's AVX2 kernels
+    with pytest.raises(ValueError, match=r"int8.*AVX2.*dtype='w8a8'.*dtype='float32'.*MEDUSA_ALLOW_EMULATED"):
+        load_target(str(base_dir), dtype="int8")
+    for slow in ("bfloat16", "int4"):  # their refusals name w8a8 rather than int8 there
+        with pytest.raises(ValueError, match=r"dtype='w8a8'") as refusal:
+            load_target(str(base_dir), dtype=slow)
+        assert "dtype='int8'" not in str(refusal.value)
     assert activation_dtype("auto", "cpu") == torch.float32
     monkeypatch.setenv(ALLOW_EMULATED, "1")
     model, _ = load_target(str(base_dir), dtype="bfloat16")
