@@ -392,15 +392,19 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         choice = batch_choice(self, rows, engine=engine)
         return choice["proposer"], choice["tree"] or None
 
-    def make_proposer(self, proposer: str | None, tree, sampling: SamplingConfig, generator, engine=None):
-        """The plan's proposer and tree by default (else Medusa heads over the heads' static tree); `proposer` names
-        another from the registry (plain, dynamic, hybrid, ...). The heads run as they are on any `engine`."""
+    def prepare_proposal(self, engine) -> None:
+        """Where `engine` compiles the target ahead of time (the inductor engine on a CPU), compile what proposes too
+        (seconds, once on this machine and heads; loaded after): every later call proposes with it."""
         if getattr(engine, "ahead_of_time", False) and self.compiled_proposal is None:
-            # where the target is compiled ahead of time, what proposes is too (seconds, once on this machine)
             on_cpu = self.device.type == "cpu"
             self.compiled_proposal = (
                 on_cpu and compile_proposal(self.proposal_heads, self.candidate_projection) or False
             )
+
+    def make_proposer(self, proposer: str | None, tree, sampling: SamplingConfig, generator, engine=None):
+        """The plan's proposer and tree by default (else Medusa heads over the heads' static tree); `proposer` names
+        another from the registry (plain, dynamic, hybrid, ...). The heads run as they are on any `engine`."""
+        self.prepare_proposal(engine)
         chosen_by_plan = proposer is None and self.plan is not None
         if chosen_by_plan:
             proposer = self.plan.proposer

@@ -4,6 +4,7 @@ modules, cached per machine, used by a call on an engine that compiles ahead of 
 import pytest
 import torch
 
+import medusa.plan
 import medusa.propose
 import medusa.runtime.aot
 from medusa import MedusaModel
@@ -91,3 +92,23 @@ def test_a_call_on_the_inductor_engine_proposes_compiled_and_its_output_is_plain
     proposer = build_medusa_proposer(model, build_buffers(TreeSpec(chain(3)), 3))
     assert proposer.modules is model.compiled_proposal
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_calibration_times_the_proposal_decoding_runs(cache, monkeypatch):
+    """The plan weighs options by what their proposal costs in decoding: on the inductor engine, compiled; the
+    eager engine alone leaves it eager."""
+    model = _model()
+    model.accuracy = [[0.6, 0.2], [0.5, 0.2], [0.4, 0.2]]
+    medusa.plan.measure(model, ["eager"], sizes=(1, 2), repeats=1, context=8, progress=False)
+    assert model.compiled_proposal is None
+    timed = []
+    real = medusa.propose.MedusaProposer.__init__
+
+    def recording(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        timed.append(self.modules)
+
+    monkeypatch.setattr(medusa.propose.MedusaProposer, "__init__", recording)
+    medusa.plan.measure(model, ["inductor"], sizes=(1, 2), repeats=1, context=8, progress=False)
+    assert isinstance(model.compiled_proposal.context_read, Compiled)
+    assert timed and all(modules is model.compiled_proposal for modules in timed)

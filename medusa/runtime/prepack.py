@@ -93,11 +93,11 @@ def fbgemm_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             packed = torch.fbgemm_pack_quantized_matrix(weight)
-            copy = (packed, weight.sum(1, dtype=torch.int32), torch.zeros(weight.shape[0]))
+            prepared = (packed, weight.sum(1, dtype=torch.int32), torch.zeros(weight.shape[0]))
             torch.fbgemm_linear_int8_weight_fp32_activation(
-                torch.zeros(1, weight.shape[1]), weight, *copy[:2], 1.0, 0, copy[2]
+                torch.zeros(1, weight.shape[1]), weight, *prepared[:2], 1.0, 0, prepared[2]
             )
-        held = _fbgemm_weights[key] = (weakref.ref(weight, lambda _: _fbgemm_weights.pop(key, None)), copy)
+        held = _fbgemm_weights[key] = (weakref.ref(weight, lambda _: _fbgemm_weights.pop(key, None)), prepared)
     return held[1]
 
 
