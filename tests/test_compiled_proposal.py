@@ -15,10 +15,17 @@ from tests.conftest import HIDDEN, context_heads, make_tiny_model
 pytestmark = pytest.mark.slow  # compiles a few small packages (seconds each)
 
 
+@pytest.fixture(scope="module")
+def shared_directory(tmp_path_factory):
+    return tmp_path_factory.mktemp("medusa-cache")
+
+
 @pytest.fixture
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
-    return tmp_path
+def cache(shared_directory, monkeypatch):
+    """One cache for this file's tests: the same tiny models and heads compile once (the one test that counts
+    compiles takes a fresh cache of its own)."""
+    monkeypatch.setenv("MEDUSA_CACHE", str(shared_directory))
+    return shared_directory
 
 
 def _model(family="llama"):
@@ -53,7 +60,8 @@ def test_more_rows_than_a_package_takes_run_the_module():
     assert calls == ["package", "module"]
 
 
-def test_packages_are_compiled_once_and_loaded_after(cache, monkeypatch):
+def test_packages_are_compiled_once_and_loaded_after(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
     model = _model()
     compiled = []
     real = medusa.runtime.aot._compile

@@ -436,7 +436,7 @@ def test_the_w8a8_package_on_fbgemm_reads_the_models_weights_and_computes_every_
     monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
     monkeypatch.setattr(medusa.runtime.static, "COMPILED_MIN_ROWS", 128)
     monkeypatch.setattr(medusa.runtime.quantize, "w8a8_kernel", lambda device="cpu": "fbgemm")
-    packed = medusa.runtime.quantize._fbgemm_weights
+    packed = medusa.runtime.prepack._fbgemm_weights
     earlier = {key for key, entry in packed.items() if entry[0]() is not None}  # other tests' models, still alive
     model = quantised_target("llama", "w8a8")
     engine = InductorEngine(model)
