@@ -286,7 +286,13 @@ class MedusaHeads(nn.Module):
             raise ValueError(
                 "these heads read the tokens after each position: pass embed_tokens (the base's input embeddings)"
             )
-        embedded = embed_tokens(following[..., :count])  # (..., count, H)
+        return self.run_head_on_embeddings(head, hidden, embed_tokens(following[..., :count]))
+
+    def run_head_on_embeddings(self, head: int, hidden: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
+        """`run_head` given the embeddings of the tokens it reads after each position: embedded (..., count, H), count
+        `tokens_read` (0 for plain heads: the root, then the path)."""
+        if not embedded.shape[-2]:
+            return self.run_head(head, hidden)
         return self.run_head(head, hidden, embedded[..., 0, :], embedded[..., 1:, :])
 
     def head_hidden(

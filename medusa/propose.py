@@ -160,11 +160,7 @@ class PathLogits(nn.Module):
             self.register_buffer(f"projection_{name}", tensor, persistent=False)
 
     def forward(self, hidden: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
-        rows = hidden.expand(embedded.shape[0], -1)
-        if embedded.shape[1]:
-            rows = self.heads.run_head(self.head, rows, embedded[:, 0], embedded[:, 1:])
-        else:
-            rows = self.heads.run_head(self.head, rows)
+        rows = self.heads.run_head_on_embeddings(self.head, hidden.expand(embedded.shape[0], -1), embedded)
         return self.projection.head_logits(self.head, rows)
 
 
