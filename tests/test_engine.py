@@ -621,6 +621,68 @@ def test_packages_try_the_gemm_template_alone_then_with_aten(tmp_path, monkeypat
     assert tried == (["CPP", "CPP,ATEN"] if both_activations else ["CPP"])
 
 
+def test_fp32_avx512_gemms_take_16_by_16_register_blocks_only_while_compiling():
+    """Inside fp32_register_blocks inductor's AVX-512 fp32 micro-kernels are FP32_REGISTER_BLOCKS alone (a verify of
+    3-8 rows costs less than with its 8 x 48 blocks); every other kernel is as inductor ships it, and all of it is
+    inductor's own again after."""
+    import torch._inductor.compile_fx  # noqa: F401 - inductor's codegen modules in their import order
+    from torch._inductor.codegen import cpp_micro_gemm as micro
+    from torch._inductor.cpu_vec_isa import VecAVX512
+
+    from medusa.runtime.torch_patches import FP32_REGISTER_BLOCKS, fp32_register_blocks
+
+    def avx512_fp32(config):
+        return config.vec_isa_cls is VecAVX512 and config.input_dtype == config.input2_dtype == torch.float
+
+    stock = micro.micro_gemm_configs[micro.CppMicroGemmFP32Vec]
+    assert {tuple(c.register_blocking) for c in stock if avx512_fp32(c)} != set(FP32_REGISTER_BLOCKS)
+    with fp32_register_blocks():
+        inside = micro.micro_gemm_configs[micro.CppMicroGemmFP32Vec]
+        assert [tuple(c.register_blocking) for c in inside if avx512_fp32(c)] == list(FP32_REGISTER_BLOCKS)
+        assert [c for c in inside if not avx512_fp32(c)] == [c for c in stock if not avx512_fp32(c)]
+    assert micro.micro_gemm_configs[micro.CppMicroGemmFP32Vec] is stock
+
+
+@pytest.mark.slow
+def test_an_fp32_package_is_compiled_with_those_blocks_and_keyed_by_them(tmp_path, monkeypatch):
+    """A package's fp32 GEMMs take the narrowed blocks where inductor picks AVX-512 (its AVX2 ones where it picks
+    AVX2), compute what the module computes, and an fp32 package's path changes with the blocks (a package compiled
+    with others is not loaded); a bf16 one's does not."""
+    from torch._inductor.codegen import cpp_gemm_template
+    from torch._inductor.cpu_vec_isa import VecAVX512, pick_vec_isa
+
+    from medusa.runtime.torch_patches import FP32_REGISTER_BLOCKS
+
+    picked, create = [], cpp_gemm_template.create_micro_gemm
+
+    def recording(*args, **kwargs):
+        micro_gemm = create(*args, **kwargs)
+        picked.append(tuple(micro_gemm.register_blocking))
+        return micro_gemm
+
+    monkeypatch.setattr(cpp_gemm_template, "create_micro_gemm", recording)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    module, x = nn.Linear(64, 96).eval(), torch.randn(5, 64)
+    with torch.no_grad():
+        program = torch.export.export(module, (x,))
+        medusa.runtime.aot.compile_package(program, tmp_path / "p.pt2", medusa.runtime.static.INDUCTOR_CPU_OPTIONS)
+        torch.testing.assert_close(torch._inductor.aoti_load_package(str(tmp_path / "p.pt2"))(x), module(x))
+    assert picked
+    if isinstance(pick_vec_isa(), VecAVX512):
+        assert set(picked) <= set(FP32_REGISTER_BLOCKS)
+    else:
+        assert not set(picked) & set(FP32_REGISTER_BLOCKS)
+    models = make_tiny_model("llama"), make_tiny_model("llama").to(torch.bfloat16)
+
+    def paths():
+        return [medusa.runtime.aot.package_path(m, rows=64, options={}, weights="w") for m in models]
+
+    before = paths()
+    monkeypatch.setattr(medusa.runtime.aot, "FP32_REGISTER_BLOCKS", ((8, 32, 1),))
+    after = paths()
+    assert after[0] != before[0] and after[1] == before[1]
+
+
 def _builder(target: str, compile_only: bool = True):
     """A CppBuilder as AOTInductor makes them, for what wrapper_compiled_beside_kernels reads."""
     from torch._inductor.cpp_builder import CppBuilder

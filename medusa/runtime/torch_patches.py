@@ -66,6 +66,14 @@ INTERNALS = (
         "pytorch/pytorch#117888 (mkldnn tensors bypass the FX graph cache)",
     ),
     Internal("torch._inductor", "aoti_load_package", "loading those packages"),
+    Internal(
+        "torch._inductor.codegen.cpp_micro_gemm",
+        "micro_gemm_configs",
+        "fp32_register_blocks: the C++ GEMM template's AVX-512 fp32 micro-kernels held to 16 x 16 register blocks",
+    ),
+    Internal("torch._inductor.codegen.cpp_micro_gemm", "CppMicroGemmFP32Vec", "the fp32 micro-kernel those configure"),
+    Internal("torch._inductor.codegen.cpp_micro_gemm", "generate_gemm_config", "writing that 16 x 16 config"),
+    Internal("torch._inductor.cpu_vec_isa", "VecAVX512", "which of its configs are AVX-512 ones"),
     Internal("torch._dynamo", "mark_static_address", "a static cache's tensors guarded per size"),
     Internal("torch", "ops.mkldnn._reorder_linear_weight", "pre-packed weights without compiling"),
     Internal("torch", "ops.mkldnn._linear_pointwise", "the pre-packed linear"),
@@ -195,6 +203,42 @@ def wrapper_compiled_beside_kernels():
             builder.build = build
             while pending:  # nothing was built after the wrapper: its errors still surface
                 pending.pop().result()
+
+
+# The register blocks inductor's C++ GEMM template may take for fp32 GEMMs on AVX-512. It ranks the larger ones first
+# (8 x 48: 24 accumulators), and a verify of 3-8 query rows then costs about twice one row's; 16 x 16 blocks keep it
+# flatter (docs/engines.md, "fp32 trees on AVX-512"). The package key carries them (aot.package_path).
+FP32_REGISTER_BLOCKS = ((16, 16, 1),)
+
+
+@contextlib.contextmanager
+def fp32_register_blocks():
+    """While inside, inductor's AVX-512 fp32 GEMM micro-kernels take FP32_REGISTER_BLOCKS only; other dtypes' and
+    other ISAs' kernels are left as they are. A torch that keeps its micro-kernels elsewhere compiles as it is."""
+    try:
+        import torch
+        import torch._inductor.compile_fx  # noqa: F401 - loads inductor's codegen modules in their own order
+        from torch._inductor.codegen import cpp_micro_gemm as micro
+        from torch._inductor.cpu_vec_isa import VecAVX512
+
+        configs, kernel = micro.micro_gemm_configs, micro.CppMicroGemmFP32Vec
+        narrow = micro.generate_gemm_config(VecAVX512, FP32_REGISTER_BLOCKS, input_dtype=torch.float)
+    except (ImportError, AttributeError):
+        yield
+        return
+    stock = configs.get(kernel)
+    if stock is None:
+        yield
+        return
+
+    def avx512_fp32(config) -> bool:
+        return config.vec_isa_cls is VecAVX512 and config.input_dtype == config.input2_dtype == torch.float
+
+    configs[kernel] = [c for c in stock if not avx512_fp32(c)] + narrow
+    try:
+        yield
+    finally:
+        configs[kernel] = stock
 
 
 def no_gemm_choice(err: BaseException | None) -> bool:
