@@ -1,5 +1,6 @@
 #!/bin/bash
-# fp32 natively: the change (16 x 16 blocks) and main's head, one after the other, each with its llama.cpp peers.
+# fp32 natively: the change (16 x 16 blocks, /work/main) and main's head (a worktree of f752c5c at /tmp/wt-head),
+# one after the other, each with its llama.cpp peers. Paths as they were this session.
 export LLAMA_CPP_BIN=/tmp/llpeers/noamx/bin
 F32=$HOME/.cache/medusa/peers/SmolLM2-135M-Instruct.Q4_1-F32.gguf
 sanity() { echo "== llama-bench $1 $(date +%T)"; $LLAMA_CPP_BIN/llama-bench -m $F32 -t 2 -p 0 -n 64 -r 3 2>/dev/null | grep tg64; }

@@ -1,6 +1,6 @@
 #!/bin/bash
 # The native rows (#39), one medusa bench per precision, peers from the no-AMX llama.cpp build.
-cd /work/main
+cd "$(git -C "$(dirname "$0")" rev-parse --show-toplevel)" || exit 1
 export LLAMA_CPP_BIN=${LLAMA_CPP_BIN:-/tmp/llpeers/noamx/bin}
 OUT=${OUT:-/tmp/bench43}
 TAG=${TAG:-native}
