@@ -138,8 +138,13 @@ def package_path(model, rows: int, options: dict, weights: str, one_token: bool 
             else {}
         ),
     }
+    return keyed_package(f"{rows}{'-one-token' if one_token else ''}", key)
+
+
+def keyed_package(stem: str, key: dict) -> Path:
+    """The package file for `key` (everything that changes what is compiled): `stem` and a digest of the key."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
-    return cache_root() / "aoti" / f"{rows}{'-one-token' if one_token else ''}-{digest}.pt2"
+    return cache_root() / "aoti" / f"{stem}-{digest}.pt2"
 
 
 def _export(model, rows: int, one_token: bool = False):
@@ -234,8 +239,7 @@ def compiled_module(module: nn.Module, example: tuple, dynamic_shapes, name: str
     `label` names it meanwhile) into a package named `name` and keyed by every weight. For what proposes (the heads'
     context layer)."""
     key = {"format": AOT_FORMAT, "module": name, "weights": base_fingerprint(module), **describe("cpu")}
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
-    path = cache_root() / "aoti" / f"{name}-{digest}.pt2"
+    path = keyed_package(name, key)
     export = lambda: torch.export.export(module.eval(), example, dynamic_shapes=dynamic_shapes, strict=False)  # noqa: E731
     return load_or_build(path, export, MODULE_OPTIONS, f"compiling {label} ahead of time", progress, cpu=True)[0]
 
