@@ -621,33 +621,50 @@ def test_packages_try_the_gemm_template_alone_then_with_aten(tmp_path, monkeypat
     assert tried == (["CPP", "CPP,ATEN"] if both_activations else ["CPP"])
 
 
-def test_fp32_avx512_gemms_take_16_by_16_register_blocks_only_while_compiling():
-    """Inside fp32_register_blocks inductor's AVX-512 fp32 micro-kernels are FP32_REGISTER_BLOCKS alone (a verify of
-    3-8 rows costs less than with its 8 x 48 blocks); every other kernel is as inductor ships it, and all of it is
-    inductor's own again after."""
+def test_fp32_micro_kernels_prefetch_their_weights_and_take_16_by_16_blocks_only_while_compiling():
+    """Inside fp32_micro_kernels every fp32 micro-kernel config belongs to a kernel whose weight loads each ask for
+    the row FP32_PREFETCH_ROWS ahead (a verify of 2-8 rows then costs little more than one row's), the AVX-512 ones
+    with FP32_REGISTER_BLOCKS alone; every other kernel is as inductor ships it, and all of it is inductor's own
+    again after."""
     import torch._inductor.compile_fx  # noqa: F401 - inductor's codegen modules in their import order
     from torch._inductor.codegen import cpp_micro_gemm as micro
     from torch._inductor.cpu_vec_isa import VecAVX512
 
-    from medusa.runtime.torch_patches import FP32_REGISTER_BLOCKS, fp32_register_blocks
+    from medusa.runtime.torch_patches import FP32_PREFETCH_ROWS, FP32_REGISTER_BLOCKS, fp32_micro_kernels
 
-    def avx512_fp32(config):
-        return config.vec_isa_cls is VecAVX512 and config.input_dtype == config.input2_dtype == torch.float
+    def fp32(config):
+        return config.input_dtype == config.input2_dtype == torch.float
 
-    stock = micro.micro_gemm_configs[micro.CppMicroGemmFP32Vec]
-    assert {tuple(c.register_blocking) for c in stock if avx512_fp32(c)} != set(FP32_REGISTER_BLOCKS)
-    with fp32_register_blocks():
-        inside = micro.micro_gemm_configs[micro.CppMicroGemmFP32Vec]
-        assert [tuple(c.register_blocking) for c in inside if avx512_fp32(c)] == list(FP32_REGISTER_BLOCKS)
-        assert [c for c in inside if not avx512_fp32(c)] == [c for c in stock if not avx512_fp32(c)]
-    assert micro.micro_gemm_configs[micro.CppMicroGemmFP32Vec] is stock
+    before = dict(micro.micro_gemm_configs)
+    stock = before[micro.CppMicroGemmFP32Vec]
+    assert {tuple(c.register_blocking) for c in stock if fp32(c) and c.vec_isa_cls is VecAVX512} != set(
+        FP32_REGISTER_BLOCKS
+    )
+    assert "_mm_prefetch" not in micro.CppMicroGemmFP32Vec.TEMPLATE_KERNEL.split("input2_dtype == torch.int8")[0]
+    with fp32_micro_kernels():
+        inside = micro.micro_gemm_configs
+        (prefetching,) = set(inside) - set(before)
+        assert issubclass(prefetching, micro.CppMicroGemmFP32Vec)
+        assert f"_mm_prefetch(reinterpret_cast<const char*>(B + (k + {FP32_PREFETCH_ROWS}) * ldb" in (
+            prefetching.TEMPLATE_KERNEL
+        )
+        assert not [c for c in inside[micro.CppMicroGemmFP32Vec] if fp32(c)]
+        ours = inside[prefetching]
+        assert [tuple(c.register_blocking) for c in ours if c.vec_isa_cls is VecAVX512] == list(FP32_REGISTER_BLOCKS)
+        assert [c for c in ours if c.vec_isa_cls is not VecAVX512] == [
+            c for c in stock if fp32(c) and c.vec_isa_cls is not VecAVX512
+        ]
+        assert [c for c in inside[micro.CppMicroGemmFP32Vec] if not fp32(c)] == [c for c in stock if not fp32(c)]
+    assert micro.micro_gemm_configs == before and micro.micro_gemm_configs[micro.CppMicroGemmFP32Vec] is stock
 
 
 @pytest.mark.slow
-def test_an_fp32_package_is_compiled_with_those_blocks_and_keyed_by_them(tmp_path, monkeypatch):
-    """A package's fp32 GEMMs take the narrowed blocks where inductor picks AVX-512 (its AVX2 ones where it picks
-    AVX2), compute what the module computes, and an fp32 package's path changes with the blocks (a package compiled
-    with others is not loaded); a bf16 one's does not."""
+def test_an_fp32_package_is_compiled_with_those_kernels_and_keyed_by_them(tmp_path, monkeypatch):
+    """A package's fp32 GEMMs take the prefetching kernel (with the narrowed blocks where inductor picks AVX-512, its
+    AVX2 ones where it picks AVX2) even where inductor's own cache holds the same graph compiled without it, compute
+    what the module computes, and an fp32 package's path changes with the blocks and the prefetch distance (a
+    package compiled with others is not loaded); a bf16 one's does not."""
+    import torch._inductor.compile_fx  # noqa: F401 - inductor's codegen modules in their import order
     from torch._inductor.codegen import cpp_gemm_template
     from torch._inductor.cpu_vec_isa import VecAVX512, pick_vec_isa
 
@@ -657,21 +674,28 @@ def test_an_fp32_package_is_compiled_with_those_blocks_and_keyed_by_them(tmp_pat
 
     def recording(*args, **kwargs):
         micro_gemm = create(*args, **kwargs)
-        picked.append(tuple(micro_gemm.register_blocking))
+        picked.append((type(micro_gemm).__name__, tuple(micro_gemm.register_blocking)))
         return micro_gemm
 
     monkeypatch.setattr(cpp_gemm_template, "create_micro_gemm", recording)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     module, x = nn.Linear(64, 96).eval(), torch.randn(5, 64)
+    options = medusa.runtime.static.INDUCTOR_CPU_OPTIONS
     with torch.no_grad():
         program = torch.export.export(module, (x,))
-        medusa.runtime.aot.compile_package(program, tmp_path / "p.pt2", medusa.runtime.static.INDUCTOR_CPU_OPTIONS)
+        with monkeypatch.context() as without_prefetch:  # the same compile as a version without the prefetch
+            without_prefetch.setattr(medusa.runtime.torch_patches, "prefetching_fp32_kernel", lambda stock: None)
+            medusa.runtime.aot.compile_package(program, tmp_path / "before.pt2", options)
+        assert picked and all(name == "CppMicroGemmFP32Vec" for name, _ in picked)
+        picked.clear()
+        medusa.runtime.aot.compile_package(program, tmp_path / "p.pt2", options)
         torch.testing.assert_close(torch._inductor.aoti_load_package(str(tmp_path / "p.pt2"))(x), module(x))
-    assert picked
+    assert picked and all(name == "PrefetchingCppMicroGemmFP32Vec" for name, _ in picked)
+    blocks = {b for _, b in picked}
     if isinstance(pick_vec_isa(), VecAVX512):
-        assert set(picked) <= set(FP32_REGISTER_BLOCKS)
+        assert blocks <= set(FP32_REGISTER_BLOCKS)
     else:
-        assert not set(picked) & set(FP32_REGISTER_BLOCKS)
+        assert not blocks & set(FP32_REGISTER_BLOCKS)
     models = make_tiny_model("llama"), make_tiny_model("llama").to(torch.bfloat16)
 
     def paths():
@@ -679,8 +703,11 @@ def test_an_fp32_package_is_compiled_with_those_blocks_and_keyed_by_them(tmp_pat
 
     before = paths()
     monkeypatch.setattr(medusa.runtime.aot, "FP32_REGISTER_BLOCKS", ((8, 32, 1),))
-    after = paths()
-    assert after[0] != before[0] and after[1] == before[1]
+    other_blocks = paths()
+    monkeypatch.setattr(medusa.runtime.aot, "FP32_PREFETCH_ROWS", 64)
+    other_distance = paths()
+    assert len({before[0], other_blocks[0], other_distance[0]}) == 3
+    assert before[1] == other_blocks[1] == other_distance[1]
 
 
 def _builder(target: str, compile_only: bool = True):

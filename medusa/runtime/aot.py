@@ -35,8 +35,9 @@ from medusa.loading import base_fingerprint, cache_root
 from medusa.runtime.attention import ROW_INVARIANT_SDPA, kv_dtype
 from medusa.runtime.kv_cache import KeptDtypeLayer
 from medusa.runtime.torch_patches import (
+    FP32_PREFETCH_ROWS,
     FP32_REGISTER_BLOCKS,
-    fp32_register_blocks,
+    fp32_micro_kernels,
     no_gemm_choice,
     probe_vector_isas_meanwhile,
     wrapper_compiled_beside_kernels,
@@ -131,7 +132,11 @@ def package_path(model, rows: int, options: dict, weights: str, one_token: bool 
         "transformers": transformers.__version__,
         **describe(model.device),
         **({"one_token": True} if one_token else {}),  # the main packages keep the names they had
-        **({"fp32_register_blocks": FP32_REGISTER_BLOCKS} if model.dtype == torch.float32 else {}),
+        **(
+            {"fp32_register_blocks": FP32_REGISTER_BLOCKS, "fp32_prefetch_rows": FP32_PREFETCH_ROWS}
+            if model.dtype == torch.float32
+            else {}
+        ),
         **(
             {"attention": ROW_INVARIANT_SDPA, "attention_format": ROW_INVARIANT_FORMAT}
             if attention == ROW_INVARIANT_SDPA
@@ -357,7 +362,7 @@ def compile_package(program, path: Path, options: dict) -> None:
     for settings in filter(None, (template_only, options)):
         try:
             # a copy of the settings: AOTInductor adds its own keys to the dict given
-            with torch._inductor.config.patch(settings), wrapper_compiled_beside_kernels(), fp32_register_blocks():
+            with torch._inductor.config.patch(settings), wrapper_compiled_beside_kernels(), fp32_micro_kernels():
                 torch._inductor.aoti_compile_and_package(
                     program, package_path=str(path), inductor_configs=dict(settings)
                 )

@@ -69,9 +69,13 @@ INTERNALS = (
     Internal(
         "torch._inductor.codegen.cpp_micro_gemm",
         "micro_gemm_configs",
-        "fp32_register_blocks: the C++ GEMM template's AVX-512 fp32 micro-kernels held to 16 x 16 register blocks",
+        "fp32_micro_kernels: the C++ GEMM template's AVX-512 fp32 micro-kernels held to 16 x 16 register blocks",
     ),
-    Internal("torch._inductor.codegen.cpp_micro_gemm", "CppMicroGemmFP32Vec", "the fp32 micro-kernel those configure"),
+    Internal(
+        "torch._inductor.codegen.cpp_micro_gemm",
+        "CppMicroGemmFP32Vec.TEMPLATE_KERNEL",
+        "fp32_micro_kernels: the fp32 micro-kernel those configure, its weight loads preceded by a prefetch",
+    ),
     Internal("torch._inductor.codegen.cpp_micro_gemm", "generate_gemm_config", "writing that 16 x 16 config"),
     Internal("torch._inductor.cpu_vec_isa", "VecAVX512", "which of its configs are AVX-512 ones"),
     Internal("torch._dynamo", "mark_static_address", "a static cache's tensors guarded per size"),
@@ -209,12 +213,32 @@ def wrapper_compiled_beside_kernels():
 # (8 x 48: 24 accumulators), and a verify of 3-8 query rows then costs about twice one row's; 16 x 16 blocks keep it
 # flatter (docs/engines.md, "fp32 trees on AVX-512"). The package key carries them (aot.package_path).
 FP32_REGISTER_BLOCKS = ((16, 16, 1),)
+# How many rows of packed weights (k steps, 64 bytes each) ahead of its loads that micro-kernel asks for them, into L2:
+# inductor's fp32 kernel asks for none, and from 2 query rows on its arithmetic then waits on memory instead of
+# overlapping it (docs/engines.md, "fp32 trees: weights asked for ahead"). Also in the package key.
+FP32_PREFETCH_ROWS = 128
+# the stock kernel's load of a vector of fp32 weights (full width, B not transposed): the prefetch goes before it
+FP32_WEIGHT_LOAD = "vb[col] = Vectorized::loadu(B + k * ldb + col * VLEN);"
+
+
+def prefetching_fp32_kernel(stock: type) -> type | None:
+    """A subclass of inductor's fp32 micro-kernel `stock` whose weight loads each ask for the row FP32_PREFETCH_ROWS
+    ahead (a row past the block's end is the next block's: the template packs them one after another; a prefetch
+    never faults). None where the kernel's text has changed."""
+    template = stock.TEMPLATE_KERNEL
+    if template.count(FP32_WEIGHT_LOAD) != 1:
+        return None
+    ahead = f"B + (k + {FP32_PREFETCH_ROWS}) * ldb + col * VLEN"
+    prefetch = f"_mm_prefetch(reinterpret_cast<const char*>({ahead}), _MM_HINT_T1);\n            "
+    kernel = template.replace(FP32_WEIGHT_LOAD, prefetch + FP32_WEIGHT_LOAD)
+    return type(f"Prefetching{stock.__name__}", (stock,), {"TEMPLATE_KERNEL": kernel})
 
 
 @contextlib.contextmanager
-def fp32_register_blocks():
-    """While inside, inductor's AVX-512 fp32 GEMM micro-kernels take FP32_REGISTER_BLOCKS only; other dtypes' and
-    other ISAs' kernels are left as they are. A torch that keeps its micro-kernels elsewhere compiles as it is."""
+def fp32_micro_kernels():
+    """While inside, inductor's fp32 GEMM micro-kernels ask for their weights FP32_PREFETCH_ROWS ahead, and its
+    AVX-512 ones take FP32_REGISTER_BLOCKS only; other dtypes' kernels are left as they are. A torch that keeps its
+    micro-kernels elsewhere compiles as it is; one that has changed the kernel's text, with the blocks alone."""
     try:
         import torch
         import torch._inductor.compile_fx  # noqa: F401 - loads inductor's codegen modules in their own order
@@ -231,14 +255,19 @@ def fp32_register_blocks():
         yield
         return
 
-    def avx512_fp32(config) -> bool:
-        return config.vec_isa_cls is VecAVX512 and config.input_dtype == config.input2_dtype == torch.float
+    def fp32(config) -> bool:
+        return config.input_dtype == config.input2_dtype == torch.float
 
-    configs[kernel] = [c for c in stock if not avx512_fp32(c)] + narrow
+    fp32_configs = [c for c in stock if fp32(c) and c.vec_isa_cls is not VecAVX512] + narrow
+    prefetching = prefetching_fp32_kernel(kernel)
+    configs[kernel] = [c for c in stock if not fp32(c)] + ([] if prefetching else fp32_configs)
+    if prefetching:
+        configs[prefetching] = fp32_configs
     try:
         yield
     finally:
         configs[kernel] = stock
+        configs.pop(prefetching, None)
 
 
 def no_gemm_choice(err: BaseException | None) -> bool:
