@@ -55,7 +55,7 @@ PLAN_VERSION = 19  # 3: the inductor engine is an option; 4: the dynamic tree sk
 # on AVX2 calls fbgemm through a library op, sibling projections fused (a cheaper step); 17: proposing on fbgemm's int8
 # GEMM, compiled ahead of time with the inductor engine (a cheaper proposal); 18: fp32 GEMMs on AVX-512 in 16 x 16
 # register blocks (flatter verifies from 3 nodes); 19: fp32 GEMMs ask for their weights ahead (flatter verifies from 2
-# nodes, on AVX2 too)
+# nodes, on AVX2 too), int8 ones without AMX too
 SIZES = (1, 2, 4, 6, 8, 12, 16, 24)  # tree nodes timed, root included (1 = plain decoding)
 SLOW_ENGINE = 1.25  # an engine whose plain step is this much slower than the fastest one's is not timed further
 MIN_GAIN = 1.05  # a speculative option must beat plain decoding by this much to be chosen

@@ -621,40 +621,50 @@ def test_packages_try_the_gemm_template_alone_then_with_aten(tmp_path, monkeypat
     assert tried == (["CPP", "CPP,ATEN"] if both_activations else ["CPP"])
 
 
-def test_fp32_micro_kernels_prefetch_their_weights_and_take_16_by_16_blocks_only_while_compiling():
-    """Inside fp32_micro_kernels every fp32 micro-kernel config belongs to a kernel whose weight loads each ask for
-    the row FP32_PREFETCH_ROWS ahead (a verify of 2-8 rows then costs little more than one row's), the AVX-512 ones
-    with FP32_REGISTER_BLOCKS alone; every other kernel is as inductor ships it, and all of it is inductor's own
-    again after."""
+def test_micro_kernels_prefetch_fp32_and_int8_weights_and_take_16_by_16_fp32_blocks_only_while_compiling():
+    """Inside prefetching_micro_kernels every fp32-weight and int8-weight config of inductor's fp32 micro-kernel belongs
+    to a kernel whose weight loads each ask for the row FP32_PREFETCH_ROWS / INT8_PREFETCH_ROWS ahead (a verify of 2-8
+    rows then costs little more than one row's), the AVX-512 fp32 ones with FP32_REGISTER_BLOCKS alone; every other
+    kernel is as inductor ships it, and all of it is inductor's own again after."""
     import torch._inductor.compile_fx  # noqa: F401 - inductor's codegen modules in their import order
     from torch._inductor.codegen import cpp_micro_gemm as micro
     from torch._inductor.cpu_vec_isa import VecAVX512
 
-    from medusa.runtime.torch_patches import FP32_PREFETCH_ROWS, FP32_REGISTER_BLOCKS, fp32_micro_kernels
+    from medusa.runtime.torch_patches import (
+        FP32_PREFETCH_ROWS,
+        FP32_REGISTER_BLOCKS,
+        INT8_PREFETCH_ROWS,
+        prefetching_micro_kernels,
+    )
 
     def fp32(config):
         return config.input_dtype == config.input2_dtype == torch.float
+
+    def int8_weights(config):
+        return config.input2_dtype == torch.int8
 
     before = dict(micro.micro_gemm_configs)
     stock = before[micro.CppMicroGemmFP32Vec]
     assert {tuple(c.register_blocking) for c in stock if fp32(c) and c.vec_isa_cls is VecAVX512} != set(
         FP32_REGISTER_BLOCKS
     )
-    assert "_mm_prefetch" not in micro.CppMicroGemmFP32Vec.TEMPLATE_KERNEL.split("input2_dtype == torch.int8")[0]
-    with fp32_micro_kernels():
+    assert "_MM_HINT_T1" not in micro.CppMicroGemmFP32Vec.TEMPLATE_KERNEL
+    with prefetching_micro_kernels():
         inside = micro.micro_gemm_configs
         (prefetching,) = set(inside) - set(before)
         assert issubclass(prefetching, micro.CppMicroGemmFP32Vec)
-        assert f"_mm_prefetch(reinterpret_cast<const char*>(B + (k + {FP32_PREFETCH_ROWS}) * ldb" in (
-            prefetching.TEMPLATE_KERNEL
-        )
-        assert not [c for c in inside[micro.CppMicroGemmFP32Vec] if fp32(c)]
+        for rows, load in ((FP32_PREFETCH_ROWS, "vb[col] = Vectorized::loadu("), (INT8_PREFETCH_ROWS, "auto b32 =")):
+            prefetch = f"_mm_prefetch(reinterpret_cast<const char*>(B + (k + {rows}) * ldb + col * VLEN), _MM_HINT_T1);"
+            assert f"{prefetch}\n            {load}" in prefetching.TEMPLATE_KERNEL
+        assert not [c for c in inside[micro.CppMicroGemmFP32Vec] if fp32(c) or int8_weights(c)]
         ours = inside[prefetching]
-        assert [tuple(c.register_blocking) for c in ours if c.vec_isa_cls is VecAVX512] == list(FP32_REGISTER_BLOCKS)
-        assert [c for c in ours if c.vec_isa_cls is not VecAVX512] == [
+        assert [tuple(c.register_blocking) for c in ours if fp32(c) and c.vec_isa_cls is VecAVX512] == list(
+            FP32_REGISTER_BLOCKS
+        )
+        assert [c for c in ours if not (fp32(c) and c.vec_isa_cls is VecAVX512)] == [
             c for c in stock if fp32(c) and c.vec_isa_cls is not VecAVX512
-        ]
-        assert [c for c in inside[micro.CppMicroGemmFP32Vec] if not fp32(c)] == [c for c in stock if not fp32(c)]
+        ] + [c for c in stock if int8_weights(c)]
+        assert inside[micro.CppMicroGemmFP32Vec] == [c for c in stock if not fp32(c) and not int8_weights(c)]
     assert micro.micro_gemm_configs == before and micro.micro_gemm_configs[micro.CppMicroGemmFP32Vec] is stock
 
 
@@ -662,8 +672,9 @@ def test_fp32_micro_kernels_prefetch_their_weights_and_take_16_by_16_blocks_only
 def test_an_fp32_package_is_compiled_with_those_kernels_and_keyed_by_them(tmp_path, monkeypatch):
     """A package's fp32 GEMMs take the prefetching kernel (with the narrowed blocks where inductor picks AVX-512, its
     AVX2 ones where it picks AVX2) even where inductor's own cache holds the same graph compiled without it, compute
-    what the module computes, and an fp32 package's path changes with the blocks and the prefetch distance (a
-    package compiled with others is not loaded); a bf16 one's does not."""
+    what the module computes, and a package's path changes with what its kernels were compiled with (a package
+    compiled with others is not loaded): an fp32 one's with the blocks and the fp32 distance, an int8 one's with the
+    int8 distance, a bf16 one's with neither."""
     import torch._inductor.compile_fx  # noqa: F401 - inductor's codegen modules in their import order
     from torch._inductor.codegen import cpp_gemm_template
     from torch._inductor.cpu_vec_isa import VecAVX512, pick_vec_isa
@@ -684,7 +695,7 @@ def test_an_fp32_package_is_compiled_with_those_kernels_and_keyed_by_them(tmp_pa
     with torch.no_grad():
         program = torch.export.export(module, (x,))
         with monkeypatch.context() as without_prefetch:  # the same compile as a version without the prefetch
-            without_prefetch.setattr(medusa.runtime.torch_patches, "prefetching_fp32_kernel", lambda stock: None)
+            without_prefetch.setattr(medusa.runtime.torch_patches, "prefetching_kernel", lambda stock: None)
             medusa.runtime.aot.compile_package(program, tmp_path / "before.pt2", options)
         assert picked and all(name == "CppMicroGemmFP32Vec" for name, _ in picked)
         picked.clear()
@@ -696,7 +707,8 @@ def test_an_fp32_package_is_compiled_with_those_kernels_and_keyed_by_them(tmp_pa
         assert blocks <= set(FP32_REGISTER_BLOCKS)
     else:
         assert not blocks & set(FP32_REGISTER_BLOCKS)
-    models = make_tiny_model("llama"), make_tiny_model("llama").to(torch.bfloat16)
+    bf16 = make_tiny_model("llama", dtype=torch.bfloat16)
+    models = make_tiny_model("llama"), quantize_target(make_tiny_model("llama", dtype=torch.bfloat16), "int8"), bf16
 
     def paths():
         return [medusa.runtime.aot.package_path(m, rows=64, options={}, weights="w") for m in models]
@@ -705,9 +717,13 @@ def test_an_fp32_package_is_compiled_with_those_kernels_and_keyed_by_them(tmp_pa
     monkeypatch.setattr(medusa.runtime.aot, "FP32_REGISTER_BLOCKS", ((8, 32, 1),))
     other_blocks = paths()
     monkeypatch.setattr(medusa.runtime.aot, "FP32_PREFETCH_ROWS", 64)
-    other_distance = paths()
-    assert len({before[0], other_blocks[0], other_distance[0]}) == 3
-    assert before[1] == other_blocks[1] == other_distance[1]
+    other_fp32_distance = paths()
+    monkeypatch.setattr(medusa.runtime.aot, "INT8_PREFETCH_ROWS", 64)
+    other_int8_distance = paths()
+    fp32, int8, bf16 = zip(before, other_blocks, other_fp32_distance, other_int8_distance)
+    assert len(set(fp32)) == 3 and fp32[2] == fp32[3]
+    assert int8[0] == int8[1] == int8[2] != int8[3]
+    assert len(set(bf16)) == 1
 
 
 def _builder(target: str, compile_only: bool = True):

@@ -34,11 +34,13 @@ from medusa.hardware import describe
 from medusa.loading import base_fingerprint, cache_root
 from medusa.runtime.attention import ROW_INVARIANT_SDPA, kv_dtype
 from medusa.runtime.kv_cache import KeptDtypeLayer
+from medusa.runtime.quantize import precision_of
 from medusa.runtime.torch_patches import (
     FP32_PREFETCH_ROWS,
     FP32_REGISTER_BLOCKS,
-    fp32_micro_kernels,
+    INT8_PREFETCH_ROWS,
     no_gemm_choice,
+    prefetching_micro_kernels,
     probe_vector_isas_meanwhile,
     wrapper_compiled_beside_kernels,
 )
@@ -137,6 +139,7 @@ def package_path(model, rows: int, options: dict, weights: str, one_token: bool 
             if model.dtype == torch.float32
             else {}
         ),
+        **({"int8_prefetch_rows": INT8_PREFETCH_ROWS} if precision_of(model) == "int8" else {}),
         **(
             {"attention": ROW_INVARIANT_SDPA, "attention_format": ROW_INVARIANT_FORMAT}
             if attention == ROW_INVARIANT_SDPA
@@ -362,7 +365,7 @@ def compile_package(program, path: Path, options: dict) -> None:
     for settings in filter(None, (template_only, options)):
         try:
             # a copy of the settings: AOTInductor adds its own keys to the dict given
-            with torch._inductor.config.patch(settings), wrapper_compiled_beside_kernels(), fp32_micro_kernels():
+            with torch._inductor.config.patch(settings), wrapper_compiled_beside_kernels(), prefetching_micro_kernels():
                 torch._inductor.aoti_compile_and_package(
                     program, package_path=str(path), inductor_configs=dict(settings)
                 )

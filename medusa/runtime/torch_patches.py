@@ -69,12 +69,12 @@ INTERNALS = (
     Internal(
         "torch._inductor.codegen.cpp_micro_gemm",
         "micro_gemm_configs",
-        "fp32_micro_kernels: the C++ GEMM template's AVX-512 fp32 micro-kernels held to 16 x 16 register blocks",
+        "prefetching_micro_kernels: the C++ GEMM template's AVX-512 fp32 micro-kernels held to 16 x 16 register blocks",
     ),
     Internal(
         "torch._inductor.codegen.cpp_micro_gemm",
         "CppMicroGemmFP32Vec.TEMPLATE_KERNEL",
-        "fp32_micro_kernels: the fp32 micro-kernel those configure, its weight loads preceded by a prefetch",
+        "prefetching_micro_kernels: the fp32 micro-kernel those configure, its weight loads preceded by a prefetch",
     ),
     Internal("torch._inductor.codegen.cpp_micro_gemm", "generate_gemm_config", "writing that 16 x 16 config"),
     Internal("torch._inductor.cpu_vec_isa", "VecAVX512", "which of its configs are AVX-512 ones"),
@@ -213,32 +213,38 @@ def wrapper_compiled_beside_kernels():
 # (8 x 48: 24 accumulators), and a verify of 3-8 query rows then costs about twice one row's; 16 x 16 blocks keep it
 # flatter (docs/engines.md, "fp32 trees on AVX-512"). The package key carries them (aot.package_path).
 FP32_REGISTER_BLOCKS = ((16, 16, 1),)
-# How many rows of packed weights (k steps, 64 bytes each) ahead of its loads that micro-kernel asks for them, into L2:
-# inductor's fp32 kernel asks for none, and from 2 query rows on its arithmetic then waits on memory instead of
-# overlapping it (docs/engines.md, "fp32 trees: weights asked for ahead"). Also in the package key.
+# How many rows of packed weights (k steps) ahead of its loads inductor's fp32 micro-kernel asks for them, into L2, by
+# the weights' dtype: 8 KB in a block of 16 columns. As shipped it asks for none (int8's ask for the next row, and only
+# where the template says so), and from 2 query rows on its arithmetic waits on memory instead of overlapping it
+# (docs/engines.md, "fp32 trees: weights asked for ahead"). The package key carries them (aot.package_path).
 FP32_PREFETCH_ROWS = 128
-# the stock kernel's load of a vector of fp32 weights (full width, B not transposed): the prefetch goes before it
+INT8_PREFETCH_ROWS = 512  # int8 weights (weight-only int8 without AMX: bf16 activations on the fp32 kernel)
+# the stock kernel's loads of a vector of weights (full width, B not transposed), fp32 and int8: the prefetch goes
+# before each
 FP32_WEIGHT_LOAD = "vb[col] = Vectorized::loadu(B + k * ldb + col * VLEN);"
+INT8_WEIGHT_LOAD = "auto b32 = at::vec::convert_to_int32<int8_t>(B + k * ldb + col * VLEN);"
 
 
-def prefetching_fp32_kernel(stock: type) -> type | None:
-    """A subclass of inductor's fp32 micro-kernel `stock` whose weight loads each ask for the row FP32_PREFETCH_ROWS
-    ahead (a row past the block's end is the next block's: the template packs them one after another; a prefetch
-    never faults). None where the kernel's text has changed."""
-    template = stock.TEMPLATE_KERNEL
-    if template.count(FP32_WEIGHT_LOAD) != 1:
-        return None
-    ahead = f"B + (k + {FP32_PREFETCH_ROWS}) * ldb + col * VLEN"
-    prefetch = f"_mm_prefetch(reinterpret_cast<const char*>({ahead}), _MM_HINT_T1);\n            "
-    kernel = template.replace(FP32_WEIGHT_LOAD, prefetch + FP32_WEIGHT_LOAD)
+def prefetching_kernel(stock: type) -> type | None:
+    """A subclass of inductor's fp32 micro-kernel `stock` whose fp32 and int8 weight loads each ask for the row
+    FP32_PREFETCH_ROWS / INT8_PREFETCH_ROWS ahead (a row past the block's end is the next block's: the template packs
+    them one after another; a prefetch never faults). None where the kernel's text has changed."""
+    kernel = stock.TEMPLATE_KERNEL
+    for load, rows in ((FP32_WEIGHT_LOAD, FP32_PREFETCH_ROWS), (INT8_WEIGHT_LOAD, INT8_PREFETCH_ROWS)):
+        if kernel.count(load) != 1:
+            return None
+        ahead = f"B + (k + {rows}) * ldb + col * VLEN"
+        kernel = kernel.replace(
+            load, f"_mm_prefetch(reinterpret_cast<const char*>({ahead}), _MM_HINT_T1);\n            {load}"
+        )
     return type(f"Prefetching{stock.__name__}", (stock,), {"TEMPLATE_KERNEL": kernel})
 
 
 @contextlib.contextmanager
-def fp32_micro_kernels():
-    """While inside, inductor's fp32 GEMM micro-kernels ask for their weights FP32_PREFETCH_ROWS ahead, and its
-    AVX-512 ones take FP32_REGISTER_BLOCKS only; other dtypes' kernels are left as they are. A torch that keeps its
-    micro-kernels elsewhere compiles as it is; one that has changed the kernel's text, with the blocks alone."""
+def prefetching_micro_kernels():
+    """While inside, inductor's fp32 GEMM micro-kernels ask for their fp32 or int8 weights ahead (prefetching_kernel),
+    and its AVX-512 fp32 ones take FP32_REGISTER_BLOCKS only; other kernels are left as they are. A torch that keeps
+    its micro-kernels elsewhere compiles as it is; one that has changed the kernel's text, with the blocks alone."""
     try:
         import torch
         import torch._inductor.compile_fx  # noqa: F401 - loads inductor's codegen modules in their own order
@@ -258,11 +264,17 @@ def fp32_micro_kernels():
     def fp32(config) -> bool:
         return config.input_dtype == config.input2_dtype == torch.float
 
-    fp32_configs = [c for c in stock if fp32(c) and c.vec_isa_cls is not VecAVX512] + narrow
-    prefetching = prefetching_fp32_kernel(kernel)
-    configs[kernel] = [c for c in stock if not fp32(c)] + ([] if prefetching else fp32_configs)
+    def int8_weights(config) -> bool:
+        return config.input2_dtype == torch.int8
+
+    ours = [c for c in stock if fp32(c) and c.vec_isa_cls is not VecAVX512] + narrow
+    prefetching = prefetching_kernel(kernel)
     if prefetching:
-        configs[prefetching] = fp32_configs
+        ours += [c for c in stock if int8_weights(c)]
+    configs[kernel] = [c for c in stock if not fp32(c) and not (prefetching and int8_weights(c))]
+    configs[kernel] += [] if prefetching else ours
+    if prefetching:
+        configs[prefetching] = ours
     try:
         yield
     finally:
