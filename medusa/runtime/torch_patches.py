@@ -261,20 +261,18 @@ def prefetching_micro_kernels():
         yield
         return
 
+    prefetching = prefetching_kernel(kernel)
+
     def fp32(config) -> bool:
         return config.input_dtype == config.input2_dtype == torch.float
 
-    def int8_weights(config) -> bool:
-        return config.input2_dtype == torch.int8
+    def ours(config) -> bool:  # what changes: fp32 GEMMs, and int8-weight ones where their loads prefetch
+        return fp32(config) or (prefetching is not None and config.input2_dtype == torch.int8)
 
-    ours = [c for c in stock if fp32(c) and c.vec_isa_cls is not VecAVX512] + narrow
-    prefetching = prefetching_kernel(kernel)
+    changed = [c for c in stock if ours(c) and not (fp32(c) and c.vec_isa_cls is VecAVX512)] + narrow
+    configs[kernel] = [c for c in stock if not ours(c)] + ([] if prefetching else changed)
     if prefetching:
-        ours += [c for c in stock if int8_weights(c)]
-    configs[kernel] = [c for c in stock if not fp32(c) and not (prefetching and int8_weights(c))]
-    configs[kernel] += [] if prefetching else ours
-    if prefetching:
-        configs[prefetching] = ours
+        configs[prefetching] = changed
     try:
         yield
     finally:
