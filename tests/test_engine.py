@@ -707,8 +707,8 @@ def test_an_fp32_package_is_compiled_with_those_kernels_and_keyed_by_them(tmp_pa
         assert blocks <= set(FP32_REGISTER_BLOCKS)
     else:
         assert not blocks & set(FP32_REGISTER_BLOCKS)
-    bf16 = make_tiny_model("llama", dtype=torch.bfloat16)
-    models = make_tiny_model("llama"), quantize_target(make_tiny_model("llama", dtype=torch.bfloat16), "int8"), bf16
+    int8 = quantize_target(make_tiny_model("llama", dtype=torch.bfloat16), "int8")
+    models = make_tiny_model("llama"), int8, make_tiny_model("llama", dtype=torch.bfloat16)  # fp32, int8, bf16
 
     def paths():
         return [medusa.runtime.aot.package_path(m, rows=64, options={}, weights="w") for m in models]
