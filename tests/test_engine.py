@@ -256,6 +256,56 @@ def test_half_precision_one_token_steps_run_a_package_on_the_models_own_weights(
     assert not InductorEngine(model).one_token_gemv  # on AMX the main package's AMX GEMMs are faster at one row
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_weight_only_one_token_steps_on_amx_run_a_package_compiled_without_amx(precision, tmp_path, monkeypatch):
+    """A weight-only int8 / int4 target on a CPU with AMX: one-token steps run a package of their own, compiled with
+    no AMX micro-kernel to pick (its vector kernels stream the weights faster at one row), matching eager within bf16
+    rounding; a tree still runs the main package, whose GEMMs may take AMX's. Without AMX, or at other precisions,
+    there is no such package."""
+    import contextlib
+
+    from medusa.hardware import vector_int4
+
+    if precision == "int4" and not vector_int4():
+        pytest.skip("aten's int4 kernel is a reference loop under torch's AVX2 kernels")
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
+    monkeypatch.setattr(medusa.runtime.static, "INDUCTOR_CPU_OPTIONS", FAST_INDUCTOR)
+    monkeypatch.setattr(medusa.runtime.inductor, "amx", lambda device: True)
+    compiled_without_amx, without_amx = [], medusa.runtime.aot.micro_kernels_without_amx
+
+    @contextlib.contextmanager
+    def recorded():
+        with without_amx():
+            compiled_without_amx.append(True)
+            yield
+
+    monkeypatch.setattr(medusa.runtime.aot, "micro_kernels_without_amx", recorded)
+    ran, run = [], medusa.runtime.aot.run
+    monkeypatch.setattr(medusa.runtime.aot, "run", lambda runner, *a, **k: ran.append(runner) or run(runner, *a, **k))
+    model = quantize_target(make_tiny_model("llama", dtype=torch.bfloat16), precision)
+    torch.manual_seed(3)
+    prompt = torch.randint(1, 90, (1, 7))
+    root = Candidates(tokens=torch.randint(1, 90, (1,)), tree=build_buffers(TreeSpec([], 3), 3))
+    engine = make_engine("inductor", model)
+    assert engine.one_token_without_amx and not engine.one_token_gemv
+    _, ours = _verify(engine, model, prompt, root)
+    _, eager = _verify(EagerEngine(model), model, prompt, root)
+    close = dict(atol=3e-2, rtol=3e-2)  # bf16 activations: another GEMM sums in another order
+    torch.testing.assert_close(ours.logits, eager.logits, **close)
+    torch.testing.assert_close(ours.hidden, eager.hidden, **close)
+    assert sorted(engine._one_token) == sorted(engine._packages) == [512] and ran == [engine._one_token[512]]
+    assert compiled_without_amx == [True]  # the one-token package; the main one as it is
+    tree = build_buffers(TreeSpec(HAND_TREE, 3), 3)
+    _verify(engine, model, prompt, Candidates(tokens=torch.randint(1, 90, (tree.num_nodes,)), tree=tree))
+    assert ran[-1] is engine._packages[512]
+    (one_token,) = (tmp_path / "aoti").glob("*-one-token-*.pt2")
+    assert not InductorEngine(make_tiny_model("llama")).one_token_without_amx  # fp32
+    assert not InductorEngine(make_tiny_model("llama", dtype=torch.bfloat16)).one_token_without_amx
+    monkeypatch.setattr(medusa.runtime.inductor, "amx", lambda device: False)
+    assert not InductorEngine(model).one_token_without_amx
+
+
 def test_an_unreadable_package_is_compiled_again(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
     model = make_tiny_model("llama")
@@ -666,6 +716,22 @@ def test_micro_kernels_prefetch_fp32_and_int8_weights_and_take_16_by_16_fp32_blo
         ]
         assert inside[micro.CppMicroGemmFP32Vec] == [c for c in stock if not fp32(c) and not int8_weights(c)]
     assert micro.micro_gemm_configs == before and micro.micro_gemm_configs[micro.CppMicroGemmFP32Vec] is stock
+
+
+def test_no_amx_micro_kernel_is_left_to_pick_only_while_compiling_without_amx():
+    import torch._inductor.compile_fx  # noqa: F401 - inductor's codegen modules in their import order
+    from torch._inductor.codegen import cpp_micro_gemm as micro
+    from torch._inductor.cpu_vec_isa import VecAMX
+
+    from medusa.runtime.torch_patches import micro_kernels_without_amx
+
+    before = {kernel: list(configs) for kernel, configs in micro.micro_gemm_configs.items()}
+    assert any(c.vec_isa_cls is VecAMX for configs in before.values() for c in configs)
+    with micro_kernels_without_amx():
+        inside = micro.micro_gemm_configs
+        assert not any(c.vec_isa_cls is VecAMX for configs in inside.values() for c in configs)
+        assert inside[micro.CppMicroGemmFP32Vec] == before[micro.CppMicroGemmFP32Vec]
+    assert micro.micro_gemm_configs == before
 
 
 @pytest.mark.slow

@@ -39,6 +39,7 @@ from medusa.runtime.torch_patches import (
     FP32_PREFETCH_ROWS,
     FP32_REGISTER_BLOCKS,
     INT8_PREFETCH_ROWS,
+    micro_kernels_without_amx,
     no_gemm_choice,
     prefetching_micro_kernels,
     probe_vector_isas_meanwhile,
@@ -60,6 +61,9 @@ OWN_WEIGHTS_OPTIONS = {"freezing": False, "aot_inductor.package_constants_in_so"
 DEFAULT_CACHE_GB = 8  # a few models' packages at two or three cache sizes each
 MAX_QUERY = 256  # the most tokens one verify forward may take (a tree's nodes)
 GEMM_BACKENDS = "max_autotune_gemm_backends"
+# An option of ours among inductor's (so the package key carries it; taken out before inductor sees them): the package
+# compiles without AMX micro-kernels (torch_patches.micro_kernels_without_amx)
+WITHOUT_AMX = "medusa_without_amx"
 # A small module's package (`compiled_module`): its weights held in it, no freezing (its GEMMs are calls out to
 # medusa's fbgemm op or aten's kernels; what compiling removes is the eager calls between them)
 MODULE_OPTIONS = {"freezing": False}
@@ -360,12 +364,20 @@ def compile_package(program, path: Path, options: dict) -> None:
     """AOTInductor-compile `program` into the package file `path`. max-autotune would time each GEMM shape's C++
     template against aten's kernel (seconds of compiling per shape on a small CPU), and the template won every
     SmolLM2 shape, so the template alone is tried first; a graph with a GEMM it cannot take (two activations, say:
-    no choice left) is compiled again with aten's kernels among the choices."""
+    no choice left) is compiled again with aten's kernels among the choices. `options[WITHOUT_AMX]`: without AMX
+    micro-kernels."""
+    without_amx = options.get(WITHOUT_AMX, False)
+    options = {key: value for key, value in options.items() if key != WITHOUT_AMX}
     template_only = {**options, GEMM_BACKENDS: "CPP"} if "CPP" in options.get(GEMM_BACKENDS, "") else None
     for settings in filter(None, (template_only, options)):
         try:
             # a copy of the settings: AOTInductor adds its own keys to the dict given
-            with torch._inductor.config.patch(settings), wrapper_compiled_beside_kernels(), prefetching_micro_kernels():
+            with (
+                torch._inductor.config.patch(settings),
+                wrapper_compiled_beside_kernels(),
+                prefetching_micro_kernels(),
+                micro_kernels_without_amx() if without_amx else contextlib.nullcontext(),
+            ):
                 torch._inductor.aoti_compile_and_package(
                     program, package_path=str(path), inductor_configs=dict(settings)
                 )

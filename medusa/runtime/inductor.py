@@ -12,6 +12,7 @@ import logging
 import torch
 from transformers import StaticCache
 
+from medusa.hardware import amx
 from medusa.loading import base_fingerprint
 from medusa.runtime import aot, static
 from medusa.runtime.prepack import attention_copy
@@ -35,6 +36,11 @@ class InductorEngine(CompiledEngine):
         # ones on AMX, where the main package's AMX GEMMs beat the GEMV at one row too
         half = precision_of(model) in ("bfloat16", "float16")
         self.one_token_gemv = self.ahead_of_time and half and not static.bf16_on_amx(model)
+        # weight-only int8 and int4 on a CPU with AMX: one-token steps run a package of their own compiled without AMX
+        # micro-kernels, whose vector kernels stream the weights faster at one row (AMX's stay for trees)
+        self.one_token_without_amx = (
+            self.ahead_of_time and precision_of(model) in ("int8", "int4") and amx(model.device)
+        )
         self._one_token: dict[int, object] = {}  # cache rows -> that package's runner
         self._weights: str | None = None  # the base's fingerprint, which names its packages
         super().__init__(model, torch_compile=True, prepack=prepack)
@@ -91,14 +97,19 @@ class InductorEngine(CompiledEngine):
             return 0.0
 
     def _compile_one_token(self, rows: int, progress: bool) -> float:
-        """Load (or compile) the one-token package for `rows` where this engine runs one (`one_token_gemv`), on
-        inductor's defaults (the engine's settings would freeze the weights into it). A failure leaves one-token steps
-        to the main package. -> seconds spent compiling."""
-        if not self.one_token_gemv:
+        """Load (or compile) the one-token package for `rows` where this engine runs one: `one_token_gemv`, on
+        inductor's defaults (the engine's settings would freeze the weights into it); `one_token_without_amx`, on the
+        engine's settings without AMX micro-kernels. A failure leaves one-token steps to the main package. -> seconds
+        spent compiling."""
+        if self.one_token_gemv:
+            options = aot.OWN_WEIGHTS_OPTIONS
+        elif self.one_token_without_amx:
+            options = {**static.inductor_cpu_options(self.model), aot.WITHOUT_AMX: True}
+        else:
             return 0.0
         try:
             self._one_token[rows], seconds = aot.load_or_compile(
-                self.runner, rows, aot.OWN_WEIGHTS_OPTIONS, self._weights, self.label, progress, one_token=True
+                self.runner, rows, options, self._weights, self.label, progress, one_token=True
             )
             return seconds
         except Exception as err:  # noqa: BLE001 - the main package still serves one-token steps
@@ -107,5 +118,5 @@ class InductorEngine(CompiledEngine):
                 type(err).__name__,
                 err,
             )
-            self.one_token_gemv = False
+            self.one_token_gemv = self.one_token_without_amx = False
             return 0.0

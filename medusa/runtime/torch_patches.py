@@ -78,6 +78,7 @@ INTERNALS = (
     ),
     Internal("torch._inductor.codegen.cpp_micro_gemm", "generate_gemm_config", "writing that 16 x 16 config"),
     Internal("torch._inductor.cpu_vec_isa", "VecAVX512", "which of its configs are AVX-512 ones"),
+    Internal("torch._inductor.cpu_vec_isa", "VecAMX", "micro_kernels_without_amx: which of its configs are AMX ones"),
     Internal("torch._dynamo", "mark_static_address", "a static cache's tensors guarded per size"),
     Internal("torch", "ops.mkldnn._reorder_linear_weight", "pre-packed weights without compiling"),
     Internal("torch", "ops.mkldnn._linear_pointwise", "the pre-packed linear"),
@@ -278,6 +279,30 @@ def prefetching_micro_kernels():
     finally:
         configs[kernel] = stock
         configs.pop(prefetching, None)
+
+
+@contextlib.contextmanager
+def micro_kernels_without_amx():
+    """While inside, inductor's C++ GEMM template has no AMX micro-kernels to pick (it ranks them first where the CPU
+    has AMX): weight-only int8 and int4 GEMMs at one row then run its vector kernels, which stream the weights faster
+    there (docs/engines.md, "one-token int8 and int4 steps without AMX"). A torch that keeps its micro-kernels
+    elsewhere compiles as it is."""
+    try:
+        import torch._inductor.compile_fx  # noqa: F401 - loads inductor's codegen modules in their own order
+        from torch._inductor.codegen import cpp_micro_gemm as micro
+        from torch._inductor.cpu_vec_isa import VecAMX
+    except (ImportError, AttributeError):
+        yield
+        return
+    configs = micro.micro_gemm_configs
+    saved = dict(configs)
+    for kernel, kernel_configs in saved.items():
+        configs[kernel] = [c for c in kernel_configs if c.vec_isa_cls is not VecAMX]
+    try:
+        yield
+    finally:
+        configs.clear()
+        configs.update(saved)
 
 
 def no_gemm_choice(err: BaseException | None) -> bool:
