@@ -242,67 +242,75 @@ def prefetching_kernel(stock: type) -> type | None:
 
 
 @contextlib.contextmanager
-def prefetching_micro_kernels():
-    """While inside, inductor's fp32 GEMM micro-kernels ask for their fp32 or int8 weights ahead (prefetching_kernel),
-    and its AVX-512 fp32 ones take FP32_REGISTER_BLOCKS only; other kernels are left as they are. A torch that keeps
-    its micro-kernels elsewhere compiles as it is; one that has changed the kernel's text, with the blocks alone."""
+def micro_gemm_configs_edited(edit):
+    """While inside, inductor's registry of C++ GEMM micro-kernel configs as `edit(cpp_micro_gemm)` leaves it (it
+    replaces entries of `micro_gemm_configs`); inductor's own entries again after. A torch that keeps its micro-kernels
+    elsewhere, or lacks what `edit` reaches for, compiles as it is."""
     try:
-        import torch
         import torch._inductor.compile_fx  # noqa: F401 - loads inductor's codegen modules in their own order
         from torch._inductor.codegen import cpp_micro_gemm as micro
+
+        configs = micro.micro_gemm_configs
+    except (ImportError, AttributeError):
+        yield
+        return
+    saved = dict(configs)
+
+    def restore():
+        configs.clear()
+        configs.update(saved)
+
+    try:
+        edit(micro)
+    except (ImportError, AttributeError, KeyError):
+        restore()
+    try:
+        yield
+    finally:
+        restore()
+
+
+def prefetching_micro_kernels():
+    """While inside, inductor's fp32 GEMM micro-kernels ask for their fp32 or int8 weights ahead (prefetching_kernel),
+    and its AVX-512 fp32 ones take FP32_REGISTER_BLOCKS only; other kernels are left as they are. A torch that has
+    changed the kernel's text compiles with the blocks alone."""
+
+    def edit(micro):
+        import torch
         from torch._inductor.cpu_vec_isa import VecAVX512
 
         configs, kernel = micro.micro_gemm_configs, micro.CppMicroGemmFP32Vec
+        stock = configs[kernel]
         narrow = micro.generate_gemm_config(VecAVX512, FP32_REGISTER_BLOCKS, input_dtype=torch.float)
-    except (ImportError, AttributeError):
-        yield
-        return
-    stock = configs.get(kernel)
-    if stock is None:
-        yield
-        return
+        prefetching = prefetching_kernel(kernel)
 
-    prefetching = prefetching_kernel(kernel)
+        def fp32(config) -> bool:
+            return config.input_dtype == config.input2_dtype == torch.float
 
-    def fp32(config) -> bool:
-        return config.input_dtype == config.input2_dtype == torch.float
+        def ours(config) -> bool:  # what changes: fp32 GEMMs, and int8-weight ones where their loads prefetch
+            return fp32(config) or (prefetching is not None and config.input2_dtype == torch.int8)
 
-    def ours(config) -> bool:  # what changes: fp32 GEMMs, and int8-weight ones where their loads prefetch
-        return fp32(config) or (prefetching is not None and config.input2_dtype == torch.int8)
+        changed = [c for c in stock if ours(c) and not (fp32(c) and c.vec_isa_cls is VecAVX512)] + narrow
+        configs[kernel] = [c for c in stock if not ours(c)] + ([] if prefetching else changed)
+        if prefetching:
+            configs[prefetching] = changed
 
-    changed = [c for c in stock if ours(c) and not (fp32(c) and c.vec_isa_cls is VecAVX512)] + narrow
-    configs[kernel] = [c for c in stock if not ours(c)] + ([] if prefetching else changed)
-    if prefetching:
-        configs[prefetching] = changed
-    try:
-        yield
-    finally:
-        configs[kernel] = stock
-        configs.pop(prefetching, None)
+    return micro_gemm_configs_edited(edit)
 
 
-@contextlib.contextmanager
 def micro_kernels_without_amx():
     """While inside, inductor's C++ GEMM template has no AMX micro-kernels to pick (it ranks them first where the CPU
     has AMX): weight-only int8 and int4 GEMMs at one row then run its vector kernels, which stream the weights faster
-    there (docs/engines.md, "one-token int8 and int4 steps without AMX"). A torch that keeps its micro-kernels
-    elsewhere compiles as it is."""
-    try:
-        import torch._inductor.compile_fx  # noqa: F401 - loads inductor's codegen modules in their own order
-        from torch._inductor.codegen import cpp_micro_gemm as micro
+    there (docs/engines.md, "one-token int8 and int4 steps without AMX")."""
+
+    def edit(micro):
         from torch._inductor.cpu_vec_isa import VecAMX
-    except (ImportError, AttributeError):
-        yield
-        return
-    configs = micro.micro_gemm_configs
-    saved = dict(configs)
-    for kernel, kernel_configs in saved.items():
-        configs[kernel] = [c for c in kernel_configs if c.vec_isa_cls is not VecAMX]
-    try:
-        yield
-    finally:
-        configs.clear()
-        configs.update(saved)
+
+        configs = micro.micro_gemm_configs
+        for kernel, kernel_configs in list(configs.items()):
+            configs[kernel] = [c for c in kernel_configs if c.vec_isa_cls is not VecAMX]
+
+    return micro_gemm_configs_edited(edit)
 
 
 def no_gemm_choice(err: BaseException | None) -> bool:
