@@ -72,6 +72,13 @@ def amx(device: torch.device | str = "cpu") -> bool:
     return torch.device(device).type == "cpu" and {"amx_bf16", "amx_tile"} <= cpu_flags()
 
 
+def amx_held_back() -> bool:
+    """A CPU with AMX whose environment turns it off (ONEDNN_MAX_CPU_ISA below AMX, torch's AVX2 kernels): oneDNN and
+    medusa honour the limit, but inductor's C++ GEMM template reads the CPU itself and would still multiply on the
+    tile units, so what is compiled would not be what such a CPU without AMX runs."""
+    return {"amx_bf16", "amx_tile"} <= _cpuinfo()[1] and not amx("cpu")
+
+
 def vector_int4(device: torch.device | str = "cpu") -> bool:
     """aten's int4 weight-only kernel at vector speed: on bf16 activations (a CPU with native bf16) under torch's
     AVX-512 kernels. Under its AVX2 ones, or on fp32 activations, it is a reference loop (docs/engines.md)."""

@@ -734,6 +734,31 @@ def test_no_amx_micro_kernel_is_left_to_pick_only_while_compiling_without_amx():
     assert micro.micro_gemm_configs == before
 
 
+def test_a_cpu_told_not_to_use_amx_compiles_packages_without_amx_micro_kernels(tmp_path, monkeypatch):
+    """ONEDNN_MAX_CPU_ISA below AMX on a CPU with AMX: inductor's C++ GEMM template reads the CPU itself, so it is left
+    no AMX micro-kernel to pick and a package is what a CPU without AMX compiles (the package key already differs:
+    hardware.describe reads the limit)."""
+    import torch._inductor.compile_fx  # noqa: F401 - inductor's codegen modules in their import order
+    from torch._inductor.codegen import cpp_micro_gemm as micro
+    from torch._inductor.cpu_vec_isa import VecAMX
+
+    monkeypatch.setattr(medusa.hardware, "_cpuinfo", lambda: ("an AMX CPU", frozenset(ISA_FLAGS)))
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    amx_offered = []
+
+    def compiled(program, package_path, inductor_configs):
+        amx_offered.append(any(c.vec_isa_cls is VecAMX for cs in micro.micro_gemm_configs.values() for c in cs))
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", compiled)
+    for limit in ("", "AVX512_CORE_BF16", "AVX2"):
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", limit)
+        medusa.runtime.aot.compile_package(None, tmp_path / "package.pt2", {"freezing": True})
+    assert amx_offered == [True, False, False]
+    monkeypatch.setattr(medusa.hardware, "_cpuinfo", lambda: ("a CPU without AMX", frozenset(ISA_FLAGS[:6])))
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "")
+    assert not medusa.hardware.amx_held_back()
+
+
 @pytest.mark.slow
 def test_an_fp32_package_is_compiled_with_those_kernels_and_keyed_by_them(tmp_path, monkeypatch):
     """A package's fp32 GEMMs take the prefetching kernel (with the narrowed blocks where inductor picks AVX-512, its

@@ -30,7 +30,7 @@ from torch import nn
 from transformers import StaticCache
 
 from medusa.fileio import atomic_file, one_at_a_time
-from medusa.hardware import describe
+from medusa.hardware import amx_held_back, describe
 from medusa.loading import base_fingerprint, cache_root
 from medusa.runtime.attention import ROW_INVARIANT_SDPA, kv_dtype
 from medusa.runtime.kv_cache import KeptDtypeLayer
@@ -365,8 +365,8 @@ def compile_package(program, path: Path, options: dict) -> None:
     template against aten's kernel (seconds of compiling per shape on a small CPU), and the template won every
     SmolLM2 shape, so the template alone is tried first; a graph with a GEMM it cannot take (two activations, say:
     no choice left) is compiled again with aten's kernels among the choices. `options[WITHOUT_AMX]`: without AMX
-    micro-kernels."""
-    without_amx = options.get(WITHOUT_AMX, False)
+    micro-kernels, as everywhere the environment holds AMX back (hardware.amx_held_back)."""
+    without_amx = options.get(WITHOUT_AMX, False) or amx_held_back()
     options = {key: value for key, value in options.items() if key != WITHOUT_AMX}
     template_only = {**options, GEMM_BACKENDS: "CPP"} if "CPP" in options.get(GEMM_BACKENDS, "") else None
     for settings in filter(None, (template_only, options)):
