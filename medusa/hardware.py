@@ -67,8 +67,8 @@ def native_bf16(device: torch.device | str = "cpu") -> bool:
 
 
 def amx(device: torch.device | str = "cpu") -> bool:
-    """A CPU with tile units for bf16 (AMX), usable here: inductor's C++ GEMM template multiplies bf16 on them, faster
-    than oneDNN and, even at one row, than aten's GEMV (docs/engines.md)."""
+    """A CPU with tile units for bf16 (AMX), usable here: inductor's C++ GEMM template multiplies bf16 and int8 on
+    them (weight-only int8 and int4 one-token steps are faster without them: docs/engines.md)."""
     return torch.device(device).type == "cpu" and {"amx_bf16", "amx_tile"} <= cpu_flags()
 
 

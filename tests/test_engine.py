@@ -152,13 +152,15 @@ def test_isa_limits_from_the_environment_are_honoured(monkeypatch):
 
 
 def test_amx_is_seen_unless_onednn_is_held_below_it(monkeypatch):
-    """The one-token bf16 package is skipped on AMX (hardware.amx); a oneDNN limit below AMX makes it run again."""
+    """AMX is seen where the CPU has it (hardware.amx: int8 and int4 one-token packages without it); a oneDNN limit
+    below AMX hides it, and the packages then compile without it too (hardware.amx_held_back)."""
     monkeypatch.setattr(medusa.hardware, "_cpuinfo", lambda: ("an AMX CPU", frozenset(ISA_FLAGS)))
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
     assert amx("cpu") and not amx("meta")
+    assert not medusa.hardware.amx_held_back()
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
-    assert not amx("cpu") and native_bf16("cpu")
+    assert not amx("cpu") and native_bf16("cpu") and medusa.hardware.amx_held_back()
 
 
 def test_w8a8_takes_inductors_template_with_vnni_else_fbgemm_else_nothing(monkeypatch):
@@ -215,45 +217,68 @@ def test_ahead_of_time_packages_match_eager_and_load_in_a_new_engine(family, tmp
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
-def test_half_precision_one_token_steps_run_a_package_on_the_models_own_weights(family, tmp_path, monkeypatch):
-    """bf16 on a CPU: one-token steps run the one-token package (aten's GEMV, oneDNN off while it runs, on again
-    after), which holds no weights: it reads the model's own, so an in-place change to one shows in its next step.
-    Its logits and hidden states match eager's within bf16 rounding; a tree still runs the main package."""
+def test_a_package_compiled_without_weights_reads_the_models_own(family, tmp_path, monkeypatch):
+    """A package compiled with OWN_WEIGHTS_OPTIONS (w8a8 on fbgemm, whose GEMMs pack what they are given) holds no
+    weights: it reads the model's own, so an in-place change to one shows in its next step. Its logits and hidden
+    states match eager's, at one token and at a tree."""
     monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
     monkeypatch.setattr(medusa.runtime.static, "INDUCTOR_CPU_OPTIONS", FAST_INDUCTOR)
-    monkeypatch.setattr(medusa.runtime.static, "amx", lambda device: False)
-    model = make_tiny_model(family, dtype=torch.bfloat16)
+    monkeypatch.setattr(medusa.runtime.static, "sums_on_fbgemm", lambda model: True)
+    model = make_tiny_model(family)
     torch.manual_seed(3)
     prompt = torch.randint(1, 90, (1, 7))
-    root = Candidates(tokens=torch.randint(1, 90, (1,)), tree=build_buffers(TreeSpec([], 3), 3))
+    tree = build_buffers(TreeSpec(HAND_TREE, 3), 3)
+    steps = [
+        Candidates(tokens=torch.randint(1, 90, (1,)), tree=build_buffers(TreeSpec([], 3), 3)),
+        Candidates(tokens=torch.randint(1, 90, (tree.num_nodes,)), tree=tree),
+    ]
     engine = make_engine("inductor", model)
-    ran, run = [], medusa.runtime.aot.run
-
-    def recording(runner, *args, **kwargs):
-        ran.append((runner, torch.backends.mkldnn.enabled))
-        return run(runner, *args, **kwargs)
-
-    monkeypatch.setattr(medusa.runtime.aot, "run", recording)
-    close = dict(atol=3e-2, rtol=3e-2)  # bf16: another GEMM sums in another order
     for change in (False, True):
         if change:
             with torch.no_grad():
                 model.get_output_embeddings().weight.mul_(2)  # in place: the package must see it
-        _, eager = _verify(EagerEngine(model), model, prompt, root)
-        _, ours = _verify(engine, model, prompt, root)
+        for candidates in steps:
+            _, eager = _verify(EagerEngine(model), model, prompt, candidates)
+            _, ours = _verify(engine, model, prompt, candidates)
+            torch.testing.assert_close(ours.logits, eager.logits, **TOL)
+            torch.testing.assert_close(ours.hidden, eager.hidden, **TOL)
+    assert engine.ahead_of_time and sorted(engine._packages) == [512] and not engine._one_token
+
+
+@pytest.mark.slow
+def test_a_bf16_package_without_amx_runs_the_prefetching_template_and_matches_eager(tmp_path, monkeypatch):
+    """bf16 where AMX is absent (or held back, as here on a CPU with it): every GEMM of the package, one-token steps
+    included, is inductor's C++ template widening the weights in registers and asking for them ahead (no oneDNN, no
+    one-token package of aten's GEMV); its logits and hidden states match eager's within bf16 rounding."""
+    import torch._inductor.compile_fx  # noqa: F401 - inductor's codegen modules in their import order
+    from torch._inductor.codegen import cpp_gemm_template
+
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")  # the engine's own settings: its GEMM template
+    picked, create = [], cpp_gemm_template.create_micro_gemm
+
+    def recording(*args, **kwargs):
+        micro_gemm = create(*args, **kwargs)
+        picked.append(type(micro_gemm).__name__)
+        return micro_gemm
+
+    monkeypatch.setattr(cpp_gemm_template, "create_micro_gemm", recording)
+    model = make_tiny_model("llama", dtype=torch.bfloat16)
+    torch.manual_seed(3)
+    prompt = torch.randint(1, 90, (1, 7))
+    tree = build_buffers(TreeSpec(HAND_TREE, 3), 3)
+    engine = make_engine("inductor", model)
+    close = dict(atol=3e-2, rtol=3e-2)  # bf16: another GEMM sums in another order
+    for candidates in (
+        Candidates(tokens=torch.randint(1, 90, (1,)), tree=build_buffers(TreeSpec([], 3), 3)),
+        Candidates(tokens=torch.randint(1, 90, (tree.num_nodes,)), tree=tree),
+    ):
+        _, eager = _verify(EagerEngine(model), model, prompt, candidates)
+        _, ours = _verify(engine, model, prompt, candidates)
         torch.testing.assert_close(ours.logits, eager.logits, **close)
         torch.testing.assert_close(ours.hidden, eager.hidden, **close)
-    assert engine.one_token_gemv and sorted(engine._one_token) == sorted(engine._packages) == [512]
-    assert ran == [(engine._one_token[512], False)] * 2 and torch.backends.mkldnn.enabled
-    tree = build_buffers(TreeSpec(HAND_TREE, 3), 3)
-    _verify(engine, model, prompt, Candidates(tokens=torch.randint(1, 90, (tree.num_nodes,)), tree=tree))
-    assert ran[-1] == (engine._packages[512], True)
-    (one_token,) = (tmp_path / "aoti").glob("*-one-token-*.pt2")
-    assert not InductorEngine(make_tiny_model(family)).one_token_gemv  # fp32: the main package's C++ template
-    int8 = quantize_target(make_tiny_model(family, dtype=torch.bfloat16), "int8")  # bf16 activations, int8 weights
-    assert not InductorEngine(int8).one_token_gemv  # its int8 template beats aten's int8 kernel at one token
-    monkeypatch.setattr(medusa.runtime.static, "amx", lambda device: True)
-    assert not InductorEngine(model).one_token_gemv  # on AMX the main package's AMX GEMMs are faster at one row
+    assert engine.ahead_of_time and sorted(engine._packages) == [512] and not engine._one_token
+    assert picked and set(picked) == {"PrefetchingCppMicroGemmFP32Vec"}
 
 
 @pytest.mark.slow
@@ -288,7 +313,7 @@ def test_weight_only_one_token_steps_on_amx_run_a_package_compiled_without_amx(p
     prompt = torch.randint(1, 90, (1, 7))
     root = Candidates(tokens=torch.randint(1, 90, (1,)), tree=build_buffers(TreeSpec([], 3), 3))
     engine = make_engine("inductor", model)
-    assert engine.one_token_without_amx and not engine.one_token_gemv
+    assert engine.one_token_without_amx
     _, ours = _verify(engine, model, prompt, root)
     _, eager = _verify(EagerEngine(model), model, prompt, root)
     close = dict(atol=3e-2, rtol=3e-2)  # bf16 activations: another GEMM sums in another order
@@ -671,11 +696,12 @@ def test_packages_try_the_gemm_template_alone_then_with_aten(tmp_path, monkeypat
     assert tried == (["CPP", "CPP,ATEN"] if both_activations else ["CPP"])
 
 
-def test_micro_kernels_prefetch_fp32_and_int8_weights_and_take_16_by_16_fp32_blocks_only_while_compiling():
-    """Inside prefetching_micro_kernels every fp32-weight and int8-weight config of inductor's fp32 micro-kernel belongs
-    to a kernel whose weight loads each ask for the row FP32_PREFETCH_ROWS / INT8_PREFETCH_ROWS ahead (a verify of 2-8
-    rows then costs little more than one row's), the AVX-512 fp32 ones with FP32_REGISTER_BLOCKS alone; every other
-    kernel is as inductor ships it, and all of it is inductor's own again after."""
+def test_micro_kernels_prefetch_fp32_int8_and_half_weights_and_take_16_by_16_fp32_blocks_only_while_compiling():
+    """Inside prefetching_micro_kernels every fp32-, int8- and bf16/fp16-weight config of inductor's fp32 micro-kernel
+    belongs to a kernel whose weight loads each ask for the row FP32_PREFETCH_ROWS / INT8_PREFETCH_ROWS /
+    HALF_PREFETCH_ROWS ahead (a verify of 2-8 rows then costs little more than one row's), the AVX-512 fp32 ones with
+    FP32_REGISTER_BLOCKS alone; every other kernel is as inductor ships it, and all of it is inductor's own again
+    after."""
     import torch._inductor.compile_fx  # noqa: F401 - inductor's codegen modules in their import order
     from torch._inductor.codegen import cpp_micro_gemm as micro
     from torch._inductor.cpu_vec_isa import VecAVX512
@@ -683,6 +709,7 @@ def test_micro_kernels_prefetch_fp32_and_int8_weights_and_take_16_by_16_fp32_blo
     from medusa.runtime.torch_patches import (
         FP32_PREFETCH_ROWS,
         FP32_REGISTER_BLOCKS,
+        HALF_PREFETCH_ROWS,
         INT8_PREFETCH_ROWS,
         prefetching_micro_kernels,
     )
@@ -690,8 +717,8 @@ def test_micro_kernels_prefetch_fp32_and_int8_weights_and_take_16_by_16_fp32_blo
     def fp32(config):
         return config.input_dtype == config.input2_dtype == torch.float
 
-    def int8_weights(config):
-        return config.input2_dtype == torch.int8
+    def other_weights(config):
+        return config.input2_dtype in (torch.int8, torch.bfloat16, torch.float16)
 
     before = dict(micro.micro_gemm_configs)
     stock = before[micro.CppMicroGemmFP32Vec]
@@ -703,18 +730,19 @@ def test_micro_kernels_prefetch_fp32_and_int8_weights_and_take_16_by_16_fp32_blo
         inside = micro.micro_gemm_configs
         (prefetching,) = set(inside) - set(before)
         assert issubclass(prefetching, micro.CppMicroGemmFP32Vec)
-        for rows, load in ((FP32_PREFETCH_ROWS, "vb[col] = Vectorized::loadu("), (INT8_PREFETCH_ROWS, "auto b32 =")):
+        loads = (FP32_PREFETCH_ROWS, "vb[col] = Vectorized::loadu("), (INT8_PREFETCH_ROWS, "auto b32 =")
+        for rows, load in (*loads, (HALF_PREFETCH_ROWS, "auto b = VectorizedIn::loadu(")):
             prefetch = f"_mm_prefetch(reinterpret_cast<const char*>(B + (k + {rows}) * ldb + col * VLEN), _MM_HINT_T1);"
             assert f"{prefetch}\n            {load}" in prefetching.TEMPLATE_KERNEL
-        assert not [c for c in inside[micro.CppMicroGemmFP32Vec] if fp32(c) or int8_weights(c)]
+        assert not [c for c in inside[micro.CppMicroGemmFP32Vec] if fp32(c) or other_weights(c)]
         ours = inside[prefetching]
         assert [tuple(c.register_blocking) for c in ours if fp32(c) and c.vec_isa_cls is VecAVX512] == list(
             FP32_REGISTER_BLOCKS
         )
         assert [c for c in ours if not (fp32(c) and c.vec_isa_cls is VecAVX512)] == [
-            c for c in stock if (fp32(c) and c.vec_isa_cls is not VecAVX512) or int8_weights(c)
+            c for c in stock if (fp32(c) and c.vec_isa_cls is not VecAVX512) or other_weights(c)
         ]
-        assert inside[micro.CppMicroGemmFP32Vec] == [c for c in stock if not fp32(c) and not int8_weights(c)]
+        assert inside[micro.CppMicroGemmFP32Vec] == [c for c in stock if not fp32(c) and not other_weights(c)]
     assert micro.micro_gemm_configs == before and micro.micro_gemm_configs[micro.CppMicroGemmFP32Vec] is stock
 
 
@@ -765,7 +793,7 @@ def test_an_fp32_package_is_compiled_with_those_kernels_and_keyed_by_them(tmp_pa
     AVX2 ones where it picks AVX2) even where inductor's own cache holds the same graph compiled without it, compute
     what the module computes, and a package's path changes with what its kernels were compiled with (a package
     compiled with others is not loaded): an fp32 one's with the blocks and the fp32 distance, an int8 one's with the
-    int8 distance, a bf16 one's with neither."""
+    int8 distance, a bf16 one's with the half-precision distance."""
     import torch._inductor.compile_fx  # noqa: F401 - inductor's codegen modules in their import order
     from torch._inductor.codegen import cpp_gemm_template
     from torch._inductor.cpu_vec_isa import VecAVX512, pick_vec_isa
@@ -811,10 +839,12 @@ def test_an_fp32_package_is_compiled_with_those_kernels_and_keyed_by_them(tmp_pa
     other_fp32_distance = paths()
     monkeypatch.setattr(medusa.runtime.aot, "INT8_PREFETCH_ROWS", 64)
     other_int8_distance = paths()
-    fp32, int8, bf16 = zip(before, other_blocks, other_fp32_distance, other_int8_distance)
-    assert len(set(fp32)) == 3 and fp32[2] == fp32[3]
-    assert int8[0] == int8[1] == int8[2] != int8[3]
-    assert len(set(bf16)) == 1
+    monkeypatch.setattr(medusa.runtime.aot, "HALF_PREFETCH_ROWS", 64)
+    other_half_distance = paths()
+    fp32, int8, bf16 = zip(before, other_blocks, other_fp32_distance, other_int8_distance, other_half_distance)
+    assert len(set(fp32)) == 3 and fp32[2] == fp32[3] == fp32[4]
+    assert int8[0] == int8[1] == int8[2] != int8[3] == int8[4]
+    assert bf16[0] == bf16[1] == bf16[2] == bf16[3] != bf16[4]
 
 
 def _builder(target: str, compile_only: bool = True):

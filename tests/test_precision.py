@@ -207,18 +207,15 @@ def test_the_plan_is_keyed_on_the_precision(tmp_path):
     assert keys["int8"]["dtype"] == "int8" and keys["bfloat16"]["dtype"] == "bfloat16"
 
 
-def test_inductor_takes_onednn_for_bf16_gemms_without_amx_and_its_template_for_int8_ones(monkeypatch):
-    import medusa.runtime.static
+def test_inductor_takes_its_template_first_for_every_precisions_gemms():
+    """fp32, bf16, fp16 and int8 GEMMs alike: inductor's C++ template, aten's kernels only where it has none (bf16 and
+    fp16 included without AMX: widened in registers, their weights asked for ahead, they beat oneDNN and aten's GEMV
+    there, docs/engines.md)."""
     from medusa.runtime.static import inductor_cpu_options
 
     backends = "max_autotune_gemm_backends"
-    monkeypatch.setattr(medusa.runtime.static, "amx", lambda device: False)
-    assert inductor_cpu_options(make_tiny_model("llama"))[backends] == "CPP,ATEN"
-    assert inductor_cpu_options(make_tiny_model("llama", dtype=torch.bfloat16))[backends] == "ATEN"
-    assert inductor_cpu_options(quantised_target("llama"))[backends] == "CPP,ATEN"
-    monkeypatch.setattr(medusa.runtime.static, "amx", lambda device: True)  # the template's AMX kernels: bf16 only
-    assert inductor_cpu_options(make_tiny_model("llama", dtype=torch.bfloat16))[backends] == "CPP,ATEN"
-    assert inductor_cpu_options(make_tiny_model("llama", dtype=torch.float16))[backends] == "ATEN"
+    models = [make_tiny_model("llama", dtype=dtype) for dtype in (torch.float32, torch.bfloat16, torch.float16)]
+    assert [inductor_cpu_options(m)[backends] for m in (*models, quantised_target("llama"))] == ["CPP,ATEN"] * 4
 
 
 def test_inductor_concatenates_float_projections_but_not_int8_ones():

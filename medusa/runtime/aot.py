@@ -38,6 +38,7 @@ from medusa.runtime.quantize import precision_of
 from medusa.runtime.torch_patches import (
     FP32_PREFETCH_ROWS,
     FP32_REGISTER_BLOCKS,
+    HALF_PREFETCH_ROWS,
     INT8_PREFETCH_ROWS,
     micro_kernels_without_amx,
     no_gemm_choice,
@@ -53,10 +54,8 @@ AOT_FORMAT = 4  # bump when what is exported changes (2: medusa's attention, 3: 
 # cache), so old packages are not loaded
 ROW_INVARIANT_FORMAT = 4  # the same for what only w8a8 exports (attention.reduction_sdpa): 2, the values read
 # where they lie; 3, fbgemm's sums as a library op; 4, sibling projections on fbgemm fused
-# A package that holds no weights and reads the model's own tensors (`own_weights`). The one-token package
-# (half-precision weights on a CPU): one query token, no freezing, so every linear stays a matmul against a
-# transposed view of the model's own weight, which aten runs as a GEMV without oneDNN (`without_onednn`); w8a8 on
-# fbgemm, whose GEMMs are calls out of the package that pack the weights they are given once (docs/engines.md).
+# A package that holds no weights and reads the model's own tensors (`own_weights`): w8a8 on fbgemm, whose GEMMs are
+# calls out of the package that pack the weights they are given once (docs/engines.md).
 OWN_WEIGHTS_OPTIONS = {"freezing": False, "aot_inductor.package_constants_in_so": False}
 DEFAULT_CACHE_GB = 8  # a few models' packages at two or three cache sizes each
 MAX_QUERY = 256  # the most tokens one verify forward may take (a tree's nodes)
@@ -144,6 +143,7 @@ def package_path(model, rows: int, options: dict, weights: str, one_token: bool 
             else {}
         ),
         **({"int8_prefetch_rows": INT8_PREFETCH_ROWS} if precision_of(model) == "int8" else {}),
+        **({"half_prefetch_rows": HALF_PREFETCH_ROWS} if precision_of(model) in ("bfloat16", "float16") else {}),
         **(
             {"attention": ROW_INVARIANT_SDPA, "attention_format": ROW_INVARIANT_FORMAT}
             if attention == ROW_INVARIANT_SDPA
@@ -198,20 +198,8 @@ def own_weights(runner, model) -> None:
     wanted = runner.get_constant_fqns()
     missing = [name for name in wanted if name not in named]
     if missing:
-        raise RuntimeError(f"the one-token package reads {missing[:3]}, which the model does not have")
+        raise RuntimeError(f"the package reads {missing[:3]}, which the model does not have")
     runner.load_constants({name: named[name] for name in wanted}, check_full_update=True, user_managed=True)
-
-
-@contextlib.contextmanager
-def without_onednn():
-    """oneDNN off for a while: aten then runs a one-row matmul against a transposed weight as its GEMV, which
-    streams half-precision weights faster than oneDNN's GEMM does at one row (docs/engines.md)."""
-    enabled = torch.backends.mkldnn.enabled
-    torch.backends.mkldnn.enabled = False
-    try:
-        yield
-    finally:
-        torch.backends.mkldnn.enabled = enabled
 
 
 def _ticking(message: str):

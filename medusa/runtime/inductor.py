@@ -31,11 +31,6 @@ class InductorEngine(CompiledEngine):
         plain_weights = all(type(p) in (torch.Tensor, torch.nn.Parameter) for p in model.parameters())
         self.ahead_of_time = model.device.type != "cuda" and plain_weights
         self._packages: dict[int, object] = {}  # cache rows -> the loaded package's runner
-        # half-precision weights on a CPU: one-token steps run a package of their own on aten's GEMV
-        # (aot.OWN_WEIGHTS_OPTIONS); not quantized ones, whose int8 template beats aten's int8 kernel there, nor bf16
-        # ones on AMX, where the main package's AMX GEMMs beat the GEMV at one row too
-        half = precision_of(model) in ("bfloat16", "float16")
-        self.one_token_gemv = self.ahead_of_time and half and not static.bf16_on_amx(model)
         # weight-only int8 and int4 on a CPU with AMX: one-token steps run a package of their own compiled without AMX
         # micro-kernels, whose vector kernels stream the weights faster at one row (AMX's stay for trees)
         self.one_token_without_amx = (
@@ -62,10 +57,8 @@ class InductorEngine(CompiledEngine):
         self._start_step(cache, candidates, past_length)
         # the package attends over the rows written: the mask is as wide as them
         tokens, position_ids, mask = verify_inputs(candidates, past_length, self.model.dtype, past_length + n)
-        one_token = self._one_token.get(rows) if n == 1 else None
-        if one_token is not None:
-            with aot.without_onednn():
-                return VerifyOutput(*aot.run(one_token, cache, tokens, position_ids, mask, past_length, feature_layers))
+        if n == 1:
+            package = self._one_token.get(rows, package)
         return VerifyOutput(*aot.run(package, cache, tokens, position_ids, mask, past_length, feature_layers))
 
     def _compile_graphs(self, cache: StaticCache, progress: bool) -> float:
@@ -97,16 +90,12 @@ class InductorEngine(CompiledEngine):
             return 0.0
 
     def _compile_one_token(self, rows: int, progress: bool) -> float:
-        """Load (or compile) the one-token package for `rows` where this engine runs one: `one_token_gemv`, on
-        inductor's defaults (the engine's settings would freeze the weights into it); `one_token_without_amx`, on the
+        """Load (or compile) the one-token package for `rows` where this engine runs one (`one_token_without_amx`): the
         engine's settings without AMX micro-kernels. A failure leaves one-token steps to the main package. -> seconds
         spent compiling."""
-        if self.one_token_gemv:
-            options = aot.OWN_WEIGHTS_OPTIONS
-        elif self.one_token_without_amx:
-            options = {**static.inductor_cpu_options(self.model), aot.WITHOUT_AMX: True}
-        else:
+        if not self.one_token_without_amx:
             return 0.0
+        options = {**static.inductor_cpu_options(self.model), aot.WITHOUT_AMX: True}
         try:
             self._one_token[rows], seconds = aot.load_or_compile(
                 self.runner, rows, options, self._weights, self.label, progress, one_token=True
@@ -118,5 +107,5 @@ class InductorEngine(CompiledEngine):
                 type(err).__name__,
                 err,
             )
-            self.one_token_gemv = self.one_token_without_amx = False
+            self.one_token_without_amx = False
             return 0.0

@@ -16,7 +16,6 @@ import time
 import torch
 from transformers import StaticCache
 
-from medusa.hardware import amx
 from medusa.loading import cache_root
 from medusa.runtime.aot import OWN_WEIGHTS_OPTIONS
 from medusa.runtime.attention import ROW_INVARIANT_SDPA, kv_dtype
@@ -51,30 +50,19 @@ VERIFY_GRAPHS = os.environ.get("MEDUSA_VERIFY_GRAPHS", "1") != "0"
 ENGINES_ATTRIBUTE = "_medusa_engines"  # where medusa.runtime.engine_for keeps a model's engines
 
 
-def bf16_on_amx(model) -> bool:
-    """A bf16 target on a CPU with AMX: inductor's C++ GEMM template multiplies it on the tile units, one-token steps
-    included (docs/engines.md, "bf16 on AMX")."""
-    return precision_of(model) == "bfloat16" and amx(model.device)
-
-
 def inductor_cpu_options(model) -> dict:
-    """inductor's settings on a CPU for `model`: bf16 and fp16 GEMMs go to oneDNN (aten's packed linear): inductor's
-    C++ template widens them to fp32 on a CPU without AMX, and ran a bf16 step at half oneDNN's speed. On AMX bf16
-    keeps the template (its AMX micro-kernels beat oneDNN there). An int8 target's
-    weight-only GEMMs keep the template first (its int8 kernels beat aten's at 1-4 rows). Float targets have the
-    linear layers that read one input (q/k/v, gate/up) concatenated into one GEMM each (fewer, larger calls); an int8
+    """inductor's settings on a CPU for `model`. Every precision's GEMMs take its C++ template first: bf16 and fp16
+    ones on AMX's tile units where the CPU has them, else widened to fp32 in registers with their weights asked for
+    ahead, which beat oneDNN's and aten's GEMV (docs/engines.md, "bf16 without AMX"). Float targets have the linear
+    layers that read one input (q/k/v, gate/up) concatenated into one GEMM each (fewer, larger calls); a quantized
     target does not (its concatenated pattern leaves the template: a slower step, docs/engines.md)."""
     options = dict(INDUCTOR_CPU_OPTIONS)
     if getattr(model.config, "_attn_implementation", None) == ROW_INVARIANT_SDPA:
         options[REALIZE_OPCOUNT] = ROW_INVARIANT_REALIZE_OPCOUNT
     if sums_on_fbgemm(model):  # nothing for inductor to freeze: it reads the weights fbgemm packed for the model
         options.update(OWN_WEIGHTS_OPTIONS)
-    if precision_of(model) in QUANTIZED:
-        return options
-    options["cpp.enable_concat_linear"] = True
-    backends = "max_autotune_gemm_backends"
-    if model.dtype in (torch.bfloat16, torch.float16) and backends in options and not bf16_on_amx(model):
-        options[backends] = "ATEN"
+    if precision_of(model) not in QUANTIZED:
+        options["cpp.enable_concat_linear"] = True
     return options
 
 

@@ -220,18 +220,25 @@ FP32_REGISTER_BLOCKS = ((16, 16, 1),)
 # (docs/engines.md, "fp32 trees: weights asked for ahead"). The package key carries them (aot.package_path).
 FP32_PREFETCH_ROWS = 128
 INT8_PREFETCH_ROWS = 512  # int8 weights (weight-only int8 without AMX: bf16 activations on the fp32 kernel)
-# the stock kernel's loads of a vector of weights (full width, B not transposed), fp32 and int8: the prefetch goes
-# before each
+HALF_PREFETCH_ROWS = 256  # bf16 and fp16 weights (without AMX: docs/engines.md, "bf16 without AMX")
+# the stock kernel's loads of a vector of weights (full width, B not transposed), fp32, int8 and bf16 / fp16: the
+# prefetch goes before each
 FP32_WEIGHT_LOAD = "vb[col] = Vectorized::loadu(B + k * ldb + col * VLEN);"
 INT8_WEIGHT_LOAD = "auto b32 = at::vec::convert_to_int32<int8_t>(B + k * ldb + col * VLEN);"
+HALF_WEIGHT_LOAD = "auto b = VectorizedIn::loadu(B + k * ldb + col * VLEN, VLEN);"
 
 
 def prefetching_kernel(stock: type) -> type | None:
-    """A subclass of inductor's fp32 micro-kernel `stock` whose fp32 and int8 weight loads each ask for the row
-    FP32_PREFETCH_ROWS / INT8_PREFETCH_ROWS ahead (a row past the block's end is the next block's: the template packs
-    them one after another; a prefetch never faults). None where the kernel's text has changed."""
+    """A subclass of inductor's fp32 micro-kernel `stock` whose fp32, int8 and bf16 / fp16 weight loads each ask for
+    the row FP32_PREFETCH_ROWS / INT8_PREFETCH_ROWS / HALF_PREFETCH_ROWS ahead (a row past the block's end is the next
+    block's: the template packs them one after another; a prefetch never faults). None where the kernel's text has
+    changed."""
     kernel = stock.TEMPLATE_KERNEL
-    for load, rows in ((FP32_WEIGHT_LOAD, FP32_PREFETCH_ROWS), (INT8_WEIGHT_LOAD, INT8_PREFETCH_ROWS)):
+    for load, rows in (
+        (FP32_WEIGHT_LOAD, FP32_PREFETCH_ROWS),
+        (INT8_WEIGHT_LOAD, INT8_PREFETCH_ROWS),
+        (HALF_WEIGHT_LOAD, HALF_PREFETCH_ROWS),
+    ):
         if kernel.count(load) != 1:
             return None
         ahead = f"B + (k + {rows}) * ldb + col * VLEN"
@@ -271,9 +278,9 @@ def micro_gemm_configs_edited(edit):
 
 
 def prefetching_micro_kernels():
-    """While inside, inductor's fp32 GEMM micro-kernels ask for their fp32 or int8 weights ahead (prefetching_kernel),
-    and its AVX-512 fp32 ones take FP32_REGISTER_BLOCKS only; other kernels are left as they are. A torch that has
-    changed the kernel's text compiles with the blocks alone."""
+    """While inside, inductor's fp32 GEMM micro-kernels ask for their fp32, int8 or bf16 / fp16 weights ahead
+    (prefetching_kernel), and its AVX-512 fp32 ones take FP32_REGISTER_BLOCKS only; other kernels are left as they are.
+    A torch that has changed the kernel's text compiles with the blocks alone."""
 
     def edit(micro):
         import torch
@@ -287,8 +294,9 @@ def prefetching_micro_kernels():
         def fp32(config) -> bool:
             return config.input_dtype == config.input2_dtype == torch.float
 
-        def ours(config) -> bool:  # what changes: fp32 GEMMs, and int8-weight ones where their loads prefetch
-            return fp32(config) or (prefetching is not None and config.input2_dtype == torch.int8)
+        def ours(config) -> bool:  # what changes: fp32 GEMMs, and int8 / half weights' ones where loads prefetch
+            weights = (torch.int8, torch.bfloat16, torch.float16)
+            return fp32(config) or (prefetching is not None and config.input2_dtype in weights)
 
         changed = [c for c in stock if ours(c) and not (fp32(c) and c.vec_isa_cls is VecAVX512)] + narrow
         configs[kernel] = [c for c in stock if not ours(c)] + ([] if prefetching else changed)
