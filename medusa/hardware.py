@@ -16,6 +16,7 @@ import torch
 
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile")
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+AMX_FLAGS = frozenset({"amx_bf16", "amx_tile"})  # tile units that multiply bf16
 # oneDNN ISA names below AVX-512, and below its first ISA with native bf16 (AVX512_CORE_BF16): a limit to one of these
 # turns those off.
 ONEDNN_BELOW_AVX512 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2")
@@ -51,7 +52,7 @@ def cpu_flags() -> frozenset:
     if onednn in ONEDNN_BELOW_BF16:
         flags -= set(BF16_FLAGS) | {"amx_tile"}
     if onednn in ONEDNN_BELOW_AMX:
-        flags -= {"amx_bf16", "amx_tile"}
+        flags -= AMX_FLAGS
     if capability == "default":
         flags -= {"avx2", "fma"}
     return frozenset(flags)
@@ -69,14 +70,14 @@ def native_bf16(device: torch.device | str = "cpu") -> bool:
 def amx(device: torch.device | str = "cpu") -> bool:
     """A CPU with tile units for bf16 (AMX), usable here: inductor's C++ GEMM template multiplies bf16 and int8 on
     them (weight-only int8 and int4 one-token steps are faster without them: docs/engines.md)."""
-    return torch.device(device).type == "cpu" and {"amx_bf16", "amx_tile"} <= cpu_flags()
+    return torch.device(device).type == "cpu" and AMX_FLAGS <= cpu_flags()
 
 
 def amx_held_back() -> bool:
     """A CPU with AMX whose environment turns it off (ONEDNN_MAX_CPU_ISA below AMX, torch's AVX2 kernels): oneDNN and
     medusa honour the limit, but inductor's C++ GEMM template reads the CPU itself and would still multiply on the
     tile units, so what is compiled would not be what such a CPU without AMX runs."""
-    return {"amx_bf16", "amx_tile"} <= _cpuinfo()[1] and not amx("cpu")
+    return AMX_FLAGS <= _cpuinfo()[1] and not amx("cpu")
 
 
 def vector_int4(device: torch.device | str = "cpu") -> bool:

@@ -730,8 +730,11 @@ def test_micro_kernels_prefetch_fp32_int8_and_half_weights_and_take_16_by_16_fp3
         inside = micro.micro_gemm_configs
         (prefetching,) = set(inside) - set(before)
         assert issubclass(prefetching, micro.CppMicroGemmFP32Vec)
-        loads = (FP32_PREFETCH_ROWS, "vb[col] = Vectorized::loadu("), (INT8_PREFETCH_ROWS, "auto b32 =")
-        for rows, load in (*loads, (HALF_PREFETCH_ROWS, "auto b = VectorizedIn::loadu(")):
+        for rows, load in (
+            (FP32_PREFETCH_ROWS, "vb[col] = Vectorized::loadu("),
+            (INT8_PREFETCH_ROWS, "auto b32 ="),
+            (HALF_PREFETCH_ROWS, "auto b = VectorizedIn::loadu("),
+        ):
             prefetch = f"_mm_prefetch(reinterpret_cast<const char*>(B + (k + {rows}) * ldb + col * VLEN), _MM_HINT_T1);"
             assert f"{prefetch}\n            {load}" in prefetching.TEMPLATE_KERNEL
         assert not [c for c in inside[micro.CppMicroGemmFP32Vec] if fp32(c) or other_weights(c)]

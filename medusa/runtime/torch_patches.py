@@ -308,8 +308,9 @@ def prefetching_micro_kernels():
 
 def micro_kernels_without_amx():
     """While inside, inductor's C++ GEMM template has no AMX micro-kernels to pick (it ranks them first where the CPU
-    has AMX): weight-only int8 and int4 GEMMs at one row then run its vector kernels, which stream the weights faster
-    there (docs/engines.md, "one-token int8 and int4 steps without AMX")."""
+    has AMX, reading the CPU, not ONEDNN_MAX_CPU_ISA). For weight-only int8 and int4 one-token packages, whose vector
+    kernels stream the weights faster at one row (docs/engines.md, "one-token int8 and int4 steps without AMX"), and
+    for every package where the environment holds AMX back (hardware.amx_held_back)."""
 
     def edit(micro):
         from torch._inductor.cpu_vec_isa import VecAMX
