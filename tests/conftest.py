@@ -22,10 +22,14 @@ os.environ.setdefault("MEDUSA_COMPILE", "0")
 # refused (slower than fp32 there); tests/test_precision.py checks that refusal with this unset.
 os.environ.setdefault("MEDUSA_ALLOW_EMULATED_BF16", "1")
 # Under pytest-xdist (make test: a worker per core), each worker takes its share of the cores: torch's default of
-# every core per process would have the workers' thread pools contend.
+# every core per process would have the workers' thread pools contend. The processes a test starts (the notebook's
+# kernel, the CLI, accelerate, the wheel's venv) inherit the share through OMP_NUM_THREADS: with every core each, their
+# OpenMP threads would spin waiting for the core another worker holds, several times slower.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    torch.set_num_threads(max(1, cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    share = max(1, cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    torch.set_num_threads(share)
+    os.environ.setdefault("OMP_NUM_THREADS", str(share))
 
 VOCAB, HIDDEN = 96, 64
 _COMMON = dict(

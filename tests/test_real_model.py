@@ -1,5 +1,6 @@
 """Integration on the real embedded SmolLM2-135M-Instruct (fp32): greedy identity, loading, the shipped heads."""
 
+import functools
 import time
 
 import pytest
@@ -34,6 +35,18 @@ def shipped():
     return MedusaModel.from_pretrained()
 
 
+@pytest.fixture(scope="module")
+def plain_greedy(shipped):
+    """transformers' greedy generate on the base for a chat prompt, computed once per (prompt, length) in a process:
+    several tests compare against the same references, each seconds of eager decoding."""
+
+    @functools.cache
+    def generate(text: str, max_new_tokens: int) -> torch.Tensor:
+        return shipped.base.generate(**_chat(shipped, text), max_new_tokens=max_new_tokens, do_sample=False)
+
+    return generate
+
+
 def test_gguf_is_converted_once():
     cached = convert_gguf(default_gguf_path())
     assert cached == gguf_cache_dir(default_gguf_path()) and (cached / "config.json").is_file()
@@ -43,13 +56,11 @@ def test_gguf_is_converted_once():
     assert (cached / "config.json").stat().st_mtime == stamp and time.perf_counter() - start < 1.0
 
 
-def test_shipped_heads_greedy_identity_and_they_are_trained(shipped):
+def test_shipped_heads_greedy_identity_and_they_are_trained(shipped, plain_greedy):
     taus = []
     for text in PROMPTS:
-        ids = _chat(shipped, text)
-        reference = shipped.base.generate(**ids, max_new_tokens=128, do_sample=False)
-        out = shipped.generate(ids, max_new_tokens=128, return_dict_in_generate=True)
-        assert torch.equal(out.sequences, reference), text
+        out = shipped.generate(_chat(shipped, text), max_new_tokens=128, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, plain_greedy(text, 128)), text
         taus.append(out.stats.mean_accepted_tokens)
     # The shipped heads on their default 3-node tree accept ~1.56 tokens a step on these prompts; untrained heads
     # stay near 1.0. Candidate ids rounded to bf16 on saving (a bug once) still give ~1.41, but lose uniqueness.
@@ -58,14 +69,12 @@ def test_shipped_heads_greedy_identity_and_they_are_trained(shipped):
     assert subset.dtype == torch.long and subset.unique().numel() == subset.numel() == shipped.config.vocab_subset_size
 
 
-def test_random_heads_greedy_identity(shipped):
+def test_random_heads_greedy_identity(shipped, plain_greedy):
     config = shipped.config
     heads = make_heads(num_heads=config.num_heads, random=True, hidden=config.hidden_size, vocab=config.vocab_size)
     model = MedusaModel(shipped.base, heads, shipped.tokenizer, tree=[[0], [1], [2], [0, 0], [1, 0], [0, 0, 0]])
     for text in PROMPTS:
-        ids = _chat(model, text)
-        reference = model.base.generate(**ids, max_new_tokens=128, do_sample=False)
-        assert torch.equal(model.generate(ids, max_new_tokens=128), reference), text
+        assert torch.equal(model.generate(_chat(model, text), max_new_tokens=128), plain_greedy(text, 128)), text
 
 
 def test_untrained_heads_greedy_identity_and_stats(shipped):
@@ -84,7 +93,7 @@ def test_stops_at_eos_like_generate(shipped):
     assert out[0, -1].item() == shipped.tokenizer.eos_token_id
 
 
-def test_compiled_engine_and_a_calibrated_plan_on_the_real_model(shipped, tmp_path, monkeypatch):
+def test_compiled_engine_and_a_calibrated_plan_on_the_real_model(shipped, plain_greedy, tmp_path, monkeypatch):
     """The compiled engine (StaticCache, pre-packed weights) keeps every shipped-heads output equal to transformers'
     eager greedy generate, for plain decoding, the dynamic tree and the hybrid; a (short) calibration on this machine
     yields a plan whose default generate is equal too, and it is cached and read back."""
@@ -99,8 +108,7 @@ def test_compiled_engine_and_a_calibrated_plan_on_the_real_model(shipped, tmp_pa
     try:
         shipped.plan = plan
         for text in PROMPTS[:3]:
-            ids = _chat(shipped, text)
-            reference = shipped.base.generate(**ids, max_new_tokens=96, do_sample=False)
+            ids, reference = _chat(shipped, text), plain_greedy(text, 96)
             for kwargs in (
                 dict(proposer="plain", engine="compiled"),
                 dict(proposer="dynamic", engine="compiled", tree="smollm2-135m-cpu-bf16"),
@@ -113,7 +121,7 @@ def test_compiled_engine_and_a_calibrated_plan_on_the_real_model(shipped, tmp_pa
         shipped.plan = None
 
 
-def test_the_exportable_heads_keep_greedy_identity_and_export_to_both_layouts(shipped, tmp_path):
+def test_the_exportable_heads_keep_greedy_identity_and_export_to_both_layouts(shipped, plain_greedy, tmp_path):
     """The shipped plain Medusa-1 set (embedded:smollm2-135m-instruct-medusa1): greedy identity with more than one token
     a step, and each export layout (the base lm_head copied into every head) read back gives the heads' own logits on
     the real model's hidden states (over the candidate tokens medusa ranks)."""
@@ -124,10 +132,8 @@ def test_the_exportable_heads_keep_greedy_identity_and_export_to_both_layouts(sh
     assert not (plain.config.context_window or plain.config.condition_on_next_token or plain.config.feature_layers)
     taus = []
     for text in PROMPTS[:3]:
-        ids = _chat(plain, text)
-        reference = shipped.base.generate(**ids, max_new_tokens=96, do_sample=False)
-        out = plain.generate(ids, max_new_tokens=96, tree=[[0], [0, 0]], return_dict_in_generate=True)
-        assert torch.equal(out.sequences, reference), text
+        out = plain.generate(_chat(plain, text), max_new_tokens=96, tree=[[0], [0, 0]], return_dict_in_generate=True)
+        assert torch.equal(out.sequences, plain_greedy(text, 96)), text
         taus.append(out.stats.mean_accepted_tokens)
     assert sum(taus) / len(taus) > MEDUSA1_MIN_TAU, taus  # untrained heads stay near 1.0
 
