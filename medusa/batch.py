@@ -7,8 +7,8 @@ a step writes row b's candidates at `lengths[b]` onward and commits its accepted
 accept different numbers of tokens never leave gaps and the padding does not grow. Each row has its own proposer and
 tree (padded to the batch's largest with nodes that see only themselves), its own acceptance and stop; a finished
 row leaves the batch (its cache rows are dropped), so it stops costing work. The target runs eagerly: as it is, or
-(the default where the CPU packs weights: runtime.batch_engine) the compiled engine's copy with pre-packed weights;
-the compiled graphs keep one sequence.
+the compiled engine's copy with pre-packed weights; the compiled graphs keep one sequence. Where decoding the rows
+one at a time on those graphs is faster, the plan does that instead (medusa.plan.batch_choice).
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ import time
 
 import torch
 
+from medusa.acceptance import get_rule
 from medusa.guard import GuardedProposer
 from medusa.runtime import RowsCache, VerifyOutput, base_features, with_cache
-from medusa.sampling import select_token
+from medusa.sampling import SamplingConfig, select_token
 from medusa.sequence import DecodeState, DecodeStats, GenerateOutput, take_new
 
 
@@ -88,75 +89,129 @@ def decode_batch(
     generate returns them (but for the left padding's ids: `pad_token_id` here, generate puts back those given): the
     prompts left-padded to one width T, the new tokens after, rows that stopped early padded on the right with
     `pad_token_id`. `make_proposer()` gives a fresh proposer per row."""
-    device = prompts[0].device
-    width = max(p.shape[1] for p in prompts)
-    rows = [_Row(b, p, _unguarded(make_proposer()), width - p.shape[1]) for b, p in enumerate(prompts)]
-    stats = DecodeStats()
+    batch = BatchDecoding(
+        model,
+        make_proposer,
+        rule,
+        prompts,
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
+        stop_ids=stop_ids,
+        stop_when=stop_when,
+        generator=generator,
+        feature_layers=feature_layers,
+        pad_token_id=pad_token_id,
+    )
+    while batch.active:
+        batch.step()
+    return batch.output()
 
-    # prefill: every prompt left-padded to `width`, written at positions 0 .. width - 1
-    cache = RowsCache(model.config, width + max_new_tokens + max(r.proposer.max_nodes for r in rows) + 1)
-    cache.start(len(rows))
-    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long, device=device)
-    real = torch.zeros((len(rows), width), dtype=torch.bool, device=device)
-    for row in rows:
-        ids[row.index, row.pad :] = row.prompt[0]
-        real[row.index, row.pad :] = True
-    causal = torch.ones((width, width), dtype=torch.bool, device=device).tril()
-    visible = causal[None] & real[:, None, :]
-    visible |= torch.eye(width, dtype=torch.bool, device=device)  # padding queries see themselves: no empty rows
-    mask = torch.where(visible, 0.0, torch.finfo(model.dtype).min).to(model.dtype)[:, None]
-    positions = (real.long().cumsum(-1) - 1).clamp(min=0)
-    # the next token's logits only: the prompts' own would cost a (B, T, V) projection
-    logits, features = _forward(model, cache, ids, mask, positions, feature_layers, logits_to_keep=1)
-    cache.advance(width)
-    for row in rows:
-        root = select_token(logits[row.index, -1], sampling, generator)
-        hidden = features[row.index, row.pad :]
-        row.state = DecodeState(None, row.prompt.shape[1], root, hidden[-1], row.prompt_ids + [int(root)], hidden)
-    stats.steps = 1
 
-    def emit(row: _Row, tokens: list[int]) -> bool:
-        kept, done = take_new(tokens, row.prompt_ids, row.new, max_new_tokens, stop_ids, stop_when)
+class BatchDecoding:
+    """A batch's decoding (decode_batch's arguments): prefilled when made, one step (every active row's propose,
+    the batched verify, each row's acceptance, the commit) per `step()` while `active` holds rows."""
+
+    @torch.inference_mode()
+    def __init__(
+        self,
+        model,
+        make_proposer,
+        rule,
+        prompts,
+        *,
+        max_new_tokens,
+        sampling,
+        stop_ids,
+        stop_when=None,
+        generator=None,
+        feature_layers=(),
+        pad_token_id,
+    ):
+        self.model, self.rule, self.sampling, self.generator = model, rule, sampling, generator
+        self.max_new_tokens, self.stop_ids, self.stop_when = max_new_tokens, stop_ids, stop_when
+        self.feature_layers, self.pad_token_id = feature_layers, pad_token_id
+        self.device = device = prompts[0].device
+        width = max(p.shape[1] for p in prompts)
+        rows = [_Row(b, p, _unguarded(make_proposer()), width - p.shape[1]) for b, p in enumerate(prompts)]
+        self.rows, self.stats = rows, DecodeStats()
+
+        # prefill: every prompt left-padded to `width`, written at positions 0 .. width - 1
+        cache = RowsCache(model.config, width + max_new_tokens + max(r.proposer.max_nodes for r in rows) + 1)
+        cache.start(len(rows))
+        ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long, device=device)
+        real = torch.zeros((len(rows), width), dtype=torch.bool, device=device)
+        for row in rows:
+            ids[row.index, row.pad :] = row.prompt[0]
+            real[row.index, row.pad :] = True
+        causal = torch.ones((width, width), dtype=torch.bool, device=device).tril()
+        visible = causal[None] & real[:, None, :]
+        visible |= torch.eye(width, dtype=torch.bool, device=device)  # padding queries see themselves: no empty rows
+        mask = torch.where(visible, 0.0, torch.finfo(model.dtype).min).to(model.dtype)[:, None]
+        positions = (real.long().cumsum(-1) - 1).clamp(min=0)
+        # the next token's logits only: the prompts' own would cost a (B, T, V) projection
+        logits, features = _forward(model, cache, ids, mask, positions, feature_layers, logits_to_keep=1)
+        cache.advance(width)
+        for row in rows:
+            root = select_token(logits[row.index, -1], sampling, generator)
+            hidden = features[row.index, row.pad :]
+            row.state = DecodeState(None, row.prompt.shape[1], root, hidden[-1], row.prompt_ids + [int(root)], hidden)
+        self.stats.steps = 1
+        self.cache = cache
+        self.active = [row for row in rows if not self._emit(row, [int(row.state.root_token)])]
+        _leave(cache, rows, self.active)
+
+    def _emit(self, row: _Row, tokens: list[int]) -> bool:
+        kept, done = take_new(tokens, row.prompt_ids, row.new, self.max_new_tokens, self.stop_ids, self.stop_when)
         row.new.extend(kept)
         return done
 
-    active = [row for row in rows if not emit(row, [int(row.state.root_token)])]
-    _leave(cache, rows, active)
-    while active:
+    @torch.inference_mode()
+    def step(self) -> None:
+        active, cache, device, stats = self.active, self.cache, self.device, self.stats
         candidates = [row.proposer.propose(row.state) for row in active]
         n = max(c.tree.num_nodes for c in candidates)
-        tokens = torch.full((len(active), n), pad_token_id, dtype=torch.long, device=device)
+        tokens = torch.full((len(active), n), self.pad_token_id, dtype=torch.long, device=device)
         positions = torch.zeros((len(active), n), dtype=torch.long, device=device)
         for b, (row, c) in enumerate(zip(active, candidates)):
             tokens[b, : c.tree.num_nodes] = c.tokens
             positions[b, : c.tree.num_nodes] = row.state.length + c.tree.depth.to(device)
         trees = [c.tree for c in candidates]
-        mask = _mask(active, cache.lengths, trees, max(cache.lengths) + n, n, model.dtype, device)
-        logits, features = _forward(model, cache, tokens, mask, positions, feature_layers)
+        mask = _mask(active, cache.lengths, trees, max(cache.lengths) + n, n, self.model.dtype, device)
+        logits, features = _forward(self.model, cache, tokens, mask, positions, self.feature_layers)
         stats.steps += 1
         still, kept = [], []
         for b, (row, c) in enumerate(zip(active, candidates)):
             size = c.tree.num_nodes
             verified = VerifyOutput(logits[b, :size], features[b, :size])
-            accepted = rule(c, verified, sampling, generator)
+            accepted = self.rule(c, verified, self.sampling, self.generator)
             kept.append(accepted.nodes)
             row.state.advance(accepted, verified.hidden, device)
             row.proposer.observe(row.state, accepted.tokens)
             stats.accepted_lengths.append(len(accepted.tokens))
             stats.proposed_lengths.append(c.tree.max_depth)
             stats.verified_nodes.append(size)
-            if not emit(row, accepted.tokens):
+            if not self._emit(row, accepted.tokens):
                 still.append(row)
         cache.commit(kept)
         _leave(cache, active, still)
-        active = still
-    stats.new_tokens = sum(len(row.new) for row in rows)
-    longest = max(len(row.new) for row in rows)
-    sequences = torch.full((len(rows), width + longest), pad_token_id, dtype=torch.long, device=device)
-    for row in rows:
-        sequences[row.index, row.pad : width] = row.prompt[0]
-        sequences[row.index, width : width + len(row.new)] = torch.tensor(row.new, device=device)
-    return GenerateOutput(sequences=sequences, stats=stats)
+        self.active = still
+
+    def output(self) -> GenerateOutput:
+        self.stats.new_tokens = sum(len(row.new) for row in self.rows)
+        sequences = padded([row.prompt for row in self.rows], [row.new for row in self.rows], self.pad_token_id)
+        return GenerateOutput(sequences=sequences, stats=self.stats)
+
+
+def padded(prompts: list[torch.Tensor], new: list[list[int]], pad_token_id: int) -> torch.Tensor:
+    """Each prompt (1, T_b) and its new tokens -> (B, T + longest) as transformers' batched generate returns them:
+    prompts left-padded to the longest, new tokens after, rows that ended early padded on the right."""
+    width, longest = max(p.shape[1] for p in prompts), max(map(len, new))
+    device = prompts[0].device
+    sequences = torch.full((len(prompts), width + longest), pad_token_id, dtype=torch.long, device=device)
+    for b, (prompt, tokens) in enumerate(zip(prompts, new)):
+        sequences[b, width - prompt.shape[1] : width] = prompt[0]
+        sequences[b, width : width + len(tokens)] = torch.tensor(tokens, dtype=torch.long, device=device)
+    return sequences
 
 
 def _forward(model, cache: RowsCache, ids, mask, positions, feature_layers, **options):
@@ -215,3 +270,64 @@ def time_batch_verify(
                 torch.cuda.synchronize(device)
             times[n].append(1000 * (time.perf_counter() - start))
     return {n: statistics.median(t[1:]) for n, t in times.items()}
+
+
+@torch.inference_mode()
+def time_batch_step(
+    model, make_proposer, rows: int, context: int, steps: int, feature_layers=(), seed: int = 0
+) -> float:
+    """Median ms of one step of a batch's decoding as a whole (every row's propose, the batched verify, each row's
+    acceptance, the commit: what a verify's timing leaves out) for `rows` rows of `context` cached tokens, over
+    `steps` steps after one that warms up; rows stay in the batch throughout. `feature_layers`: what the proposers
+    read (decode_batch's). The rows are prefilled with a few random tokens and then padded on the left to `context`
+    (a step attends over padding as over tokens; a real prefill of many long rows would cost seconds)."""
+    vocab = model.get_output_embeddings().weight.shape[0]
+    generator = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, vocab, (1, 8), generator=generator).to(model.device) for _ in range(rows)]
+    made = [make_proposer() for _ in range(rows)]
+    batch = BatchDecoding(
+        model,
+        lambda: made.pop(),
+        get_rule("greedy"),
+        prompts,
+        # room in the cache for `context` and every step's nodes, and no row reaches its end
+        max_new_tokens=context + (steps + 1) * max(p.max_nodes for p in made) + 1,
+        sampling=SamplingConfig(),
+        stop_ids=set(),
+        feature_layers=feature_layers,
+        pad_token_id=0,
+    )
+    # each row now sits behind `context` - 8 positions of padding: attended over (and masked) as a prompt's would be
+    batch.cache.lengths[:] = [context] * rows
+    for row in batch.rows:
+        row.pad = context - row.prompt.shape[1]
+    times = []
+    for _ in range(steps + 1):
+        start = time.perf_counter()
+        batch.step()
+        if model.device.type == "cuda":
+            torch.cuda.synchronize(model.device)
+        times.append(1000 * (time.perf_counter() - start))
+    return statistics.median(times[1:])
+
+
+@torch.inference_mode()
+def time_batch_prefill(model, rows: int, context: int, repeats: int = 2, seed: int = 0) -> float:
+    """Median ms per token of a batch's prefill as BatchDecoding runs it: `rows` rows of `context` tokens in one
+    forward (padding costs as much as a token: a batch prefills rows x its longest prompt)."""
+    device = model.device
+    vocab = model.get_output_embeddings().weight.shape[0]
+    ids = torch.randint(0, vocab, (rows, context), generator=torch.Generator().manual_seed(seed)).to(device)
+    causal = torch.ones((context, context), dtype=torch.bool, device=device).tril()
+    mask = torch.where(causal, 0.0, torch.finfo(model.dtype).min).to(model.dtype)[None, None].expand(rows, 1, -1, -1)
+    positions = torch.arange(context, device=device)[None].expand(rows, -1)
+    cache = RowsCache(model.config, context + 1)
+    times = []
+    for _ in range(repeats + 1):  # the first warms up
+        cache.start(rows)
+        start = time.perf_counter()
+        _forward(model, cache, ids, mask, positions, (), logits_to_keep=1)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(1000 * (time.perf_counter() - start) / (rows * context))
+    return statistics.median(times[1:])

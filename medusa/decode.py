@@ -10,9 +10,9 @@ from transformers import GenerationConfig
 
 from medusa import generate_args
 from medusa.acceptance import AcceptanceRule, get_rule
-from medusa.batch import decode_batch, split_padded
+from medusa.batch import decode_batch, padded, split_padded
 from medusa.propose import PlainProposer, Proposer
-from medusa.runtime import BATCH_ENGINES, EagerEngine, batch_engine, engine_for
+from medusa.runtime import BATCH_ENGINES, ENGINES, EagerEngine, batch_engine, engine_for
 from medusa.sampling import SamplingConfig, select_token, shape_logits
 from medusa.sequence import DecodeState, DecodeStats, GenerateOutput, take_new
 
@@ -180,46 +180,82 @@ class SpeculativeGenerator:
         model runs on one of the same kind)."""
         raise NotImplementedError
 
-    def batch_defaults(self, rows: int, engine: str) -> tuple[str | None, list | None]:
-        """The proposer and tree a batch of `rows` decodes with on `engine` when the call names neither; (None,
-        None): what one sequence takes (MedusaModel's plan chooses per batch size and engine)."""
-        return None, None
+    def batch_layout(
+        self, lengths: list[int], max_new_tokens: int, engine: str | None, proposer, tree
+    ) -> tuple[str, bool, str | None, object]:
+        """How a batch of prompts of `lengths` tokens decodes `max_new_tokens` each -> (engine, whether its rows go
+        one at a time, proposer, tree). Here: on
+        `engine`, else runtime.batch_engine's; batched on an engine that takes batches (BATCH_ENGINES), one row at a
+        time on one that does not (the inductor engine's graphs keep one sequence); proposer and tree as given
+        (MedusaModel's plan chooses all four per batch size by timing: medusa.plan.batch_choice)."""
+        engine = engine or batch_engine(self.base)
+        return engine, engine not in BATCH_ENGINES, proposer, tree
 
     def _generate_batch(
         self, rows, settings, sampling, rule, proposer, tree, generator, engine, stopping_criteria, streamer, tokenizer
     ) -> GenerateOutput:
-        """Several prompts (each (1, T_b)) decoded together: medusa.batch."""
+        """Several prompts (each (1, T_b)) decoded together (medusa.batch), or one at a time where that is faster."""
         if streamer is not None:
             raise ValueError("streamer takes one sequence (as transformers' streamers do): pass one prompt at a time")
         if settings.output_scores or settings.output_logits:
             raise ValueError("output_scores / output_logits take one sequence for now: pass one prompt at a time")
-        if engine not in (None, *BATCH_ENGINES):
-            raise ValueError(
-                f"engine={engine!r} takes one sequence; a batch runs on {' or '.join(map(repr, BATCH_ENGINES))}: "
-                "pass one of them or None"
-            )
-        engine = engine or batch_engine(self.base)
-        target = self.engine(engine)
-        eager = self.engine("eager")  # what a row's draft model runs on
-        if proposer is None and tree is None:
-            proposer, tree = self.batch_defaults(len(rows), engine)
+        if engine is not None and engine not in ENGINES:
+            raise ValueError(f"unknown engine {engine!r}: use one of {list(ENGINES)} or None")
+        lengths = [row.shape[1] for row in rows]
+        engine, one_at_a_time, proposer, tree = self.batch_layout(
+            lengths, settings.max_new_tokens, engine, proposer, tree
+        )
         ends = end_token_ids(self.base, tokenizer, settings.eos_token_id)
         pad = settings.pad_token_id
         if pad is None:  # as transformers: the (first) end-of-sequence token
             pad = ends[0] if ends else 0
+        stop_when = generate_args.stopping(stopping_criteria, settings.stop_strings, tokenizer)
+        if one_at_a_time:
+            return self._generate_rows_alone(
+                rows, settings, sampling, rule, proposer, tree, generator, engine, set(ends), stop_when, pad
+            )
+        eager = self.engine("eager")  # what a row's draft model runs on
         return decode_batch(
-            target.batch_model,
+            self.engine(engine).batch_model,
             lambda: self.make_proposer(proposer, tree, sampling, generator, engine=eager),
             rule,
             rows,
             max_new_tokens=settings.max_new_tokens,
             sampling=sampling,
             stop_ids=set(ends),
-            stop_when=generate_args.stopping(stopping_criteria, settings.stop_strings, tokenizer),
+            stop_when=stop_when,
             generator=generator,
             feature_layers=self.feature_layers,
             pad_token_id=pad,
         )
+
+    def _generate_rows_alone(
+        self, rows, settings, sampling, rule, proposer, tree, generator, engine, stop_ids, stop_when, pad
+    ) -> GenerateOutput:
+        """A batch's rows decoded one after another on `engine` as single sequences (exact as each is), returned as
+        decode_batch returns a batch; `steps` counts every row's target forwards."""
+        target, stats, new = self.engine(engine), DecodeStats(), []
+        for row in rows:
+            out = decode(
+                self.base,
+                self.make_proposer(proposer, tree, sampling, generator, engine=target),
+                rule,
+                row,
+                max_new_tokens=settings.max_new_tokens,
+                sampling=sampling,
+                stop_ids=stop_ids,
+                stop_when=stop_when,
+                generator=generator,
+                feature_layers=self.feature_layers,
+                engine=target,
+            )
+            new.append(out.sequences[0, row.shape[1] :].tolist())
+            stats.steps += out.stats.steps
+            stats.new_tokens += out.stats.new_tokens
+            stats.accepted_lengths += out.stats.accepted_lengths
+            stats.proposed_lengths += out.stats.proposed_lengths
+            stats.verified_nodes += out.stats.verified_nodes
+        return GenerateOutput(sequences=padded(rows, new, pad), stats=stats)
 
     def compute_transition_scores(self, sequences, scores, beam_indices=None, normalize_logits: bool = False):
         """transformers' `compute_transition_scores` on the target: each new token's score from generate's
@@ -266,8 +302,9 @@ class SpeculativeGenerator:
 
         input_ids: (1, T) tensor, a list of ids, or the tokenizer's output (`generate(**tokenizer(text,
         return_tensors="pt"))`); several prompts as a left-padded (B, T) tensor with its attention_mask (medusa.batch:
-        each row as it would decode alone, on the eager engine). Generation settings (max_new_tokens, max_length,
-        do_sample, temperature, top_k, top_p, eos_token_id, stop_strings) come with transformers' precedence: this
+        each row as it would decode alone; decoded together, or one at a time where the plan finds that faster; a
+        batch on the inductor engine goes one at a time). Generation settings (max_new_tokens, max_length, do_sample,
+        temperature, top_k, top_p, eos_token_id, stop_strings) come with transformers' precedence: this
         call, then `generation_config`, then the base's generation config, then transformers' defaults (see
         medusa.generate_args; with no length set anywhere, 128 new tokens). `stopping_criteria` and `streamer` are
         transformers'. Returns what transformers' generate returns: the sequences tensor (1, prompt + new), or with

@@ -31,11 +31,11 @@ from medusa.heads_io import (
 )
 from medusa.hub import EMBEDDED_HEADS_ROOT, push_to_hub
 from medusa.loading import DEFAULT_BASE, BaseSource, resolve_dtype
-from medusa.plan import Plan, batch_choice, load_accuracy, load_or_calibrate, save_accuracy
+from medusa.plan import Plan, batch_choice, lay_out, load_accuracy, load_or_calibrate, save_accuracy
 from medusa.precision import load_target
 from medusa.propose import CandidateProjection, compile_proposal
 from medusa.proposers import get_proposer
-from medusa.runtime import ENGINES, int8_copy
+from medusa.runtime import BATCH_ENGINES, ENGINES, int8_copy
 from medusa.sampling import SamplingConfig
 from medusa.tree import TreeSpec, build_buffers, chain, load_tree
 
@@ -384,13 +384,25 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         plan's tree, else the heads' own (a plain plan has none: its guard-free calls use the heads')."""
         return _tree_arg(tree) or (self.plan.tree if self.plan is not None else None) or self.tree
 
-    def batch_defaults(self, rows: int, engine: str) -> tuple[str | None, list | None]:
-        """The plan's choice for a batch of `rows` on `engine` (medusa.plan.batch_choice: timed per batch size and
-        engine on first use)."""
-        if self.plan is None:
-            return None, None
-        choice = batch_choice(self, rows, engine=engine)
-        return choice["proposer"], choice["tree"] or None
+    def batch_layout(
+        self, lengths: list[int], max_new_tokens: int, engine: str | None, proposer, tree
+    ) -> tuple[str, bool, str | None, object]:
+        """The plan's layout for a batch of prompts of `lengths` tokens (medusa.plan.batch_choice, timed per batch
+        size on first use, and medusa.plan.lay_out for these lengths and `max_new_tokens`): with no engine named,
+        the fastest of decoding the rows together (on the faster batch engine, with the tree its rows can afford or
+        plainly) and one at a time (as the plan decodes one sequence); on a named batch engine, the tree timed
+        there. A proposer or tree the call names is kept."""
+        if self.plan is None or (engine is not None and engine not in BATCH_ENGINES):
+            return super().batch_layout(lengths, max_new_tokens, engine, proposer, tree)
+        choice = batch_choice(self, len(lengths), engine=engine)
+        if engine is not None:
+            if proposer is None and tree is None:
+                proposer, tree = choice["proposer"], choice["tree"] or None
+            return engine, False, proposer, tree
+        engine, one_at_a_time, chosen, chosen_tree, _ = lay_out(choice, lengths, max_new_tokens, proposer == "plain")
+        if proposer is None and tree is None:
+            proposer, tree = chosen, chosen_tree
+        return engine, one_at_a_time, proposer, tree
 
     def prepare_proposal(self, engine) -> None:
         """Where `engine` compiles the target ahead of time (the inductor engine on a CPU), compile what proposes too

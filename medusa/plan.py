@@ -28,13 +28,14 @@ from pathlib import Path
 
 import torch
 
-from medusa.batch import time_batch_verify
-from medusa.decode import prefill
+from medusa.acceptance import get_rule
+from medusa.batch import time_batch_prefill, time_batch_step, time_batch_verify
+from medusa.decode import decode, prefill
 from medusa.fileio import atomic_write_text
 from medusa.hardware import describe
 from medusa.loading import cache_root
 from medusa.propose import ContextRead
-from medusa.runtime import ENGINES, batch_engine, compile_seconds, engine_for, precision_of
+from medusa.runtime import BATCH_ENGINES, ENGINES, compile_seconds, engine_for, precision_of
 from medusa.sampling import SamplingConfig
 from medusa.tree_builder import check_accuracy, expected_tau, grow_tree, sync, time_step
 
@@ -82,6 +83,11 @@ PROPOSERS = ("medusa", "dynamic", "hybrid")  # the speculative proposers a plan 
 BATCH_BUCKETS = (2, 4, 8, 16)
 BATCH_NODES = (2, 3, 4, 6, 8)  # tree sizes a batch may take, root included
 BATCH_REPEATS = 4
+# Choosing a batch's layout times whole decoding steps (what a verify's timing leaves out: masks, acceptance, commits),
+# this many after a warm-up, at each of these numbers of cached tokens: every row of a batch attends over its longest
+# prompt (padding included), so a batch's step grows with the width where one sequence's does not
+BATCH_LAYOUT_STEPS = 6
+BATCH_WIDTHS = (CONTEXT, 4 * CONTEXT)
 
 
 @dataclass
@@ -524,25 +530,158 @@ def batch_bucket(rows: int) -> int:
     return next((bucket for bucket in BATCH_BUCKETS if bucket >= rows), BATCH_BUCKETS[-1])
 
 
-def batch_key(rows: int, engine: str) -> str:
-    """Where the plan keeps the choice for batches of `rows` rows on `engine` (its bucket's, batch_bucket)."""
-    return f"{batch_bucket(rows)} on {engine}"
+def batch_key(rows: int, engine: str | None) -> str:
+    """Where the plan keeps the choice for batches of `rows` rows on `engine` (its bucket's, batch_bucket); None: the
+    layout chosen among the engines and decoding the rows one at a time."""
+    return f"{batch_bucket(rows)} on {engine or 'the fastest layout'}"
 
 
 def batch_choice(model, rows: int, progress: bool = True, engine: str | None = None) -> dict:
-    """The proposer and tree a batch of `rows` decodes with under `model.plan`: {"proposer", "tree",
-    "expected_speedup" (over batched plain decoding), "verify_ms" ({nodes: ms} at the bucket's rows), "engine"}.
-    Measured on `engine` (default: the one batches run on, runtime.batch_engine) the first time a bucket is asked
-    for on it, then kept in the plan and its cache file."""
-    plan, engine = model.plan, engine or batch_engine(model.base)
+    """How a batch of `rows` decodes under `model.plan`, measured the first time its bucket is asked for, then kept
+    in the plan and its cache file.
+    On a named batch `engine`: {"proposer", "tree", "expected_speedup" (over batched plain decoding there), "tau",
+    "verify_ms" ({nodes: ms} at the bucket's rows), "engine"} (_calibrate_batch).
+    With none: what `lay_out` chooses from for a call (_lay_out_batch): the rows decoded together on the batch engine
+    whose plain decoding is faster, plainly or with that engine's tree, or one at a time as the plan decodes one
+    sequence, each timed as whole steps."""
+    plan = model.plan
     key = batch_key(rows, engine)  # (an older plan's keys name no engine: timed again)
     if key not in plan.batches:
         if progress:
             print(f"calibrating batches of {key} (once; kept with the plan)", file=sys.stderr, flush=True)
-        plan.batches[key] = _calibrate_batch(model, batch_bucket(rows), engine)
+        start = time.perf_counter()
+        if engine is None:
+            plan.batches[key] = _lay_out_batch(model, batch_bucket(rows), progress)
+        else:
+            plan.batches[key] = _calibrate_batch(model, batch_bucket(rows), engine)
+        plan.batches[key]["calibration_s"] = round(time.perf_counter() - start, 1)
         if plan.key:
             _save(plan, plan_path(plan.key))
     return plan.batches[key]
+
+
+def _lay_out_batch(model, rows: int, progress: bool) -> dict:
+    """What `lay_out` weighs for `rows` rows, timed for real: whole steps of plain decoding together on each batch
+    engine (time_batch_step) at each of BATCH_WIDTHS cached tokens; on the faster engine (at CONTEXT) the tree its
+    rows can afford (_calibrate_batch), timed as whole steps there too, with its expected tau, and its prefill per
+    token (time_batch_prefill); one sequence's plain step on the plan's plain engine (time_alone_step), its prefill
+    per token on the plan's engine, and the plan's expected speedup. (A batch's verify alone leaves out masks,
+    acceptance and commits per row, and a batch pays for its longest prompt in every row, in each step and in the
+    prefill: batches took trees that lost, docs/benchmarks/cpu-batch-amx-session46.)"""
+    plan, sampling = model.plan, SamplingConfig()
+
+    def step_ms(engine: str, proposer: str, tree, width: int) -> float:
+        make = lambda: model.make_proposer(proposer, tree, sampling, None)  # noqa: E731
+        batch_model = engine_for(model.base, engine).batch_model
+        return time_batch_step(batch_model, make, rows, width, BATCH_LAYOUT_STEPS, model.feature_layers)
+
+    together_ms = {e: {str(w): step_ms(e, "plain", None, w) for w in BATCH_WIDTHS} for e in BATCH_ENGINES}
+    batched = min(BATCH_ENGINES, key=lambda e: together_ms[e][str(CONTEXT)])
+    choice = batch_choice(model, rows, progress, engine=batched)
+    layout = {
+        "rows": rows,
+        "engine": batched,
+        "plain_ms": together_ms,  # {engine: {width: ms per step}}
+        "prefill_ms_per_token": time_batch_prefill(engine_for(model.base, batched).batch_model, 2, CONTEXT),
+        "proposer": choice["proposer"],
+        "tree": choice["tree"] or None,  # (none: the plan's own, where the heads have no accuracy table)
+        "tau": choice.get("tau") or 1.0,  # (none: no accuracy table to expect one from)
+        "tree_ms": None,
+        "alone_engine": plan.engine,
+        "alone_plain_engine": plan.plain_engine,
+        "alone_plain_ms": time_alone_step(model, plan.plain_engine, CONTEXT, BATCH_LAYOUT_STEPS),
+        "alone_prefill_ms_per_token": time_alone_prefill(model, plan.engine, CONTEXT),
+        "alone_speedup": plan.expected_speedup,
+    }
+    if choice["proposer"] != "plain":
+        layout["tree_ms"] = {str(w): step_ms(batched, layout["proposer"], layout["tree"], w) for w in BATCH_WIDTHS}
+    return layout
+
+
+def _step_ms_at(by_width: dict, width: int) -> float:
+    """A step's ms at `width` cached tokens from its timings at BATCH_WIDTHS: linear in the width (attention and
+    masks grow with it), extrapolated beyond, never below the cheapest timed."""
+    (w0, ms0), (w1, ms1) = sorted((int(w), ms) for w, ms in by_width.items())[:2]
+    return max(min(ms0, ms1), ms0 + (ms1 - ms0) * (width - w0) / (w1 - w0))
+
+
+def lay_out(
+    layout: dict, lengths: list[int], max_new_tokens: int, plain: bool = False
+) -> tuple[str, bool, str | None, list | None, dict]:
+    """How a batch of prompts of `lengths` tokens decodes `max_new_tokens` each, from `_lay_out_batch`'s timings:
+    together, every row prefills the longest prompt and each step attends over it and half the new tokens; one at a
+    time, each row prefills its own -> (engine, one row at a time?, proposer, tree, expected tokens/s over all rows
+    per layout); proposer and tree None: one sequence's plan. `plain`: for plain decoding."""
+    rows, longest, new = len(lengths), max(lengths), max(max_new_tokens, 1)
+    width = longest + new // 2
+    tokens = rows * new
+
+    def rate(prefill_ms: float, steps: float, ms_per_step: float) -> float:
+        return 1000 * tokens / (prefill_ms + steps * ms_per_step)
+
+    alone_prefill = layout["alone_prefill_ms_per_token"] * sum(lengths)
+    together_prefill = layout["prefill_ms_per_token"] * rows * longest
+    engine = layout["engine"]
+    rates = {
+        "plain one at a time": rate(alone_prefill, tokens, layout["alone_plain_ms"]),
+        "planned one at a time": rate(alone_prefill, tokens / layout["alone_speedup"], layout["alone_plain_ms"]),
+        f"plain together on {engine}": rate(together_prefill, new, _step_ms_at(layout["plain_ms"][engine], width)),
+    }
+    together = rates[f"plain together on {engine}"]
+    if plain:
+        alone = rates["plain one at a time"] >= together
+        return (layout["alone_plain_engine"] if alone else engine), alone, "plain", None, rates
+    best = ("plain", None, together)
+    if layout["tree_ms"] is not None:
+        tree_rate = rate(together_prefill, new / layout["tau"], _step_ms_at(layout["tree_ms"], width))
+        rates[f"{layout['proposer']} together on {engine}"] = tree_rate
+        if tree_rate > together:  # whole steps timed: the tree may lose to plain decoding after all
+            best = (layout["proposer"], layout["tree"], tree_rate)
+    if rates["planned one at a time"] >= best[2]:
+        return layout["alone_engine"], True, None, None, rates
+    return engine, False, best[0], best[1], rates
+
+
+def time_alone_prefill(model, engine: str, context: int, repeats: int = 2, seed: int = 0) -> float:
+    """Median ms per token of one sequence's prefill of `context` tokens on `engine`."""
+    vocab = model.base.get_output_embeddings().weight.shape[0]
+    prompt = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(seed)).to(model.device)
+    target, times = engine_for(model.base, engine), []
+    for _ in range(repeats + 1):  # the first warms up
+        start = time.perf_counter()
+        prefill(model.base, prompt, SamplingConfig(), None, model.feature_layers, engine=target, max_length=context + 1)
+        sync(model.device)
+        times.append(1000 * (time.perf_counter() - start) / context)
+    return statistics.median(times[1:])
+
+
+def time_alone_step(model, engine: str, context: int, steps: int, seed: int = 0) -> float:
+    """Median ms of one step of one sequence's plain decoding on `engine`, the decode loop as a whole: decoding
+    2 x `steps` new tokens less decoding `steps` (the prefill cancels out), after a round that warms up."""
+    vocab = model.base.get_output_embeddings().weight.shape[0]
+    prompt = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(seed)).to(model.device)
+    target, sampling = engine_for(model.base, engine), SamplingConfig()
+
+    def seconds(new_tokens: int) -> float:
+        start = time.perf_counter()
+        decode(
+            model.base,
+            model.make_proposer("plain", None, sampling, None, engine=target),
+            get_rule("greedy"),
+            prompt,
+            max_new_tokens=new_tokens,
+            sampling=sampling,
+            stop_ids=set(),
+            engine=target,
+        )
+        sync(model.device)
+        return time.perf_counter() - start
+
+    per_step = []
+    for _ in range(BATCH_REPEATS + 1):  # the first round warms up
+        short, long = seconds(steps), seconds(2 * steps)
+        per_step.append(1000 * (long - short) / steps)
+    return statistics.median(per_step[1:])
 
 
 def _calibrate_batch(model, rows: int, engine: str, context: int = CONTEXT, repeats: int = BATCH_REPEATS) -> dict:
@@ -602,6 +741,7 @@ def _calibrate_batch(model, rows: int, engine: str, context: int = CONTEXT, repe
         "proposer": proposer if nodes > 1 else "plain",
         "tree": [list(p) for p in order[: nodes - 1]],
         "expected_speedup": round(speedup, 3),
+        "tau": round(best.tau if nodes > 1 else 1.0, 3),
         "verify_ms": {str(n): round(ms, 3) for n, ms in verify_ms.items()},
         "engine": engine,
     }

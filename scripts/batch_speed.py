@@ -1,16 +1,17 @@
-"""Several prompts in one generate (medusa.batch): tokens/s of transformers' batched greedy generate, our batched
-plain decoding (proposer 'plain') and our batched speculation, per batch size, on the same prompts, in one run.
+"""Several prompts in one generate (medusa.batch): tokens/s of transformers' batched greedy generate, our plain
+decoding (proposer 'plain') and our speculation, per batch size, on the same prompts, in one run.
 
     python scripts/batch_speed.py [--dtype float32] [--sizes 1 2 4 8] [--prompts 8] [--max-new-tokens 64]
         [--proposers medusa dynamic planned] [--engine eager|compiled] [--threads 2] [--out FILE.json]
 
 The prompts are Spec-Bench first turns spread through the file (`--questions`, default: $MEDUSA_BENCH_DATA or
 ../shared/bench_data), chat-templated and left-padded; each batch size decodes all of them, `size` at a time. Tokens
-count up to each row's end-of-sequence token. Our methods run on `--engine` (default: the one a batch takes,
-medusa.runtime.batch_engine: the pre-packed copy on a CPU that packs weights), batch 1 included, so every column
-compares like with like; every row's text is checked against transformers' own.
-`planned` is what generate does by default: the plan's choice for each batch size (medusa.plan.batch_choice, timed
-on first use; plain decoding where no tree pays); it has no batch-1 column (one sequence takes the plan's engine).
+count up to each row's end-of-sequence token; every row's text is checked against transformers' own.
+With `--engine`, our methods decode each batch together on that batch engine, batch 1 included, so every column
+compares like with like. Without it (with `planned` among the proposers) each batch is laid out as generate lays it
+out by default: the plan's choice per batch size (medusa.plan.batch_choice, timed on first use and printed), together
+on the faster batch engine or one row at a time as one sequence decodes; batch 1 is one sequence under the plan.
+`planned` is generate with neither proposer nor tree named.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 from medusa import MedusaModel
 from medusa.evaluation import bench_data_dir
+from medusa.plan import batch_choice, lay_out
 from medusa.questions import load_questions, spread
 from medusa.runtime import BATCH_ENGINES, batch_engine
 
@@ -35,13 +37,13 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--proposers", nargs="+", default=["medusa", "dynamic"])
-    parser.add_argument("--engine", choices=BATCH_ENGINES, help="default: the engine a batch takes here")
+    parser.add_argument("--engine", choices=BATCH_ENGINES, help="default: as generate lays the batch out")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", help="JSON file for the table")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = MedusaModel.from_pretrained(dtype=args.dtype, plan="auto" if "planned" in args.proposers else "off")
-    engine = args.engine or batch_engine(model.base)
+    engine = args.engine or (None if model.plan is not None else batch_engine(model.base))
     tokenizer = model.tokenizer
     tokenizer.padding_side = "left"
     questions = spread(load_questions(args.questions), args.prompts)
@@ -54,6 +56,8 @@ def main() -> None:
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
 
+    decisions = {}  # method -> [longest prompt, engine, one at a time?, proposer] per batch, for the current size
+
     def decode_all(method: str, size: int) -> tuple[float, list[list[int]]]:
         seconds, rows = 0.0, []
         for start in range(0, len(texts), size):
@@ -64,6 +68,10 @@ def main() -> None:
                     **inputs, max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=pad
                 )
             else:
+                if model.plan is not None and engine is None and size > 1:  # how the plan lays out this batch
+                    lengths = inputs["attention_mask"].sum(-1).tolist()
+                    layout = lay_out(batch_choice(model, size), lengths, args.max_new_tokens, method == "plain")
+                    decisions.setdefault(method, []).append([max(lengths), *layout[:3]])
                 proposer = None if method == "planned" else method
                 out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, proposer=proposer, engine=engine)
             seconds += time.perf_counter() - begin
@@ -73,26 +81,34 @@ def main() -> None:
 
     methods = ["transformers", "plain", *args.proposers]
     decode_all("plain", 2)  # warm-up
-    if "planned" in methods:  # the plan's choice per batch size is timed on its first use: not inside the timings
+    layouts = {}
+    if model.plan is not None:  # the plan's choice per batch size is timed on its first use: not inside the timings
         for size in args.sizes:
             if size > 1:
-                model.batch_defaults(size, engine)
+                model.batch_layout([256] * size, args.max_new_tokens, engine, None, None)
+                layouts[size] = batch_choice(model, size, engine=engine)
+                print(f"batch {size}: {layouts[size]}", flush=True)
     table = []
     for size in args.sizes:
         rates, identical = {}, {}
-        results = {method: decode_all(method, size) for method in methods if size > 1 or method != "planned"}
+        decisions.clear()
+        results = {method: decode_all(method, size) for method in methods}
         reference = results["transformers"][1]
         for method, (seconds, rows) in results.items():
             rates[method] = sum(map(len, rows)) / seconds
             identical[method] = sum(row == ref for row, ref in zip(rows, reference))
         entry = {"batch": size, "tokens_per_s": rates, "identical_rows": identical, "rows": len(reference)}
+        entry["layout"] = layouts.get(size)
+        entry["decisions"] = dict(decisions)
+        if decisions:
+            print(f"batch {size} decisions (longest prompt, engine, one at a time, proposer): {decisions}", flush=True)
         entry["vs_plain"] = {m: rates[m] / rates["plain"] for m in args.proposers if m in rates}
         entry["vs_transformers"] = {
             m: rates[m] / rates["transformers"] for m in ["plain", *args.proposers] if m in rates
         }
         table.append(entry)
         print(
-            f"{args.dtype} batch {size} ({engine}): "
+            f"{args.dtype} batch {size} ({engine or 'as the plan lays it out'}): "
             + ", ".join(f"{m} {r:.1f}" for m, r in rates.items())
             + " tok/s; vs our batched plain "
             + ", ".join(f"{m} {r:.2f}x" for m, r in entry["vs_plain"].items())

@@ -8,7 +8,7 @@ from transformers import TextStreamer
 import medusa.decode
 from medusa import MedusaModel
 from medusa.acceptance import get_rule
-from medusa.batch import decode_batch
+from medusa.batch import decode_batch, time_batch_step
 from medusa.runtime import can_prepack
 from medusa.sampling import SamplingConfig
 from tests.conftest import FAMILIES, make_heads, make_tiny_model, tiny_tokenizer
@@ -121,8 +121,8 @@ def test_batch_inputs_that_cannot_decode_exactly_are_refused_by_name():
         model.generate(ids, attention_mask=mask * torch.tensor([[1], [0], [1], [1]]), max_new_tokens=4)
     with pytest.raises(ValueError, match="streamer takes one sequence"):
         model.generate(ids, attention_mask=mask, max_new_tokens=4, streamer=TextStreamer(tiny_tokenizer()))
-    with pytest.raises(ValueError, match="a batch runs on 'eager' or 'compiled'"):
-        model.generate(ids, attention_mask=mask, max_new_tokens=4, engine="inductor")
+    with pytest.raises(ValueError, match="unknown engine 'fastest'"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, engine="fastest")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -192,3 +192,20 @@ def test_a_batch_runs_on_the_pre_packed_copy_where_the_cpu_packs_weights(monkeyp
     assert targets == [model.engine("compiled").batch_model if packs else base]
     assert (targets[0] is not base) == packs
     assert torch.equal(out, base.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False))
+
+
+def test_a_batch_step_is_timed_as_decoding_runs_it():
+    """The plan's whole-step timing (batch.time_batch_step) decodes as decode_batch does, heads that read base-layer
+    features and a context layer included, with no row leaving the batch before the steps are timed."""
+    from tests.conftest import context_heads
+
+    base = make_tiny_model("qwen2")
+    model = MedusaModel(base, context_heads(feature_layers=[0, 1]), tree=[[0], [1], [0, 0]])
+    made = []
+
+    def make_proposer():
+        made.append(model.make_proposer("dynamic", None, SamplingConfig(), None))
+        return made[-1]
+
+    assert time_batch_step(base, make_proposer, 3, 12, 2, model.feature_layers) > 0
+    assert len(made) == 3

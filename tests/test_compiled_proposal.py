@@ -100,6 +100,10 @@ def test_a_call_on_the_inductor_engine_proposes_compiled_and_its_output_is_plain
     proposer = build_medusa_proposer(model, build_buffers(TreeSpec(chain(3)), 3))
     assert proposer.modules is model.compiled_proposal
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    # a batch on this engine: its rows one at a time on the engine's graphs, returned as transformers' batch
+    ids, mask = torch.tensor([[0, 0, 5, 9, 2, 7], [4, 8, 1, 6, 10, 12]]), torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6])
+    batch = model.generate(ids, attention_mask=mask, max_new_tokens=12, proposer="dynamic", engine="inductor")
+    assert torch.equal(batch, model.base.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False))
 
 
 def test_calibration_times_the_proposal_decoding_runs(cache, monkeypatch):

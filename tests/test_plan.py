@@ -26,6 +26,7 @@ from medusa.plan import (
     save_accuracy,
     verify_curve,
 )
+from medusa.propose import PlainProposer
 from medusa.sampling import SamplingConfig
 from medusa.tree_builder import grow_tree
 from tests.conftest import FAMILIES, make_heads, make_tiny_model, save_tiny_checkpoint
@@ -416,18 +417,18 @@ def test_a_batch_takes_the_tree_its_rows_can_afford(tmp_path, monkeypatch):
     base_dir, heads_dir = _tiny_with_accuracy(tmp_path)
     model = MedusaModel.from_pretrained(heads_dir, base=base_dir, plan="auto")
     timed = _batch_choice_with(monkeypatch, model, lambda rows, n: 10.0 * max(1.0, rows * n / 8))
-    small, large = medusa.plan.batch_choice(model, 2), medusa.plan.batch_choice(model, 16)
+    engine, other = "compiled", "eager"
+    small, large = medusa.plan.batch_choice(model, 2, engine=engine), medusa.plan.batch_choice(model, 16, engine=engine)
     assert small["proposer"] != "plain" and len(small["tree"]) + 1 == 4  # 8 tokens verify at the price of one
     assert large["proposer"] == "plain" and large["tree"] == []  # 16 rows: every tree costs more than it accepts
-    assert medusa.plan.batch_choice(model, 12) == large and timed == [2, 16]  # 12 rows: the 16 bucket, timed once
-    engine = small["engine"]
+    assert medusa.plan.batch_choice(model, 12, engine=engine) == large and timed == [2, 16]  # the 16 bucket, once
     saved = json.loads(plan_path(model.plan.key).read_text())["batches"]
     assert saved[f"2 on {engine}"] == small and saved[f"16 on {engine}"] == large
     again = MedusaModel.from_pretrained(heads_dir, base=base_dir, plan="auto")
-    assert medusa.plan.batch_choice(again, 2) == small and timed == [2, 16]  # read back, not timed again
-    other = "eager" if engine != "eager" else "compiled"  # a call naming the other batch engine: timed on it
-    assert medusa.plan.batch_choice(again, 2, engine=other)["engine"] == other and timed == [2, 16, 2]
-    assert medusa.plan.batch_choice(again, 2) == small and medusa.plan.batch_choice(again, 2, engine=other)
+    assert medusa.plan.batch_choice(again, 2, engine=engine) == small and timed == [2, 16]  # read back, not timed
+    assert medusa.plan.batch_choice(again, 2, engine=other)["engine"] == other and timed == [2, 16, 2]  # timed there
+    assert medusa.plan.batch_choice(again, 2, engine=engine) == small
+    assert medusa.plan.batch_choice(again, 2, engine=other)
     assert timed == [2, 16, 2]  # each kept under its own engine
 
 
@@ -436,7 +437,7 @@ def test_a_flat_batched_curve_keeps_the_largest_tree(tmp_path, monkeypatch):
     base_dir, heads_dir = _tiny_with_accuracy(tmp_path)
     model = MedusaModel.from_pretrained(heads_dir, base=base_dir, plan="auto")
     _batch_choice_with(monkeypatch, model, lambda rows, n: 10.0)
-    choice = medusa.plan.batch_choice(model, 4)
+    choice = medusa.plan.batch_choice(model, 4, engine="eager")
     assert len(choice["tree"]) + 1 == max(medusa.plan.BATCH_NODES) and choice["expected_speedup"] > MIN_GAIN
 
 
@@ -451,10 +452,95 @@ def test_a_planned_batch_decodes_each_row_as_alone(tmp_path, monkeypatch, family
     ids = torch.tensor([prompts[0], [0] * 3 + prompts[1]])  # left-padded
     mask = torch.tensor([[1] * 6, [0] * 3 + [1] * 3])
     out = model.generate(ids, attention_mask=mask, max_new_tokens=20, return_dict_in_generate=True)
-    assert f"2 on {medusa.runtime.batch_engine(model.base)}" in model.plan.batches
+    layout = model.plan.batches["2 on the fastest layout"]
+    assert set(layout["plain_ms"]) == set(medusa.runtime.BATCH_ENGINES) and layout["alone_plain_ms"] > 0
     for row, prompt in zip(out.sequences, prompts):
         alone = torch.tensor([prompt])
         reference = model.base.generate(
             alone, attention_mask=torch.ones_like(alone), max_new_tokens=20, do_sample=False
         )
         assert row[-20:].tolist() == reference[0, len(prompt) :].tolist()
+
+
+def _layout_with(monkeypatch, model, batch_ms, alone_ms: float, tree_ms=None, prefill_ms=(0.0, 0.0)):
+    """batch_choice's layout over synthetic whole-step timings: a batched plain step of `batch_ms(engine, width)` ms
+    (a tree's: `tree_ms(width)`, else the same), one sequence's plain step of `alone_ms`, a flat batched verify (so a
+    batch's tree is expected to pay), prefills of `prefill_ms` ms per token (together, alone)."""
+    _batch_choice_with(monkeypatch, model, lambda rows, n: 10.0)
+
+    def batch_step(batch_model, make_proposer, rows, context, steps, feature_layers):
+        engine = "eager" if batch_model is model.base else "compiled"
+        plain = isinstance(make_proposer(), PlainProposer)
+        return batch_ms(engine, context) if plain or tree_ms is None else tree_ms(context)
+
+    monkeypatch.setattr(medusa.plan, "time_batch_step", batch_step)
+    monkeypatch.setattr(medusa.plan, "time_alone_step", lambda *args: alone_ms)
+    monkeypatch.setattr(medusa.plan, "time_batch_prefill", lambda *args: prefill_ms[0])
+    monkeypatch.setattr(medusa.plan, "time_alone_prefill", lambda *args: prefill_ms[1])
+
+
+def _at(width: int, rows: int) -> tuple[list[int], int]:
+    """lay_out's arguments for `rows` prompts whose steps attend over `width` tokens (2 new tokens each)."""
+    return [width - 1] * rows, 2
+
+
+def test_a_batch_decodes_its_rows_one_at_a_time_where_that_is_faster(tmp_path, monkeypatch):
+    """With no engine named, the plan weighs decoding a batch together on each batch engine (at the batch's width:
+    every row attends over its longest prompt) against decoding its rows one at a time as it decodes one sequence;
+    the slower layouts lose, for speculation and for plain decoding alike, and rows decoded one at a time come back
+    as a batch does (left-padded, exact)."""
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "cache"))
+    base_dir, heads_dir = _tiny_with_accuracy(tmp_path)
+    model = MedusaModel.from_pretrained(heads_dir, base=base_dir, plan="auto")
+    model.plan.expected_speedup = 2.0  # one sequence's plan: twice its plain decoding
+    lay_out = medusa.plan.lay_out
+    # 4 rows: a batched plain step of 40 ms at 256 tokens is 100 tok/s, 160 ms at 1024 is 25; one sequence's plain
+    # 20 ms is 50 tok/s, planned 100
+    _layout_with(monkeypatch, model, lambda engine, width: (1 if engine == "eager" else 2) * width * 40 / 256, 20.0)
+    layout = medusa.plan.batch_choice(model, 4)
+    engine, alone, proposer, tree, rates = lay_out(layout, *_at(256, 4))
+    assert (engine, alone) == ("eager", False) and proposer != "plain" and tree  # its tree (flat verify) pays
+    assert rates["plain together on eager"] == 100.0 and rates["plain one at a time"] == 50.0
+    assert lay_out(layout, *_at(256, 4), plain=True)[:4] == ("eager", False, "plain", None)
+    wide = lay_out(layout, *_at(1024, 4))
+    assert wide[:4] == (model.plan.engine, True, None, None) and wide[4]["plain together on eager"] == 25.0
+    assert lay_out(layout, *_at(640, 4), plain=True)[:2] == (
+        model.plan.plain_engine,
+        True,
+    )  # 100 ms: 40 tok/s against 50
+    saved = json.loads(plan_path(model.plan.key).read_text())["batches"]
+    assert saved["4 on the fastest layout"] == layout
+    # a batch prefills rows x its longest prompt, one at a time each row its own: one long prompt among short ones
+    # (1 ms a token either way) costs the batch 4 x 250 ms, the rows alone 250 + 3 x 10
+    lengths = [250, 10, 10, 10]
+    assert lay_out(layout, lengths, 2)[:2] == ("eager", False)  # at no cost per token: together, as above
+    monkeypatch.setattr(medusa.plan, "time_batch_prefill", lambda *args: 1.0)
+    monkeypatch.setattr(medusa.plan, "time_alone_prefill", lambda *args: 1.0)
+    del model.plan.batches["4 on the fastest layout"]
+    priced = medusa.plan.batch_choice(model, 4)
+    assert lay_out(priced, lengths, 2)[:2] == (model.plan.engine, True)
+    assert lay_out(priced, *_at(256, 4))[:2] == ("eager", False)  # prompts alike: the prefills cost the same
+    # 8 rows: the tree's whole step (200 ms) costs more than its tau gains over plain decoding together (40 ms)
+    _layout_with(monkeypatch, model, lambda engine, width: 40.0, 20.0, tree_ms=lambda width: 200.0)
+    assert lay_out(medusa.plan.batch_choice(model, 8), *_at(256, 8))[:4] == ("eager", False, "plain", None)
+    # 2 rows: a batched plain step of 40 ms is 50 tok/s, no faster than one sequence's, and the tree's step (200 ms)
+    # gains less than one sequence's plan: both go one at a time
+    _layout_with(monkeypatch, model, lambda engine, width: 40.0, 20.0, tree_ms=lambda width: 200.0)
+    two = medusa.plan.batch_choice(model, 2)
+    assert lay_out(two, *_at(256, 2))[:2] == (model.plan.engine, True)
+    assert lay_out(two, *_at(256, 2), plain=True)[:2] == (model.plan.plain_engine, True)
+
+    decoded_together = []
+    real = medusa.decode.decode_batch
+    monkeypatch.setattr(medusa.decode, "decode_batch", lambda *a, **k: decoded_together.append(1) or real(*a, **k))
+    prompts = [[3, 4, 5, 6, 3, 4], [7, 8, 9]]
+    ids, mask = torch.tensor([prompts[0], [0] * 3 + prompts[1]]), torch.tensor([[1] * 6, [0] * 3 + [1] * 3])
+    for proposer in (None, "plain"):
+        out = model.generate(
+            ids, attention_mask=mask, max_new_tokens=12, proposer=proposer, return_dict_in_generate=True
+        )
+        reference = model.base.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+        assert torch.equal(out.sequences, reference) and not decoded_together  # one at a time, as a batch returns
+        assert out.stats.new_tokens == 24 and len(out.stats.accepted_lengths) == out.stats.steps - 2  # 2 prefills
+    model.generate(ids, attention_mask=mask, max_new_tokens=4, engine="eager")  # a named batch engine: together
+    assert decoded_together

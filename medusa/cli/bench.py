@@ -353,7 +353,7 @@ def build_methods(names: list[str], args, model, stop_ids: list[int]) -> tuple[d
                 eos_token_id=stop_ids or None,
                 generator=generator,
                 profile=args.profile,
-                engine=engine if attention_mask is None else None,  # a batch runs on runtime.batch_engine's
+                engine=engine if attention_mask is None else None,  # a batch: as the plan lays it out
                 return_dict_in_generate=True,
                 **kwargs,
             )
@@ -832,8 +832,12 @@ def main(argv=None) -> dict:
         "dtype": args.dtype,
         "device": str(model.device),
         "engine": args.engine,
-        "baseline_compiled": "this library's batched plain decoding (proposer 'plain') on the "
-        f"{batch_engine(model.base)} engine, as every batch"
+        "baseline_compiled": "this library's batched plain decoding (proposer 'plain'), "
+        + (
+            "laid out as the plan lays out plain batches (medusa.plan.batch_choice: together, or one row at a time)"
+            if model.plan is not None
+            else f"together on the {batch_engine(model.base)} engine"
+        )
         if args.batch_size > 1
         else "this library's plain decoding (proposer 'plain') on the "
         f"{model.best_plain_engine} engine: "
