@@ -12,7 +12,7 @@ from medusa import generate_args
 from medusa.acceptance import AcceptanceRule, get_rule
 from medusa.batch import decode_batch, padded, split_padded
 from medusa.propose import PlainProposer, Proposer
-from medusa.runtime import BATCH_ENGINES, ENGINES, EagerEngine, batch_engine, engine_for
+from medusa.runtime import BATCH_ENGINES, EagerEngine, batch_engine, engine_for
 from medusa.sampling import SamplingConfig, select_token, shape_logits
 from medusa.sequence import DecodeState, DecodeStats, GenerateOutput, take_new
 
@@ -199,8 +199,6 @@ class SpeculativeGenerator:
             raise ValueError("streamer takes one sequence (as transformers' streamers do): pass one prompt at a time")
         if settings.output_scores or settings.output_logits:
             raise ValueError("output_scores / output_logits take one sequence for now: pass one prompt at a time")
-        if engine is not None and engine not in ENGINES:
-            raise ValueError(f"unknown engine {engine!r}: use one of {list(ENGINES)} or None")
         lengths = [row.shape[1] for row in rows]
         engine, one_at_a_time, proposer, tree = self.batch_layout(
             lengths, settings.max_new_tokens, engine, proposer, tree
@@ -234,20 +232,10 @@ class SpeculativeGenerator:
     ) -> GenerateOutput:
         """A batch's rows decoded one after another on `engine` as single sequences (exact as each is), returned as
         decode_batch returns a batch; `steps` counts every row's target forwards."""
-        target, stats, new = self.engine(engine), DecodeStats(), []
+        stats, new = DecodeStats(), []
         for row in rows:
-            out = decode(
-                self.base,
-                self.make_proposer(proposer, tree, sampling, generator, engine=target),
-                rule,
-                row,
-                max_new_tokens=settings.max_new_tokens,
-                sampling=sampling,
-                stop_ids=stop_ids,
-                stop_when=stop_when,
-                generator=generator,
-                feature_layers=self.feature_layers,
-                engine=target,
+            out = self._decode_one(
+                row, settings, sampling, rule, proposer, tree, generator, engine, stop_ids, stop_when
             )
             new.append(out.sequences[0, row.shape[1] :].tolist())
             stats.steps += out.stats.steps
@@ -256,6 +244,27 @@ class SpeculativeGenerator:
             stats.proposed_lengths += out.stats.proposed_lengths
             stats.verified_nodes += out.stats.verified_nodes
         return GenerateOutput(sequences=padded(rows, new, pad), stats=stats)
+
+    def _decode_one(
+        self, input_ids, settings, sampling, rule, proposer, tree, generator, engine, stop_ids, stop_when, **options
+    ) -> GenerateOutput:
+        """One sequence (1, T) decoded on `engine` (medusa.decode.decode; `options`: its streamer, profile and
+        output_scores / output_logits)."""
+        target = self.engine(engine)
+        return decode(
+            self.base,
+            self.make_proposer(proposer, tree, sampling, generator, engine=target),
+            rule,
+            input_ids,
+            max_new_tokens=settings.max_new_tokens,
+            sampling=sampling,
+            stop_ids=stop_ids,
+            stop_when=stop_when,
+            generator=generator,
+            feature_layers=self.feature_layers,
+            engine=target,
+            **options,
+        )
 
     def compute_transition_scores(self, sequences, scores, beam_indices=None, normalize_logits: bool = False):
         """transformers' `compute_transition_scores` on the target: each new token's score from generate's
@@ -374,21 +383,19 @@ class SpeculativeGenerator:
             width = max(row.shape[1] for row in rows)  # the batch's own padding: to its longest prompt
             out.sequences = torch.cat([input_ids, out.sequences[:, width:]], dim=1)
             return out if settings.return_dict_in_generate else out.sequences
-        target_engine = self.engine(engine)
-        out = decode(
-            self.base,
-            self.make_proposer(proposer, tree, sampling, generator, engine=target_engine),
-            rule,
+        out = self._decode_one(
             input_ids,
-            max_new_tokens=settings.max_new_tokens,
-            sampling=sampling,
-            stop_ids=stop_token_ids(self.base, tokenizer, settings.eos_token_id),
-            stop_when=generate_args.stopping(stopping_criteria, settings.stop_strings, tokenizer),
+            settings,
+            sampling,
+            rule,
+            proposer,
+            tree,
+            generator,
+            engine,
+            stop_token_ids(self.base, tokenizer, settings.eos_token_id),
+            generate_args.stopping(stopping_criteria, settings.stop_strings, tokenizer),
             streamer=streamer,
-            generator=generator,
             profile=profile,
-            feature_layers=self.feature_layers,
-            engine=target_engine,
             output_scores=settings.return_dict_in_generate and settings.output_scores,
             output_logits=settings.return_dict_in_generate and settings.output_logits,
         )
