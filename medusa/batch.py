@@ -6,9 +6,10 @@ its committed tokens contiguous from position 0 (the prompt's left padding inclu
 a step writes row b's candidates at `lengths[b]` onward and commits its accepted path in place there, so rows that
 accept different numbers of tokens never leave gaps and the padding does not grow. Each row has its own proposer and
 tree (padded to the batch's largest with nodes that see only themselves), its own acceptance and stop; a finished
-row leaves the batch (its cache rows are dropped), so it stops costing work. The target runs eagerly: as it is, or
-the compiled engine's copy with pre-packed weights; the compiled graphs keep one sequence. Where decoding the rows
-one at a time on those graphs is faster, the plan does that instead (medusa.plan.batch_choice).
+row leaves the batch (its cache rows are dropped), so it stops costing work. The engine runs the batch's forwards
+(Engine.batch_forward): eagerly, as the target is or with the compiled engine's pre-packed weights, or on a CPU through
+the inductor engine's batch package (each row's tokens written at its own length). Where decoding the rows one at a
+time is faster, the plan does that instead (medusa.plan.batch_choice).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 from medusa.acceptance import get_rule
 from medusa.guard import GuardedProposer
-from medusa.runtime import RowsCache, VerifyOutput, base_features, with_cache
+from medusa.runtime import VerifyOutput
 from medusa.sampling import SamplingConfig, select_token
 from medusa.sequence import DecodeState, DecodeStats, GenerateOutput, take_new
 
@@ -72,7 +73,7 @@ def _mask(rows: list[_Row], lengths: list[int], trees, width: int, n: int, dtype
 
 @torch.inference_mode()
 def decode_batch(
-    model,
+    engine,
     make_proposer,
     rule,
     prompts: list[torch.Tensor],
@@ -88,9 +89,9 @@ def decode_batch(
     """prompts: each row's tokens (1, T_b) -> GenerateOutput with `sequences` (B, T + new) as transformers' batched
     generate returns them (but for the left padding's ids: `pad_token_id` here, generate puts back those given): the
     prompts left-padded to one width T, the new tokens after, rows that stopped early padded on the right with
-    `pad_token_id`. `make_proposer()` gives a fresh proposer per row."""
+    `pad_token_id`. `engine` runs the target (medusa.runtime's); `make_proposer()` gives a fresh proposer per row."""
     batch = BatchDecoding(
-        model,
+        engine,
         make_proposer,
         rule,
         prompts,
@@ -114,7 +115,7 @@ class BatchDecoding:
     @torch.inference_mode()
     def __init__(
         self,
-        model,
+        engine,
         make_proposer,
         rule,
         prompts,
@@ -127,7 +128,8 @@ class BatchDecoding:
         feature_layers=(),
         pad_token_id,
     ):
-        self.model, self.rule, self.sampling, self.generator = model, rule, sampling, generator
+        self.engine, self.rule, self.sampling, self.generator = engine, rule, sampling, generator
+        self.dtype = dtype = engine.model.dtype
         self.max_new_tokens, self.stop_ids, self.stop_when = max_new_tokens, stop_ids, stop_when
         self.feature_layers, self.pad_token_id = feature_layers, pad_token_id
         self.device = device = prompts[0].device
@@ -136,7 +138,7 @@ class BatchDecoding:
         self.rows, self.stats = rows, DecodeStats()
 
         # prefill: every prompt left-padded to `width`, written at positions 0 .. width - 1
-        cache = RowsCache(model.config, width + max_new_tokens + max(r.proposer.max_nodes for r in rows) + 1)
+        cache = engine.new_rows_cache(width + max_new_tokens + max(r.proposer.max_nodes for r in rows) + 1)
         cache.start(len(rows))
         ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long, device=device)
         real = torch.zeros((len(rows), width), dtype=torch.bool, device=device)
@@ -146,10 +148,10 @@ class BatchDecoding:
         causal = torch.ones((width, width), dtype=torch.bool, device=device).tril()
         visible = causal[None] & real[:, None, :]
         visible |= torch.eye(width, dtype=torch.bool, device=device)  # padding queries see themselves: no empty rows
-        mask = torch.where(visible, 0.0, torch.finfo(model.dtype).min).to(model.dtype)[:, None]
+        mask = torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)[:, None]
         positions = (real.long().cumsum(-1) - 1).clamp(min=0)
         # the next token's logits only: the prompts' own would cost a (B, T, V) projection
-        logits, features = _forward(model, cache, ids, mask, positions, feature_layers, logits_to_keep=1)
+        logits, features = engine.batch_forward(cache, ids, mask, positions, feature_layers, logits_to_keep=1)
         cache.advance(width)
         for row in rows:
             root = select_token(logits[row.index, -1], sampling, generator)
@@ -176,8 +178,8 @@ class BatchDecoding:
             tokens[b, : c.tree.num_nodes] = c.tokens
             positions[b, : c.tree.num_nodes] = row.state.length + c.tree.depth.to(device)
         trees = [c.tree for c in candidates]
-        mask = _mask(active, cache.lengths, trees, max(cache.lengths) + n, n, self.model.dtype, device)
-        logits, features = _forward(self.model, cache, tokens, mask, positions, self.feature_layers)
+        mask = _mask(active, cache.lengths, trees, max(cache.lengths) + n, n, self.dtype, device)
+        logits, features = self.engine.batch_forward(cache, tokens, mask, positions, self.feature_layers)
         stats.steps += 1
         still, kept = [], []
         for b, (row, c) in enumerate(zip(active, candidates)):
@@ -214,21 +216,7 @@ def padded(prompts: list[torch.Tensor], new: list[list[int]], pad_token_id: int)
     return sequences
 
 
-def _forward(model, cache: RowsCache, ids, mask, positions, feature_layers, **options):
-    """The target over (B, n) tokens at their positions, under `mask`, into `cache` -> (logits, what heads read)."""
-    out = model(
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=positions,
-        **with_cache(model, cache.cache),
-        use_cache=True,
-        output_hidden_states=True,
-        **options,
-    )
-    return out.logits, base_features(out.hidden_states, feature_layers)
-
-
-def _leave(cache: RowsCache, before: list[_Row], after: list[_Row]) -> None:
+def _leave(cache, before: list[_Row], after: list[_Row]) -> None:
     """Drop the cache rows of the rows that finished (from `before` to `after`, order kept): they cost no more work."""
     if len(after) < len(before) and after:
         cache.keep([i for i, row in enumerate(before) if row in after])
@@ -242,22 +230,23 @@ def _unguarded(proposer):
 
 @torch.inference_mode()
 def time_batch_verify(
-    model, rows: int, nodes: list[int], context: int, repeats: int, seed: int = 0
+    engine, rows: int, nodes: list[int], context: int, repeats: int, seed: int = 0
 ) -> dict[int, float]:
-    """Median ms of one batched verify as decode_batch runs it, for each count in `nodes`: `rows` sequences of
-    `context` cached tokens, each verifying that many tokens (a chain) in one forward of the target. The cache is not
-    advanced, so every forward sees the same lengths; the counts are interleaved within each repeat, so drifts in
-    machine load hit them alike."""
-    device, most = model.device, max(nodes)
+    """Median ms of one batched verify as decode_batch runs it on `engine`, for each count in `nodes`: `rows`
+    sequences of `context` cached tokens, each verifying that many tokens (a chain) in one forward of the target. The
+    cache is not advanced, so every forward sees the same lengths; the counts are interleaved within each repeat, so
+    drifts in machine load hit them alike."""
+    model, most = engine.model, max(nodes)
+    device, dtype = model.device, model.dtype
     vocab = model.get_output_embeddings().weight.shape[0]
     ids = torch.randint(0, vocab, (rows, context + most), generator=torch.Generator().manual_seed(seed)).to(device)
-    cache = RowsCache(model.config, context + most + 1)
+    cache = engine.new_rows_cache(context + most + 1)
     cache.start(rows)
     allowed = torch.ones((context + most, context + most), dtype=torch.bool, device=device).tril()
-    mask = torch.where(allowed, 0.0, torch.finfo(model.dtype).min).to(model.dtype)[None, None].expand(rows, 1, -1, -1)
+    mask = torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype)[None, None].expand(rows, 1, -1, -1)
     positions = torch.arange(context + most, device=device)[None].expand(rows, -1)
-    _forward(
-        model, cache, ids[:, :context], mask[:, :, :context, :context], positions[:, :context], (), logits_to_keep=1
+    engine.batch_forward(
+        cache, ids[:, :context], mask[:, :, :context, :context], positions[:, :context], logits_to_keep=1
     )
     cache.advance(context)
     times: dict[int, list[float]] = {n: [] for n in nodes}
@@ -265,7 +254,7 @@ def time_batch_verify(
         for n in nodes:
             end = context + n
             start = time.perf_counter()
-            _forward(model, cache, ids[:, context:end], mask[:, :, context:end, :end], positions[:, context:end], ())
+            engine.batch_forward(cache, ids[:, context:end], mask[:, :, context:end, :end], positions[:, context:end])
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times[n].append(1000 * (time.perf_counter() - start))
@@ -274,19 +263,20 @@ def time_batch_verify(
 
 @torch.inference_mode()
 def time_batch_step(
-    model, make_proposer, rows: int, context: int, steps: int, feature_layers=(), seed: int = 0
+    engine, make_proposer, rows: int, context: int, steps: int, feature_layers=(), seed: int = 0
 ) -> float:
     """Median ms of one step of a batch's decoding as a whole (every row's propose, the batched verify, each row's
     acceptance, the commit: what a verify's timing leaves out) for `rows` rows of `context` cached tokens, over
     `steps` steps after one that warms up; rows stay in the batch throughout. `feature_layers`: what the proposers
     read (decode_batch's). The rows are prefilled with a few random tokens and then padded on the left to `context`
     (a step attends over padding as over tokens; a real prefill of many long rows would cost seconds)."""
+    model = engine.model
     vocab = model.get_output_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, vocab, (1, 8), generator=generator).to(model.device) for _ in range(rows)]
     made = [make_proposer() for _ in range(rows)]
     batch = BatchDecoding(
-        model,
+        engine,
         lambda: made.pop(),
         get_rule("greedy"),
         prompts,
@@ -312,21 +302,22 @@ def time_batch_step(
 
 
 @torch.inference_mode()
-def time_batch_prefill(model, rows: int, context: int, repeats: int = 2, seed: int = 0) -> float:
-    """Median ms per token of a batch's prefill as BatchDecoding runs it: `rows` rows of `context` tokens in one
-    forward (padding costs as much as a token: a batch prefills rows x its longest prompt)."""
+def time_batch_prefill(engine, rows: int, context: int, repeats: int = 2, seed: int = 0) -> float:
+    """Median ms per token of a batch's prefill as BatchDecoding runs it on `engine`: `rows` rows of `context` tokens
+    in one forward (padding costs as much as a token: a batch prefills rows x its longest prompt)."""
+    model = engine.model
     device = model.device
     vocab = model.get_output_embeddings().weight.shape[0]
     ids = torch.randint(0, vocab, (rows, context), generator=torch.Generator().manual_seed(seed)).to(device)
     causal = torch.ones((context, context), dtype=torch.bool, device=device).tril()
     mask = torch.where(causal, 0.0, torch.finfo(model.dtype).min).to(model.dtype)[None, None].expand(rows, 1, -1, -1)
     positions = torch.arange(context, device=device)[None].expand(rows, -1)
-    cache = RowsCache(model.config, context + 1)
+    cache = engine.new_rows_cache(context + 1)
     times = []
     for _ in range(repeats + 1):  # the first warms up
         cache.start(rows)
         start = time.perf_counter()
-        _forward(model, cache, ids, mask, positions, (), logits_to_keep=1)
+        engine.batch_forward(cache, ids, mask, positions, logits_to_keep=1)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(1000 * (time.perf_counter() - start) / (rows * context))

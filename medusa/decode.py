@@ -12,7 +12,7 @@ from medusa import generate_args
 from medusa.acceptance import AcceptanceRule, get_rule
 from medusa.batch import decode_batch, padded, split_padded
 from medusa.propose import PlainProposer, Proposer
-from medusa.runtime import BATCH_ENGINES, EagerEngine, batch_engine, engine_for
+from medusa.runtime import EagerEngine, batch_engine, engine_for
 from medusa.sampling import SamplingConfig, select_token, shape_logits
 from medusa.sequence import DecodeState, DecodeStats, GenerateOutput, take_new
 
@@ -184,12 +184,9 @@ class SpeculativeGenerator:
         self, lengths: list[int], max_new_tokens: int, engine: str | None, proposer, tree
     ) -> tuple[str, bool, str | None, object]:
         """How a batch of prompts of `lengths` tokens decodes `max_new_tokens` each -> (engine, whether its rows go
-        one at a time, proposer, tree). Here: on
-        `engine`, else runtime.batch_engine's; batched on an engine that takes batches (BATCH_ENGINES), one row at a
-        time on one that does not (the inductor engine's graphs keep one sequence); proposer and tree as given
-        (MedusaModel's plan chooses all four per batch size by timing: medusa.plan.batch_choice)."""
-        engine = engine or batch_engine(self.base)
-        return engine, engine not in BATCH_ENGINES, proposer, tree
+        one at a time, proposer, tree). Here: together on `engine`, else on runtime.batch_engine's; proposer and tree
+        as given (MedusaModel's plan chooses all four per batch size by timing: medusa.plan.batch_choice)."""
+        return engine or batch_engine(self.base), False, proposer, tree
 
     def _generate_batch(
         self, rows, settings, sampling, rule, proposer, tree, generator, engine, stopping_criteria, streamer, tokenizer
@@ -214,7 +211,7 @@ class SpeculativeGenerator:
             )
         eager = self.engine("eager")  # what a row's draft model runs on
         return decode_batch(
-            self.engine(engine).batch_model,
+            self.engine(engine),
             lambda: self.make_proposer(proposer, tree, sampling, generator, engine=eager),
             rule,
             rows,

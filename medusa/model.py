@@ -35,7 +35,7 @@ from medusa.plan import Plan, batch_choice, lay_out, load_accuracy, load_or_cali
 from medusa.precision import load_target
 from medusa.propose import CandidateProjection, compile_proposal
 from medusa.proposers import get_proposer
-from medusa.runtime import BATCH_ENGINES, ENGINES, int8_copy
+from medusa.runtime import ENGINES, int8_copy
 from medusa.sampling import SamplingConfig
 from medusa.tree import TreeSpec, build_buffers, chain, load_tree
 
@@ -392,7 +392,7 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         the fastest of decoding the rows together (on the faster batch engine, with the tree its rows can afford or
         plainly) and one at a time (as the plan decodes one sequence); on a named batch engine, the tree timed
         there. A proposer or tree the call names is kept."""
-        if self.plan is None or (engine is not None and engine not in BATCH_ENGINES):
+        if self.plan is None:
             return super().batch_layout(lengths, max_new_tokens, engine, proposer, tree)
         choice = batch_choice(self, len(lengths), engine=engine)
         if engine is not None:

@@ -35,7 +35,7 @@ from medusa.fileio import atomic_write_text
 from medusa.hardware import describe
 from medusa.loading import cache_root
 from medusa.propose import ContextRead
-from medusa.runtime import BATCH_ENGINES, ENGINES, compile_seconds, engine_for, precision_of
+from medusa.runtime import ENGINES, compile_seconds, engine_for, precision_of
 from medusa.sampling import SamplingConfig
 from medusa.tree_builder import check_accuracy, expected_tau, grow_tree, sync, time_step
 
@@ -85,9 +85,11 @@ BATCH_NODES = (2, 3, 4, 6, 8)  # tree sizes a batch may take, root included
 BATCH_REPEATS = 4
 # Choosing a batch's layout times whole decoding steps (what a verify's timing leaves out: masks, acceptance, commits),
 # this many after a warm-up, at each of these numbers of cached tokens: every row of a batch attends over its longest
-# prompt (padding included), so a batch's step grows with the width where one sequence's does not
+# prompt (padding included), so a batch's step grows with the width where one sequence's does not. The wider stays
+# inside the inductor engine's 1,024-row batch package with its steps, which a call's prompts of up to ~900 tokens use
+# too (a wider one would compile a 2,048-row package for the timing alone: minutes)
 BATCH_LAYOUT_STEPS = 6
-BATCH_WIDTHS = (CONTEXT, 4 * CONTEXT)
+BATCH_WIDTHS = (CONTEXT, 3 * CONTEXT)
 
 
 @dataclass
@@ -561,9 +563,9 @@ def batch_choice(model, rows: int, progress: bool = True, engine: str | None = N
 
 
 def _lay_out_batch(model, rows: int, progress: bool) -> dict:
-    """What `lay_out` weighs for `rows` rows, timed for real: whole steps of plain decoding together on each batch
-    engine (time_batch_step) at each of BATCH_WIDTHS cached tokens; on the faster engine (at CONTEXT) the tree its
-    rows can afford (_calibrate_batch), timed as whole steps there too, with its expected tau, and its prefill per
+    """What `lay_out` weighs for `rows` rows, timed for real: whole steps of plain decoding together on each engine
+    the plan weighed (time_batch_step) at each of BATCH_WIDTHS cached tokens; on the fastest (at CONTEXT) the tree
+    its rows can afford (_calibrate_batch), timed as whole steps there too, with its expected tau, and its prefill per
     token (time_batch_prefill); one sequence's plain step on the plan's plain engine (time_alone_step), its prefill
     per token on the plan's engine, and the plan's expected speedup. (A batch's verify alone leaves out masks,
     acceptance and commits per row, and a batch pays for its longest prompt in every row, in each step and in the
@@ -572,17 +574,18 @@ def _lay_out_batch(model, rows: int, progress: bool) -> dict:
 
     def step_ms(engine: str, proposer: str, tree, width: int) -> float:
         make = lambda: model.make_proposer(proposer, tree, sampling, None)  # noqa: E731
-        batch_model = engine_for(model.base, engine).batch_model
-        return time_batch_step(batch_model, make, rows, width, BATCH_LAYOUT_STEPS, model.feature_layers)
+        target = engine_for(model.base, engine)
+        return time_batch_step(target, make, rows, width, BATCH_LAYOUT_STEPS, model.feature_layers)
 
-    together_ms = {e: {str(w): step_ms(e, "plain", None, w) for w in BATCH_WIDTHS} for e in BATCH_ENGINES}
-    batched = min(BATCH_ENGINES, key=lambda e: together_ms[e][str(CONTEXT)])
+    engines = tuple(plan.key.get("engines") or planned_engines(model.device))  # those the plan weighed
+    together_ms = {e: {str(w): step_ms(e, "plain", None, w) for w in BATCH_WIDTHS} for e in engines}
+    batched = min(engines, key=lambda e: together_ms[e][str(CONTEXT)])
     choice = batch_choice(model, rows, progress, engine=batched)
     layout = {
         "rows": rows,
         "engine": batched,
         "plain_ms": together_ms,  # {engine: {width: ms per step}}
-        "prefill_ms_per_token": time_batch_prefill(engine_for(model.base, batched).batch_model, 2, CONTEXT),
+        "prefill_ms_per_token": time_batch_prefill(engine_for(model.base, batched), 2, CONTEXT),
         "proposer": choice["proposer"],
         "tree": choice["tree"] or None,  # (none: the plan's own, where the heads have no accuracy table)
         "tau": choice.get("tau") or 1.0,  # (none: no accuracy table to expect one from)
@@ -722,7 +725,7 @@ def _calibrate_batch(model, rows: int, engine: str, context: int = CONTEXT, repe
                 per_row[n].append(propose_ms + accept_ms)
         row_ms = {n: statistics.median(t[1:]) for n, t in per_row.items()}
         read_ms = _context_read_ms(model, state, repeats + 1)
-    verify_ms = time_batch_verify(engine_for(model.base, engine).batch_model, rows, [1, *sizes], context, repeats)
+    verify_ms = time_batch_verify(engine_for(model.base, engine), rows, [1, *sizes], context, repeats)
     # per row and step: its share of the batched verify, its own propose + accept (and a context layer's read)
     plain = Option(engine, "plain", 1, 1.0, verify_ms[1] / rows + row_ms[1])
     options = [plain] + [

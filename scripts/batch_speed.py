@@ -26,7 +26,7 @@ from medusa import MedusaModel
 from medusa.evaluation import bench_data_dir
 from medusa.plan import batch_choice, lay_out
 from medusa.questions import load_questions, spread
-from medusa.runtime import BATCH_ENGINES, batch_engine
+from medusa.runtime import ENGINES, batch_engine
 
 
 def main() -> None:
@@ -37,7 +37,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--proposers", nargs="+", default=["medusa", "dynamic"])
-    parser.add_argument("--engine", choices=BATCH_ENGINES, help="default: as generate lays the batch out")
+    parser.add_argument("--engine", choices=ENGINES, help="default: as generate lays the batch out")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", help="JSON file for the table")
     args = parser.parse_args()

@@ -338,7 +338,7 @@ def test_an_unreadable_package_is_compiled_again(tmp_path, monkeypatch, caplog):
     path.parent.mkdir(parents=True)
     path.write_bytes(b"not a package")
     compiled = []
-    monkeypatch.setattr(medusa.runtime.aot, "_export", lambda model, rows, one_token: compiled.append(rows))
+    monkeypatch.setattr(medusa.runtime.aot, "_export", lambda model, rows, one_token, batched: compiled.append(rows))
     monkeypatch.setattr(
         torch._inductor,
         "aoti_compile_and_package",
@@ -361,7 +361,7 @@ def test_processes_wanting_one_package_compile_it_once(tmp_path, monkeypatch):
     model = make_tiny_model("llama")
     compiled = []
 
-    def slow_export(model, rows, one_token):
+    def slow_export(model, rows, one_token, batched):
         compiled.append(threading.current_thread().name)
         time.sleep(0.5)
 

@@ -453,7 +453,7 @@ def test_a_planned_batch_decodes_each_row_as_alone(tmp_path, monkeypatch, family
     mask = torch.tensor([[1] * 6, [0] * 3 + [1] * 3])
     out = model.generate(ids, attention_mask=mask, max_new_tokens=20, return_dict_in_generate=True)
     layout = model.plan.batches["2 on the fastest layout"]
-    assert set(layout["plain_ms"]) == set(medusa.runtime.BATCH_ENGINES) and layout["alone_plain_ms"] > 0
+    assert set(layout["plain_ms"]) == set(model.plan.key["engines"]) and layout["alone_plain_ms"] > 0
     for row, prompt in zip(out.sequences, prompts):
         alone = torch.tensor([prompt])
         reference = model.base.generate(
@@ -468,8 +468,8 @@ def _layout_with(monkeypatch, model, batch_ms, alone_ms: float, tree_ms=None, pr
     batch's tree is expected to pay), prefills of `prefill_ms` ms per token (together, alone)."""
     _batch_choice_with(monkeypatch, model, lambda rows, n: 10.0)
 
-    def batch_step(batch_model, make_proposer, rows, context, steps, feature_layers):
-        engine = "eager" if batch_model is model.base else "compiled"
+    def batch_step(target, make_proposer, rows, context, steps, feature_layers):
+        engine = target.name
         plain = isinstance(make_proposer(), PlainProposer)
         return batch_ms(engine, context) if plain or tree_ms is None else tree_ms(context)
 

@@ -178,3 +178,24 @@ def test_make_demo_runs_both_precisions_and_says_which_to_pick(tmp_path):
     assert "== float32" in out and "== int8" in out and "llama.cpp: not run" in out
     assert "identical to transformers' generate 1/1" in out
     assert "which to pick:" in out and "-> " in out
+
+
+def test_a_batch_on_each_engine_is_each_prompt_decoded_alone(shipped, plain_greedy, monkeypatch):
+    """Three chat prompts of different lengths, left-padded, decoded together with the shipped heads' tree on the
+    compiled engine (eagerly, pre-packed) and on the inductor engine (its batch package, compiled once per machine):
+    every row is transformers' greedy output for that prompt alone."""
+    import medusa.runtime.aot
+
+    texts = [PROMPTS[1], "Hi!", PROMPTS[3]]
+    chats = [_chat(shipped, text)["input_ids"][0].tolist() for text in texts]
+    width = max(map(len, chats))
+    ids = torch.tensor([[0] * (width - len(c)) + c for c in chats])
+    mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in chats])
+    packaged, run_rows = [], medusa.runtime.aot.run_rows
+    monkeypatch.setattr(medusa.runtime.aot, "run_rows", lambda *a, **k: packaged.append(1) or run_rows(*a, **k))
+    for engine in ("compiled", "inductor"):
+        out = shipped.generate(ids, attention_mask=mask, max_new_tokens=48, proposer="dynamic", engine=engine)
+        for row, (text, chat) in enumerate(zip(texts, chats)):
+            reference = plain_greedy(text, 48)[0, len(chat) :]
+            assert out[row, width : width + len(reference)].tolist() == reference.tolist(), (engine, text)
+    assert packaged  # the inductor engine's steps ran through its batch package

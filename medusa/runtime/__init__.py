@@ -40,11 +40,9 @@ from medusa.runtime.verify import PrefillOutput, VerifyOutput, base_features, ve
 from medusa.tree import Candidates
 
 ENGINES = ("eager", "compiled", "inductor")
-BATCH_ENGINES = ("eager", "compiled")  # what a batch (medusa.batch) runs on: the target eagerly, packed or as it is
 _ENGINE_CLASSES = {"eager": EagerEngine, "compiled": CompiledEngine, "inductor": InductorEngine}
 
 __all__ = [
-    "BATCH_ENGINES",
     "ENGINES",
     "CompiledEngine",
     "EagerEngine",
@@ -106,9 +104,12 @@ class Engine(Protocol):
     def truncate(self, cache, length: int) -> None:
         """Forget every row past `length` (a verify that is not committed)."""
 
-    @property
-    def batch_model(self):
-        """The module a batch's forwards run on (medusa.batch: eager calls over a cache of its own)."""
+    def new_rows_cache(self, max_rows: int) -> RowsCache:
+        """A batch's KV cache (medusa.batch) for up to `max_rows` rows per sequence."""
+
+    def batch_forward(self, cache: RowsCache, ids, mask, positions, feature_layers=(), logits_to_keep=None):
+        """A batch's forward over (B, n) tokens at their positions under `mask` (B, 1, n, width), each row's written
+        at its own length in `cache` -> (logits (B, n or logits_to_keep, V), what heads read (B, n, F))."""
 
 
 def make_engine(name: str, model, **options) -> Engine:

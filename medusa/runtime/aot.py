@@ -59,6 +59,7 @@ ROW_INVARIANT_FORMAT = 4  # the same for what only w8a8 exports (attention.reduc
 OWN_WEIGHTS_OPTIONS = {"freezing": False, "aot_inductor.package_constants_in_so": False}
 DEFAULT_CACHE_GB = 8  # a few models' packages at two or three cache sizes each
 MAX_QUERY = 256  # the most tokens one verify forward may take (a tree's nodes)
+MAX_BATCH = 64  # the most rows a batch's package takes at once (a larger batch runs on the eager runner)
 GEMM_BACKENDS = "max_autotune_gemm_backends"
 # An option of ours among inductor's (so the package key carries it; taken out before inductor sees them): the package
 # compiles without AMX micro-kernels (torch_patches.micro_kernels_without_amx)
@@ -71,14 +72,23 @@ MODULE_OPTIONS = {"freezing": False}
 class WrittenRowsLayer(KeptDtypeLayer):
     """transformers' static layer over given tensors that hands attention only their first `visible` rows (the rows
     written, this step's included): a step costs the context it reads, not the cache's allocation. New rows are
-    written in the given tensors' dtype (runtime.attention.kv_dtype)."""
+    written in the given tensors' dtype (runtime.attention.kv_dtype); with `starts` (B,), each batch row's at its own
+    start (a batch's rows keep their own lengths: kv_cache.RowsCache), else after the rows already written."""
 
-    def __init__(self, max_cache_len: int, visible: int):
+    def __init__(self, max_cache_len: int, visible: int, starts: torch.Tensor | None = None):
         super().__init__(max_cache_len=max_cache_len)
-        self.visible = visible
+        self.visible, self.starts = visible, starts
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        if self.starts is None:
+            keys, values = super().update(key_states, value_states, *args, **kwargs)
+        else:
+            keys, values = self.keys, self.values
+            batch, heads, n, head_dim = key_states.shape
+            where = self.starts[:, None] + torch.arange(n, device=key_states.device)
+            where = where[:, None, :, None].expand(batch, heads, n, head_dim)
+            keys.scatter_(2, where, key_states.to(keys.dtype))
+            values.scatter_(2, where, value_states.to(values.dtype))
         return keys[:, :, : self.visible], values[:, :, : self.visible]
 
 
@@ -92,12 +102,14 @@ def _cache_over(
     config, keys: list[torch.Tensor], values: list[torch.Tensor], length: torch.Tensor, visible: int
 ) -> StaticCache:
     """A transformers StaticCache whose layers are the given tensors (written in place by the forward), `length`
-    rows already written, attention shown the first `visible` rows."""
+    rows already written (a 0-d tensor; (B,): each batch row's), attention shown the first `visible` rows."""
+    starts = length if length.dim() else None
     cache = StaticCache(config=config, max_cache_len=keys[0].shape[2])
-    cache.layers = [WrittenRowsLayer(keys[0].shape[2], visible) for _ in cache.layers]
+    cache.layers = [WrittenRowsLayer(keys[0].shape[2], visible, starts) for _ in cache.layers]
     for layer, k, v in zip(cache.layers, keys, values):
         layer.keys, layer.values = k, v
-        layer.cumulative_length = length.clone()  # each layer advances its own count
+        if starts is None:
+            layer.cumulative_length = length.clone()  # each layer advances its own count
         layer.max_batch_size, layer.num_heads, layer.head_dim = k.shape[0], k.shape[1], k.shape[3]
         layer.dtype, layer.device, layer.is_initialized = k.dtype, k.device, True
         layer.kept_dtype = k.dtype
@@ -107,11 +119,12 @@ def _cache_over(
 class VerifyStep(nn.Module):
     """What is exported: one forward of the target over N tokens with a (1, 1, N, past + N) mask, into a static cache
     given as per-layer tensors, attending over the rows written -> (logits (N, V), hidden states (layers + 1, 1, N,
-    H))."""
+    H)). `batched`: B rows of N tokens each, (B, 1, N, visible) mask, `length` (B,) each row's start -> (logits
+    (B, N, V), hidden states (layers + 1, B, N, H))."""
 
-    def __init__(self, model):
+    def __init__(self, model, batched: bool = False):
         super().__init__()
-        self.model = model
+        self.model, self.batched = model, batched
 
     def forward(self, input_ids, position_ids, mask, length, keys: list[torch.Tensor], values: list[torch.Tensor]):
         out = self.model(
@@ -122,10 +135,10 @@ class VerifyStep(nn.Module):
             use_cache=True,
             output_hidden_states=True,
         )
-        return out.logits[0], torch.stack(out.hidden_states)
+        return (out.logits if self.batched else out.logits[0]), torch.stack(out.hidden_states)
 
 
-def package_path(model, rows: int, options: dict, weights: str, one_token: bool = False) -> Path:
+def package_path(model, rows: int, options: dict, weights: str, one_token: bool = False, batched: bool = False) -> Path:
     """Where the package for `model` (its `weights`: medusa.loading.base_fingerprint) over `rows` rows lives."""
     attention = getattr(model.config, "_attn_implementation", None)
     key = {
@@ -137,6 +150,7 @@ def package_path(model, rows: int, options: dict, weights: str, one_token: bool 
         "transformers": transformers.__version__,
         **describe(model.device),
         **({"one_token": True} if one_token else {}),  # the main packages keep the names they had
+        **({"batched": True} if batched else {}),
         **(
             {"fp32_register_blocks": FP32_REGISTER_BLOCKS, "fp32_prefetch_rows": FP32_PREFETCH_ROWS}
             if model.dtype == torch.float32
@@ -150,7 +164,7 @@ def package_path(model, rows: int, options: dict, weights: str, one_token: bool 
             else {}
         ),
     }
-    return keyed_package(f"{rows}{'-one-token' if one_token else ''}", key)
+    return keyed_package(f"{'batch-' if batched else ''}{rows}{'-one-token' if one_token else ''}", key)
 
 
 def keyed_package(stem: str, key: dict) -> Path:
@@ -159,33 +173,39 @@ def keyed_package(stem: str, key: dict) -> Path:
     return cache_root() / "aoti" / f"{stem}-{digest}.pt2"
 
 
-def _export(model, rows: int, one_token: bool = False):
+def _export(model, rows: int, one_token: bool = False, batched: bool = False):
     """torch.export of VerifyStep over a fresh cache of `rows` rows, the query length (1 .. MAX_QUERY; one token
-    only with `one_token`) and the rows attended (1 .. rows - 1) dynamic."""
+    only with `one_token`) and the rows attended (1 .. rows - 1) dynamic; `batched`: the rows of a batch too
+    (1 .. MAX_BATCH), each written at its own start."""
     config = model.config.get_text_config()
     heads = config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     dtype = kv_dtype(model) or model.dtype  # what the engine's caches keep
-    blank = lambda: torch.zeros((1, heads, rows, head_dim), dtype=dtype, device=model.device)  # noqa: E731
+    # examples that are neither 0 nor 1 (export would specialise on those)
+    n, past, size = (1 if one_token else 2), 3, (2 if batched else 1)
+    blank = lambda: torch.zeros((size, heads, rows, head_dim), dtype=dtype, device=model.device)  # noqa: E731
     keys = [blank() for _ in range(config.num_hidden_layers)]
     values = [blank() for _ in range(config.num_hidden_layers)]
-    n, past = (1 if one_token else 2), 3  # examples that are neither 0 nor 1 (export would specialise on those)
+    starts = torch.tensor([past] * size if batched else past, device=model.device)
     example = (
-        torch.zeros((1, n), dtype=torch.long, device=model.device),
-        torch.arange(past, past + n, device=model.device)[None],
-        torch.zeros((1, 1, n, past + n), dtype=model.dtype, device=model.device),
-        torch.tensor(past, device=model.device),
+        torch.zeros((size, n), dtype=torch.long, device=model.device),
+        torch.arange(past, past + n, device=model.device)[None].expand(size, n).contiguous(),
+        torch.zeros((size, 1, n, past + n), dtype=model.dtype, device=model.device),
+        starts,
         keys,
         values,
     )
     query = None if one_token else torch.export.Dim("query", min=1, max=MAX_QUERY)
     visible = torch.export.Dim("visible", min=1, max=rows - 1)  # see `takes`
-    layers = [None] * config.num_hidden_layers
+    if batched:
+        rows_of = torch.export.Dim("batch", min=1, max=MAX_BATCH)
+        layers = [{0: rows_of}] * config.num_hidden_layers
+        shapes = ({0: rows_of, 1: query}, {0: rows_of, 1: query}, {0: rows_of, 2: query, 3: visible}, {0: rows_of})
+    else:
+        layers = [None] * config.num_hidden_layers
+        shapes = ({1: query}, {1: query}, {2: query, 3: visible}, None)
     return torch.export.export(
-        VerifyStep(model).eval(),
-        example,
-        dynamic_shapes=({1: query}, {1: query}, {2: query, 3: visible}, None, layers, layers),
-        strict=False,
+        VerifyStep(model, batched).eval(), example, dynamic_shapes=(*shapes, layers, layers), strict=False
     )
 
 
@@ -215,19 +235,24 @@ def _ticking(message: str):
 
 
 def load_or_compile(
-    model, rows: int, options: dict, weights: str, label: str = "", progress: bool = True, one_token: bool = False
+    model,
+    rows: int,
+    options: dict,
+    weights: str,
+    label: str = "",
+    progress: bool = True,
+    one_token: bool = False,
+    batched: bool = False,
 ):
     """The AOTInductor runner of `model`'s verify forward over `rows` cache rows: loaded from its package, or
-    compiled (minutes on a small CPU) and saved there first. `one_token`: the one-token package. A package compiled
-    with OWN_WEIGHTS_OPTIONS reads `model`'s own weights. -> (runner, seconds spent compiling)."""
-    message = (
-        f"compiling {label or 'the target'} ahead of time for {'one-token ' if one_token else ''}steps over {rows} "
-        "cached rows"
-    )
-    path = package_path(model, rows, options, weights, one_token)
-    runner, seconds = load_or_build(
-        path, lambda: _export(model, rows, one_token), options, message, progress, cpu=model.device.type == "cpu"
-    )
+    compiled (minutes on a small CPU) and saved there first. `one_token`: the one-token package; `batched`: the
+    batch's (run_rows). A package compiled with OWN_WEIGHTS_OPTIONS reads `model`'s own weights. -> (runner, seconds
+    spent compiling)."""
+    kind = "one-token steps" if one_token else "a batch's steps" if batched else "steps"
+    message = f"compiling {label or 'the target'} ahead of time for {kind} over {rows} cached rows"
+    path = package_path(model, rows, options, weights, one_token, batched)
+    export = lambda: _export(model, rows, one_token, batched)  # noqa: E731
+    runner, seconds = load_or_build(path, export, options, message, progress, cpu=model.device.type == "cpu")
     if options.get("aot_inductor.package_constants_in_so", True) is False:
         own_weights(runner, model)
     return runner, seconds
@@ -384,3 +409,14 @@ def run(runner, cache: StaticCache, input_ids, position_ids, mask, past_length: 
     length = torch.tensor(past_length, device=input_ids.device)
     logits, hidden = runner(input_ids, position_ids, mask, length, keys, values)
     return logits, base_features(tuple(hidden), feature_layers)[0]
+
+
+def run_rows(runner, cache, ids, position_ids, mask, feature_layers=()):
+    """A batch's forward (B, n) through its package (load_or_compile's `batched`), each row's tokens written at its
+    own length in a kv_cache.RowsCache, attention over the mask's width -> (logits (B, n, V), what the heads read
+    (B, n, F): base_features)."""
+    keys = [layer.keys for layer in cache.cache.layers]
+    values = [layer.values for layer in cache.cache.layers]
+    starts = torch.tensor(cache.lengths, device=ids.device)
+    logits, hidden = runner(ids, position_ids, mask, starts, keys, values)
+    return logits, base_features(tuple(hidden), feature_layers)

@@ -7,7 +7,8 @@ import torch
 from transformers import DynamicCache
 
 from medusa.runtime import kv_cache
-from medusa.runtime.verify import PrefillOutput, VerifyOutput, run_prefill, verify
+from medusa.runtime.kv_cache import RowsCache
+from medusa.runtime.verify import PrefillOutput, VerifyOutput, rows_forward, run_prefill, verify
 from medusa.tree import Candidates
 
 
@@ -18,9 +19,11 @@ class EagerEngine:
     def __init__(self, model):
         self.model = model
 
-    @property
-    def batch_model(self):
-        return self.model
+    def new_rows_cache(self, max_rows: int) -> RowsCache:
+        return RowsCache(self.model.config, max_rows)
+
+    def batch_forward(self, cache: RowsCache, ids, mask, positions, feature_layers=(), logits_to_keep=None):
+        return rows_forward(self.model, cache, ids, mask, positions, feature_layers, logits_to_keep)
 
     def new_cache(self, max_length: int):
         return DynamicCache(config=self.model.config)

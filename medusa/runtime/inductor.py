@@ -15,6 +15,8 @@ from transformers import StaticCache
 from medusa.hardware import amx
 from medusa.loading import base_fingerprint
 from medusa.runtime import aot, static
+from medusa.runtime.attention import kv_dtype
+from medusa.runtime.kv_cache import RowsCache
 from medusa.runtime.prepack import attention_copy
 from medusa.runtime.quantize import precision_of
 from medusa.runtime.static import CompiledEngine
@@ -37,8 +39,12 @@ class InductorEngine(CompiledEngine):
             self.ahead_of_time and precision_of(model) in ("int8", "int4") and amx(model.device)
         )
         self._one_token: dict[int, object] = {}  # cache rows -> that package's runner
+        self._batched: dict[int, object] = {}  # a batch's cache rows -> its package's runner (run_rows)
         self._weights: str | None = None  # the base's fingerprint, which names its packages
         super().__init__(model, torch_compile=True, prepack=prepack)
+        # a batch's package (aot.run_rows) on a CPU; sliding-window layers keep the eager batch (their cache is the
+        # window's, which a package's rows do not follow)
+        self.batch_ahead_of_time = self.ahead_of_time and self.window is None
 
     def _runner_for(self, model):
         """On a CPU, a copy of the target (parameters shared) on medusa's attention (runtime.attention): what is
@@ -61,6 +67,42 @@ class InductorEngine(CompiledEngine):
             package = self._one_token.get(rows, package)
         return VerifyOutput(*aot.run(package, cache, tokens, position_ids, mask, past_length, feature_layers))
 
+    def new_rows_cache(self, max_rows: int, progress: bool = True) -> RowsCache:
+        """A batch's cache: on a CPU, as large as the smallest batch package that holds `max_rows` rows (loaded, or
+        compiled now: minutes once on this machine, never between steps), its rows kept as the package keeps them;
+        elsewhere, or where it fails, the compiled engine's (an eager batch on the runner)."""
+        if not self.batch_ahead_of_time:
+            return super().new_rows_cache(max_rows)
+        rows = max(static.COMPILED_MIN_ROWS, 1 << max_rows.bit_length())  # > max_rows: see aot.takes
+        if rows not in self._batched:
+            try:
+                self._batched[rows], seconds = self._load_or_compile(rows, progress, batched=True)
+                self.compile_seconds += seconds
+            except Exception as err:  # noqa: BLE001 - a compiler failure must not stop generation: run uncompiled
+                logger.warning(
+                    "compiling a batch's package failed (%s: %s); batches run uncompiled on the %s engine from now on",
+                    type(err).__name__,
+                    err,
+                    self.name,
+                )
+                self.batch_ahead_of_time = False
+                return super().new_rows_cache(max_rows)
+        return RowsCache(self.model.config, rows, kv_dtype(self.runner))
+
+    def batch_forward(self, cache: RowsCache, ids, mask, positions, feature_layers=(), logits_to_keep=None):
+        """Through the batch's package where it takes the step (a prefill keeping only its last logits, a step
+        longer than a package takes or of more than aot.MAX_BATCH rows, runs on the runner eagerly into the same
+        cache)."""
+        package = self._batched.get(cache.max_rows) if self.batch_ahead_of_time else None
+        if (
+            package is None
+            or logits_to_keep is not None
+            or ids.shape[0] > aot.MAX_BATCH
+            or not aot.takes(cache.max_rows, max(cache.lengths), ids.shape[1])
+        ):
+            return super().batch_forward(cache, ids, mask, positions, feature_layers, logits_to_keep)
+        return aot.run_rows(package, cache, ids, positions, mask, feature_layers)
+
     def _compile_graphs(self, cache: StaticCache, progress: bool) -> float:
         """Load (or compile and save) the package for `cache`'s size; torch.compile where there is none.
         -> seconds spent compiling (none when the package was on disk)."""
@@ -68,16 +110,7 @@ class InductorEngine(CompiledEngine):
             return super()._compile_graphs(cache, progress)
         rows = cache.layers[0].max_cache_len
         try:
-            self._weights = self._weights or base_fingerprint(self.model)
-            with self._compile_config():  # as for torch.compile: the GEMM template choice reads the global
-                self._packages[rows], seconds = aot.load_or_compile(
-                    self.runner,
-                    rows,
-                    static.inductor_cpu_options(self.model),
-                    self._weights,
-                    self.label,
-                    progress,
-                )
+            self._packages[rows], seconds = self._load_or_compile(rows, progress)
             return seconds + self._compile_one_token(rows, progress)
         except Exception as err:  # noqa: BLE001 - a compiler failure must not stop generation: run uncompiled
             logger.warning(
@@ -88,6 +121,21 @@ class InductorEngine(CompiledEngine):
             )
             self.ahead_of_time = False
             return 0.0
+
+    def _load_or_compile(self, rows: int, progress: bool, batched: bool = False):
+        """aot.load_or_compile of this engine's runner over `rows` cache rows with its settings (`batched`: a
+        batch's package). -> (runner, seconds spent compiling)."""
+        self._weights = self._weights or base_fingerprint(self.model)
+        with self._compile_config():  # as for torch.compile: the GEMM template choice reads the global
+            return aot.load_or_compile(
+                self.runner,
+                rows,
+                static.inductor_cpu_options(self.model),
+                self._weights,
+                self.label,
+                progress,
+                batched=batched,
+            )
 
     def _compile_one_token(self, rows: int, progress: bool) -> float:
         """Load (or compile) the one-token package for `rows` where this engine runs one (`one_token_without_amx`): the

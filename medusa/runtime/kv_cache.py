@@ -64,16 +64,18 @@ class KeptDtypeLayer(StaticLayer):
         return super().update(key_states, value_states, *args, **kwargs)
 
 
-class RowsLayer(StaticLayer):
+class RowsLayer(KeptDtypeLayer):
     """A static layer whose batch rows are written at their own lengths (one list shared by every layer): a forward of
     N tokens writes row b's at lengths[b] .. + N and attends over the first max(lengths) + N positions (the caller's
-    mask hides what a row does not see)."""
+    mask hides what a row does not see). Rows are kept in `kept_dtype` where that is set (as KeptDtypeLayer)."""
 
-    def __init__(self, max_cache_len: int, lengths: list[int]):
+    def __init__(self, max_cache_len: int, lengths: list[int], kept_dtype: torch.dtype | None = None):
         super().__init__(max_cache_len=max_cache_len)
-        self.lengths = lengths
+        self.lengths, self.kept_dtype = lengths, kept_dtype
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.kept_dtype is not None:
+            key_states, value_states = key_states.to(self.kept_dtype), value_states.to(self.kept_dtype)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         batch, heads, n, _ = key_states.shape
@@ -93,12 +95,14 @@ class RowsLayer(StaticLayer):
 class RowsCache:
     """A batch's KV cache: each row's tokens contiguous from position 0 to `lengths[b]`; a forward writes each row's
     new tokens after its own, `commit` keeps a row's accepted path in place there (no gaps, no growth), `keep` drops
-    the rows of sequences that finished. `cache` is what the model's forward takes."""
+    the rows of sequences that finished. `cache` is what the model's forward takes; `kept_dtype`: the dtype its rows
+    are kept in (None: as they come)."""
 
-    def __init__(self, config, max_rows: int):
+    def __init__(self, config, max_rows: int, kept_dtype: torch.dtype | None = None):
         self.lengths: list[int] = []
+        self.max_rows = max_rows
         self.cache = StaticCache(config=config, max_cache_len=max_rows)
-        self.cache.layers = [RowsLayer(max_rows, self.lengths) for _ in self.cache.layers]
+        self.cache.layers = [RowsLayer(max_rows, self.lengths, kept_dtype) for _ in self.cache.layers]
 
     def start(self, batch: int, length: int = 0) -> None:
         """The next forward writes every one of `batch` rows at `length` (the prompts, left-padded to one width)."""

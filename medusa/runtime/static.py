@@ -20,11 +20,19 @@ from medusa.loading import cache_root
 from medusa.runtime.aot import OWN_WEIGHTS_OPTIONS
 from medusa.runtime.attention import ROW_INVARIANT_SDPA, kv_dtype
 from medusa.runtime.graphs import StepGraph, upload_ids
-from medusa.runtime.kv_cache import KeptDtypeLayer, keep_rows, row_mover
+from medusa.runtime.kv_cache import KeptDtypeLayer, RowsCache, keep_rows, row_mover
 from medusa.runtime.prepack import can_prepack, prepacked_copy
 from medusa.runtime.quantize import QUANTIZED, precision_of, sums_on_fbgemm
 from medusa.runtime.torch_patches import parses_kept, use_inductor_cache
-from medusa.runtime.verify import PrefillOutput, VerifyOutput, bias_over_rows, forward_nodes, run_prefill, verify
+from medusa.runtime.verify import (
+    PrefillOutput,
+    VerifyOutput,
+    bias_over_rows,
+    forward_nodes,
+    rows_forward,
+    run_prefill,
+    verify,
+)
 from medusa.tree import Candidates, TreeSpec, build_buffers, chain
 
 logger = logging.getLogger(__name__)
@@ -158,10 +166,13 @@ class CompiledEngine:
             else None
         )
 
-    @property
-    def batch_model(self):
-        """A batch runs eagerly on the pre-packed copy (torch.compile's graphs take one sequence)."""
-        return self.runner
+    def new_rows_cache(self, max_rows: int) -> RowsCache:
+        """A batch's cache (torch.compile's graphs take one sequence: a batch runs eagerly on the runner, the
+        pre-packed copy where this engine packs)."""
+        return RowsCache(self.model.config, max_rows)
+
+    def batch_forward(self, cache: RowsCache, ids, mask, positions, feature_layers=(), logits_to_keep=None):
+        return rows_forward(self.runner, cache, ids, mask, positions, feature_layers, logits_to_keep)
 
     def _runner_for(self, model):
         """What runs the forward: a pre-packed copy where this engine packs, else the model itself."""

@@ -110,12 +110,27 @@ def forward_nodes(model, cache, tokens, position_ids, mask, feature_layers=(), f
         if tokens.shape[1] > 1:
             for tensor, dim in ((tokens, 1), (position_ids, 1), (mask, 2)):
                 torch._dynamo.maybe_mark_dynamic(tensor, dim)
+    logits, hidden = _forward(model, cache, tokens, mask, position_ids, feature_layers)
+    return VerifyOutput(logits=logits[0], hidden=hidden[0])
+
+
+def rows_forward(model, cache, ids, mask, positions, feature_layers=(), logits_to_keep=None):
+    """A batch's forward (medusa.batch): the target over (B, n) tokens at their positions under `mask`, into a
+    RowsCache -> (logits (B, n or logits_to_keep, V), what heads read (B, n, F))."""
+    options = {} if logits_to_keep is None else {"logits_to_keep": logits_to_keep}
+    return _forward(model, cache.cache, ids, mask, positions, feature_layers, **options)
+
+
+def _forward(model, cache, ids, mask, positions, feature_layers, **options):
+    """The target over (B, n) tokens at their positions under `mask`, into a transformers Cache -> (logits, what
+    heads read)."""
     out = model(
-        input_ids=tokens,
+        input_ids=ids,
         attention_mask=mask,
-        position_ids=position_ids,
+        position_ids=positions,
         **with_cache(model, cache),
         use_cache=True,
         output_hidden_states=True,
+        **options,
     )
-    return VerifyOutput(logits=out.logits[0], hidden=base_features(out.hidden_states, feature_layers)[0])
+    return out.logits, base_features(out.hidden_states, feature_layers)

@@ -15,7 +15,7 @@ engine_name = sys.argv[1]
 rows = int(sys.argv[2])
 n = int(sys.argv[3])
 model = MedusaModel.from_pretrained(dtype="bfloat16", plan="off")
-target = engine_for(model.base, engine_name).batch_model
+target = engine_for(model.base, engine_name)
 print(engine_name, rows, n, time_batch_verify(target, rows, [n], 256, 10))
 with profile(activities=[ProfilerActivity.CPU]) as prof:
     time_batch_verify(target, rows, [n], 256, 5)
