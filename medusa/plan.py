@@ -548,7 +548,9 @@ def batch_choice(model, rows: int, progress: bool = True, engine: str | None = N
     sequence, each timed as whole steps."""
     plan = model.plan
     key = batch_key(rows, engine)  # (an older plan's keys name no engine: timed again)
-    if key not in plan.batches:
+    # a layout timed before every engine the plan weighs took batches (the inductor engine's package): timed again
+    stale = engine is None and set(plan.batches.get(key, {}).get("plain_ms", {})) != set(_batch_engines(model))
+    if key not in plan.batches or stale:
         if progress:
             print(f"calibrating batches of {key} (once; kept with the plan)", file=sys.stderr, flush=True)
         start = time.perf_counter()
@@ -570,14 +572,13 @@ def _lay_out_batch(model, rows: int, progress: bool) -> dict:
     per token on the plan's engine, and the plan's expected speedup. (A batch's verify alone leaves out masks,
     acceptance and commits per row, and a batch pays for its longest prompt in every row, in each step and in the
     prefill: batches took trees that lost, docs/benchmarks/cpu-batch-amx-session46.)"""
-    plan, sampling = model.plan, SamplingConfig()
+    plan, sampling, engines = model.plan, SamplingConfig(), _batch_engines(model)
 
     def step_ms(engine: str, proposer: str, tree, width: int) -> float:
         make = lambda: model.make_proposer(proposer, tree, sampling, None)  # noqa: E731
         target = engine_for(model.base, engine)
         return time_batch_step(target, make, rows, width, BATCH_LAYOUT_STEPS, model.feature_layers)
 
-    engines = tuple(plan.key.get("engines") or planned_engines(model.device))  # those the plan weighed
     together_ms = {e: {str(w): step_ms(e, "plain", None, w) for w in BATCH_WIDTHS} for e in engines}
     batched = min(engines, key=lambda e: together_ms[e][str(CONTEXT)])
     choice = batch_choice(model, rows, progress, engine=batched)
@@ -599,6 +600,11 @@ def _lay_out_batch(model, rows: int, progress: bool) -> dict:
     if choice["proposer"] != "plain":
         layout["tree_ms"] = {str(w): step_ms(batched, layout["proposer"], layout["tree"], w) for w in BATCH_WIDTHS}
     return layout
+
+
+def _batch_engines(model) -> tuple[str, ...]:
+    """The engines a batch layout times: those the plan weighed."""
+    return tuple(model.plan.key.get("engines") or planned_engines(model.device))
 
 
 def _step_ms_at(by_width: dict, width: int) -> float:

@@ -510,6 +510,9 @@ def test_a_batch_decodes_its_rows_one_at_a_time_where_that_is_faster(tmp_path, m
     )  # 100 ms: 40 tok/s against 50
     saved = json.loads(plan_path(model.plan.key).read_text())["batches"]
     assert saved["4 on the fastest layout"] == layout
+    # a layout kept from before an engine the plan weighs took batches is timed again, with it
+    model.plan.batches["4 on the fastest layout"] = dict(layout, plain_ms={"eager": layout["plain_ms"]["eager"]})
+    assert medusa.plan.batch_choice(model, 4)["plain_ms"].keys() == layout["plain_ms"].keys()
     # a batch prefills rows x its longest prompt, one at a time each row its own: one long prompt among short ones
     # (1 ms a token either way) costs the batch 4 x 250 ms, the rows alone 250 + 3 x 10
     lengths = [250, 10, 10, 10]
