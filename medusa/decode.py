@@ -308,14 +308,14 @@ class SpeculativeGenerator:
 
         input_ids: (1, T) tensor, a list of ids, or the tokenizer's output (`generate(**tokenizer(text,
         return_tensors="pt"))`); several prompts as a left-padded (B, T) tensor with its attention_mask (medusa.batch:
-        each row as it would decode alone; decoded together, or one at a time where the plan finds that faster; a
-        batch on the inductor engine goes one at a time). Generation settings (max_new_tokens, max_length, do_sample,
-        temperature, top_k, top_p, eos_token_id, stop_strings) come with transformers' precedence: this
-        call, then `generation_config`, then the base's generation config, then transformers' defaults (see
-        medusa.generate_args; with no length set anywhere, 128 new tokens). `stopping_criteria` and `streamer` are
-        transformers'. Returns what transformers' generate returns: the sequences tensor (1, prompt + new), or with
-        `return_dict_in_generate=True` a GenerateOutput (`.sequences`, `.stats`: steps, tau, acceptance; `.scores` /
-        `.logits` with `output_scores` / `output_logits`). `generator` seeds the draws.
+        each row as it would decode alone; decoded together, or one at a time where the plan finds that faster).
+        Generation settings (max_new_tokens, max_length, do_sample, temperature, top_k, top_p, eos_token_id,
+        stop_strings) come with transformers' precedence: this call, then `generation_config`, then the base's
+        generation config, then transformers' defaults (see medusa.generate_args; with no length set anywhere, 128
+        new tokens). `stopping_criteria` and `streamer` are transformers'. Returns what transformers' generate
+        returns: the sequences tensor (1, prompt + new), or with `return_dict_in_generate=True` a GenerateOutput
+        (`.sequences`, `.stats`: steps, tau, acceptance; `.scores` / `.logits` with `output_scores` /
+        `output_logits`). `generator` seeds the draws.
         `proposer="plain"` decodes one token a step on the same engine (no guesses); `engine` picks how the target
         runs: "eager" (the exact reference), "compiled" (static cache, pre-packed weights) or "inductor" (static
         cache, torch.compile; compiled when the engine is built, minutes in each new process); see medusa.runtime.

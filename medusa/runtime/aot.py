@@ -83,12 +83,8 @@ class WrittenRowsLayer(KeptDtypeLayer):
         if self.starts is None:
             keys, values = super().update(key_states, value_states, *args, **kwargs)
         else:
+            self.write_at(self.starts, *self.kept(key_states, value_states))
             keys, values = self.keys, self.values
-            batch, heads, n, head_dim = key_states.shape
-            where = self.starts[:, None] + torch.arange(n, device=key_states.device)
-            where = where[:, None, :, None].expand(batch, heads, n, head_dim)
-            keys.scatter_(2, where, key_states.to(keys.dtype))
-            values.scatter_(2, where, value_states.to(values.dtype))
         return keys[:, :, : self.visible], values[:, :, : self.visible]
 
 

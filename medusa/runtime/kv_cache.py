@@ -59,9 +59,21 @@ class KeptDtypeLayer(StaticLayer):
     kept_dtype: torch.dtype | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if self.kept_dtype is not None:
-            key_states, value_states = key_states.to(self.kept_dtype), value_states.to(self.kept_dtype)
-        return super().update(key_states, value_states, *args, **kwargs)
+        return super().update(*self.kept(key_states, value_states), *args, **kwargs)
+
+    def kept(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """New rows in the dtype this layer keeps."""
+        if self.kept_dtype is None:
+            return key_states, value_states
+        return key_states.to(self.kept_dtype), value_states.to(self.kept_dtype)
+
+    def write_at(self, starts: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Each batch row b's N new rows (B, heads, N, head_dim) written at starts[b] .. + N, in place: a batch's rows
+        keep their own lengths (RowsCache, and the inductor engine's batch package)."""
+        batch, heads, n, _ = key_states.shape
+        where = (starts[:, None] + torch.arange(n, device=key_states.device))[:, None, :, None]  # (B, 1, n, 1)
+        self.keys.scatter_(2, where.expand(batch, heads, n, key_states.shape[-1]), key_states)
+        self.values.scatter_(2, where.expand(batch, heads, n, value_states.shape[-1]), value_states)
 
 
 class RowsLayer(KeptDtypeLayer):
@@ -74,20 +86,16 @@ class RowsLayer(KeptDtypeLayer):
         self.lengths, self.kept_dtype = lengths, kept_dtype
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if self.kept_dtype is not None:
-            key_states, value_states = key_states.to(self.kept_dtype), value_states.to(self.kept_dtype)
+        key_states, value_states = self.kept(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        batch, heads, n, _ = key_states.shape
+        n = key_states.shape[2]
         first = self.lengths[0]
         if all(length == first for length in self.lengths):  # rows in step (plain decoding): a slice, no scatter
             self.keys[:, :, first : first + n] = key_states
             self.values[:, :, first : first + n] = value_states
             return self.keys[:, :, : first + n], self.values[:, :, : first + n]
-        starts = torch.tensor(self.lengths, device=key_states.device)
-        where = (starts[:, None] + torch.arange(n, device=key_states.device))[:, None, :, None]  # (B, 1, n, 1)
-        self.keys.scatter_(2, where.expand(batch, heads, n, key_states.shape[-1]), key_states)
-        self.values.scatter_(2, where.expand(batch, heads, n, value_states.shape[-1]), value_states)
+        self.write_at(torch.tensor(self.lengths, device=key_states.device), key_states, value_states)
         width = max(self.lengths) + n
         return self.keys[:, :, :width], self.values[:, :, :width]
 
