@@ -25,6 +25,10 @@ from medusa.runtime import VerifyOutput
 from medusa.sampling import SamplingConfig, select_token
 from medusa.sequence import DecodeState, DecodeStats, GenerateOutput, take_new
 
+# Rows prefill together while padding them to their group's longest prompt adds at most this share of their own
+# tokens (prefill_groups): padding costs as much as a token, a forward of its own costs a pass over the weights
+PREFILL_SLACK = 1.25
+
 
 def split_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor]:
     """(B, T) ids and their mask (1: token, 0: padding) -> each row's tokens (1, T_b). Padding must be on the left, as
@@ -129,38 +133,55 @@ class BatchDecoding:
         pad_token_id,
     ):
         self.engine, self.rule, self.sampling, self.generator = engine, rule, sampling, generator
-        self.dtype = dtype = engine.model.dtype
+        self.dtype = engine.model.dtype
         self.max_new_tokens, self.stop_ids, self.stop_when = max_new_tokens, stop_ids, stop_when
         self.feature_layers, self.pad_token_id = feature_layers, pad_token_id
-        self.device = device = prompts[0].device
+        self.device = prompts[0].device
         width = max(p.shape[1] for p in prompts)
         rows = [_Row(b, p, _unguarded(make_proposer()), width - p.shape[1]) for b, p in enumerate(prompts)]
         self.rows, self.stats = rows, DecodeStats()
 
-        # prefill: every prompt left-padded to `width`, written at positions 0 .. width - 1
+        # prefill: every row's prompt left-padded to `width`, written at positions 0 .. width - 1 (a group of rows of
+        # like lengths in one forward, padded only to the group's longest: prefill_groups)
         cache = engine.new_rows_cache(width + max_new_tokens + max(r.proposer.max_nodes for r in rows) + 1)
         cache.start(len(rows))
-        ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long, device=device)
-        real = torch.zeros((len(rows), width), dtype=torch.bool, device=device)
-        for row in rows:
-            ids[row.index, row.pad :] = row.prompt[0]
-            real[row.index, row.pad :] = True
-        causal = torch.ones((width, width), dtype=torch.bool, device=device).tril()
-        visible = causal[None] & real[:, None, :]
-        visible |= torch.eye(width, dtype=torch.bool, device=device)  # padding queries see themselves: no empty rows
-        mask = torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)[:, None]
-        positions = (real.long().cumsum(-1) - 1).clamp(min=0)
-        # the next token's logits only: the prompts' own would cost a (B, T, V) projection
-        logits, features = engine.batch_forward(cache, ids, mask, positions, feature_layers, logits_to_keep=1)
+        for group in prefill_groups([row.prompt.shape[1] for row in rows]):
+            self._prefill([rows[b] for b in group], cache, width)
         cache.advance(width)
-        for row in rows:
-            root = select_token(logits[row.index, -1], sampling, generator)
-            hidden = features[row.index, row.pad :]
-            row.state = DecodeState(None, row.prompt.shape[1], root, hidden[-1], row.prompt_ids + [int(root)], hidden)
         self.stats.steps = 1
         self.cache = cache
         self.active = [row for row in rows if not self._emit(row, [int(row.state.root_token)])]
         _leave(cache, rows, self.active)
+
+    def _prefill(self, group: list[_Row], cache, width: int) -> None:
+        """One forward over the prompts of `group`, left-padded to the longest of them, into `cache` (the whole batch
+        at once), or into a scratch cache placed into its rows at the end of the batch's width; each row's state."""
+        device, dtype, sampling = self.device, self.dtype, self.sampling
+        longest = max(row.prompt.shape[1] for row in group)
+        whole = len(group) == len(cache.lengths)
+        target = cache if whole else cache.scratch(longest + 1)
+        target.start(len(group))
+        ids = torch.full((len(group), longest), self.pad_token_id, dtype=torch.long, device=device)
+        real = torch.zeros((len(group), longest), dtype=torch.bool, device=device)
+        for i, row in enumerate(group):
+            ids[i, longest - row.prompt.shape[1] :] = row.prompt[0]
+            real[i, longest - row.prompt.shape[1] :] = True
+        causal = torch.ones((longest, longest), dtype=torch.bool, device=device).tril()
+        visible = causal[None] & real[:, None, :]
+        visible |= torch.eye(longest, dtype=torch.bool, device=device)  # padding queries see themselves: no empty rows
+        mask = torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)[:, None]
+        positions = (real.long().cumsum(-1) - 1).clamp(min=0)
+        # the next token's logits only: the prompts' own would cost a (B, T, V) projection
+        logits, features = self.engine.batch_forward(
+            target, ids, mask, positions, self.feature_layers, logits_to_keep=1
+        )
+        if not whole:
+            target.advance(longest)
+            cache.place([row.index for row in group], target, width - longest)
+        for i, row in enumerate(group):
+            root = select_token(logits[i, -1], sampling, self.generator)
+            hidden = features[i, longest - row.prompt.shape[1] :]
+            row.state = DecodeState(None, row.prompt.shape[1], root, hidden[-1], row.prompt_ids + [int(root)], hidden)
 
     def _emit(self, row: _Row, tokens: list[int]) -> bool:
         kept, done = take_new(tokens, row.prompt_ids, row.new, self.max_new_tokens, self.stop_ids, self.stop_when)
@@ -202,6 +223,22 @@ class BatchDecoding:
         self.stats.new_tokens = sum(len(row.new) for row in self.rows)
         sequences = padded([row.prompt for row in self.rows], [row.new for row in self.rows], self.pad_token_id)
         return GenerateOutput(sequences=sequences, stats=self.stats)
+
+
+def prefill_groups(lengths: list[int]) -> list[list[int]]:
+    """Which rows of prompts of `lengths` tokens prefill in one forward (row indices, in order): rows of like
+    lengths, padded to the longest of their group, while the group's padded tokens stay within PREFILL_SLACK of its
+    own (a batch's rows padded to its longest prompt would pay that prompt in every row; a forward per row pays its
+    fixed cost once per row)."""
+    groups: list[list[int]] = []
+    for b in sorted(range(len(lengths)), key=lambda b: -lengths[b]):
+        group = groups[-1] if groups else []
+        tokens = sum(lengths[i] for i in group) + lengths[b]
+        if group and (len(group) + 1) * lengths[group[0]] <= PREFILL_SLACK * tokens:
+            group.append(b)
+        else:
+            groups.append([b])
+    return [sorted(group) for group in groups]
 
 
 def padded(prompts: list[torch.Tensor], new: list[list[int]], pad_token_id: int) -> torch.Tensor:

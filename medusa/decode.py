@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 from transformers import GenerationConfig
@@ -158,6 +159,17 @@ def check_lengths(base, prompt_length: int, max_new_tokens: int) -> None:
         )
 
 
+class BatchLayout(NamedTuple):
+    """How a batch decodes (SpeculativeGenerator.batch_layout): on `engine`, its rows together or one at a time, with
+    `proposer` and `tree`; `expected_tau`: what the plan expects that tree to accept a step, where it chose it."""
+
+    engine: str
+    one_at_a_time: bool
+    proposer: str | None
+    tree: object
+    expected_tau: float | None = None
+
+
 class SpeculativeGenerator:
     """`generate` for every model that pairs a target (`self.base`) with a proposer: Medusa heads, a draft model.
 
@@ -180,13 +192,14 @@ class SpeculativeGenerator:
         model runs on one of the same kind)."""
         raise NotImplementedError
 
-    def batch_layout(
-        self, lengths: list[int], max_new_tokens: int, engine: str | None, proposer, tree
-    ) -> tuple[str, bool, str | None, object]:
-        """How a batch of prompts of `lengths` tokens decodes `max_new_tokens` each -> (engine, whether its rows go
-        one at a time, proposer, tree). Here: together on `engine`, else on runtime.batch_engine's; proposer and tree
-        as given (MedusaModel's plan chooses all four per batch size by timing: medusa.plan.batch_choice)."""
-        return engine or batch_engine(self.base), False, proposer, tree
+    def batch_layout(self, lengths: list[int], max_new_tokens: int, engine: str | None, proposer, tree) -> BatchLayout:
+        """How a batch of prompts of `lengths` tokens decodes `max_new_tokens` each. Here: together on `engine`, else
+        on runtime.batch_engine's; proposer and tree as given (MedusaModel's plan chooses them per batch size by
+        timing: medusa.plan.batch_choice)."""
+        return BatchLayout(engine or batch_engine(self.base), False, proposer, tree)
+
+    def observe_batch(self, layout: BatchLayout, stats: DecodeStats) -> None:
+        """What a batch decoded together under `layout` accepted (MedusaModel keeps it for later layouts)."""
 
     def _generate_batch(
         self, rows, settings, sampling, rule, proposer, tree, generator, engine, stopping_criteria, streamer, tokenizer
@@ -197,20 +210,19 @@ class SpeculativeGenerator:
         if settings.output_scores or settings.output_logits:
             raise ValueError("output_scores / output_logits take one sequence for now: pass one prompt at a time")
         lengths = [row.shape[1] for row in rows]
-        engine, one_at_a_time, proposer, tree = self.batch_layout(
-            lengths, settings.max_new_tokens, engine, proposer, tree
-        )
+        layout = self.batch_layout(lengths, settings.max_new_tokens, engine, proposer, tree)
+        engine, proposer, tree = layout.engine, layout.proposer, layout.tree
         ends = end_token_ids(self.base, tokenizer, settings.eos_token_id)
         pad = settings.pad_token_id
         if pad is None:  # as transformers: the (first) end-of-sequence token
             pad = ends[0] if ends else 0
         stop_when = generate_args.stopping(stopping_criteria, settings.stop_strings, tokenizer)
-        if one_at_a_time:
+        if layout.one_at_a_time:
             return self._generate_rows_alone(
                 rows, settings, sampling, rule, proposer, tree, generator, engine, set(ends), stop_when, pad
             )
         eager = self.engine("eager")  # what a row's draft model runs on
-        return decode_batch(
+        out = decode_batch(
             self.engine(engine),
             lambda: self.make_proposer(proposer, tree, sampling, generator, engine=eager),
             rule,
@@ -223,6 +235,8 @@ class SpeculativeGenerator:
             feature_layers=self.feature_layers,
             pad_token_id=pad,
         )
+        self.observe_batch(layout, out.stats)
+        return out
 
     def _generate_rows_alone(
         self, rows, settings, sampling, rule, proposer, tree, generator, engine, stop_ids, stop_when, pad

@@ -11,7 +11,7 @@ from torch import nn
 
 from medusa.config import CONFIG_NAME, MedusaConfig
 from medusa.custom_generate import write_hook
-from medusa.decode import SpeculativeGenerator
+from medusa.decode import BatchLayout, SpeculativeGenerator
 from medusa.draft import DraftModel
 from medusa.eagle3 import Eagle3Draft, Eagle3Model
 from medusa.eagle3_io import is_eagle3, load_eagle3
@@ -31,7 +31,15 @@ from medusa.heads_io import (
 )
 from medusa.hub import EMBEDDED_HEADS_ROOT, push_to_hub
 from medusa.loading import DEFAULT_BASE, BaseSource, resolve_dtype
-from medusa.plan import Plan, batch_choice, lay_out, load_accuracy, load_or_calibrate, save_accuracy
+from medusa.plan import (
+    ObservedAcceptance,
+    Plan,
+    batch_choice,
+    lay_out,
+    load_accuracy,
+    load_or_calibrate,
+    save_accuracy,
+)
 from medusa.precision import load_target
 from medusa.propose import CandidateProjection, compile_proposal
 from medusa.proposers import get_proposer
@@ -93,6 +101,7 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         self.accuracy: list[list[float]] | None = None  # acc_given_prefix per head and rank (medusa.plan)
         self.decoded_taus: dict | None = None  # each option's tokens per step on held-out prompts (medusa.plan)
         self.plan: Plan | None = None  # what generate uses by default (medusa.plan); None: eager, the heads' tree
+        self.acceptance = ObservedAcceptance()  # what batches decoded together accepted of their trees' expected tau
         self.engine_override: str | None = None  # from_pretrained(engine=...): wins over the plan
         self.adapter: dict[str, bytes] | None = None  # Medusa-2: the adapter files loaded, saved again with the heads
 
@@ -384,25 +393,35 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         plan's tree, else the heads' own (a plain plan has none: its guard-free calls use the heads')."""
         return _tree_arg(tree) or (self.plan.tree if self.plan is not None else None) or self.tree
 
-    def batch_layout(
-        self, lengths: list[int], max_new_tokens: int, engine: str | None, proposer, tree
-    ) -> tuple[str, bool, str | None, object]:
+    def batch_layout(self, lengths: list[int], max_new_tokens: int, engine: str | None, proposer, tree) -> BatchLayout:
         """The plan's layout for a batch of prompts of `lengths` tokens (medusa.plan.batch_choice, timed per batch
-        size on first use, and medusa.plan.lay_out for these lengths and `max_new_tokens`): with no engine named,
-        the fastest of decoding the rows together (on the faster batch engine, with the tree its rows can afford or
+        size on first use, and medusa.plan.lay_out for these lengths and `max_new_tokens`, expecting the share of
+        each tree's tau this model's batches accepted so far: `acceptance`): with no engine named, the fastest of
+        decoding the rows together (on the faster batch engine, with one of the trees its rows can afford or
         plainly) and one at a time (as the plan decodes one sequence); on a named batch engine, the tree timed
         there. A proposer or tree the call names is kept."""
         if self.plan is None:
             return super().batch_layout(lengths, max_new_tokens, engine, proposer, tree)
         choice = batch_choice(self, len(lengths), engine=engine)
+        named = proposer is not None or tree is not None
         if engine is not None:
-            if proposer is None and tree is None:
-                proposer, tree = choice["proposer"], choice["tree"] or None
-            return engine, False, proposer, tree
-        engine, one_at_a_time, chosen, chosen_tree, _ = lay_out(choice, lengths, max_new_tokens, proposer == "plain")
-        if proposer is None and tree is None:
-            proposer, tree = chosen, chosen_tree
-        return engine, one_at_a_time, proposer, tree
+            if named:
+                return BatchLayout(engine, False, proposer, tree)
+            expected = choice.get("tau") if choice["proposer"] != "plain" else None
+            return BatchLayout(engine, False, choice["proposer"], choice["tree"] or None, expected)
+        share = self.acceptance.share
+        engine, one_at_a_time, chosen, chosen_tree, _ = lay_out(
+            choice, lengths, max_new_tokens, proposer == "plain", share
+        )
+        if named:
+            return BatchLayout(engine, one_at_a_time, proposer, tree)
+        expected = next((t["tau"] for t in choice["trees"] if t["tree"] == chosen_tree), None) if chosen_tree else None
+        return BatchLayout(engine, one_at_a_time, chosen, chosen_tree, expected)
+
+    def observe_batch(self, layout: BatchLayout, stats) -> None:
+        """A batch decoded together with a tree the plan chose: what its rows accepted, for later layouts."""
+        if layout.expected_tau is not None and stats.accepted_lengths:
+            self.acceptance.add(layout.expected_tau, stats.accepted_lengths)
 
     def prepare_proposal(self, engine) -> None:
         """Where `engine` compiles the target ahead of time (the inductor engine on a CPU), compile what proposes too

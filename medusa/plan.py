@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from medusa.acceptance import get_rule
-from medusa.batch import time_batch_prefill, time_batch_step, time_batch_verify
+from medusa.batch import prefill_groups, time_batch_prefill, time_batch_step, time_batch_verify
 from medusa.decode import decode, prefill
 from medusa.fileio import atomic_write_text
 from medusa.hardware import describe
@@ -90,6 +90,17 @@ BATCH_REPEATS = 4
 # too (a wider one would compile a 2,048-row package for the timing alone: minutes)
 BATCH_LAYOUT_STEPS = 6
 BATCH_WIDTHS = (CONTEXT, 3 * CONTEXT)
+# The trees a batch's layout times as whole steps: the best this many by their batched verify's expected speedup (a
+# verify's timing leaves out each row's propose, mask and acceptance, which grow with the tree, and the expectations
+# of neighbouring sizes lie within a few percent: docs/benchmarks/cpu-batch-trees-session49)
+BATCH_TREES_TIMED = 3
+# A batch's trees are expected to accept what they did on held-out prompts (decoded_taus); another workload accepts
+# less of their guesses (Spec-Bench's first turns: 74-80% of the guessed part, tau - 1, at 2-8 nodes,
+# docs/benchmarks/cpu-batch-trees-session49). Batches decoded together record what their rows accepted
+# (ObservedAcceptance), and later layouts expect that share: from a prior of this many guessed tokens at the decoded
+# taus, the older counting less past the memory
+ACCEPTANCE_PRIOR = 32.0
+ACCEPTANCE_MEMORY = 2048.0
 
 
 @dataclass
@@ -106,6 +117,28 @@ class Option:
     @property
     def tokens_per_s(self) -> float:
         return 1000 * self.tau / self.step_ms
+
+
+@dataclass
+class ObservedAcceptance:
+    """How much of their expected guessed part (tau - 1) a model's batch steps accepted: tokens accepted beyond each
+    step's one against those expected, both from ACCEPTANCE_PRIOR at the expectation and scaled down together past
+    ACCEPTANCE_MEMORY (older batches count less)."""
+
+    accepted: float = ACCEPTANCE_PRIOR
+    expected: float = ACCEPTANCE_PRIOR
+
+    @property
+    def share(self) -> float:
+        return self.accepted / self.expected
+
+    def add(self, expected_tau: float, accepted_lengths: list[int]) -> None:
+        """Steps of a tree expected to accept `expected_tau` tokens a step that accepted these (one per row step)."""
+        self.accepted += sum(accepted_lengths) - len(accepted_lengths)
+        self.expected += (expected_tau - 1) * len(accepted_lengths)
+        if self.expected > ACCEPTANCE_MEMORY:
+            scale = ACCEPTANCE_MEMORY / self.expected
+            self.accepted, self.expected = self.accepted * scale, self.expected * scale
 
 
 def planned_engines(device, compile: bool | None = None) -> tuple[str, ...]:
@@ -548,9 +581,15 @@ def batch_choice(model, rows: int, progress: bool = True, engine: str | None = N
     sequence, each timed as whole steps."""
     plan = model.plan
     key = batch_key(rows, engine)  # (an older plan's keys name no engine: timed again)
-    # a layout timed before every engine the plan weighs took batches (the inductor engine's package): timed again
-    stale = engine is None and set(plan.batches.get(key, {}).get("plain_ms", {})) != set(_batch_engines(model))
-    if key not in plan.batches or stale:
+    # a layout timed before every engine the plan weighs took batches (the inductor engine's package), or before it
+    # timed several trees: timed again
+    kept = plan.batches.get(key)
+    stale = kept is not None and (
+        "candidates" not in kept
+        if engine
+        else "trees" not in kept or set(kept["plain_ms"]) != set(_batch_engines(model))
+    )
+    if kept is None or stale:
         if progress:
             print(f"calibrating batches of {key} (once; kept with the plan)", file=sys.stderr, flush=True)
         start = time.perf_counter()
@@ -566,40 +605,42 @@ def batch_choice(model, rows: int, progress: bool = True, engine: str | None = N
 
 def _lay_out_batch(model, rows: int, progress: bool) -> dict:
     """What `lay_out` weighs for `rows` rows, timed for real: whole steps of plain decoding together on each engine
-    the plan weighed (time_batch_step) at each of BATCH_WIDTHS cached tokens; on the fastest (at CONTEXT) the tree
-    its rows can afford (_calibrate_batch), timed as whole steps there too, with its expected tau, and its prefill per
-    token (time_batch_prefill); one sequence's plain step on the plan's plain engine (time_alone_step), its prefill
-    per token on the plan's engine, and the plan's expected speedup. (A batch's verify alone leaves out masks,
-    acceptance and commits per row, and a batch pays for its longest prompt in every row, in each step and in the
-    prefill: batches took trees that lost, docs/benchmarks/cpu-batch-amx-session46.)"""
+    the plan weighed (time_batch_step) at each of BATCH_WIDTHS cached tokens; on the fastest (at CONTEXT) the
+    BATCH_TREES_TIMED trees its batched verify expects fastest (_calibrate_batch), each timed as whole steps there
+    too, with its expected tau, and the prefill per token (time_batch_prefill); one sequence's plain step on the
+    plan's plain engine (time_alone_step), its prefill per token on the plan's engine, and the plan's expected
+    speedup. (A batch's verify alone leaves out masks, acceptance and commits per row, and a batch pays for its
+    longest prompt in every row, in each step and in the prefill: batches took trees that lost,
+    docs/benchmarks/cpu-batch-amx-session46.)"""
     plan, sampling, engines = model.plan, SamplingConfig(), _batch_engines(model)
 
-    def step_ms(engine: str, proposer: str, tree, width: int) -> float:
+    def step_ms(engine: str, proposer: str, tree) -> dict[str, float]:
         make = lambda: model.make_proposer(proposer, tree, sampling, None)  # noqa: E731
         target = engine_for(model.base, engine)
-        return time_batch_step(target, make, rows, width, BATCH_LAYOUT_STEPS, model.feature_layers)
+        return {
+            str(width): time_batch_step(target, make, rows, width, BATCH_LAYOUT_STEPS, model.feature_layers)
+            for width in BATCH_WIDTHS
+        }
 
-    together_ms = {e: {str(w): step_ms(e, "plain", None, w) for w in BATCH_WIDTHS} for e in engines}
+    together_ms = {e: step_ms(e, "plain", None) for e in engines}
     batched = min(engines, key=lambda e: together_ms[e][str(CONTEXT)])
-    choice = batch_choice(model, rows, progress, engine=batched)
-    layout = {
+    candidates = batch_choice(model, rows, progress, engine=batched)["candidates"]
+    return {
         "rows": rows,
         "engine": batched,
         "plain_ms": together_ms,  # {engine: {width: ms per step}}
         "prefill_ms_per_token": time_batch_prefill(engine_for(model.base, batched), 2, CONTEXT),
-        "proposer": choice["proposer"],
-        "tree": choice["tree"] or None,  # (none: the plan's own, where the heads have no accuracy table)
-        "tau": choice.get("tau") or 1.0,  # (none: no accuracy table to expect one from)
-        "tree_ms": None,
+        # {proposer, tree (none: the plan's own, where the heads have no accuracy table), tau, step_ms {width: ms}}
+        "trees": [
+            dict(tree, step_ms=step_ms(batched, tree["proposer"], tree["tree"]))
+            for tree in candidates[:BATCH_TREES_TIMED]
+        ],
         "alone_engine": plan.engine,
         "alone_plain_engine": plan.plain_engine,
         "alone_plain_ms": time_alone_step(model, plan.plain_engine, CONTEXT, BATCH_LAYOUT_STEPS),
         "alone_prefill_ms_per_token": time_alone_prefill(model, plan.engine, CONTEXT),
         "alone_speedup": plan.expected_speedup,
     }
-    if choice["proposer"] != "plain":
-        layout["tree_ms"] = {str(w): step_ms(batched, layout["proposer"], layout["tree"], w) for w in BATCH_WIDTHS}
-    return layout
 
 
 def _batch_engines(model) -> tuple[str, ...]:
@@ -615,12 +656,16 @@ def _step_ms_at(by_width: dict, width: int) -> float:
 
 
 def lay_out(
-    layout: dict, lengths: list[int], max_new_tokens: int, plain: bool = False
+    layout: dict, lengths: list[int], max_new_tokens: int, plain: bool = False, acceptance: float = 1.0
 ) -> tuple[str, bool, str | None, list | None, dict]:
     """How a batch of prompts of `lengths` tokens decodes `max_new_tokens` each, from `_lay_out_batch`'s timings:
-    together, every row prefills the longest prompt and each step attends over it and half the new tokens; one at a
-    time, each row prefills its own -> (engine, one row at a time?, proposer, tree, expected tokens/s over all rows
-    per layout); proposer and tree None: one sequence's plan. `plain`: for plain decoding."""
+    together, rows prefill in groups of like lengths (batch.prefill_groups: each padded to its group's longest) and
+    each step attends over the longest prompt and half the new tokens (plainly on whichever engine is fastest at that
+    width, with a tree on the layout's engine); one at a time, each row prefills its own ->
+    (engine, one row at a time?, proposer, tree, expected tokens/s over all rows per layout); proposer and tree None:
+    one sequence's plan. `plain`: for plain decoding. `acceptance`: the share of their guessed part (tau - 1) the
+    trees, and one sequence's plan (its speedup's gain, as if its steps cost what plain ones do), are expected to
+    keep (ObservedAcceptance.share)."""
     rows, longest, new = len(lengths), max(lengths), max(max_new_tokens, 1)
     width = longest + new // 2
     tokens = rows * new
@@ -629,26 +674,41 @@ def lay_out(
         return 1000 * tokens / (prefill_ms + steps * ms_per_step)
 
     alone_prefill = layout["alone_prefill_ms_per_token"] * sum(lengths)
-    together_prefill = layout["prefill_ms_per_token"] * rows * longest
+    padded_prompts = sum(len(group) * max(lengths[b] for b in group) for group in prefill_groups(lengths))
+    together_prefill = layout["prefill_ms_per_token"] * padded_prompts
     engine = layout["engine"]
     rates = {
         "plain one at a time": rate(alone_prefill, tokens, layout["alone_plain_ms"]),
-        "planned one at a time": rate(alone_prefill, tokens / layout["alone_speedup"], layout["alone_plain_ms"]),
-        f"plain together on {engine}": rate(together_prefill, new, _step_ms_at(layout["plain_ms"][engine], width)),
+        "planned one at a time": rate(
+            alone_prefill, tokens / (1 + acceptance * (layout["alone_speedup"] - 1)), layout["alone_plain_ms"]
+        ),
     }
-    together = rates[f"plain together on {engine}"]
+    # plain steps together on each engine timed, at this call's width: the fastest at CONTEXT (where the trees were
+    # timed) may not be at this one (the inductor engine's package attends slowly over many wide rows)
+    for each, by_width in layout["plain_ms"].items():
+        rates[f"plain together on {each}"] = rate(together_prefill, new, _step_ms_at(by_width, width))
+    plain_engine = max(layout["plain_ms"], key=lambda each: rates[f"plain together on {each}"])
+    together = rates[f"plain together on {plain_engine}"]
     if plain:
         alone = rates["plain one at a time"] >= together
-        return (layout["alone_plain_engine"] if alone else engine), alone, "plain", None, rates
+        return (layout["alone_plain_engine"] if alone else plain_engine), alone, "plain", None, rates
     best = ("plain", None, together)
-    if layout["tree_ms"] is not None:
-        tree_rate = rate(together_prefill, new / layout["tau"], _step_ms_at(layout["tree_ms"], width))
-        rates[f"{layout['proposer']} together on {engine}"] = tree_rate
-        if tree_rate > together:  # whole steps timed: the tree may lose to plain decoding after all
-            best = (layout["proposer"], layout["tree"], tree_rate)
+    trees = {}
+    for tree in layout["trees"]:
+        label = f"{tree['proposer']} {len(tree['tree']) + 1} nodes together on {engine}"
+        tau = 1 + acceptance * (tree["tau"] - 1)
+        rates[label] = rate(together_prefill, new / tau, _step_ms_at(tree["step_ms"], width))
+        trees[label] = tree
+    # whole steps timed: a tree may lose to plain decoding after all; trees within TIE_MARGIN of the fastest are a
+    # tie, won by the fewest nodes (the tau expected of a larger tree is the less certain, and it is the one lost)
+    fastest = max((rates[label] for label in trees), default=0.0)
+    tied = [label for label in trees if rates[label] > together and rates[label] >= fastest * (1 - TIE_MARGIN)]
+    if tied:
+        label = min(tied, key=lambda label: (len(trees[label]["tree"]), -rates[label]))
+        best = (trees[label]["proposer"], trees[label]["tree"], rates[label])
     if rates["planned one at a time"] >= best[2]:
         return layout["alone_engine"], True, None, None, rates
-    return engine, False, best[0], best[1], rates
+    return (engine if best[1] else plain_engine), False, best[0], best[1], rates
 
 
 def time_alone_prefill(model, engine: str, context: int, repeats: int = 2, seed: int = 0) -> float:
@@ -706,6 +766,7 @@ def _calibrate_batch(model, rows: int, engine: str, context: int = CONTEXT, repe
             "expected_speedup": None,
             "verify_ms": {},
             "engine": engine,
+            "candidates": [],
         }
     proposer = plan.proposer if plan.proposer in ("medusa", "dynamic") else "dynamic"
     order = grow_tree(acc, max(BATCH_NODES))
@@ -746,6 +807,7 @@ def _calibrate_batch(model, rows: int, engine: str, context: int = CONTEXT, repe
     ]
     best = _fastest(options, plain)
     speedup, nodes = (best.speedup, best.num_nodes) if best.speedup >= MIN_GAIN else (1.0, 1)
+    paying = sorted((o for o in options[1:] if o.speedup >= MIN_GAIN), key=lambda o: -o.speedup)
     return {
         "proposer": proposer if nodes > 1 else "plain",
         "tree": [list(p) for p in order[: nodes - 1]],
@@ -753,4 +815,14 @@ def _calibrate_batch(model, rows: int, engine: str, context: int = CONTEXT, repe
         "tau": round(best.tau if nodes > 1 else 1.0, 3),
         "verify_ms": {str(n): round(ms, 3) for n, ms in verify_ms.items()},
         "engine": engine,
+        # every tree expected to pay, fastest first: what a layout times as whole steps (_lay_out_batch)
+        "candidates": [
+            {
+                "proposer": proposer,
+                "tree": [list(p) for p in order[: o.num_nodes - 1]],
+                "tau": round(o.tau, 3),
+                "expected_speedup": round(o.speedup, 3),
+            }
+            for o in paying
+        ],
     }

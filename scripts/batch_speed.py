@@ -24,7 +24,7 @@ import torch
 
 from medusa import MedusaModel
 from medusa.evaluation import bench_data_dir
-from medusa.plan import batch_choice, lay_out
+from medusa.plan import batch_choice
 from medusa.questions import load_questions, spread
 from medusa.runtime import ENGINES, batch_engine
 
@@ -70,8 +70,10 @@ def main() -> None:
             else:
                 if model.plan is not None and engine is None and size > 1:  # how the plan lays out this batch
                     lengths = inputs["attention_mask"].sum(-1).tolist()
-                    layout = lay_out(batch_choice(model, size), lengths, args.max_new_tokens, method == "plain")
-                    decisions.setdefault(method, []).append([max(lengths), *layout[:3]])
+                    proposer = "plain" if method == "plain" else None
+                    layout = model.batch_layout(lengths, args.max_new_tokens, None, proposer, None)
+                    nodes = len(layout.tree) + 1 if layout.tree else None
+                    decisions.setdefault(method, []).append([max(lengths), *layout[:3], nodes])
                 proposer = None if method == "planned" else method
                 out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, proposer=proposer, engine=engine)
             seconds += time.perf_counter() - begin
@@ -100,8 +102,13 @@ def main() -> None:
         entry = {"batch": size, "tokens_per_s": rates, "identical_rows": identical, "rows": len(reference)}
         entry["layout"] = layouts.get(size)
         entry["decisions"] = dict(decisions)
+        if model.plan is not None:  # the share of their expected tau the plan's batch trees accepted so far
+            entry["acceptance_share"] = round(model.acceptance.share, 3)
         if decisions:
-            print(f"batch {size} decisions (longest prompt, engine, one at a time, proposer): {decisions}", flush=True)
+            print(
+                f"batch {size} decisions (longest prompt, engine, one at a time, proposer, nodes): {decisions}",
+                flush=True,
+            )
         entry["vs_plain"] = {m: rates[m] / rates["plain"] for m in args.proposers if m in rates}
         entry["vs_transformers"] = {
             m: rates[m] / rates["transformers"] for m in ["plain", *args.proposers] if m in rates

@@ -9,7 +9,7 @@ import medusa.decode
 import medusa.runtime.aot
 from medusa import MedusaModel
 from medusa.acceptance import get_rule
-from medusa.batch import decode_batch, time_batch_step
+from medusa.batch import PREFILL_SLACK, decode_batch, prefill_groups, time_batch_step
 from medusa.runtime import can_prepack, engine_for
 from medusa.sampling import SamplingConfig
 from tests.conftest import FAMILIES, make_heads, make_tiny_model, tiny_tokenizer
@@ -155,6 +155,43 @@ def test_one_left_padded_prompt_decodes_as_it_would_unpadded():
     ids, mask = torch.tensor([[0, 0, 5, 6, 7]]), torch.tensor([[0, 0, 1, 1, 1]])
     out = model.generate(ids, attention_mask=mask, max_new_tokens=12)
     assert out[0, :2].tolist() == [0, 0] and out[0, 5:].tolist() == alone(base, [5, 6, 7], 12)[0, 3:].tolist()
+
+
+def test_rows_of_like_lengths_prefill_together_and_a_long_one_alone():
+    """A batch's prefill pads rows only to their group's longest: a uniform batch is one forward, as it was; one long
+    prompt among short ones prefills alone; every group's padded tokens stay within PREFILL_SLACK of its own."""
+    assert prefill_groups([100, 100, 100]) == [[0, 1, 2]]
+    assert prefill_groups([779, 40, 65, 60]) == [[0], [1, 2, 3]]
+    assert prefill_groups([13, 1, 4, 7]) == [[0], [3], [2], [1]]
+    lengths = torch.randint(1, 900, (64,), generator=torch.Generator().manual_seed(0)).tolist()
+    groups = prefill_groups(lengths)
+    assert sorted(b for group in groups for b in group) == list(range(64)) and len(groups) < 64
+    for group in groups:
+        assert len(group) * max(lengths[b] for b in group) <= PREFILL_SLACK * sum(lengths[b] for b in group)
+
+
+@pytest.mark.parametrize("engine", ["eager", "compiled"])
+def test_a_batch_prefilled_in_groups_decodes_each_row_as_alone(engine, monkeypatch):
+    """Rows of 13 and 12 tokens prefill in one forward, the 3-token row in its own, each placed into the batch's
+    cache at the end of its padding; the tree steps after read them there: every row is its prompt decoded alone."""
+    base = make_tiny_model("llama")
+    model = MedusaModel(base, make_heads(random=False), tokenizer=tiny_tokenizer(), projection_dtype=torch.float32)
+    prompts = [list(range(5, 18)), list(range(20, 32)), [40, 41, 42]]
+    target, prefilled = model.engine(engine), []
+    forward = target.batch_forward
+
+    def counted(cache, ids, *args, logits_to_keep=None, **kwargs):
+        if logits_to_keep is not None:
+            prefilled.append(ids.shape)
+        return forward(cache, ids, *args, logits_to_keep=logits_to_keep, **kwargs)
+
+    monkeypatch.setattr(target, "batch_forward", counted)
+    ids, mask = padded(prompts)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=16, engine=engine, return_dict_in_generate=True)
+    assert sorted(prefilled) == [torch.Size([1, 3]), torch.Size([2, 13])]
+    for row, prompt in enumerate(prompts):
+        assert out.sequences[row, ids.shape[1] :].tolist() == alone(base, prompt, 16)[0, len(prompt) :].tolist()
+    assert max(out.stats.accepted_lengths) > 1  # guesses were accepted: tree steps read the placed rows
 
 
 def test_rows_cache_writes_and_commits_alike_in_step_and_apart():

@@ -16,10 +16,14 @@ import medusa.runtime
 from medusa import MedusaModel
 from medusa.guard import BACKOFF, PROBE, WINDOW, GuardedProposer
 from medusa.plan import (
+    ACCEPTANCE_MEMORY,
+    ACCEPTANCE_PRIOR,
     ACCURACY_NAME,
     MIN_GAIN,
     TIE_MARGIN,
+    ObservedAcceptance,
     Plan,
+    _step_ms_at,
     decide,
     load_accuracy,
     plan_path,
@@ -421,6 +425,8 @@ def test_a_batch_takes_the_tree_its_rows_can_afford(tmp_path, monkeypatch):
     small, large = medusa.plan.batch_choice(model, 2, engine=engine), medusa.plan.batch_choice(model, 16, engine=engine)
     assert small["proposer"] != "plain" and len(small["tree"]) + 1 == 4  # 8 tokens verify at the price of one
     assert large["proposer"] == "plain" and large["tree"] == []  # 16 rows: every tree costs more than it accepts
+    speedups = [c["expected_speedup"] for c in small["candidates"]]  # what a layout times: those that pay, best first
+    assert speedups == sorted(speedups, reverse=True) and min(speedups) >= MIN_GAIN and large["candidates"] == []
     assert medusa.plan.batch_choice(model, 12, engine=engine) == large and timed == [2, 16]  # the 16 bucket, once
     saved = json.loads(plan_path(model.plan.key).read_text())["batches"]
     assert saved[f"2 on {engine}"] == small and saved[f"16 on {engine}"] == large
@@ -430,6 +436,8 @@ def test_a_batch_takes_the_tree_its_rows_can_afford(tmp_path, monkeypatch):
     assert medusa.plan.batch_choice(again, 2, engine=engine) == small
     assert medusa.plan.batch_choice(again, 2, engine=other)
     assert timed == [2, 16, 2]  # each kept under its own engine
+    del again.plan.batches[f"2 on {engine}"]["candidates"]  # kept from before a layout timed several trees
+    assert medusa.plan.batch_choice(again, 2, engine=engine)["candidates"] and timed == [2, 16, 2, 2]
 
 
 def test_a_flat_batched_curve_keeps_the_largest_tree(tmp_path, monkeypatch):
@@ -464,14 +472,15 @@ def test_a_planned_batch_decodes_each_row_as_alone(tmp_path, monkeypatch, family
 
 def _layout_with(monkeypatch, model, batch_ms, alone_ms: float, tree_ms=None, prefill_ms=(0.0, 0.0)):
     """batch_choice's layout over synthetic whole-step timings: a batched plain step of `batch_ms(engine, width)` ms
-    (a tree's: `tree_ms(width)`, else the same), one sequence's plain step of `alone_ms`, a flat batched verify (so a
-    batch's tree is expected to pay), prefills of `prefill_ms` ms per token (together, alone)."""
+    (a tree's: `tree_ms(width, nodes)`, else the same), one sequence's plain step of `alone_ms`, a flat batched verify
+    (so a batch's trees are expected to pay), prefills of `prefill_ms` ms per token (together, alone)."""
     _batch_choice_with(monkeypatch, model, lambda rows, n: 10.0)
 
     def batch_step(target, make_proposer, rows, context, steps, feature_layers):
         engine = target.name
-        plain = isinstance(make_proposer(), PlainProposer)
-        return batch_ms(engine, context) if plain or tree_ms is None else tree_ms(context)
+        proposer = make_proposer()
+        plain = isinstance(proposer, PlainProposer)
+        return batch_ms(engine, context) if plain or tree_ms is None else tree_ms(context, proposer.max_nodes)
 
     monkeypatch.setattr(medusa.plan, "time_batch_step", batch_step)
     monkeypatch.setattr(medusa.plan, "time_alone_step", lambda *args: alone_ms)
@@ -510,25 +519,32 @@ def test_a_batch_decodes_its_rows_one_at_a_time_where_that_is_faster(tmp_path, m
     )  # 100 ms: 40 tok/s against 50
     saved = json.loads(plan_path(model.plan.key).read_text())["batches"]
     assert saved["4 on the fastest layout"] == layout
-    # a layout kept from before an engine the plan weighs took batches is timed again, with it
+    # a layout kept from before an engine the plan weighs took batches is timed again, with it; and one kept from
+    # before a layout timed several trees
     model.plan.batches["4 on the fastest layout"] = dict(layout, plain_ms={"eager": layout["plain_ms"]["eager"]})
     assert medusa.plan.batch_choice(model, 4)["plain_ms"].keys() == layout["plain_ms"].keys()
-    # a batch prefills rows x its longest prompt, one at a time each row its own: one long prompt among short ones
-    # (1 ms a token either way) costs the batch 4 x 250 ms, the rows alone 250 + 3 x 10
-    lengths = [250, 10, 10, 10]
-    assert lay_out(layout, lengths, 2)[:2] == ("eager", False)  # at no cost per token: together, as above
+    model.plan.batches["4 on the fastest layout"] = {k: v for k, v in layout.items() if k != "trees"}
+    assert medusa.plan.batch_choice(model, 4)["trees"]
+    # a batch prefills its rows in groups of like lengths, each padded to its longest (batch.prefill_groups), one at
+    # a time each row its own: at 1 ms a token either way, one long prompt among short ones costs the batch 250 + 3 x
+    # 10 ms as it costs the rows alone, and two long ones 2 x 250 + 2 x 10 against 250 + 200 + 2 x 10
     monkeypatch.setattr(medusa.plan, "time_batch_prefill", lambda *args: 1.0)
     monkeypatch.setattr(medusa.plan, "time_alone_prefill", lambda *args: 1.0)
     del model.plan.batches["4 on the fastest layout"]
     priced = medusa.plan.batch_choice(model, 4)
-    assert lay_out(priced, lengths, 2)[:2] == (model.plan.engine, True)
+    steps_ms = 2 * _step_ms_at(priced["plain_ms"]["eager"], 251)
+    mixed = lay_out(priced, [250, 10, 10, 10], 2, plain=True)[4]
+    assert mixed["plain together on eager"] == pytest.approx(1000 * 8 / (280 + steps_ms))
+    two_long = lay_out(priced, [250, 200, 10, 10], 2, plain=True)[4]
+    assert two_long["plain together on eager"] == pytest.approx(1000 * 8 / (520 + steps_ms))
+    assert two_long["plain one at a time"] == pytest.approx(1000 * 8 / (470 + 8 * 20.0))
     assert lay_out(priced, *_at(256, 4))[:2] == ("eager", False)  # prompts alike: the prefills cost the same
     # 8 rows: the tree's whole step (200 ms) costs more than its tau gains over plain decoding together (40 ms)
-    _layout_with(monkeypatch, model, lambda engine, width: 40.0, 20.0, tree_ms=lambda width: 200.0)
+    _layout_with(monkeypatch, model, lambda engine, width: 40.0, 20.0, tree_ms=lambda width, nodes: 200.0)
     assert lay_out(medusa.plan.batch_choice(model, 8), *_at(256, 8))[:4] == ("eager", False, "plain", None)
     # 2 rows: a batched plain step of 40 ms is 50 tok/s, no faster than one sequence's, and the tree's step (200 ms)
     # gains less than one sequence's plan: both go one at a time
-    _layout_with(monkeypatch, model, lambda engine, width: 40.0, 20.0, tree_ms=lambda width: 200.0)
+    _layout_with(monkeypatch, model, lambda engine, width: 40.0, 20.0, tree_ms=lambda width, nodes: 200.0)
     two = medusa.plan.batch_choice(model, 2)
     assert lay_out(two, *_at(256, 2))[:2] == (model.plan.engine, True)
     assert lay_out(two, *_at(256, 2), plain=True)[:2] == (model.plan.plain_engine, True)
@@ -547,3 +563,88 @@ def test_a_batch_decodes_its_rows_one_at_a_time_where_that_is_faster(tmp_path, m
         assert out.stats.new_tokens == 24 and len(out.stats.accepted_lengths) == out.stats.steps - 2  # 2 prefills
     model.generate(ids, attention_mask=mask, max_new_tokens=4, engine="eager")  # a named batch engine: together
     assert decoded_together
+
+
+def test_a_batch_takes_the_tree_whose_whole_steps_decode_fastest(tmp_path, monkeypatch):
+    """A layout times whole steps of the trees its batched verify expects fastest, not only the one it expects
+    fastest: a tree whose propose and acceptance cost more than its verify suggested loses to a smaller one, and
+    trees within TIE_MARGIN of each other go to the fewest nodes."""
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "cache"))
+    base_dir, heads_dir = _tiny_with_accuracy(tmp_path)
+    model = MedusaModel.from_pretrained(heads_dir, base=base_dir, plan="auto")
+    model.plan.expected_speedup = 1.0  # one at a time never pays: the choice is among the batch's trees
+    lay_out, key = medusa.plan.lay_out, "4 on the fastest layout"
+    _layout_with(monkeypatch, model, lambda engine, width: 40.0, 40.0, tree_ms=lambda width, nodes: 40.0)
+    expected = medusa.plan.batch_choice(model, 4, engine="eager")["candidates"]
+    layout = medusa.plan.batch_choice(model, 4)
+    assert [t["tree"] for t in layout["trees"]] == [c["tree"] for c in expected[: medusa.plan.BATCH_TREES_TIMED]]
+    tau = {len(t["tree"]) + 1: t["tau"] for t in layout["trees"]}
+    largest, smallest = max(tau), min(tau)
+    assert len(tau) >= 2 and tau[largest] > tau[smallest] > 1.0
+    # every tree's whole step as cheap as plain decoding's: the largest tau decodes fastest
+    proposer = layout["trees"][0]["proposer"]  # (the plan's own, where it is medusa or dynamic)
+    assert lay_out(layout, *_at(256, 4))[2:4] == (proposer, layout["trees"][0]["tree"])
+    # the largest tree's step costs more than its tau gains: the smallest, which its verify expected slower, wins
+    del model.plan.batches[key]
+    _layout_with(monkeypatch, model, lambda e, w: 40.0, 40.0, tree_ms=lambda w, n: 40.0 * (3 if n == largest else 1))
+    _, _, _, tree, rates = lay_out(medusa.plan.batch_choice(model, 4), *_at(256, 4))
+    assert len(tree) + 1 != largest and rates[f"{proposer} {len(tree) + 1} nodes together on eager"] == max(
+        rates.values()
+    )
+    # steps in proportion to tau (every tree decodes as fast, and faster than plain): the fewest nodes
+    del model.plan.batches[key]
+    _layout_with(monkeypatch, model, lambda e, w: 40.0, 40.0, tree_ms=lambda w, n: 20.0 * tau[n])
+    assert len(lay_out(medusa.plan.batch_choice(model, 4), *_at(256, 4))[3]) + 1 == smallest
+
+
+def test_a_batch_expects_the_share_of_its_trees_tau_that_batches_accepted(tmp_path, monkeypatch):
+    """Each batch decoded together with the plan's tree records what its rows accepted beyond one token a step
+    against what the tree was expected to (from a prior at the expectation; older batches count less past the
+    memory); a later layout expects that share of each tree's guessed part, and a tree that pays at the decoded
+    taus but not at the share accepted gives way to plain decoding."""
+    record = ObservedAcceptance()
+    assert record.share == 1.0
+    record.add(3.0, [1] * 100)  # 2 guessed tokens a step expected, none accepted
+    assert record.share == pytest.approx(ACCEPTANCE_PRIOR / (ACCEPTANCE_PRIOR + 200))
+    record.add(3.0, [3] * 5000)
+    assert record.expected == pytest.approx(ACCEPTANCE_MEMORY) and 0.9 < record.share < 1.0
+
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "cache"))
+    base_dir, heads_dir = _tiny_with_accuracy(tmp_path)
+    model = MedusaModel.from_pretrained(heads_dir, base=base_dir, plan="auto")
+    model.plan.expected_speedup = 1.0  # one at a time never pays
+    # a tree's whole step costs 10% more than a plain one: it pays at its decoded tau, not where no guess is taken
+    _layout_with(monkeypatch, model, lambda e, w: 40.0, 40.0, tree_ms=lambda w, n: 44.0)
+    ids, mask = torch.tensor([[3, 4, 5, 6, 3, 4], [0, 0, 0, 7, 8, 9]]), torch.tensor([[1] * 6, [0] * 3 + [1] * 3])
+    layout = model.batch_layout([6, 3], 12, None, None, None)
+    assert layout.proposer != "plain" and layout.expected_tau > 1.1 and not layout.one_at_a_time
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=12, return_dict_in_generate=True)
+    steps = len(out.stats.accepted_lengths)
+    assert model.acceptance.expected == pytest.approx(ACCEPTANCE_PRIOR + (layout.expected_tau - 1) * steps)
+    assert model.acceptance.accepted == pytest.approx(ACCEPTANCE_PRIOR + sum(out.stats.accepted_lengths) - steps)
+    model.generate(ids, attention_mask=mask, max_new_tokens=12, proposer="plain")  # plain: nothing to record
+    model.generate(ids, attention_mask=mask, max_new_tokens=12, tree=[[0]])  # a tree the call names: neither
+    assert model.acceptance.expected == pytest.approx(ACCEPTANCE_PRIOR + (layout.expected_tau - 1) * steps)
+    model.acceptance = ObservedAcceptance(accepted=0.0, expected=100.0)  # no guess accepted
+    assert model.batch_layout([6, 3], 12, None, None, None)[:3] == ("eager", False, "plain")
+
+
+def test_plain_steps_together_take_the_engine_fastest_at_the_calls_width(tmp_path, monkeypatch):
+    """The layout's engine is the one fastest at 256 cached tokens, where its trees are timed; a call whose rows
+    attend over many more decodes plainly on whichever engine is fastest at its own width."""
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "cache"))
+    base_dir, heads_dir = _tiny_with_accuracy(tmp_path)
+    model = MedusaModel.from_pretrained(heads_dir, base=base_dir, plan="auto")
+    # eager 40 ms a step at 256 tokens, 40 more per 256; compiled 60 ms at any width; no tree pays, nor one at a time
+    _layout_with(
+        monkeypatch,
+        model,
+        lambda engine, width: width * 40 / 256 if engine == "eager" else 60.0,
+        1000.0,
+        tree_ms=lambda width, nodes: 1e6,
+    )
+    layout = medusa.plan.batch_choice(model, 4)
+    assert layout["engine"] == "eager" and {"eager", "compiled"} <= set(layout["plain_ms"])
+    for plain in (False, True):
+        assert medusa.plan.lay_out(layout, *_at(256, 4), plain=plain)[:3] == ("eager", False, "plain")
+        assert medusa.plan.lay_out(layout, *_at(1024, 4), plain=plain)[:3] == ("compiled", False, "plain")

@@ -108,7 +108,7 @@ class RowsCache:
 
     def __init__(self, config, max_rows: int, kept_dtype: torch.dtype | None = None):
         self.lengths: list[int] = []
-        self.max_rows = max_rows
+        self.config, self.max_rows, self.kept_dtype = config, max_rows, kept_dtype
         self.cache = StaticCache(config=config, max_cache_len=max_rows)
         self.cache.layers = [RowsLayer(max_rows, self.lengths, kept_dtype) for _ in self.cache.layers]
 
@@ -143,6 +143,25 @@ class RowsCache:
                 shape = (rows.shape[0], rows.shape[1], longest, rows.shape[3])
                 rows.scatter_(2, target.expand(shape), rows.gather(2, source.expand(shape)))
         self.lengths[:] = [length + nodes.numel() for length, nodes in zip(self.lengths, accepted_nodes)]
+
+    def scratch(self, max_rows: int) -> RowsCache:
+        """An empty cache like this one (rows kept in the same dtype) of `max_rows` positions per row: where some of
+        its rows are prefilled on their own (`place`)."""
+        return RowsCache(self.config, max_rows, self.kept_dtype)
+
+    @torch.inference_mode()
+    def place(self, rows: list[int], source: RowsCache, at: int) -> None:
+        """Batch rows `rows` take `source`'s rows, in order: its first max(source.lengths) positions, written at `at`
+        onward (the rest of the row, before `at`, is padding the batch's masks hide). Allocates this cache's layers,
+        for every row of the batch (`start`), where nothing was written yet."""
+        n = max(source.lengths)
+        index = torch.tensor(rows, device=source.cache.layers[0].keys.device)
+        for layer, theirs in zip(self.cache.layers, source.cache.layers):
+            if not layer.is_initialized:
+                batch = (len(self.lengths), -1, -1, -1)  # (only shapes, dtype and device are read)
+                layer.lazy_initialization(theirs.keys[:1].expand(batch), theirs.values[:1].expand(batch))
+            layer.keys[index, :, at : at + n] = theirs.keys[:, :, :n]
+            layer.values[index, :, at : at + n] = theirs.values[:, :, :n]
 
     def keep(self, rows: list[int]) -> None:
         """Keep only these batch rows, in this order."""
