@@ -158,9 +158,10 @@ class BatchDecoding:
         at once), or into a scratch cache placed into its rows at the end of the batch's width; each row's state."""
         device, dtype, sampling = self.device, self.dtype, self.sampling
         longest = max(row.prompt.shape[1] for row in group)
-        whole = len(group) == len(cache.lengths)
+        whole = len(group) == len(cache.lengths)  # (the batch's cache was started for every row)
         target = cache if whole else cache.scratch(longest + 1)
-        target.start(len(group))
+        if not whole:
+            target.start(len(group))
         ids = torch.full((len(group), longest), self.pad_token_id, dtype=torch.long, device=device)
         real = torch.zeros((len(group), longest), dtype=torch.bool, device=device)
         for i, row in enumerate(group):
@@ -341,7 +342,8 @@ def time_batch_step(
 @torch.inference_mode()
 def time_batch_prefill(engine, rows: int, context: int, repeats: int = 2, seed: int = 0) -> float:
     """Median ms per token of a batch's prefill as BatchDecoding runs it on `engine`: `rows` rows of `context` tokens
-    in one forward (padding costs as much as a token: a batch prefills rows x its longest prompt)."""
+    in one forward (padding costs as much as a token: a group of rows prefills rows x its longest prompt,
+    prefill_groups)."""
     model = engine.model
     device = model.device
     vocab = model.get_output_embeddings().weight.shape[0]

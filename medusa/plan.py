@@ -609,9 +609,8 @@ def _lay_out_batch(model, rows: int, progress: bool) -> dict:
     BATCH_TREES_TIMED trees its batched verify expects fastest (_calibrate_batch), each timed as whole steps there
     too, with its expected tau, and the prefill per token (time_batch_prefill); one sequence's plain step on the
     plan's plain engine (time_alone_step), its prefill per token on the plan's engine, and the plan's expected
-    speedup. (A batch's verify alone leaves out masks, acceptance and commits per row, and a batch pays for its
-    longest prompt in every row, in each step and in the prefill: batches took trees that lost,
-    docs/benchmarks/cpu-batch-amx-session46.)"""
+    speedup. (A batch's verify alone leaves out masks, acceptance and commits per row, and every row's step attends
+    over the batch's longest prompt: batches took trees that lost, docs/benchmarks/cpu-batch-amx-session46.)"""
     plan, sampling, engines = model.plan, SamplingConfig(), _batch_engines(model)
 
     def step_ms(engine: str, proposer: str, tree) -> dict[str, float]:
@@ -630,7 +629,7 @@ def _lay_out_batch(model, rows: int, progress: bool) -> dict:
         "engine": batched,
         "plain_ms": together_ms,  # {engine: {width: ms per step}}
         "prefill_ms_per_token": time_batch_prefill(engine_for(model.base, batched), 2, CONTEXT),
-        # {proposer, tree (none: the plan's own, where the heads have no accuracy table), tau, step_ms {width: ms}}
+        # {proposer, tree, tau, expected_speedup, step_ms {width: ms}}; none where the heads have no accuracy table
         "trees": [
             dict(tree, step_ms=step_ms(batched, tree["proposer"], tree["tree"]))
             for tree in candidates[:BATCH_TREES_TIMED]
