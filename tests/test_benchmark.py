@@ -365,9 +365,19 @@ def test_benchmark_eagle3_row(tmp_path):
     assert "--eagle3 DIR" in skipped["settings"]["skipped"]["eagle3"]
 
 
-def test_a_batched_benchmark_runs_the_questions_together_and_stays_exact(tmp_path):
+def test_a_batched_benchmark_runs_the_questions_together_and_stays_exact(tmp_path, monkeypatch):
     """--batch-size 2: first turns two at a time; every row equals transformers' batched greedy output, the
-    one-sequence methods are skipped by name, and tokens/s counts each batch's time once."""
+    one-sequence methods are skipped by name, and tokens/s counts each batch's time once. Every method is warmed
+    up untimed on a batch of each size the questions come in (2, then the last question alone) before any batch is
+    timed: a layout or package loaded for a new batch size would otherwise be paid inside its first batch."""
+    batches = []
+    run_batch = benchmark.run_batch
+
+    def counted(run, recorders, prompts, *args):
+        batches.append(len(prompts))
+        return run_batch(run, recorders, prompts, *args)
+
+    monkeypatch.setattr(benchmark, "run_batch", counted)
     base_dir, heads_dir = save_tiny_checkpoint(tmp_path)
     questions = tmp_path / "q.jsonl"
     questions.write_text("\n".join(json.dumps(q) for q in QUESTIONS[:3]) + "\n")
@@ -382,6 +392,7 @@ def test_a_batched_benchmark_runs_the_questions_together_and_stays_exact(tmp_pat
         assert stats["new_tokens"] == 3 * 10  # first turns only
     raw = [json.loads(line) for line in (tmp_path / "run" / "raw.jsonl").read_text().splitlines()]
     assert {r["turns"][0]["batch"] for r in raw} == {2, 1}  # two questions together, then the third alone
+    assert batches == [1, 2] * 4 + [2] * 4 + [1] * 4  # warm-ups (each method, each size), then the timed batches
     medusa = [r["turns"][0] for r in raw if r["method"] == "medusa"]
     assert sum(t["forwards"] for t in medusa) == pytest.approx(summary["overall"]["medusa"]["forwards"])
 

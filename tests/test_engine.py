@@ -473,6 +473,28 @@ def test_warm_up_compiles_every_cache_size_a_length_needs_once(monkeypatch):
     assert EagerEngine(make_tiny_model("qwen2")).warm_up(max_length=1500) == 0.0
 
 
+def test_warm_up_for_batches_loads_each_batch_package_a_length_needs(monkeypatch):
+    """warm_up(max_length, batches=True) also loads every batch package a batch of up to max_length rows per
+    sequence takes, so that a benchmark's first batch of a width does not pay for loading it inside its timing."""
+    loaded = []
+
+    def load(self, rows, progress, batched=False):
+        loaded.append((rows, batched))
+        return f"runner {rows}", 0.0
+
+    monkeypatch.setattr(CompiledEngine, "_compile_for", lambda self, cache, progress: None)
+    monkeypatch.setattr(InductorEngine, "_load_or_compile", load)
+    engine = InductorEngine(make_tiny_model("qwen2"))
+    engine.warm_up(max_length=1500)
+    assert loaded == []  # one sequence's caches only
+    engine.warm_up(max_length=1500, batches=True)
+    assert loaded == [(512, True), (1024, True), (2048, True)]
+    for max_rows in (100, 600, 1500):  # every batch up to that length finds its package loaded
+        engine.new_rows_cache(max_rows, progress=False)
+    assert engine.new_rows_cache(1024, progress=False).max_rows == 2048  # a package takes fewer rows than it holds
+    assert len(loaded) == 3
+
+
 def test_shared_gqa_attention_is_transformers_sdpa_bit_for_bit():
     from types import SimpleNamespace
 

@@ -773,10 +773,15 @@ def load_raw(path: Path) -> dict:
     return records
 
 
+def batch_pad(tokenizer, stop_ids) -> int:
+    """The id a batch's prompts are left-padded with (masked: any id does)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stop_ids[0] if stop_ids else 0)
+
+
 def run_batches(args, todo, methods, runs, recorders, records, raw_path, tokenizer, stop_ids, prompt_ids) -> None:
     """--batch-size N: the questions' first turns, N at a time, every method on each batch (the first method of a
     batch rotates), one raw record per question and method."""
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stop_ids[0] if stop_ids else 0)
+    pad = batch_pad(tokenizer, stop_ids)
     with raw_path.open("a") as raw:
         batches = [todo[i : i + args.batch_size] for i in range(0, len(todo), args.batch_size)]
         for b_index, batch in enumerate(tqdm(batches, desc="batches", unit="batch")):
@@ -909,7 +914,7 @@ def main(argv=None) -> dict:
     engines = {args.engine, model.best_plain_engine} | ({planned} if planned else set())
     longest = longest_context(todo, tokenizer, args.max_new_tokens)
     for name in sorted(engines):
-        model.engine(name).warm_up(max_length=longest)
+        model.engine(name).warm_up(max_length=longest, batches=args.batch_size > 1)
     compile_s = {name: model.engine(name).compile_seconds for name in engines}
     if draft_lm is not None and "draft" in methods:  # our draft proposer runs the draft on the target's engine
         draft_engine = engine_for(draft_lm, args.engine)
@@ -928,10 +933,19 @@ def main(argv=None) -> dict:
 
     if todo:  # warm-up: every method once, untimed here but recorded (the compiled engine packs or compiles then)
         warm = prompt_ids([{"role": "user", "content": todo[0]["turns"][0]}])
+        warm_tokens = min(WARMUP_TOKENS, args.max_new_tokens)
+        # batches: every batch size the questions come in, as a batch (the plan lays out each size once)
+        sizes = sorted({len(todo[i : i + args.batch_size]) for i in range(0, len(todo), args.batch_size)})
+        firsts = [
+            [prompt_ids([{"role": "user", "content": q["turns"][0]}])[0].tolist() for q in todo[:n]] for n in sizes
+        ]
+        pad = batch_pad(tokenizer, stop_ids)
         warmup = {}
         for name in methods:
             start = time.perf_counter()
-            runs[name](warm, min(WARMUP_TOKENS, args.max_new_tokens), args.seed)
+            runs[name](warm, warm_tokens, args.seed)
+            for prompts in firsts if args.batch_size > 1 else []:
+                run_batch(runs[name], recorders, prompts, pad, warm_tokens, args.seed, set(stop_ids))
             warmup[name] = round(time.perf_counter() - start, 3)
         settings["warmup_s"] = warmup
         print("warm-up seconds (engine set-up included): " + ", ".join(f"{m} {s:.1f}" for m, s in warmup.items()))

@@ -89,8 +89,9 @@ class Engine(Protocol):
     def new_cache(self, max_length: int):
         """A KV cache for a call of up to `max_length` rows (prompt + new tokens + a proposal's nodes)."""
 
-    def warm_up(self, progress: bool = True, max_length: int | None = None) -> float:
-        """Compile now what calls of up to `max_length` rows will run. -> seconds spent compiling."""
+    def warm_up(self, progress: bool = True, max_length: int | None = None, batches: bool = False) -> float:
+        """Compile now what calls of up to `max_length` rows will run (`batches`: batches of up to that many rows
+        per sequence too). -> seconds spent compiling."""
 
     def prefill(self, cache, input_ids: torch.Tensor, feature_layers=()) -> PrefillOutput:
         """One forward over the prompt (1, T) into `cache`."""

@@ -28,7 +28,7 @@ class EagerEngine:
     def new_cache(self, max_length: int):
         return DynamicCache(config=self.model.config)
 
-    def warm_up(self, progress: bool = True, max_length: int | None = None) -> float:
+    def warm_up(self, progress: bool = True, max_length: int | None = None, batches: bool = False) -> float:
         return 0.0  # nothing to compile
 
     def prefill(self, cache, input_ids: torch.Tensor, feature_layers=()) -> PrefillOutput:

@@ -67,6 +67,20 @@ class InductorEngine(CompiledEngine):
             package = self._one_token.get(rows, package)
         return VerifyOutput(*aot.run(package, cache, tokens, position_ids, mask, past_length, feature_layers))
 
+    def warm_up(self, progress: bool = True, max_length: int | None = None, batches: bool = False) -> float:
+        """As the compiled engine's; `batches`: also load (or compile) each batch package a batch of up to
+        `max_length` rows per sequence takes, so that the first batch of a size does not pay for it."""
+        seconds = super().warm_up(progress, max_length)
+        if batches and self.batch_ahead_of_time:
+            before, rows = self.compile_seconds, static.COMPILED_MIN_ROWS
+            while True:  # each size new_rows_cache takes, up to the one max_length needs
+                self.new_rows_cache(rows - 1, progress)
+                if rows > (max_length or 0):
+                    break
+                rows *= 2
+            seconds += self.compile_seconds - before
+        return seconds
+
     def new_rows_cache(self, max_rows: int, progress: bool = True) -> RowsCache:
         """A batch's cache: on a CPU, as large as the smallest batch package that holds `max_rows` rows (loaded, or
         compiled now: minutes once on this machine, never between steps), its rows kept as the package keeps them;

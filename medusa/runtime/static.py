@@ -294,11 +294,12 @@ class CompiledEngine:
         return out.logits, out.hidden
 
     @torch.inference_mode()  # hands back caches made under it (their tensors are inference tensors)
-    def warm_up(self, progress: bool = True, max_length: int | None = None) -> float:
+    def warm_up(self, progress: bool = True, max_length: int | None = None, batches: bool = False) -> float:
         """Compile the verify graphs now for every cache a call of up to `max_length` rows (prompt + new tokens +
         tree) will use, so that neither timing nor `generate` pays for it: minutes per size on a small CPU, less
         once inductor's on-disk cache has them (a call that needs a larger cache later compiles its own as it is
-        allocated). -> seconds spent (0 when nothing was compiled)."""
+        allocated). Batches run eagerly here (`batches`: nothing more to do). -> seconds spent (0 when nothing was
+        compiled)."""
         if not self.torch_compile:
             return 0.0
         before = self.compile_seconds
