@@ -199,7 +199,7 @@ class SpeculativeGenerator:
         return BatchLayout(engine or batch_engine(self.base), False, proposer, tree)
 
     def observe_batch(self, layout: BatchLayout, stats: DecodeStats) -> None:
-        """What a batch decoded together under `layout` accepted (MedusaModel keeps it for later layouts)."""
+        """What a batch decoded under `layout` accepted (MedusaModel keeps it for later layouts)."""
 
     def _generate_batch(
         self, rows, settings, sampling, rule, proposer, tree, generator, engine, stopping_criteria, streamer, tokenizer
@@ -218,9 +218,11 @@ class SpeculativeGenerator:
             pad = ends[0] if ends else 0
         stop_when = generate_args.stopping(stopping_criteria, settings.stop_strings, tokenizer)
         if layout.one_at_a_time:
-            return self._generate_rows_alone(
+            out = self._generate_rows_alone(
                 rows, settings, sampling, rule, proposer, tree, generator, engine, set(ends), stop_when, pad
             )
+            self.observe_batch(layout, out.stats)
+            return out
         eager = self.engine("eager")  # what a row's draft model runs on
         out = decode_batch(
             self.engine(engine),

@@ -415,13 +415,20 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         )
         if named:
             return BatchLayout(engine, one_at_a_time, proposer, tree)
-        expected = next((t["tau"] for t in choice["trees"] if t["tree"] == chosen_tree), None) if chosen_tree else None
+        if one_at_a_time:  # as the plan decodes one sequence
+            expected = choice["alone_tau"] if self.plan.proposer != "plain" else None
+        else:
+            trees = [t["tau"] for t in choice["trees"] if t["tree"] == chosen_tree] if chosen_tree else []
+            expected = trees[0] if trees else None
         return BatchLayout(engine, one_at_a_time, chosen, chosen_tree, expected)
 
     def observe_batch(self, layout: BatchLayout, stats) -> None:
-        """A batch decoded together with a tree the plan chose: what its rows accepted, for later layouts."""
-        if layout.expected_tau is not None and stats.accepted_lengths:
-            self.acceptance.add(layout.expected_tau, stats.accepted_lengths)
+        """A batch decoded with the proposer and tree the plan chose for it (together, or one row at a time as it
+        decodes one sequence): what its rows' guessing steps accepted, for later layouts (steps the online guard
+        decoded plainly guessed nothing)."""
+        accepted = [n for n, depth in zip(stats.accepted_lengths, stats.proposed_lengths) if depth]
+        if layout.expected_tau is not None and accepted:
+            self.acceptance.add(layout.expected_tau, accepted)
 
     def prepare_proposal(self, engine) -> None:
         """Where `engine` compiles the target ahead of time (the inductor engine on a CPU), compile what proposes too

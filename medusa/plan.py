@@ -169,15 +169,25 @@ class Plan:
     batches: dict = field(default_factory=dict)
 
     @property
-    def step_ms(self) -> float | None:
-        """The chosen option's measured step (propose + verify): what the guard scales its yardstick by."""
+    def chosen_option(self) -> dict | None:
+        """The option chosen, as measured (engine, proposer, num_nodes, tau, step_ms, speedup)."""
         nodes = len(self.tree) + 1  # a plain plan's tree is []
         chosen = (
-            o["step_ms"]
+            o
             for o in self.options
             if (o["engine"], o["proposer"], o["num_nodes"]) == (self.engine, self.proposer, nodes)
         )
         return next(chosen, None)
+
+    @property
+    def step_ms(self) -> float | None:
+        """The chosen option's measured step (propose + verify): what the guard scales its yardstick by."""
+        return self.chosen_option["step_ms"] if self.chosen_option else None
+
+    @property
+    def tau(self) -> float:
+        """The tokens a step of the chosen option is expected to commit (1 for plain decoding)."""
+        return self.chosen_option["tau"] if self.chosen_option and self.proposer != "plain" else 1.0
 
     @property
     def plain_engine(self) -> str:
@@ -582,12 +592,12 @@ def batch_choice(model, rows: int, progress: bool = True, engine: str | None = N
     plan = model.plan
     key = batch_key(rows, engine)  # (an older plan's keys name no engine: timed again)
     # a layout timed before every engine the plan weighs took batches (the inductor engine's package), or before it
-    # timed several trees: timed again
+    # timed several trees and the plan's own steps alone: timed again
     kept = plan.batches.get(key)
     stale = kept is not None and (
         "candidates" not in kept
         if engine
-        else "trees" not in kept or set(kept["plain_ms"]) != set(_batch_engines(model))
+        else "alone_step_ms" not in kept or set(kept["plain_ms"]) != set(_batch_engines(model))
     )
     if kept is None or stale:
         if progress:
@@ -608,9 +618,10 @@ def _lay_out_batch(model, rows: int, progress: bool) -> dict:
     the plan weighed (time_batch_step) at each of BATCH_WIDTHS cached tokens; on the fastest (at CONTEXT) the
     BATCH_TREES_TIMED trees its batched verify expects fastest (_calibrate_batch), each timed as whole steps there
     too, with its expected tau, and the prefill per token (time_batch_prefill); one sequence's plain step on the
-    plan's plain engine (time_alone_step), its prefill per token on the plan's engine, and the plan's expected
-    speedup. (A batch's verify alone leaves out masks, acceptance and commits per row, and every row's step attends
-    over the batch's longest prompt: batches took trees that lost, docs/benchmarks/cpu-batch-amx-session46.)"""
+    plan's plain engine and the plan's own whole steps on its engine (time_alone_step, at each of BATCH_WIDTHS), its
+    prefill per token on the plan's engine, and its expected tau. (A batch's verify alone leaves out masks,
+    acceptance and commits per row, and every row's step attends over the batch's longest prompt: batches took trees
+    that lost, docs/benchmarks/cpu-batch-amx-session46.)"""
     plan, sampling, engines = model.plan, SamplingConfig(), _batch_engines(model)
 
     def step_ms(engine: str, proposer: str, tree) -> dict[str, float]:
@@ -618,6 +629,12 @@ def _lay_out_batch(model, rows: int, progress: bool) -> dict:
         target = engine_for(model.base, engine)
         return {
             str(width): time_batch_step(target, make, rows, width, BATCH_LAYOUT_STEPS, model.feature_layers)
+            for width in BATCH_WIDTHS
+        }
+
+    def alone_ms(engine: str, proposer: str, tree) -> dict[str, float]:
+        return {
+            str(width): time_alone_step(model, engine, width, BATCH_LAYOUT_STEPS, proposer=proposer, tree=tree)
             for width in BATCH_WIDTHS
         }
 
@@ -636,9 +653,12 @@ def _lay_out_batch(model, rows: int, progress: bool) -> dict:
         ],
         "alone_engine": plan.engine,
         "alone_plain_engine": plan.plain_engine,
-        "alone_plain_ms": time_alone_step(model, plan.plain_engine, CONTEXT, BATCH_LAYOUT_STEPS),
+        "alone_plain_ms": alone_ms(plan.plain_engine, "plain", None),
+        # the plan's own steps, as timed here: one sequence's plan expects its steps at the plan's context and its
+        # tau on held-out prompts (Spec-Bench's 12 first turns one at a time, bf16: 1.55x plain where it expected 2.16)
+        "alone_step_ms": alone_ms(plan.engine, plan.proposer, plan.tree or None),
+        "alone_tau": plan.tau,
         "alone_prefill_ms_per_token": time_alone_prefill(model, plan.engine, CONTEXT),
-        "alone_speedup": plan.expected_speedup,
     }
 
 
@@ -663,8 +683,7 @@ def lay_out(
     width, with a tree on the layout's engine); one at a time, each row prefills its own ->
     (engine, one row at a time?, proposer, tree, expected tokens/s over all rows per layout); proposer and tree None:
     one sequence's plan. `plain`: for plain decoding. `acceptance`: the share of their guessed part (tau - 1) the
-    trees, and one sequence's plan (its speedup's gain, as if its steps cost what plain ones do), are expected to
-    keep (ObservedAcceptance.share)."""
+    trees, and one sequence's plan, are expected to keep (ObservedAcceptance.share)."""
     rows, longest, new = len(lengths), max(lengths), max(max_new_tokens, 1)
     width = longest + new // 2
     tokens = rows * new
@@ -673,13 +692,16 @@ def lay_out(
         return 1000 * tokens / (prefill_ms + steps * ms_per_step)
 
     alone_prefill = layout["alone_prefill_ms_per_token"] * sum(lengths)
+    alone_width = sum(lengths) / rows + new // 2  # each row attends over its own prompt: the mean width costs the sum
     padded_prompts = sum(len(group) * max(lengths[b] for b in group) for group in prefill_groups(lengths))
     together_prefill = layout["prefill_ms_per_token"] * padded_prompts
     engine = layout["engine"]
     rates = {
-        "plain one at a time": rate(alone_prefill, tokens, layout["alone_plain_ms"]),
+        "plain one at a time": rate(alone_prefill, tokens, _step_ms_at(layout["alone_plain_ms"], alone_width)),
         "planned one at a time": rate(
-            alone_prefill, tokens / (1 + acceptance * (layout["alone_speedup"] - 1)), layout["alone_plain_ms"]
+            alone_prefill,
+            tokens / (1 + acceptance * (layout["alone_tau"] - 1)),
+            _step_ms_at(layout["alone_step_ms"], alone_width),
         ),
     }
     # plain steps together on each engine timed, at this call's width: the fastest at CONTEXT (where the trees were
@@ -723,32 +745,36 @@ def time_alone_prefill(model, engine: str, context: int, repeats: int = 2, seed:
     return statistics.median(times[1:])
 
 
-def time_alone_step(model, engine: str, context: int, steps: int, seed: int = 0) -> float:
-    """Median ms of one step of one sequence's plain decoding on `engine`, the decode loop as a whole: decoding
-    2 x `steps` new tokens less decoding `steps` (the prefill cancels out), after a round that warms up."""
+def time_alone_step(
+    model, engine: str, context: int, steps: int, seed: int = 0, proposer: str = "plain", tree=None
+) -> float:
+    """Median ms of one step of one sequence's decoding on `engine` with `proposer` and `tree` (no online guard), the
+    decode loop as a whole after `context` prompt tokens: decoding 2 x `steps` new tokens less decoding `steps` (the
+    prefill cancels out) over the steps that took, after a round that warms up."""
     vocab = model.base.get_output_embeddings().weight.shape[0]
     prompt = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(seed)).to(model.device)
     target, sampling = engine_for(model.base, engine), SamplingConfig()
 
-    def seconds(new_tokens: int) -> float:
+    def run(new_tokens: int) -> tuple[float, int]:
         start = time.perf_counter()
-        decode(
+        out = decode(
             model.base,
-            model.make_proposer("plain", None, sampling, None, engine=target),
+            model.make_proposer(proposer, tree, sampling, None, engine=target),  # named: unguarded
             get_rule("greedy"),
             prompt,
             max_new_tokens=new_tokens,
             sampling=sampling,
             stop_ids=set(),
             engine=target,
+            feature_layers=model.feature_layers,
         )
         sync(model.device)
-        return time.perf_counter() - start
+        return time.perf_counter() - start, out.stats.steps
 
     per_step = []
     for _ in range(BATCH_REPEATS + 1):  # the first round warms up
-        short, long = seconds(steps), seconds(2 * steps)
-        per_step.append(1000 * (long - short) / steps)
+        (short, short_steps), (long, long_steps) = run(steps), run(2 * steps)
+        per_step.append(1000 * (long - short) / max(long_steps - short_steps, 1))
     return statistics.median(per_step[1:])
 
 

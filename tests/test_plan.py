@@ -461,7 +461,8 @@ def test_a_planned_batch_decodes_each_row_as_alone(tmp_path, monkeypatch, family
     mask = torch.tensor([[1] * 6, [0] * 3 + [1] * 3])
     out = model.generate(ids, attention_mask=mask, max_new_tokens=20, return_dict_in_generate=True)
     layout = model.plan.batches["2 on the fastest layout"]
-    assert set(layout["plain_ms"]) == set(model.plan.key["engines"]) and layout["alone_plain_ms"] > 0
+    assert set(layout["plain_ms"]) == set(model.plan.key["engines"])
+    assert min(layout["alone_plain_ms"].values()) > 0 and min(layout["alone_step_ms"].values()) > 0
     for row, prompt in zip(out.sequences, prompts):
         alone = torch.tensor([prompt])
         reference = model.base.generate(
@@ -470,11 +471,17 @@ def test_a_planned_batch_decodes_each_row_as_alone(tmp_path, monkeypatch, family
         assert row[-20:].tolist() == reference[0, len(prompt) :].tolist()
 
 
-def _layout_with(monkeypatch, model, batch_ms, alone_ms: float, tree_ms=None, prefill_ms=(0.0, 0.0)):
+def _layout_with(
+    monkeypatch, model, batch_ms, alone_ms: float, tree_ms=None, prefill_ms=(0.0, 0.0), planned_ms: float | None = None
+):
     """batch_choice's layout over synthetic whole-step timings: a batched plain step of `batch_ms(engine, width)` ms
-    (a tree's: `tree_ms(width, nodes)`, else the same), one sequence's plain step of `alone_ms`, a flat batched verify
-    (so a batch's trees are expected to pay), prefills of `prefill_ms` ms per token (together, alone)."""
+    (a tree's: `tree_ms(width, nodes)`, else the same), one sequence's plain step of `alone_ms` (its plan's:
+    `planned_ms`, else the same), a flat batched verify (so a batch's trees are expected to pay), prefills of
+    `prefill_ms` ms per token (together, alone)."""
     _batch_choice_with(monkeypatch, model, lambda rows, n: 10.0)
+
+    def alone_step(model, engine, context, steps, seed=0, proposer="plain", tree=None):
+        return alone_ms if proposer == "plain" or planned_ms is None else planned_ms
 
     def batch_step(target, make_proposer, rows, context, steps, feature_layers):
         engine = target.name
@@ -483,9 +490,17 @@ def _layout_with(monkeypatch, model, batch_ms, alone_ms: float, tree_ms=None, pr
         return batch_ms(engine, context) if plain or tree_ms is None else tree_ms(context, proposer.max_nodes)
 
     monkeypatch.setattr(medusa.plan, "time_batch_step", batch_step)
-    monkeypatch.setattr(medusa.plan, "time_alone_step", lambda *args: alone_ms)
+    monkeypatch.setattr(medusa.plan, "time_alone_step", alone_step)
     monkeypatch.setattr(medusa.plan, "time_batch_prefill", lambda *args: prefill_ms[0])
     monkeypatch.setattr(medusa.plan, "time_alone_prefill", lambda *args: prefill_ms[1])
+
+
+def _plan_expecting(model, tau: float) -> None:
+    """One sequence's plan: the heads' two-node tree on its engine, expected to commit `tau` tokens a step."""
+    plan = model.plan
+    plan.proposer, plan.tree = "medusa", [[0]]
+    option = dict(engine=plan.engine, proposer="medusa", num_nodes=2, tau=tau, step_ms=1.0, speedup=tau)
+    plan.options = [option, *plan.options]
 
 
 def _at(width: int, rows: int) -> tuple[list[int], int]:
@@ -501,7 +516,7 @@ def test_a_batch_decodes_its_rows_one_at_a_time_where_that_is_faster(tmp_path, m
     monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "cache"))
     base_dir, heads_dir = _tiny_with_accuracy(tmp_path)
     model = MedusaModel.from_pretrained(heads_dir, base=base_dir, plan="auto")
-    model.plan.expected_speedup = 2.0  # one sequence's plan: twice its plain decoding
+    _plan_expecting(model, 2.0)  # one sequence's plan: twice its plain decoding (its steps cost plain ones')
     lay_out = medusa.plan.lay_out
     # 4 rows: a batched plain step of 40 ms at 256 tokens is 100 tok/s, 160 ms at 1024 is 25; one sequence's plain
     # 20 ms is 50 tok/s, planned 100
@@ -523,8 +538,11 @@ def test_a_batch_decodes_its_rows_one_at_a_time_where_that_is_faster(tmp_path, m
     # before a layout timed several trees
     model.plan.batches["4 on the fastest layout"] = dict(layout, plain_ms={"eager": layout["plain_ms"]["eager"]})
     assert medusa.plan.batch_choice(model, 4)["plain_ms"].keys() == layout["plain_ms"].keys()
-    model.plan.batches["4 on the fastest layout"] = {k: v for k, v in layout.items() if k != "trees"}
+    older = {k: v for k, v in layout.items() if k not in ("trees", "alone_step_ms", "alone_tau")}
+    model.plan.batches["4 on the fastest layout"] = dict(older, alone_speedup=2.0)
     assert medusa.plan.batch_choice(model, 4)["trees"]
+    model.plan.batches["4 on the fastest layout"] = dict(older, trees=layout["trees"], alone_speedup=2.0)
+    assert medusa.plan.batch_choice(model, 4)["alone_step_ms"]
     # a batch prefills its rows in groups of like lengths, each padded to its longest (batch.prefill_groups), one at
     # a time each row its own: at 1 ms a token either way, one long prompt among short ones costs the batch 250 + 3 x
     # 10 ms as it costs the rows alone, and two long ones 2 x 250 + 2 x 10 against 250 + 200 + 2 x 10
@@ -572,7 +590,7 @@ def test_a_batch_takes_the_tree_whose_whole_steps_decode_fastest(tmp_path, monke
     monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "cache"))
     base_dir, heads_dir = _tiny_with_accuracy(tmp_path)
     model = MedusaModel.from_pretrained(heads_dir, base=base_dir, plan="auto")
-    model.plan.expected_speedup = 1.0  # one at a time never pays: the choice is among the batch's trees
+    _plan_expecting(model, 1.0)  # one at a time never pays: the choice is among the batch's trees
     lay_out, key = medusa.plan.lay_out, "4 on the fastest layout"
     _layout_with(monkeypatch, model, lambda engine, width: 40.0, 40.0, tree_ms=lambda width, nodes: 40.0)
     expected = medusa.plan.batch_choice(model, 4, engine="eager")["candidates"]
@@ -612,7 +630,7 @@ def test_a_batch_expects_the_share_of_its_trees_tau_that_batches_accepted(tmp_pa
     monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "cache"))
     base_dir, heads_dir = _tiny_with_accuracy(tmp_path)
     model = MedusaModel.from_pretrained(heads_dir, base=base_dir, plan="auto")
-    model.plan.expected_speedup = 1.0  # one at a time never pays
+    _plan_expecting(model, 1.0)  # one at a time never pays
     # a tree's whole step costs 10% more than a plain one: it pays at its decoded tau, not where no guess is taken
     _layout_with(monkeypatch, model, lambda e, w: 40.0, 40.0, tree_ms=lambda w, n: 44.0)
     ids, mask = torch.tensor([[3, 4, 5, 6, 3, 4], [0, 0, 0, 7, 8, 9]]), torch.tensor([[1] * 6, [0] * 3 + [1] * 3])
@@ -627,6 +645,42 @@ def test_a_batch_expects_the_share_of_its_trees_tau_that_batches_accepted(tmp_pa
     assert model.acceptance.expected == pytest.approx(ACCEPTANCE_PRIOR + (layout.expected_tau - 1) * steps)
     model.acceptance = ObservedAcceptance(accepted=0.0, expected=100.0)  # no guess accepted
     assert model.batch_layout([6, 3], 12, None, None, None)[:3] == ("eager", False, "plain")
+
+
+def test_one_at_a_time_expects_the_plans_own_timed_steps_and_records_what_its_rows_accepted(tmp_path, monkeypatch):
+    """Decoding a batch's rows one at a time is priced by the plan's own whole steps timed alone and its tau (scaled
+    by the share batches accepted), not by its expected speedup: a plan whose steps cost its tau's gain is no faster
+    one at a time than plain decoding, and the batch decodes together. Rows decoded one at a time by the plan record
+    what their guessing steps accepted against its tau."""
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "cache"))
+    base_dir, heads_dir = _tiny_with_accuracy(tmp_path)
+    model = MedusaModel.from_pretrained(heads_dir, base=base_dir, plan="auto")
+    _plan_expecting(model, 3.0)
+    model.plan.expected_speedup = 3.0  # what it once expected of its steps: no longer what a layout weighs
+    # 4 rows: plain together 40 ms a step (100 tok/s); one sequence's plain step 20 ms (50 tok/s), the plan's 60 ms
+    _layout_with(monkeypatch, model, lambda e, w: 40.0, 20.0, tree_ms=lambda w, n: 400.0, planned_ms=60.0)
+    layout = medusa.plan.batch_choice(model, 4)
+    assert layout["alone_tau"] == 3.0 and set(layout["alone_step_ms"].values()) == {60.0}
+    _, alone, proposer, _, rates = medusa.plan.lay_out(layout, *_at(256, 4))
+    assert rates["planned one at a time"] == pytest.approx(rates["plain one at a time"]) == pytest.approx(50.0)
+    assert (alone, proposer) == (False, "plain")
+    half = medusa.plan.lay_out(layout, *_at(256, 4), acceptance=0.5)[4]  # tau 2 expected: 2 tokens per 60 ms
+    assert half["planned one at a time"] == pytest.approx(1000 * 2 / 60.0)
+    # the plan's steps at 10 ms: 300 tok/s one at a time, so a batch goes so; its rows' steps are recorded
+    del model.plan.batches["4 on the fastest layout"]
+    _layout_with(monkeypatch, model, lambda e, w: 40.0, 20.0, tree_ms=lambda w, n: 400.0, planned_ms=10.0)
+    prompts = [[3, 4, 5, 6, 3, 4], [7, 8, 9], [5, 5, 5], [9, 8, 7, 6]]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    layout = model.batch_layout(list(map(len, prompts)), 12, None, None, None)
+    assert layout.one_at_a_time and layout.expected_tau == 3.0
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=12, return_dict_in_generate=True)
+    guessed = [n for n, depth in zip(out.stats.accepted_lengths, out.stats.proposed_lengths) if depth]
+    assert guessed and model.acceptance.expected == pytest.approx(ACCEPTANCE_PRIOR + 2 * len(guessed))
+    assert model.acceptance.accepted == pytest.approx(ACCEPTANCE_PRIOR + sum(guessed) - len(guessed))
+    reference = model.base.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    assert torch.equal(out.sequences, reference)
 
 
 def test_plain_steps_together_take_the_engine_fastest_at_the_calls_width(tmp_path, monkeypatch):
