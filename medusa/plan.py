@@ -89,6 +89,10 @@ BATCH_REPEATS = 4
 # inside the inductor engine's 1,024-row batch package with its steps, which a call's prompts of up to ~900 tokens use
 # too (a wider one would compile a 2,048-row package for the timing alone: minutes)
 BATCH_LAYOUT_STEPS = 6
+# One sequence's steps are timed as the decode loop of this many new tokens less half as many: a step of the plan's
+# tree commits a few (fewer steps to count than tokens), and 6 tokens left a difference of 2-3 steps, whose timing
+# ranged 17.6-34.9 ms for one 26 ms step (bf16, 8 nodes)
+ALONE_TIMED_TOKENS = 4 * BATCH_LAYOUT_STEPS
 BATCH_WIDTHS = (CONTEXT, 3 * CONTEXT)
 # The trees a batch's layout times as whole steps: the best this many by their batched verify's expected speedup (a
 # verify's timing leaves out each row's propose, mask and acceptance, which grow with the tree, and the expectations
@@ -634,7 +638,7 @@ def _lay_out_batch(model, rows: int, progress: bool) -> dict:
 
     def alone_ms(engine: str, proposer: str, tree) -> dict[str, float]:
         return {
-            str(width): time_alone_step(model, engine, width, BATCH_LAYOUT_STEPS, proposer=proposer, tree=tree)
+            str(width): time_alone_step(model, engine, width, ALONE_TIMED_TOKENS, proposer=proposer, tree=tree)
             for width in BATCH_WIDTHS
         }
 

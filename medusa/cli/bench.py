@@ -217,7 +217,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=int,
         default=1,
         help="questions decoded together (first turns, left-padded; methods on the batch's engine, baseline as "
-        "transformers' batched generate; tokens/s per method counts the whole batch's time)",
+        "transformers' batched generate; tokens/s per method counts the whole batch's time; each method warmed up "
+        "untimed on a batch of every size the questions come in, the batch packages of every width loaded first)",
     )
     args = parser.parse_args(argv)
     if args.batch_size < 1:
