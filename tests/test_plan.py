@@ -613,6 +613,13 @@ def test_a_batch_takes_the_tree_whose_whole_steps_decode_fastest(tmp_path, monke
     del model.plan.batches[key]
     _layout_with(monkeypatch, model, lambda e, w: 40.0, 40.0, tree_ms=lambda w, n: 20.0 * tau[n])
     assert len(lay_out(medusa.plan.batch_choice(model, 4), *_at(256, 4))[3]) + 1 == smallest
+    # every tree 3% ahead of plain decoding together: short of MIN_GAIN, the batch decodes plainly; 8% ahead: a tree
+    for ahead, proposer_taken in ((1.03, "plain"), (1.08, proposer)):
+        del model.plan.batches[key]
+        _layout_with(
+            monkeypatch, model, lambda e, w: 40.0, 40.0, tree_ms=lambda w, n, ahead=ahead: 40.0 * tau[n] / ahead
+        )
+        assert lay_out(medusa.plan.batch_choice(model, 4), *_at(256, 4))[2] == proposer_taken
 
 
 def test_a_batch_expects_the_share_of_its_trees_tau_that_batches_accepted(tmp_path, monkeypatch):
