@@ -779,14 +779,24 @@ def batch_pad(tokenizer, stop_ids) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (stop_ids[0] if stop_ids else 0)
 
 
+def question_batches(questions: list[dict], size: int) -> list[list[dict]]:
+    """--batch-size N: the questions, N at a time (the last batch holds what is left)."""
+    return [questions[i : i + size] for i in range(0, len(questions), size)]
+
+
+def first_turn_ids(batch: list[dict], prompt_ids) -> list[list[int]]:
+    """Each question's first turn as prompt token ids (a batch decodes first turns only)."""
+    return [prompt_ids([{"role": "user", "content": q["turns"][0]}])[0].tolist() for q in batch]
+
+
 def run_batches(args, todo, methods, runs, recorders, records, raw_path, tokenizer, stop_ids, prompt_ids) -> None:
     """--batch-size N: the questions' first turns, N at a time, every method on each batch (the first method of a
     batch rotates), one raw record per question and method."""
     pad = batch_pad(tokenizer, stop_ids)
     with raw_path.open("a") as raw:
-        batches = [todo[i : i + args.batch_size] for i in range(0, len(todo), args.batch_size)]
+        batches = question_batches(todo, args.batch_size)
         for b_index, batch in enumerate(tqdm(batches, desc="batches", unit="batch")):
-            prompts = [prompt_ids([{"role": "user", "content": q["turns"][0]}])[0].tolist() for q in batch]
+            prompts = first_turn_ids(batch, prompt_ids)
             shift = b_index % len(methods)
             for m in methods[shift:] + methods[:shift]:
                 seed = args.seed + 1000 * batch[0]["question_id"]
@@ -936,10 +946,8 @@ def main(argv=None) -> dict:
         warm = prompt_ids([{"role": "user", "content": todo[0]["turns"][0]}])
         warm_tokens = min(WARMUP_TOKENS, args.max_new_tokens)
         # batches: every batch size the questions come in, as a batch (the plan lays out each size once)
-        sizes = sorted({len(todo[i : i + args.batch_size]) for i in range(0, len(todo), args.batch_size)})
-        firsts = [
-            [prompt_ids([{"role": "user", "content": q["turns"][0]}])[0].tolist() for q in todo[:n]] for n in sizes
-        ]
+        sizes = sorted({len(batch) for batch in question_batches(todo, args.batch_size)})
+        firsts = [first_turn_ids(todo[:n], prompt_ids) for n in sizes]
         pad = batch_pad(tokenizer, stop_ids)
         warmup = {}
         for name in methods:
