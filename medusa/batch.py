@@ -192,7 +192,7 @@ class BatchDecoding:
     @torch.inference_mode()
     def step(self) -> None:
         active, cache, device, stats = self.active, self.cache, self.device, self.stats
-        candidates = [row.proposer.propose(row.state) for row in active]
+        candidates = propose_rows([row.proposer for row in active], [row.state for row in active])
         n = max(c.tree.num_nodes for c in candidates)
         tokens = torch.full((len(active), n), self.pad_token_id, dtype=torch.long, device=device)
         positions = torch.zeros((len(active), n), dtype=torch.long, device=device)
@@ -224,6 +224,15 @@ class BatchDecoding:
         self.stats.new_tokens = sum(len(row.new) for row in self.rows)
         sequences = padded([row.prompt for row in self.rows], [row.new for row in self.rows], self.pad_token_id)
         return GenerateOutput(sequences=sequences, stats=self.stats)
+
+
+def propose_rows(proposers: list, states: list) -> list:
+    """Each row's candidates: together where the rows' proposers propose a batch at once (`propose_batch`, as the
+    dynamic tree's do: one head call for all rows), else one row after another."""
+    kind = type(proposers[0])
+    if hasattr(kind, "propose_batch") and all(type(p) is kind for p in proposers):
+        return kind.propose_batch(proposers, states)
+    return [proposer.propose(state) for proposer, state in zip(proposers, states)]
 
 
 def prefill_groups(lengths: list[int]) -> list[list[int]]:

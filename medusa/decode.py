@@ -192,6 +192,10 @@ class SpeculativeGenerator:
         model runs on one of the same kind)."""
         raise NotImplementedError
 
+    def prepare_proposal(self, engine) -> None:
+        """Make ready what proposes in calls whose target runs on `engine` (MedusaModel compiles its heads where the
+        engine compiles ahead of time); nothing here."""
+
     def batch_layout(self, lengths: list[int], max_new_tokens: int, engine: str | None, proposer, tree) -> BatchLayout:
         """How a batch of prompts of `lengths` tokens decodes `max_new_tokens` each. Here: together on `engine`, else
         on runtime.batch_engine's; proposer and tree as given (MedusaModel's plan chooses them per batch size by
@@ -223,9 +227,10 @@ class SpeculativeGenerator:
             )
             self.observe_batch(layout, out.stats)
             return out
-        eager = self.engine("eager")  # what a row's draft model runs on
+        target, eager = self.engine(engine), self.engine("eager")  # eager: what a row's draft model runs on
+        self.prepare_proposal(target)  # the rows' heads compiled where the batch's target is
         out = decode_batch(
-            self.engine(engine),
+            target,
             lambda: self.make_proposer(proposer, tree, sampling, generator, engine=eager),
             rule,
             rows,

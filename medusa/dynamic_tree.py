@@ -108,44 +108,72 @@ class DynamicTreeProposer:
         self.max_nodes = num_nodes
 
     def propose(self, state) -> Candidates:
-        root = state.root_token.view(1)
-        budget = self.num_nodes - 1  # non-root nodes
-        if budget == 0 or self.depth == 0:
-            return Candidates(tokens=root, tree=buffers_from_parents([0], root.device))
-        by_path = self.medusa.by_path
-        hidden, copies = self.medusa.read(state), self.medusa.step_copies(state)
-        if not by_path:  # every head reads only the root: all levels' guesses at once
-            logits = self.medusa.head_logits(hidden, state.root_token, self.depth)  # (D, V')
+        return self.propose_batch([self], [state])[0]
+
+    @staticmethod
+    def propose_batch(proposers: list[DynamicTreeProposer], states) -> list[Candidates]:
+        """Each of `proposers` (a batch's rows: alike, over the same heads) at its state in `states`, as its `propose`
+        gives it, with the rows' context reads in one call and each depth's head in one call over every row's paths
+        (a call costs about the same for one row as for a few on a CPU: its weights are read once)."""
+        first = proposers[0]
+        for other in proposers[1:]:
+            if (other.num_nodes, other.depth, other.topk) != (first.num_nodes, first.depth, first.topk) or (
+                other.medusa.heads is not first.medusa.heads
+            ):
+                raise ValueError("a batch's rows propose together only with one kind of tree over the same heads")
+        roots = [state.root_token.view(1) for state in states]
+        budget = first.num_nodes - 1  # non-root nodes
+        if budget == 0 or first.depth == 0:
+            return [Candidates(tokens=root, tree=buffers_from_parents([0], root.device)) for root in roots]
+        medusa, rows = first.medusa, range(len(states))
+        hidden = medusa.read_batch([p.medusa for p in proposers], states)
+        copies = [p.medusa.step_copies(state) for p, state in zip(proposers, states)]
+        if not medusa.by_path:  # every head reads only the root: all levels' guesses at once, (D, V') a row
+            logits = [medusa.head_logits(hidden[b], states[b].root_token, first.depth) for b in rows]
 
         # Level d keeps its best `budget` candidates, sorted; children of those are level d+1's candidates.
-        levels: list[Level] = []
-        beam, paths = [0.0], [()]  # the previous level's kept nodes: path scores (the root: log 1), tokens after root
-        for d in range(self.depth):
+        levels: list[list[Level]] = [[] for _ in rows]
+        # the previous level's kept nodes, per row: path scores (the root: log 1), tokens after the root
+        beams, paths = [[0.0] for _ in rows], [[()] for _ in rows]
+        for d in range(first.depth):
+            going = list(rows)
             if d:  # only nodes above the budget-th best score so far can have a child in the final cut
-                keep = surviving_parents(beam, levels, budget)
-                if keep == 0:  # nothing deeper can be chosen: the remaining heads need not run
+                for b in rows:
+                    keep = surviving_parents(beams[b], levels[b], budget)
+                    beams[b], paths[b] = beams[b][:keep], paths[b][:keep]
+                going = [b for b in rows if paths[b]]  # a row with none: its remaining heads need not run
+                if not going:
                     break
-                beam, paths = beam[:keep], paths[:keep]
-            if by_path:  # (B, V'): each kept node's children depend on its path
-                path_ids = torch.tensor(paths, dtype=torch.long).view(len(paths), d).to(root.device)
-                level_logits = self.medusa.path_logits(hidden, state.root_token, d, path_ids)
-            else:  # (1, V'): shared by all
-                level_logits = logits[d : d + 1]
-            width = min(self.topk, budget, level_logits.shape[-1])  # the same at every level
+            if medusa.by_path:  # (P, V'): each kept node's children depend on its path
+                path_ids = [path for b in going for path in paths[b]]
+                level_logits = medusa.path_logits(
+                    torch.cat([hidden[b].expand(len(paths[b]), -1) for b in going]),
+                    torch.cat([roots[b].expand(len(paths[b])) for b in going]),
+                    d,
+                    torch.tensor(path_ids, dtype=torch.long).view(len(path_ids), d).to(roots[0].device),
+                )
+            else:  # (G, V'): one row each, shared by all its paths
+                level_logits = torch.cat([logits[b][d : d + 1] for b in going])
+            width = min(first.topk, budget, level_logits.shape[-1])  # the same at every level
             top_logp, top_index = level_logits.float().log_softmax(-1).clamp(max=0).topk(width, dim=-1)
-            top_logp, top_tokens = top_logp.tolist(), self.medusa.projection.token(top_index).tolist()
-            if not by_path:
-                top_logp, top_tokens = top_logp * len(beam), top_tokens * len(beam)
-            # the copy guess, after the path that follows the copy chain (any path: root heads): ngram.copy_guesses'
-            # rule, on host lists
-            if d < len(copies):
-                for row, path in enumerate(paths):
-                    if not by_path or list(path) == copies[:d]:
-                        top_tokens[row], top_logp[row] = copy_first(top_tokens[row], top_logp[row], copies[d])
-            levels.append(keep_best(beam, top_logp, top_tokens, budget))
-            beam = levels[-1].scores
-            paths = [paths[p] + (t,) for p, t in zip(levels[-1].parents, levels[-1].tokens)]
-        return cut_tree(root, levels, budget)
+            top_logp, top_tokens = top_logp.tolist(), medusa.projection.token(top_index).tolist()
+            start = 0
+            for b in going:
+                count = len(paths[b]) if medusa.by_path else 1
+                row_logp, row_tokens = top_logp[start : start + count], top_tokens[start : start + count]
+                start += count
+                if not medusa.by_path:
+                    row_logp, row_tokens = row_logp * len(beams[b]), row_tokens * len(beams[b])
+                # the copy guess, after the path that follows the copy chain (any path: root heads):
+                # ngram.copy_guesses' rule, on host lists
+                if d < len(copies[b]):
+                    for i, path in enumerate(paths[b]):
+                        if not medusa.by_path or list(path) == copies[b][:d]:
+                            row_tokens[i], row_logp[i] = copy_first(row_tokens[i], row_logp[i], copies[b][d])
+                levels[b].append(keep_best(beams[b], row_logp, row_tokens, budget))
+                beams[b] = levels[b][-1].scores
+                paths[b] = [paths[b][p] + (t,) for p, t in zip(levels[b][-1].parents, levels[b][-1].tokens)]
+        return [cut_tree(roots[b], levels[b], budget) for b in rows]
 
     def observe(self, state, accepted_tokens: list[int]) -> None:
         pass

@@ -100,24 +100,33 @@ class ContextLayer(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def empty_past(self, device, dtype, batch: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The state before any position: `forward`'s past, all padding, with a tensor count (0)."""
+        """The state of `batch` rows before any position: `forward`'s past, all padding, with a count per row (0)."""
         keys = torch.zeros(batch, self.num_attention_heads, self.window - 1, self.head_dim, device=device, dtype=dtype)
-        return keys, torch.zeros_like(keys), torch.zeros((), dtype=torch.long, device=device)
+        return keys, torch.zeros_like(keys), torch.zeros(batch, dtype=torch.long, device=device)
 
     def _rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x (B, heads, T, D), positions (T,) -> x with rotary position encoding."""
-        angles = positions.to(torch.float32)[:, None] * self.inv_freq  # (T, D/2)
+        """x (B, heads, T, D), positions (B or 1, T) -> x with rotary position encoding."""
+        angles = positions.to(torch.float32)[:, None, :, None] * self.inv_freq  # (B or 1, 1, T, D/2)
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         first, second = x[..., 0::2], x[..., 1::2]
         return torch.stack([first * cos - second * sin, first * sin + second * cos], dim=-1).flatten(-2)
 
-    def forward(self, hidden: torch.Tensor, next_embedding: torch.Tensor, past: tuple | None = None):
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        next_embedding: torch.Tensor,
+        past: tuple | None = None,
+        counts: torch.Tensor | None = None,
+    ):
         """hidden (B, T, H * (1 + feature_layers)), next_embedding (B, T, H): positions that follow the `past` ones
         -> (features (B, T, H), past).
 
         past: what the previous call returned, None at the start: (keys, values (B, heads, window - 1, D) of the last
         window - 1 positions, zero-padded in front while fewer were seen, and the number of positions seen so far,
-        an int or a 0-dim tensor).
+        an int, a 0-dim tensor or one per row (B,)).
+        counts (B,): row b's positions are its last counts[b] (rows of a batch read different numbers of positions:
+        each right-aligned, the padding before read by no position and kept by no state; its features are
+        meaningless); None: all T. Needs `past`.
         """
         size = next_embedding.shape[-1]
         if hidden.shape[-1] != size * (1 + self.feature_layers):
@@ -138,14 +147,26 @@ class ContextLayer(nn.Module):
             .view(batch, length, 3, self.num_attention_heads, self.head_dim)
             .permute(2, 0, 3, 1, 4)
         )  # each (B, heads, T, D)
-        positions = seen + torch.arange(length, device=hidden.device)  # `seen` may be a tensor: no host sync
+        # each row's positions (B or 1, T); `seen` may be a tensor (no host sync), one per row
+        per_row = torch.as_tensor(seen, device=hidden.device).reshape(-1, 1)
+        steps = torch.arange(length, device=hidden.device)
+        padding = 0 if counts is None else (length - counts)[:, None]  # right-aligned rows' padding slots
+        positions = per_row - padding + steps  # a padding slot repeats a kept position: it is never seen
         q, k = self._rotate(q, positions), self._rotate(k, positions)
+        key_positions, key_real = positions, (steps >= padding).expand(positions.shape[0], -1)
         if keys is not None:
             k, v = torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)
-        key_positions = seen + length - k.shape[2] + torch.arange(k.shape[2], device=hidden.device)
-        distance = positions[:, None] - key_positions[None, :]  # (T, P + T)
-        visible = (distance >= 0) & (distance < self.window) & (key_positions >= 0)  # padding sits before 0
-        attended = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+            kept = per_row - keys.shape[2] + torch.arange(keys.shape[2], device=hidden.device)
+            key_positions = torch.cat([kept.expand(positions.shape[0], -1), positions], dim=1)
+            key_real = torch.cat([key_real.new_ones(key_real.shape[0], keys.shape[2]), key_real], dim=1)
+        elif counts is not None:
+            raise ValueError("rows of different counts are read after a state (past): start from empty_past")
+        distance = positions[:, :, None] - key_positions[:, None, :]  # (B or 1, T, P + T)
+        # the state's padding sits before position 0; a padding slot sees only itself (no query sees nothing)
+        visible = (distance >= 0) & (distance < self.window) & (key_positions >= 0)[:, None] & key_real[:, None]
+        if counts is not None:
+            visible = visible | ((distance == 0) & ~key_real[:, None])
+        attended = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None])
         x = x + self.attention_out(attended.transpose(1, 2).reshape(batch, length, size))
         x = x + self.mlp_out(nn.functional.silu(self.mlp_in(self.mlp_norm(x))))
         # a later position sees at most window - 1 earlier ones: keep that many, zero-padded in front while fewer
@@ -153,7 +174,13 @@ class ContextLayer(nn.Module):
         keep = self.window - 1
         if k.shape[2] < keep:
             k, v = (nn.functional.pad(t, (0, 0, keep - t.shape[2], 0)) for t in (k, v))
-        return x, (k[:, :, k.shape[2] - keep :], v[:, :, v.shape[2] - keep :], seen + length)
+        if counts is None:
+            return x, (k[:, :, k.shape[2] - keep :], v[:, :, v.shape[2] - keep :], seen + length)
+        # row b keeps its last `keep` real slots: the state's from counts[b] on, then its own after its padding
+        slot = torch.arange(keep, device=hidden.device) + counts[:, None]  # (B, keep)
+        slot = torch.where(slot < keep, slot, slot + length - counts[:, None])
+        index = slot[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+        return x, (k.gather(2, index), v.gather(2, index), seen + counts)
 
 
 class MedusaHeads(nn.Module):
@@ -230,10 +257,16 @@ class MedusaHeads(nn.Module):
         weight = lm_head.weight if self.projections is None else torch.stack([p.weight for p in self.projections])
         return weight if subset is None else weight[..., subset, :]
 
-    def contextualise(self, hidden: torch.Tensor, next_embedding: torch.Tensor | None, past: tuple | None = None):
+    def contextualise(
+        self,
+        hidden: torch.Tensor,
+        next_embedding: torch.Tensor | None,
+        past: tuple | None = None,
+        counts: torch.Tensor | None = None,
+    ):
         """(B, T, H) hidden states of consecutive positions (and the embeddings of the tokens after them) -> what the
-        heads read there, and the context layer's state for the positions that follow (see ContextLayer). Heads
-        without a context layer read the hidden states themselves."""
+        heads read there, and the context layer's state for the positions that follow (see ContextLayer, also for
+        `counts`). Heads without a context layer read the hidden states themselves."""
         if self.context is None:
             return hidden, None
         if next_embedding is None:
@@ -241,7 +274,7 @@ class MedusaHeads(nn.Module):
                 "these heads have a context layer: pass next_embedding, the base's input embeddings of "
                 "the token after each position"
             )
-        return self.context(hidden, next_embedding, past)
+        return self.context(hidden, next_embedding, past, counts)
 
     def run_head(
         self,

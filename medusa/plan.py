@@ -98,6 +98,9 @@ BATCH_WIDTHS = (CONTEXT, 3 * CONTEXT)
 # verify's timing leaves out each row's propose, mask and acceptance, which grow with the tree, and the expectations
 # of neighbouring sizes lie within a few percent: docs/benchmarks/cpu-batch-trees-session49)
 BATCH_TREES_TIMED = 3
+# What a kept batch layout was timed with: 2, the plan's own steps alone (session 50); 3, a batch's rows proposing
+# together (dynamic_tree.propose_batch) on heads compiled as for one sequence. An older layout is timed again
+BATCH_LAYOUT_VERSION = 3
 # A batch's trees are expected to accept what they did on held-out prompts (decoded_taus); another workload accepts
 # less of their guesses (Spec-Bench's first turns: 74-80% of the guessed part, tau - 1, at 2-8 nodes,
 # docs/benchmarks/cpu-batch-trees-session49). Batches decoded together record what their rows accepted
@@ -404,11 +407,12 @@ def _context_read_ms(model, state, repeats: int, rows: int = CONTEXT_ROWS) -> fl
     embed = model.base.get_input_embeddings()
     tokens = torch.tensor(state.tokens[1:], device=model.device)  # the token after each cached position
     _, (keys, values, seen) = heads.contextualise(state.new_hidden[None, :-rows], embed(tokens[:-rows])[None])
-    past = keys, values, torch.as_tensor(seen, device=model.device)
+    past = keys, values, torch.as_tensor(seen, device=model.device).view(1)
+    counts = torch.tensor([rows], device=model.device)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        read(state.new_hidden[-rows:], embed(tokens[-rows:]), *past)
+        read(state.new_hidden[None, -rows:], embed(tokens[None, -rows:]), *past, counts)
         sync(model.device)
         times.append(1000 * (time.perf_counter() - start))
     return statistics.median(times)
@@ -603,7 +607,7 @@ def batch_choice(model, rows: int, progress: bool = True, engine: str | None = N
     stale = kept is not None and (
         "candidates" not in kept
         if engine
-        else "alone_step_ms" not in kept or set(kept["plain_ms"]) != set(_batch_engines(model))
+        else kept.get("version") != BATCH_LAYOUT_VERSION or set(kept["plain_ms"]) != set(_batch_engines(model))
     )
     if kept is None or stale:
         if progress:
@@ -633,6 +637,7 @@ def _lay_out_batch(model, rows: int, progress: bool) -> dict:
     def step_ms(engine: str, proposer: str, tree) -> dict[str, float]:
         make = lambda: model.make_proposer(proposer, tree, sampling, None)  # noqa: E731
         target = engine_for(model.base, engine)
+        model.prepare_proposal(target)  # as a batch on that engine proposes (decode.SpeculativeGenerator)
         return {
             str(width): time_batch_step(target, make, rows, width, BATCH_LAYOUT_STEPS, model.feature_layers)
             for width in BATCH_WIDTHS
@@ -648,6 +653,7 @@ def _lay_out_batch(model, rows: int, progress: bool) -> dict:
     batched = min(engines, key=lambda e: together_ms[e][str(CONTEXT)])
     candidates = batch_choice(model, rows, progress, engine=batched)["candidates"]
     return {
+        "version": BATCH_LAYOUT_VERSION,
         "rows": rows,
         "engine": batched,
         "plain_ms": together_ms,  # {engine: {width: ms per step}}

@@ -134,23 +134,25 @@ def tree_levels(tree: TreeBuffers) -> list[TreeLevel]:
 
 
 class ContextRead(nn.Module):
-    """The heads' context layer over r new positions, from its state (keys, values, seen: ContextLayer's `past`, seen
-    a 0-dim tensor): new_hidden (r, F) and the embeddings of the tokens after them (r, H) -> its output at the last
-    row (H,), and its next state. What each step's proposal reads first (`MedusaProposer.read_rows`)."""
+    """The heads' context layer over B rows' new positions, from their states (keys, values, seen: ContextLayer's
+    `past`, seen (B,)): new_hidden (B, T, F) and the embeddings of the tokens after them (B, T, H), row b's last
+    counts[b] (B,) of them its own (right-aligned) -> its output at each row's last position (B, H), and their next
+    states. What each step's proposal reads first (`MedusaProposer.read_rows`)."""
 
     def __init__(self, heads):
         super().__init__()
         self.heads = heads
 
-    def forward(self, new_hidden, following_embeddings, keys, values, seen) -> tuple[torch.Tensor, ...]:
-        features, past = self.heads.contextualise(new_hidden[None], following_embeddings[None], (keys, values, seen))
-        return features[0, -1], *past
+    def forward(self, new_hidden, following_embeddings, keys, values, seen, counts) -> tuple[torch.Tensor, ...]:
+        past = (keys, values, seen)
+        features, past = self.heads.contextualise(new_hidden, following_embeddings, past, counts)
+        return features[:, -1], *past
 
 
 class PathLogits(nn.Module):
-    """Head `head` after each of P paths: what the heads read (H,) and the embeddings of the tokens the head reads
-    after it (P, tokens_read, H: the root, then the path; none for plain heads) -> (P, V') logits over the candidate
-    vocabulary (`MedusaProposer.path_logits`)."""
+    """Head `head` after each of P paths: what the heads read at each path's row (P, H) and the embeddings of the
+    tokens the head reads after it (P, tokens_read, H: the root, then the path; none for plain heads) -> (P, V')
+    logits over the candidate vocabulary (`MedusaProposer.path_logits`)."""
 
     def __init__(self, heads, projection: CandidateProjection, head: int):
         super().__init__()
@@ -160,7 +162,7 @@ class PathLogits(nn.Module):
             self.register_buffer(f"projection_{name}", tensor, persistent=False)
 
     def forward(self, hidden: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
-        rows = self.heads.run_head_on_embeddings(self.head, hidden.expand(embedded.shape[0], -1), embedded)
+        rows = self.heads.run_head_on_embeddings(self.head, hidden, embedded)
         return self.projection.head_logits(self.head, rows)
 
 
@@ -179,7 +181,7 @@ def eager_modules(heads, projection: CandidateProjection) -> ProposalModules:
 
 
 class Compiled:
-    """A module's forward as an AOTInductor package (runtime.compiled_module) for 1 .. `most` rows of its second
+    """A module's forward as an AOTInductor package (runtime.compiled_module) for 1 .. `most` rows of its first
     input, the module itself beyond: the eager heads are a few hundred small operations a step whose calls cost more
     than their arithmetic on a CPU (docs/engines.md)."""
 
@@ -187,14 +189,15 @@ class Compiled:
         self.runner, self.module, self.most = runner, module, most
 
     def __call__(self, *inputs: torch.Tensor):
-        if inputs[1].shape[0] > self.most:
+        if inputs[0].shape[0] > self.most:
             return self.module(*inputs)
         # the package was compiled for contiguous inputs; a state it returned may be a view of a wider tensor
         outputs = self.runner(*(x.contiguous() for x in inputs))  # as the module returns them
         return tuple(outputs) if isinstance(outputs, list) else outputs
 
 
-MAX_PATHS = 64  # the most paths of one depth a compiled head takes at once (a tree's nodes at that depth)
+MAX_PATHS = 256  # the most paths of one depth a compiled head takes at once (a batch's rows' nodes at that depth)
+MAX_READ_ROWS = 64  # the most rows (sequences of a batch) a compiled context read takes at once
 
 
 def compile_proposal(heads, projection: CandidateProjection, progress: bool = True) -> ProposalModules | None:
@@ -205,26 +208,31 @@ def compile_proposal(heads, projection: CandidateProjection, progress: bool = Tr
     dtype = next(heads.parameters()).dtype
     size = heads.config.hidden_size
     dim = lambda most: torch.export.Dim("rows", min=1, max=most)  # noqa: E731
-    rows = 3  # neither 0 nor 1, which export would specialise on
+    rows, positions = 2, 3  # neither 0 nor 1, which export would specialise on
     try:
         read = None
         if eager.context_read is not None:
             context = heads.context
-            keys, values, _ = context.empty_past("cpu", dtype)
-            new_hidden = torch.zeros(rows, size * (1 + context.feature_layers), dtype=dtype)
-            example = (new_hidden, torch.zeros(rows, size, dtype=dtype), keys, values, torch.tensor(2 * rows))
-            shapes = ({0: dim(context.window)}, {0: dim(context.window)}, None, None, None)
+            keys, values, _ = context.empty_past("cpu", dtype, batch=rows)
+            new_hidden = torch.zeros(rows, positions, size * (1 + context.feature_layers), dtype=dtype)
+            seen, counts = torch.tensor([7, 9]), torch.tensor([positions, 1])
+            example = (new_hidden, torch.zeros(rows, positions, size, dtype=dtype), keys, values, seen, counts)
+            batch = dim(MAX_READ_ROWS)
+            read_rows = {0: batch, 1: torch.export.Dim("positions", min=1, max=context.window)}
+            shapes = (read_rows, read_rows, {0: batch}, {0: batch}, {0: batch}, {0: batch})
             runner = compiled_module(
                 eager.context_read, example, shapes, "context-read", "the heads' context read", progress
             )
-            read = Compiled(runner, eager.context_read, context.window)
+            read = Compiled(runner, eager.context_read, MAX_READ_ROWS)
         paths = list(eager.path_logits)
         for k, module in enumerate(eager.path_logits if heads.config.condition_on_path else []):
             example = (
-                torch.zeros(size, dtype=dtype),
+                torch.zeros(rows, size, dtype=dtype),
                 torch.zeros(rows, tokens_read(heads.config, k), size, dtype=dtype),
             )
-            runner = compiled_module(module, example, (None, {0: dim(MAX_PATHS)}), f"head-{k}", f"head {k}", progress)
+            path_rows = dim(MAX_PATHS)
+            shapes = ({0: path_rows}, {0: path_rows})
+            runner = compiled_module(module, example, shapes, f"head-{k}", f"head {k}", progress)
             paths[k] = Compiled(runner, module, MAX_PATHS)
     except Exception as err:  # noqa: BLE001 - any failure leaves the eager modules, which compute the same
         logger.warning("the heads could not be compiled (%s: %s); they run eagerly", type(err).__name__, err)
@@ -290,39 +298,65 @@ class MedusaProposer:
         """(H,): what the heads read this step: the last hidden state, or for heads with a context layer its output
         there, after feeding it the positions committed since the previous step (`state.new_hidden`, each with
         the token after it). Call once per step, before proposing."""
-        if self.heads.context is None:
-            return state.last_hidden
-        if state.new_hidden is None:
-            raise ValueError(
-                "these heads have a context layer: the decode state must carry new_hidden, the hidden "
-                "states of the positions each step commits"
-            )
-        if self._seen == state.length:  # already read this step
-            return self._context_read
-        new_hidden = torch.cat([*self._unread, state.new_hidden]) if self._unread else state.new_hidden
-        rows = new_hidden.shape[0]
-        if self._seen + rows != state.length:
-            raise RuntimeError(
-                f"the context layer has read {self._seen} positions, the cache holds {state.length} and the "
-                f"steps since added {rows}: call read (or skip) once per step"
-            )
-        keys, values, seen = self._context or self.heads.context.empty_past(new_hidden.device, new_hidden.dtype)
-        # Only the last row's output and the last window - 1 rows' keys and values are kept, and a row's keys and
-        # values depend on that row alone: rows before the last `window` reach neither (a prompt is read in 64 rows)
-        reach = min(rows, self.heads.context.window)
-        new_hidden, seen = new_hidden[rows - reach :], seen + (rows - reach)
-        following = upload_ids(state.tokens[-reach:], new_hidden.device)
-        past = keys, values, seen
-        # a step's few rows: a CUDA graph per row count on a GPU; the prompt (or skipped steps') rows as they are
-        read = self._read_graph if self._context is not None and reach <= self.tree.max_depth + 1 else self.read_rows
-        self._context_read, *context = read(new_hidden, following, *past)
-        self._context, self._seen, self._unread = tuple(context), state.length, []
-        return self._context_read
+        return self.read_batch([self], [state])[0]
 
-    def read_rows(self, new_hidden, following, keys, values, seen) -> tuple[torch.Tensor, ...]:
-        """ContextRead over `new_hidden` (r, F) and the tokens after them (r,). Pure tensor code with fixed shapes
-        for r (a CUDA graph on a GPU: `_read_graph`)."""
-        return self.modules.context_read(new_hidden, self.embed_tokens(following), keys, values, seen)
+    def read_batch(self, proposers: list[MedusaProposer], states) -> list[torch.Tensor]:
+        """`read` for each of `proposers` (a batch's rows: proposers of these heads, each with its own context state)
+        at its state in `states`, their context layer's reads in one call of it."""
+        if self.heads.context is None:
+            return [state.last_hidden for state in states]
+        reads = [None] * len(states)
+        rows = []  # (index, new positions' hidden states, the tokens after them, the state before them)
+        for i, (proposer, state) in enumerate(zip(proposers, states)):
+            if state.new_hidden is None:
+                raise ValueError(
+                    "these heads have a context layer: the decode state must carry new_hidden, the hidden "
+                    "states of the positions each step commits"
+                )
+            if proposer._seen == state.length:  # already read this step
+                reads[i] = proposer._context_read
+                continue
+            new_hidden = torch.cat([*proposer._unread, state.new_hidden]) if proposer._unread else state.new_hidden
+            count = new_hidden.shape[0]
+            if proposer._seen + count != state.length:
+                raise RuntimeError(
+                    f"the context layer has read {proposer._seen} positions, the cache holds {state.length} and the "
+                    f"steps since added {count}: call read (or skip) once per step"
+                )
+            keys, values, seen = proposer._context or self.heads.context.empty_past(new_hidden.device, new_hidden.dtype)
+            # Only the last row's output and the last window - 1 rows' keys and values are kept, and a row's keys
+            # and values depend on that row alone: rows before the last `window` reach neither (a prompt is read in
+            # 64 rows)
+            reach = min(count, self.heads.context.window)
+            rows.append((i, new_hidden[count - reach :], state.tokens[-reach:], (keys, values, seen + count - reach)))
+        if not rows:
+            return reads
+        # the rows' new positions right-aligned in one (B, T, F) block; the padding in front is read by none of them
+        width, first = max(len(row[1]) for row in rows), rows[0][1]
+        new_hidden = first.new_zeros(len(rows), width, first.shape[-1])
+        following = [0] * (len(rows) * width)
+        for b, (_, hidden, tokens, _) in enumerate(rows):
+            new_hidden[b, width - len(hidden) :] = hidden
+            following[(b + 1) * width - len(tokens) : (b + 1) * width] = tokens
+        following = upload_ids(following, first.device).view(len(rows), width)
+        counts = upload_ids([len(row[1]) for row in rows], first.device)
+        keys, values, seen = (torch.cat(parts) if len(rows) > 1 else parts[0] for parts in zip(*(r[3] for r in rows)))
+        # a step's few positions: a CUDA graph per shape on a GPU; a prompt's (or skipped steps') as they are
+        fresh = any(proposers[row[0]]._context is None for row in rows)
+        read = self.read_rows if fresh or width > self.tree.max_depth + 1 else self._read_graph
+        features, keys, values, seen = read(new_hidden, following, keys, values, seen, counts)
+        for b, (i, *_) in enumerate(rows):
+            proposer = proposers[i]
+            proposer._context = (keys[b : b + 1], values[b : b + 1], seen[b : b + 1])
+            proposer._context_read = reads[i] = features[b]
+            proposer._seen, proposer._unread = states[i].length, []
+        return reads
+
+    def read_rows(self, new_hidden, following, keys, values, seen, counts) -> tuple[torch.Tensor, ...]:
+        """ContextRead over B rows' `new_hidden` (B, T, F) and the tokens after them (B, T), right-aligned, row b's
+        last counts[b] its own. Pure tensor code with fixed shapes for (B, T) (a CUDA graph on a GPU:
+        `_read_graph`)."""
+        return self.modules.context_read(new_hidden, self.embed_tokens(following), keys, values, seen, counts)
 
     def skip(self, state) -> None:
         """A step without guesses (medusa.guard): the positions it committed are kept for the context layer to read
@@ -338,11 +372,11 @@ class MedusaProposer:
             return []
         return copy_chain(torch.tensor(state.tokens), self.heads.config.copy_ngram, self.heads.config.num_heads)
 
-    def path_logits(self, hidden: torch.Tensor, root: torch.Tensor, head: int, paths: torch.Tensor) -> torch.Tensor:
-        """Head `head`'s logits after each of P paths: hidden (H,), root (), paths (P, head) token ids after the
-        root -> (P, V'). Heads that read no path give P equal rows."""
+    def path_logits(self, hidden: torch.Tensor, roots: torch.Tensor, head: int, paths: torch.Tensor) -> torch.Tensor:
+        """Head `head`'s logits after each of P paths: what the heads read at each path's row (P, H), its root (P,),
+        the path (P, head) token ids after the root -> (P, V'). Rows that read no path give equal rows."""
         count = tokens_read(self.heads.config, head)  # any: embed_tokens is there (checked on building)
-        following = torch.cat([root.view(1, 1).expand(paths.shape[0], 1), paths], dim=1)  # (P, head + 1)
+        following = torch.cat([roots.view(-1, 1), paths], dim=1)  # (P, head + 1)
         embedded = (
             self.embed_tokens(following[:, :count]) if count else hidden.new_empty(paths.shape[0], 0, hidden.shape[-1])
         )
@@ -372,7 +406,8 @@ class MedusaProposer:
             tokens = root.view(1).repeat(self.tree.num_nodes)  # (N,) filled depth by depth
             for head, level in enumerate(self.levels):
                 paths = tokens[level.parent_paths]  # (P, head)
-                logits = self.path_logits(hidden, root, head, paths)  # (P, V')
+                count = paths.shape[0]
+                logits = self.path_logits(hidden.expand(count, -1), root.view(1).expand(count), head, paths)
                 top = self.projection.token(torch.topk(logits, level.width, dim=-1).indices)  # (P, width)
                 if self.heads.config.copy_ngram:
                     top = put_first(top, copy_guesses(copies, head, paths))

@@ -5,11 +5,14 @@ import pytest
 import torch
 from transformers import TextStreamer
 
+import medusa.batch
 import medusa.decode
+import medusa.propose
 import medusa.runtime.aot
 from medusa import MedusaModel
 from medusa.acceptance import get_rule
 from medusa.batch import PREFILL_SLACK, decode_batch, prefill_groups, time_batch_step
+from medusa.propose import CandidateProjection
 from medusa.runtime import can_prepack, engine_for
 from medusa.sampling import SamplingConfig
 from tests.conftest import FAMILIES, make_heads, make_tiny_model, tiny_tokenizer
@@ -147,6 +150,46 @@ def test_heads_with_a_context_layer_and_base_features_read_each_rows_own_positio
         for row, prompt in enumerate(PROMPTS):
             single = model.generate(torch.tensor([prompt]), max_new_tokens=20, proposer=proposer)
             assert out[row, ids.shape[1] :].tolist() == single[0, len(prompt) :].tolist(), (family, proposer, row)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_batchs_rows_propose_together_what_each_proposes_alone(family, monkeypatch):
+    """The dynamic tree's rows propose with one context read and one head call per depth for all of them
+    (propose_batch): every step's trees are those the rows propose one by one, and so is all they decode."""
+    from tests.conftest import context_heads
+
+    model = MedusaModel(
+        make_tiny_model(family),
+        context_heads(feature_layers=[0, 1]),
+        tree=[[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]],
+    )
+    # proposing on float weights: on a CPU's int8 copies (refresh_candidate_projection) a product quantizes its input
+    # as a whole, so rows proposed together round differently from a row alone (the target verifies both exactly)
+    model.proposal_heads = model.heads
+    model.candidate_projection = CandidateProjection.build(model.heads, model.base.lm_head, torch.float32)
+    ids, mask = padded(PROMPTS)
+    together = medusa.batch.propose_rows
+    one_by_one = lambda proposers, states: [p.propose(s) for p, s in zip(proposers, states)]  # noqa: E731
+    head_calls = []
+    path_logits = medusa.propose.MedusaProposer.path_logits
+    monkeypatch.setattr(
+        medusa.propose.MedusaProposer, "path_logits", lambda *args: head_calls.append(1) or path_logits(*args)
+    )
+    runs = []
+    for propose in (together, one_by_one):
+        trees, head_calls[:] = [], []
+
+        def recorded(proposers, states, propose=propose, trees=trees):
+            candidates = propose(proposers, states)
+            trees.append([(c.tokens.tolist(), c.tree.parent.tolist()) for c in candidates])
+            return candidates
+
+        monkeypatch.setattr(medusa.batch, "propose_rows", recorded)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=20, proposer="dynamic")
+        runs.append((out, trees, len(head_calls)))
+    (out, trees, calls), (alone_out, alone_trees, alone_calls) = runs
+    assert trees == alone_trees and torch.equal(out, alone_out)
+    assert len(trees) > 5 and calls < alone_calls  # one call per depth for the batch, not per row
 
 
 def test_one_left_padded_prompt_decodes_as_it_would_unpadded():

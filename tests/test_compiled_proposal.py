@@ -39,24 +39,24 @@ def test_compiled_modules_compute_what_the_eager_ones_compute_at_every_row_count
     assert isinstance(compiled.context_read, Compiled) and len(compiled.path_logits) == heads.config.num_heads
     torch.manual_seed(0)
     window = heads.context.window
-    keys, values, _ = heads.context.empty_past("cpu", torch.float32)
-    past = (torch.randn_like(keys), torch.randn_like(values), torch.tensor(9))
-    for rows in (1, 2, window):  # a step's few rows up to a prompt's last window
-        inputs = (torch.randn(rows, HIDDEN), torch.randn(rows, HIDDEN), *past)
+    for rows, counts in ((1, [1]), (1, [window]), (3, [2, 1, 2]), (2, [window, 3])):  # a batch's rows, each its own
+        keys, values, _ = heads.context.empty_past("cpu", torch.float32, batch=rows)
+        past = (torch.randn_like(keys), torch.randn_like(values), torch.tensor([9, 70, 3][:rows]))
+        width = max(counts)
+        inputs = (torch.randn(rows, width, HIDDEN), torch.randn(rows, width, HIDDEN), *past, torch.tensor(counts))
         for got, expected in zip(compiled.context_read(*inputs), eager.context_read(*inputs)):
             torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-    hidden = torch.randn(HIDDEN)
     for head, (got_head, eager_head) in enumerate(zip(compiled.path_logits, eager.path_logits)):
         for paths in (1, 3, 7):
-            embedded = torch.randn(paths, head + 1, HIDDEN)
+            hidden, embedded = torch.randn(paths, HIDDEN), torch.randn(paths, head + 1, HIDDEN)
             torch.testing.assert_close(got_head(hidden, embedded), eager_head(hidden, embedded), rtol=1e-4, atol=1e-3)
 
 
 def test_more_rows_than_a_package_takes_run_the_module():
     calls = []
-    compiled = Compiled(lambda *x: calls.append("package") or [x[1]], lambda *x: calls.append("module") or x[1], 4)
-    compiled(torch.zeros(1), torch.zeros(4, 2))
-    compiled(torch.zeros(1), torch.zeros(5, 2))
+    compiled = Compiled(lambda *x: calls.append("package") or [x[0]], lambda *x: calls.append("module") or x[0], 4)
+    compiled(torch.zeros(4, 2), torch.zeros(1))
+    compiled(torch.zeros(5, 2), torch.zeros(1))
     assert calls == ["package", "module"]
 
 

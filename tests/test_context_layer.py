@@ -181,6 +181,46 @@ def test_proposer_reads_what_evaluation_scores(layers):
 
 
 @pytest.mark.parametrize("layers", [[], [0, 1]], ids=["last", "fused"])
+def test_a_batchs_rows_read_together_what_each_reads_alone(layers):
+    """read_batch: rows that committed different numbers of positions (a prompt longer than the window, steps of 1
+    to 5) read them in one call of the context layer, right-aligned, and each gets what its whole sequence gives."""
+    torch.manual_seed(0)
+    model = MedusaModel(make_tiny_model("llama"), context_heads(feature_layers=layers), tree=[[0], [0, 0]])
+    model.proposal_heads = model.heads
+    proposers = [build_medusa_proposer(model, build_buffers(TreeSpec(model.tree), 2)) for _ in range(3)]
+    schedules = [[3, 1, 4, 1], [WINDOW + 5, 2, 1, 3], [9, 5, 5, 2]]  # positions each row commits, step by step
+    embed, rows = model.base.get_input_embeddings(), []
+    with torch.no_grad():
+        for schedule in schedules:
+            ids = torch.randint(2, VOCAB, (sum(schedule) + 1,))
+            hidden = base_features(model.base(ids[None], output_hidden_states=True).hidden_states, layers)[0]
+            whole = model.heads.contextualise(hidden[None, :-1], embed(ids[1:])[None])[0][0]
+            rows.append((ids, hidden, whole))
+        calls = []
+        context_read = proposers[0].modules.context_read
+        proposers[0].modules.context_read.forward = lambda *inputs: (
+            calls.append(inputs[0].shape) or type(context_read).forward(context_read, *inputs)
+        )
+        for step in range(4):
+            states = []
+            for schedule, (ids, hidden, _) in zip(schedules, rows):
+                start, end = sum(schedule[:step]), sum(schedule[: step + 1])
+                states.append(
+                    SimpleNamespace(
+                        new_hidden=hidden[start:end], length=end, tokens=ids[: end + 1].tolist(), last_hidden=None
+                    )
+                )
+            for _ in range(2):  # a second read of one step changes nothing
+                reads = proposers[0].read_batch(proposers, states)
+                for read, state, (_, _, whole) in zip(reads, states, rows):
+                    torch.testing.assert_close(read, whole[state.length - 1], rtol=1e-4, atol=1e-4)
+    # one call a step, as wide as its most positions (a prompt's last WINDOW)
+    assert calls == [(3, WINDOW, HIDDEN * (1 + len(layers))), (3, 5, HIDDEN * (1 + len(layers)))] + [
+        (3, max(s[step] for s in schedules), HIDDEN * (1 + len(layers))) for step in (2, 3)
+    ]
+
+
+@pytest.mark.parametrize("layers", [[], [0, 1]], ids=["last", "fused"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_context_heads_keep_greedy_identity_and_round_trip(tmp_path, family, layers):
     model = MedusaModel(

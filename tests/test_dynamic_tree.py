@@ -22,8 +22,8 @@ class FixedHeads:
         self.logits = logits
         self.projection = SimpleNamespace(token=lambda index: index)
 
-    def read(self, state):
-        return state.last_hidden
+    def read_batch(self, proposers, states):
+        return [state.last_hidden for state in states]
 
     def step_copies(self, state):
         return []  # no copy guesses (tests/test_copy.py covers them)

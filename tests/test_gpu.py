@@ -155,12 +155,14 @@ def test_context_heads_read_through_a_graph_keep_greedy_identity():
     guesses = [graph for key, graph in model.step_graphs.items() if key[0] == "guess"]
     assert len(guesses) == 1 and guesses[0].captured == 1  # the second call replayed the first call's graph
     proposer = build_medusa_proposer(model, build_buffers(TreeSpec(HAND_TREE, 3), 3).to("cuda"))
-    hidden, ids = torch.randn(20, HIDDEN, device="cuda"), torch.randint(1, VOCAB, (20,), device="cuda")
+    hidden, ids = torch.randn(1, 20, HIDDEN, device="cuda"), torch.randint(1, VOCAB, (1, 20), device="cuda")
+    eight, three = torch.tensor([8], device="cuda"), torch.tensor([3], device="cuda")  # positions each read takes
     with torch.inference_mode():
-        _, *past = proposer.read_rows(hidden[:8], ids[:8], *model.heads.context.empty_past("cuda", hidden.dtype))
+        past = model.heads.context.empty_past("cuda", hidden.dtype)
+        _, *past = proposer.read_rows(hidden[:, :8], ids[:, :8], *past, eight)
         for start in range(8, 20, 3):
-            graphed = proposer._read_graph(hidden[start : start + 3], ids[start : start + 3], *past)
-            eager = proposer.read_rows(hidden[start : start + 3], ids[start : start + 3], *past)
+            graphed = proposer._read_graph(hidden[:, start : start + 3], ids[:, start : start + 3], *past, three)
+            eager = proposer.read_rows(hidden[:, start : start + 3], ids[:, start : start + 3], *past, three)
             for a, b in zip(graphed, eager):
                 torch.testing.assert_close(a, b)
             past = graphed[1:]

@@ -535,14 +535,16 @@ def test_a_batch_decodes_its_rows_one_at_a_time_where_that_is_faster(tmp_path, m
     saved = json.loads(plan_path(model.plan.key).read_text())["batches"]
     assert saved["4 on the fastest layout"] == layout
     # a layout kept from before an engine the plan weighs took batches is timed again, with it; and one kept from
-    # before a layout timed several trees
+    # before a layout timed several trees, or the plan's own steps, or rows proposing together (an older version)
     model.plan.batches["4 on the fastest layout"] = dict(layout, plain_ms={"eager": layout["plain_ms"]["eager"]})
     assert medusa.plan.batch_choice(model, 4)["plain_ms"].keys() == layout["plain_ms"].keys()
-    older = {k: v for k, v in layout.items() if k not in ("trees", "alone_step_ms", "alone_tau")}
+    older = {k: v for k, v in layout.items() if k not in ("trees", "alone_step_ms", "alone_tau", "version")}
     model.plan.batches["4 on the fastest layout"] = dict(older, alone_speedup=2.0)
     assert medusa.plan.batch_choice(model, 4)["trees"]
     model.plan.batches["4 on the fastest layout"] = dict(older, trees=layout["trees"], alone_speedup=2.0)
     assert medusa.plan.batch_choice(model, 4)["alone_step_ms"]
+    model.plan.batches["4 on the fastest layout"] = dict(layout, version=2, alone_step_ms={"256": -1.0})
+    assert medusa.plan.batch_choice(model, 4)["alone_step_ms"] == layout["alone_step_ms"]
     # a batch prefills its rows in groups of like lengths, each padded to its longest (batch.prefill_groups), one at
     # a time each row its own: at 1 ms a token either way, one long prompt among short ones costs the batch 250 + 3 x
     # 10 ms as it costs the rows alone, and two long ones 2 x 250 + 2 x 10 against 250 + 200 + 2 x 10

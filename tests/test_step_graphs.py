@@ -183,19 +183,20 @@ def test_the_context_layers_read_compiles_as_one_graph_per_row_count_and_equals_
     layer = model.heads.context
     torch._dynamo.reset()
     compiled = torch.compile(proposer.read_rows, fullgraph=True, dynamic=False, backend="aot_eager")
-    hidden, ids = torch.randn(12, HIDDEN), torch.randint(1, VOCAB, (12,))
+    hidden, ids = torch.randn(1, 12, HIDDEN), torch.randint(1, VOCAB, (1, 12))
+    two = torch.tensor([2])  # positions a step reads (a batch's rows: one here)
     with torch.inference_mode():
         past = layer.empty_past(hidden.device, hidden.dtype)
         assert past[0].shape[2] == layer.window - 1 and int(past[2]) == 0
-        _, *past = proposer.read_rows(hidden[:2], ids[:2], *past)  # fewer positions than the window: padded
+        _, *past = proposer.read_rows(hidden[:, :2], ids[:, :2], *past, two)  # fewer positions than the window
         assert past[0].shape[2] == layer.window - 1 and int(past[2]) == 2
-        whole = model.heads.contextualise(hidden[None], model.base.get_input_embeddings()(ids)[None])[0][0]
+        whole = model.heads.contextualise(hidden, model.base.get_input_embeddings()(ids))[0][0]
         for start in (2, 4, 6, 8):  # steps of 2 rows: one graph
-            eager = proposer.read_rows(hidden[start : start + 2], ids[start : start + 2], *past)
-            graphed = compiled(hidden[start : start + 2], ids[start : start + 2], *past)
+            eager = proposer.read_rows(hidden[:, start : start + 2], ids[:, start : start + 2], *past, two)
+            graphed = compiled(hidden[:, start : start + 2], ids[:, start : start + 2], *past, two)
             for a, b in zip(graphed, eager):
                 torch.testing.assert_close(a, b)
-            torch.testing.assert_close(eager[0], whole[start + 1], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(eager[0][0], whole[start + 1], rtol=1e-4, atol=1e-4)
             past = eager[1:]
     assert int(past[2]) == 10
 

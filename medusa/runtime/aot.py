@@ -257,9 +257,16 @@ def load_or_compile(
 def compiled_module(module: nn.Module, example: tuple, dynamic_shapes, name: str, label: str, progress: bool = True):
     """The AOTInductor runner of a small CPU module's forward over `example`'s shapes (`dynamic_shapes` as
     torch.export takes them), its weights held in the package: loaded, or compiled once on this machine (seconds;
-    `label` names it meanwhile) into a package named `name` and keyed by every weight. For what proposes (the heads'
-    context layer)."""
-    key = {"format": AOT_FORMAT, "module": name, "weights": base_fingerprint(module), **describe("cpu")}
+    `label` names it meanwhile) into a package named `name` and keyed by every weight and by the example's inputs (a
+    package of another version's signature must not load). For what proposes (the heads' context layer)."""
+    inputs = [[list(x.shape), str(x.dtype)] for x in example]
+    key = {
+        "format": AOT_FORMAT,
+        "module": name,
+        "inputs": inputs,
+        "weights": base_fingerprint(module),
+        **describe("cpu"),
+    }
     path = keyed_package(name, key)
     export = lambda: torch.export.export(module.eval(), example, dynamic_shapes=dynamic_shapes, strict=False)  # noqa: E731
     return load_or_build(path, export, MODULE_OPTIONS, f"compiling {label} ahead of time", progress, cpu=True)[0]
