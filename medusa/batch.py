@@ -5,11 +5,12 @@ Layout (padded blocks, as SGLang's): one cache of (rows, heads, positions, head_
 its committed tokens contiguous from position 0 (the prompt's left padding included, masked forever) to `lengths[b]`;
 a step writes row b's candidates at `lengths[b]` onward and commits its accepted path in place there, so rows that
 accept different numbers of tokens never leave gaps and the padding does not grow. Each row has its own proposer and
-tree (padded to the batch's largest with nodes that see only themselves), its own acceptance and stop; a finished
-row leaves the batch (its cache rows are dropped), so it stops costing work. The engine runs the batch's forwards
-(Engine.batch_forward): eagerly, as the target is or with the compiled engine's pre-packed weights, or on a CPU through
-the inductor engine's batch package (each row's tokens written at its own length). Where decoding the rows one at a
-time is faster, the plan does that instead (medusa.plan.batch_choice).
+tree (padded to the batch's largest with nodes that see only themselves), its own acceptance and stop; rows whose
+proposers can propose together do (`propose_rows`: the dynamic tree's heads run once per depth for all rows); a
+finished row leaves the batch (its cache rows are dropped), so it stops costing work. The engine runs the batch's
+forwards (Engine.batch_forward): eagerly, as the target is or with the compiled engine's pre-packed weights, or on a
+CPU through the inductor engine's batch package (each row's tokens written at its own length). Where decoding the rows
+one at a time is faster, the plan does that instead (medusa.plan.batch_choice).
 """
 
 from __future__ import annotations
