@@ -89,9 +89,9 @@ BATCH_REPEATS = 4
 # inside the inductor engine's 1,024-row batch package with its steps, which a call's prompts of up to ~900 tokens use
 # too (a wider one would compile a 2,048-row package for the timing alone: minutes)
 BATCH_LAYOUT_STEPS = 6
-# One sequence's steps are timed as the decode loop of this many new tokens less half as many: a step of the plan's
-# tree commits a few (fewer steps to count than tokens), and 6 tokens left a difference of 2-3 steps, whose timing
-# ranged 17.6-34.9 ms for one 26 ms step (bf16, 8 nodes)
+# One sequence's steps are timed as the decode loop of twice this many new tokens less this many (time_alone_step): a
+# step of the plan's tree commits a few (fewer steps to count than tokens), and 6 tokens left a difference of 2-3
+# steps, whose timing ranged 17.6-34.9 ms for one 26 ms step (bf16, 8 nodes)
 ALONE_TIMED_TOKENS = 4 * BATCH_LAYOUT_STEPS
 BATCH_WIDTHS = (CONTEXT, 3 * CONTEXT)
 # The trees a batch's layout times as whole steps: the best this many by their batched verify's expected speedup (a
@@ -323,7 +323,7 @@ def measure(model, engines=None, sizes=SIZES, repeats: int = REPEATS, context: i
     fastest = min(plain_ms.values())
     engines = [name for name in engines if plain_ms[name] <= SLOW_ENGINE * fastest]
     for name in engines:  # what proposes is timed as decoding runs it: compiled where an engine compiles the target
-        getattr(model, "prepare_proposal", lambda engine: None)(engine_for(model.base, name))
+        model.prepare_proposal(engine_for(model.base, name))
     proposers = {
         (p, n): model.make_proposer(p, [list(path) for path in order[: n - 1]] or None, sampling, None) for p, n in jobs
     }  # the same for every engine
