@@ -53,8 +53,11 @@ def answer_batch(
     greedy: bool = True,
     temperature: float = 1.0,
     top_p: float = 1.0,
+    proposer: str | None = None,
 ) -> list[list[int]]:
-    """Left-padded batched generation; returns each response up to and including its first stop token."""
+    """Left-padded batched generation; returns each response up to and including its first stop token. `model`: a
+    transformers model or a medusa one (MedusaModel: its `generate` decodes the rows together, each as the base
+    would); `proposer` goes to a medusa model's `generate` (None: its plan's choice)."""
     width = max(len(p) for p in prompt_ids)
     input_ids = torch.full((len(prompt_ids), width), pad_id, dtype=torch.long)
     attention = torch.zeros_like(input_ids)
@@ -62,6 +65,8 @@ def answer_batch(
         input_ids[i, width - len(ids) :] = torch.tensor(ids)
         attention[i, width - len(ids) :] = 1
     sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": temperature, "top_p": top_p}
+    if proposer is not None:
+        sampling["proposer"] = proposer
     out = model.generate(
         input_ids=input_ids.to(model.device),
         attention_mask=attention.to(model.device),

@@ -205,3 +205,32 @@ def test_questions_load_and_spread_over_categories(tmp_path):
     path.write_text('{"question_id": 1, "category": "x"}\n')
     with pytest.raises(ValueError, match=r"q.jsonl:1: expected \{question_id, category, turns"):
         load_questions(path)
+
+
+def test_medusa_accuracy_answers_are_the_bases_own_greedy_answers(tmp_path):
+    """`medusa accuracy` scores heads on the base's answers, decoded by the model's batched generate (its random
+    heads never guessing): each equal to transformers' greedy generate of that question alone, and generate called
+    once per batch of questions."""
+    from medusa.answers import stop_and_pad_ids
+    from medusa.cli.accuracy import answer_questions
+    from tests.conftest import save_tiny_checkpoint
+
+    base_dir, heads_dir = save_tiny_checkpoint(tmp_path)
+    model = MedusaModel.from_pretrained(heads_dir, base=base_dir, plan="off")
+    questions = [{"question_id": i, "category": "c", "turns": ["word " * (1 + 3 * i)]} for i in range(5)]
+    calls = []
+    original = model.generate
+    model.generate = lambda *args, **kwargs: (
+        calls.append((kwargs["input_ids"].shape[0], kwargs["proposer"])) or original(*args, **kwargs)
+    )
+    sequences, starts, answered = answer_questions(model, questions, max_new_tokens=10, batch_size=2)
+    assert (
+        calls == [(2, "plain"), (2, "plain"), (1, "plain")] and answered == questions
+    )  # (the questions come in order of length)
+    eos_ids, _ = stop_and_pad_ids(model.base, model.tokenizer)
+    for sequence, start in zip(sequences, starts):
+        prompt = torch.tensor([sequence[:start]])
+        alone = model.base.generate(prompt, max_new_tokens=10, do_sample=False, eos_token_id=eos_ids or None)
+        expected = alone[0, start:].tolist()
+        cut = next((i + 1 for i, t in enumerate(expected) if t in eos_ids), len(expected))
+        assert sequence[start:] == expected[:cut]

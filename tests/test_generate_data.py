@@ -90,6 +90,53 @@ def test_resume_with_other_settings_is_refused(setup):
         main(args + ["--data.shard_size", "4"])
 
 
+def _count_calls(monkeypatch, owner, name: str) -> list:
+    calls = []
+    original = getattr(owner, name)
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("proposer"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+    return calls
+
+
+def test_medusa_answers_every_row_as_transformers_generate_does(setup, tmp_path, monkeypatch):
+    """data.engine medusa (the default) decodes the batches with MedusaModel.generate: greedy fp32 rows identical to
+    transformers' generate's, plainly on a base without heads and guessing with data.heads where given (sampled
+    rows: test_sigkill_mid_run_then_rerun_equals_an_uninterrupted_run resumes them on this engine)."""
+    from medusa import MedusaModel
+
+    args, _ = setup
+    base = args[args.index("--model.base") + 1]
+    heads = tmp_path / "heads"
+    MedusaModel.from_base(base, num_heads=2).save_pretrained(heads)
+    runs = {}
+    calls = _count_calls(monkeypatch, MedusaModel, "generate")
+    for name, engine, extra in (
+        ("transformers", "transformers", []),
+        ("plain", "medusa", []),
+        ("heads", "medusa", ["--data.heads", str(heads)]),
+    ):
+        out = tmp_path / name
+        main([*args, "--data.out_dir", str(out), "--data.max_new_tokens", "12", "--data.engine", engine, *extra])
+        runs[name] = _rows(out)
+        assert json.loads((out / "data_config.json").read_text())["engine"] == engine  # where the data came from
+    assert runs["plain"] == runs["transformers"] and runs["heads"] == runs["transformers"]
+    assert len(runs["transformers"]) == 7
+    # a call per batch of up to 2 prompts of a shard (shards of 3, 3 and 1 prompts): 5 per medusa run, plain on the
+    # base without heads, the heads' own proposer with data.heads
+    assert calls == ["plain"] * 5 + [None] * 5
+
+
+def test_an_unknown_answer_engine_and_heads_without_medusa_are_refused():
+    with pytest.raises(ValueError, match=r"data.engine must be one of \('medusa', 'transformers'\), got 'vllm'"):
+        DataConfig(engine="vllm")
+    with pytest.raises(ValueError, match="data.heads guess for the medusa engine"):
+        DataConfig(engine="transformers", heads="embedded:smollm2-135m-instruct")
+
+
 def test_prompts_need_a_chat_template(setup, tmp_path):
     args, _ = setup
     tokenizer = tiny_tokenizer()

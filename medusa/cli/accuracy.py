@@ -61,13 +61,16 @@ def first_turn_prompts(model: MedusaModel, questions: list[dict], max_new_tokens
 
 
 def answer_questions(model: MedusaModel, questions: list[dict], max_new_tokens: int, batch_size: int):
-    """Greedy self-distilled answers to each question's first turn -> (sequences, response_starts, answered)."""
+    """Greedy self-distilled answers to each question's first turn -> (sequences, response_starts, answered): the
+    base's own, decoded plainly by `model`'s batched generate (its heads, perhaps untrained, do not guess)."""
     tokenizer = model.tokenizer
     items = first_turn_prompts(model, questions, max_new_tokens)
     eos_ids, pad_id = stop_and_pad_ids(model.base, tokenizer)
     prompts = [x["prompt_ids"] for x in items]
     sequences, starts, answered = [], [], []
-    for i, response in answer_prompts(model.base, prompts, pad_id, eos_ids, batch_size, max_new_tokens=max_new_tokens):
+    for i, response in answer_prompts(
+        model, prompts, pad_id, eos_ids, batch_size, max_new_tokens=max_new_tokens, proposer="plain"
+    ):
         sequences.append(prompts[i] + response)
         starts.append(len(prompts[i]))
         answered.append(questions[items[i]["source"]])

@@ -92,6 +92,9 @@ class ModelConfig:
         return self.device
 
 
+ANSWER_ENGINES = ("medusa", "transformers")  # what generate_data answers with (data.engine)
+
+
 @dataclass
 class DataConfig:
     # Prompt source -> prompts: a count (-1: all) or a "start:stop" slice of the source's shuffled prompts
@@ -107,6 +110,12 @@ class DataConfig:
     top_p: float = 0.95  # sampled shards' nucleus
     greedy_fraction: float = 0.5  # share of shards answered greedily (what greedy decoding will see)
     dtype: str = "bfloat16"  # the base's dtype while generating
+    # What answers: "medusa" (this library's batched generate: every row as the base alone would decode it, laid out
+    # by the plan; the figures are in docs/training.md) or "transformers" (the base's own generate)
+    engine: str = "medusa"
+    # Heads the medusa engine guesses with (a directory, Hub id or embedded: name); null: the shipped heads on the
+    # embedded default base, plain decoding on medusa's compiled engine on any other base (no heads to guess with)
+    heads: str | None = None
     seed: int = 0  # shuffles the prompt mix and seeds sampling
     # Multi-turn data: this share of conversations (spread evenly) gets a second user turn, a follow-up from
     # follow_ups, and the target answers it too (stored as the first turn and as the whole exchange)
@@ -159,6 +168,13 @@ class DataConfig:
             raise ValueError(f"data.seed must be >= 0, got {self.seed}")
         if not self.out_dir:
             raise ValueError("data.out_dir is empty: name the directory of the data shards")
+        if self.engine not in ANSWER_ENGINES:
+            raise ValueError(f"data.engine must be one of {ANSWER_ENGINES}, got {self.engine!r}")
+        if self.heads is not None and self.engine != "medusa":
+            raise ValueError(
+                f"data.heads guess for the medusa engine; data.engine is {self.engine!r}: set data.engine medusa or "
+                "data.heads null"
+            )
         resolve_dtype(self.dtype)
 
 

@@ -5,6 +5,8 @@
 Output: `<data.out_dir>/shard-00000/ ...`, each a `datasets` dataset on disk with columns
 `input_ids` (prompt + response tokens), `response_start`, `source`, `greedy`. A shard is written to a temporary
 folder and renamed into place, so a killed run loses at most the shard in flight and a restart continues there.
+The answers come from `MedusaModel.generate` over each batch (`data.engine: medusa`, with `data.heads`: every row as
+the base alone would decode it), or from the base's own transformers `generate` (`data.engine: transformers`).
 With `data.second_turn_fraction` > 0 some conversations also get a follow-up user turn that the target answers (a
 conversation source's own next user turn where it has one, else one of `data.follow_ups`);
 they are stored as a second row (prompt + answer + follow-up + second answer, `response_start` at the second answer).
@@ -17,6 +19,7 @@ that training reads only with `training.prompt_tokens` (the heads then learn the
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -186,8 +189,36 @@ def has_second_turn(index: int, fraction: float) -> bool:
     return is_greedy_shard(index, fraction)  # the same even spread, over conversations
 
 
-def answer_pairs(model, pairs: list[tuple[int, dict]], pad_id: int, eos_ids: list[int], cfg: DataConfig, greedy: bool):
-    """(shard, item) pairs -> (shard, item, response), answered batch_size at a time in order of prompt length."""
+def answering_model(config):
+    """What answers the prompts (data.engine, data.heads) -> (model, tokenizer, proposer for its generate): the base
+    itself under transformers' generate; else a MedusaModel over it with data.heads (the shipped heads on the
+    embedded default base), its plan choosing how each batch decodes, or, with no heads for this base, its plan's
+    fastest plain decoding (proposer "plain": the untrained heads from_base adds never guess)."""
+    cfg, device = config.data, config.model.resolved_device()
+    if cfg.engine == "transformers":
+        return (*load_base(config.model.base, dtype=cfg.dtype, device=device), None)
+    from medusa.model import MedusaModel
+
+    if cfg.heads is not None or config.model.base is None:
+        model = MedusaModel.from_pretrained(cfg.heads, base=config.model.base, dtype=cfg.dtype, device=device)
+        return model, model.tokenizer, None
+    model = MedusaModel.from_base(config.model.base, dtype=cfg.dtype, device=device)
+    if os.environ.get("MEDUSA_PLAN", "auto") != "off":  # as from_pretrained: the plan times this machine's engines
+        model.calibrate(recalibrate=False)
+    return model, model.tokenizer, "plain"
+
+
+def answer_pairs(
+    model,
+    pairs: list[tuple[int, dict]],
+    pad_id: int,
+    eos_ids: list[int],
+    cfg: DataConfig,
+    greedy: bool,
+    proposer: str | None = None,
+):
+    """(shard, item) pairs -> (shard, item, response), answered batch_size at a time in order of prompt length;
+    `proposer` goes to a medusa model's generate."""
     answers = answer_prompts(
         model,
         [item["prompt_ids"] for _, item in pairs],
@@ -198,6 +229,7 @@ def answer_pairs(model, pairs: list[tuple[int, dict]], pad_id: int, eos_ids: lis
         greedy=greedy,
         temperature=cfg.temperature,
         top_p=cfg.top_p,
+        proposer=proposer,
     )
     for i, response in answers:
         shard, item = pairs[i]
@@ -252,8 +284,8 @@ def main(argv=None) -> None:
             source: reference_answers(source, rows_to_read(source, count)) for source, count in cfg.sources.items()
         }
         mix = [(source, prompt) for source, prompt in mix if prompt in references[source]]  # rows without an answer
-    model, tokenizer = load_base(config.model.base, dtype=cfg.dtype, device=config.model.resolved_device())
-    eos_ids, pad_id = stop_and_pad_ids(model, tokenizer)
+    model, tokenizer, proposer = answering_model(config)
+    eos_ids, pad_id = stop_and_pad_ids(getattr(model, "base", model), tokenizer)
 
     items = tokenize_prompts(tokenizer, mix, cfg.max_prompt_tokens)
     record_settings(out_dir, cfg)
@@ -291,7 +323,7 @@ def main(argv=None) -> None:
                 for shard, item in chunk
             )
         elif cfg.answer:
-            answered = answer_pairs(model, chunk, pad_id, eos_ids, cfg, greedy)
+            answered = answer_pairs(model, chunk, pad_id, eos_ids, cfg, greedy, proposer)
         else:
             answered = ((shard, item, []) for shard, item in chunk)  # prompt-only data: no response
         for shard, item, response in answered:
@@ -308,7 +340,7 @@ def main(argv=None) -> None:
             bar.update(1)
             bar.set_postfix(tokens=tokens, tok_per_s=f"{tokens / (time.time() - start):.0f}", refresh=False)
         # second turns, after every first answer of the group
-        for shard, item, response in answer_pairs(model, second, pad_id, eos_ids, cfg, greedy):
+        for shard, item, response in answer_pairs(model, second, pad_id, eos_ids, cfg, greedy, proposer):
             tokens += add_record(records[shard], item, response, greedy)
             bar.set_postfix(tokens=tokens, tok_per_s=f"{tokens / (time.time() - start):.0f}", refresh=False)
         for shard in group:  # each written whole into place: a killed run leaves no half-written shard
