@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import torch
 
+from medusa.batch import left_padded
 from medusa.decode import stop_token_ids
 
 
@@ -58,12 +59,8 @@ def answer_batch(
     """Left-padded batched generation; returns each response up to and including its first stop token. `model`: a
     transformers model or a medusa one (MedusaModel: its `generate` decodes the rows together, each as the base
     would); `proposer` goes to a medusa model's `generate` (None: its plan's choice)."""
-    width = max(len(p) for p in prompt_ids)
-    input_ids = torch.full((len(prompt_ids), width), pad_id, dtype=torch.long)
-    attention = torch.zeros_like(input_ids)
-    for i, ids in enumerate(prompt_ids):
-        input_ids[i, width - len(ids) :] = torch.tensor(ids)
-        attention[i, width - len(ids) :] = 1
+    input_ids, attention = left_padded(prompt_ids, pad_id)
+    width = input_ids.shape[1]
     sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": temperature, "top_p": top_p}
     if proposer is not None:
         sampling["proposer"] = proposer

@@ -31,6 +31,15 @@ from medusa.sequence import DecodeState, DecodeStats, GenerateOutput, take_new
 PREFILL_SLACK = 1.25
 
 
+def left_padded(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts' token ids -> (B, T) ids left-padded with `pad_token_id` to the longest, and their attention mask (1:
+    token, 0: padding): a batched generate's input (split_padded reads it back)."""
+    width = max(map(len, prompts))
+    input_ids = torch.tensor([[pad_token_id] * (width - len(p)) + list(p) for p in prompts], dtype=torch.long)
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)
+    return input_ids, attention_mask
+
+
 def split_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor]:
     """(B, T) ids and their mask (1: token, 0: padding) -> each row's tokens (1, T_b). Padding must be on the left, as
     transformers asks of decoder-only models: right padding would put the prompt's end before the padding."""

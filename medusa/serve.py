@@ -1,9 +1,12 @@
 """An OpenAI-compatible HTTP server around one model: `GET /v1/models`, `POST /v1/chat/completions`,
 `POST /v1/completions`, whole or streamed as server-sent events (`medusa serve`, docs/serving.md).
 
-The model decodes one request at a time: requests wait in a single worker thread's queue, in arrival order, so the
-event loop keeps accepting (and refusing) requests while one decodes. A request the server cannot honour exactly gets
-a 400 in OpenAI's error format naming the field and the fix; the server goes on serving.
+The model decodes in a single worker thread, requests waiting in its queue in arrival order, so the event loop keeps
+accepting (and refusing) requests while the model decodes. Requests that are not streamed and wait together decode
+together: the one the worker reaches takes every other waiting one with the same settings (sampling without a seed,
+stop strings, max_tokens) into one batched `generate` (medusa.batch: each row as it would decode alone). A streamed
+request, or one with a seed, decodes alone. A request the server cannot honour exactly gets a 400 in OpenAI's error
+format naming the field and the fix; the server goes on serving.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import json
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -26,7 +29,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from medusa.batch import left_padded
 from medusa.decode import stop_token_ids
+from medusa.generate_args import stopping
+from medusa.sequence import GenerateOutput, take_new
 
 # OpenAI fields that would change the output in ways this server does not produce: refused unless at these values
 UNSUPPORTED = {
@@ -214,10 +220,20 @@ def _sse(payload) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-def create_app(model, model_name: str = "medusa", steady: bool = False, chunk: int = 4, rate: float | None = None):
+def create_app(
+    model,
+    model_name: str = "medusa",
+    steady: bool = False,
+    chunk: int = 4,
+    rate: float | None = None,
+    max_batch: int = 16,
+):
     """A FastAPI app serving `model` (a MedusaModel, or any model with this library's `generate`, `base` and
     `tokenizer`) as `model_name`. steady: streams release `chunk` tokens at `rate` tokens/s (default: the plan's
-    plain decoding rate, else 20), as `medusa chat --steady`."""
+    plain decoding rate, else 20), as `medusa chat --steady`. max_batch: the most waiting requests decoded together
+    (1: one at a time)."""
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        raise ValueError(f"max_batch must be an integer >= 1 (1: one request at a time), got {max_batch!r}")
     tokenizer = model.tokenizer
     if tokenizer is None:
         raise ValueError("the model has no tokenizer: load it with one (from_pretrained does) to serve text")
@@ -226,6 +242,7 @@ def create_app(model, model_name: str = "medusa", steady: bool = False, chunk: i
     rate = rate or (1000.0 / plan.plain_ms if plan is not None and plan.plain_ms else 20.0)
     worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="medusa-generate")  # one request on the model
     app = FastAPI(title="medusa", description=__doc__)
+    app.state.waiting = waiting = []  # (job, future) of requests not streamed that the worker has not taken yet
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -301,8 +318,75 @@ def create_app(model, model_name: str = "medusa", steady: bool = False, chunk: i
         except (ValueError, TypeError) as error:  # generate names what it refuses and the way out
             raise RequestError(str(error)) from error
 
-    def finish(job: _Job, out) -> tuple[str, str, dict]:
-        """generate's output -> (text, finish_reason, usage)."""
+    waiting_lock = threading.Lock()
+
+    def batch_key(job: _Job):
+        """Requests with equal keys decode in one batch; None: alone (a seed's random stream is its request's)."""
+        if job.seed is not None:
+            return None
+        return tuple(sorted(job.sampling.items())), tuple(job.stops), job.max_tokens
+
+    def take_waiting() -> list[tuple[_Job, Future]]:
+        """The oldest waiting request and the next waiting ones with its key, max_batch in all (none where none
+        waits: a request taken with an earlier one)."""
+        with waiting_lock:
+            if not waiting:
+                return []
+            key = batch_key(waiting[0][0])
+            taken = [waiting[0]] + [w for w in waiting[1:] if key is not None and batch_key(w[0]) == key]
+            taken = taken[:max_batch]
+            waiting[:] = [w for w in waiting if not any(w is t for t in taken)]
+            return taken
+
+    def run_waiting() -> None:
+        """In the worker thread (submitted once per waiting request): decode what take_waiting gives, together; where
+        the batch fails, each request alone, so that one request's error is its own."""
+        taken = take_waiting()
+        if len(taken) > 1:
+            try:
+                outs = generate_together([job for job, _ in taken])
+            except Exception:  # noqa: BLE001 - retried one by one below, each failing (or not) on its own
+                outs = None
+            if outs is not None:
+                for (_, future), out in zip(taken, outs):
+                    future.set_result((out, len(taken)))
+                return
+        for job, future in taken:
+            try:
+                future.set_result((generate(job), 1))
+            except Exception as error:  # noqa: BLE001 - handed to the request's handler
+                future.set_exception(error)
+
+    def generate_together(jobs: list[_Job]) -> list[GenerateOutput]:
+        """Requests of one batch_key decoded as one left-padded batch -> each one's output as generate gives it for
+        the request alone: its prompt, the new tokens up to its own stop (a row that stopped early is padded after
+        it), the batch's stats. Rows that stop are cut again by the rule that stopped them (end token, stop string,
+        max_tokens), which finds the same place."""
+        first = jobs[0]
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(first.end_ids, default=0)
+        input_ids, attention_mask = left_padded([job.input_ids[0].tolist() for job in jobs], pad)
+        width = input_ids.shape[1]
+        out = model.generate(
+            input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=first.max_tokens,
+            stop_strings=first.stops or None,
+            tokenizer=tokenizer,
+            pad_token_id=pad,
+            return_dict_in_generate=True,
+            **first.sampling,
+        )
+        stop_when = stopping(None, first.stops or None, tokenizer)
+        outs = []
+        for row, job in enumerate(jobs):
+            new = out.sequences[row, width:].tolist()
+            kept, _ = take_new(new, job.input_ids[0].tolist(), [], len(new), job.end_ids, stop_when)
+            sequences = torch.cat([job.input_ids, torch.tensor([kept], dtype=torch.long)], dim=1)
+            outs.append(GenerateOutput(sequences=sequences, stats=out.stats))
+        return outs
+
+    def finish(job: _Job, out, rows: int = 1) -> tuple[str, str, dict]:
+        """generate's output (of a batch of `rows` requests) -> (text, finish_reason, usage)."""
         new = out.sequences[0, job.input_ids.shape[1] :].tolist()
         said = [i for i in new if i not in job.end_ids]  # generate stops at the first end token: only the last
         text, stopped = _cut(tokenizer.decode(said, skip_special_tokens=True), job.stops)
@@ -311,7 +395,11 @@ def create_app(model, model_name: str = "medusa", steady: bool = False, chunk: i
             "prompt_tokens": job.input_ids.shape[1],
             "completion_tokens": len(new),
             "total_tokens": job.input_ids.shape[1] + len(new),
-            "medusa_tokens_per_step": out.stats.mean_accepted_tokens,  # not OpenAI's: tau, new tokens per forward
+            # not OpenAI's: tau, new tokens per forward (in a batch, per row: each verify's committed tokens)
+            "medusa_tokens_per_step": out.stats.mean_accepted_tokens
+            if rows == 1
+            else sum(out.stats.accepted_lengths) / max(len(out.stats.accepted_lengths), 1),
+            "medusa_batch_rows": rows,  # not OpenAI's: the requests decoded together with this one
         }
         return text, reason, usage
 
@@ -332,7 +420,11 @@ def create_app(model, model_name: str = "medusa", steady: bool = False, chunk: i
             return {"index": 0, **said, "finish_reason": reason, "logprobs": None}
 
         if not job.stream:
-            text, reason, usage = finish(job, await loop.run_in_executor(worker, generate, job))
+            future: Future = Future()
+            with waiting_lock:
+                waiting.append((job, future))
+            worker.submit(run_waiting)
+            text, reason, usage = finish(job, *await asyncio.wrap_future(future))
             return {**head, "choices": [choice(text, reason)], "usage": usage}
 
         queue: asyncio.Queue = asyncio.Queue()

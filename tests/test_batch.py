@@ -11,7 +11,7 @@ import medusa.propose
 import medusa.runtime.aot
 from medusa import MedusaModel
 from medusa.acceptance import get_rule
-from medusa.batch import PREFILL_SLACK, decode_batch, prefill_groups, time_batch_step
+from medusa.batch import PREFILL_SLACK, decode_batch, left_padded, prefill_groups, split_padded, time_batch_step
 from medusa.propose import CandidateProjection
 from medusa.runtime import can_prepack, engine_for
 from medusa.sampling import SamplingConfig
@@ -296,3 +296,10 @@ def test_a_batch_step_is_timed_as_decoding_runs_it():
 
     assert time_batch_step(model.engine("eager"), make_proposer, 3, 12, 2, model.feature_layers) > 0
     assert len(made) == 3
+
+
+def test_left_padded_prompts_are_what_split_padded_reads_back():
+    prompts = [[5, 6, 7], [8], [9, 10]]
+    ids, mask = left_padded(prompts, 0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8], [0, 9, 10]] and mask.tolist() == [[1, 1, 1], [0, 0, 1], [0, 1, 1]]
+    assert [row[0].tolist() for row in split_padded(ids, mask)] == prompts

@@ -235,6 +235,94 @@ def test_twenty_concurrent_requests_complete_one_at_a_time(model, url, monkeypat
     assert most[0] == 1
 
 
+def asked_while_busy(model, app, requests: list[tuple[str, dict]], refuse_batches: bool = False):
+    """Each (prompt, chat options) asked at once, not streamed, while a streamed request holds the model: all of them
+    waiting before it is let go. -> (the rows of each generate call, the replies). refuse_batches: generate raises
+    a ValueError for more than one row."""
+    rows, entered, release = [], threading.Event(), threading.Event()
+    generate = model.generate
+
+    def held(*args, **kwargs):
+        rows.append(args[0].shape[0])
+        if len(rows) == 1:
+            entered.set()
+            release.wait(60)
+        if refuse_batches and rows[-1] > 1:
+            raise ValueError("no batches today")
+        return generate(*args, **kwargs)
+
+    with serving(app) as url, ThreadPoolExecutor(len(requests) + 1) as pool:
+        api = client(url)
+        model.generate = held
+        try:
+            busy = pool.submit(
+                lambda: list(api.chat.completions.create(model="tiny", messages=HELLO, max_tokens=4, stream=True))
+            )
+            assert entered.wait(60)
+            replies = [
+                pool.submit(api.chat.completions.create, model="tiny", messages=[{"role": "user", "content": p}], **o)
+                for p, o in requests
+            ]
+            deadline = time.monotonic() + 60
+            while len(app.state.waiting) < len(requests):
+                assert time.monotonic() < deadline, "the requests did not reach the server"
+                time.sleep(0.01)
+            release.set()
+            busy.result()
+            return rows, [reply.result() for reply in replies]
+        finally:
+            release.set()
+            del model.generate
+
+
+def alone(model, prompt: str, max_tokens: int, stop=None, seed=None) -> tuple[str, int]:
+    """A request's text and token count as generate gives them for it alone (greedy, or sampled at 1.5 with seed)."""
+    options = {"do_sample": False}
+    if seed is not None:
+        options = {"do_sample": True, "temperature": 1.5, "generator": torch.Generator().manual_seed(seed)}
+    ids = chat_ids(model, [{"role": "user", "content": prompt}])
+    text, out = direct(model, ids, max_new_tokens=max_tokens, stop_strings=stop, **options)
+    cut = min([text.index(s) for s in stop or [] if s in text], default=len(text))
+    return text[:cut], out.stats.new_tokens
+
+
+def test_requests_waiting_together_decode_as_one_batch_each_as_it_would_alone(model):
+    """Non-streamed requests that wait while the model is busy decode together where their settings agree (here 4
+    greedy ones of 8 tokens, 2 of 12 tokens with a stop string one of them meets), each reply what it is alone (text,
+    finish reason, tokens); a seeded one, and the streamed one that kept the model busy, decode alone."""
+    prompts = [f"question {i}" for i in range(4)] + ["hello", "what is 2 + 2?", "seeded"]
+    full = [alone(model, p, 12)[0] for p in prompts[4:6]]
+    stop = next(full[0][k : k + 2] for k in range(2, 10) if full[0][k : k + 2] not in full[1])  # row 4's, not row 5's
+    asks = [dict(max_tokens=8, temperature=0)] * 4 + [dict(max_tokens=12, temperature=0, stop=[stop])] * 2
+    asks.append(dict(max_tokens=8, temperature=1.5, seed=3))
+    expected = [alone(model, p, a["max_tokens"], a.get("stop"), a.get("seed")) for p, a in zip(prompts, asks)]
+    assert len(expected[4][0]) < len(expected[5][0]) and expected[5][1] == 12  # one stops early, one runs on
+
+    rows, replies = asked_while_busy(model, create_app(model, model_name="tiny"), list(zip(prompts, asks)))
+    assert rows[0] == 1 and sorted(rows[1:]) == [1, 2, 4]
+    for reply, (text, tokens), ask in zip(replies, expected, asks):
+        assert reply.choices[0].message.content == text
+        assert reply.usage.completion_tokens == tokens
+        assert reply.choices[0].finish_reason == ("stop" if ask.get("stop") and len(text) < tokens else "length")
+    assert [reply.usage.model_extra["medusa_batch_rows"] for reply in replies] == [4, 4, 4, 4, 2, 2, 1]
+
+
+def test_max_batch_bounds_a_batch_and_a_failed_batch_decodes_each_request_alone(model):
+    prompts = [f"question {i}" for i in range(5)]
+    expected = [alone(model, p, 6)[0] for p in prompts]
+    requests = [(p, dict(max_tokens=6, temperature=0)) for p in prompts]
+    rows, replies = asked_while_busy(model, create_app(model, model_name="tiny", max_batch=2), requests)
+    assert rows == [1, 2, 2, 1]
+    assert [r.choices[0].message.content for r in replies] == expected
+    # a batch generate refuses: each of its requests decodes alone, and is answered
+    rows, replies = asked_while_busy(model, create_app(model, model_name="tiny"), requests, refuse_batches=True)
+    assert rows == [1, 5, 1, 1, 1, 1, 1]
+    assert [r.choices[0].message.content for r in replies] == expected
+    assert {r.usage.model_extra["medusa_batch_rows"] for r in replies} == {1}
+    with pytest.raises(ValueError, match="max_batch must be an integer >= 1"):
+        create_app(model, max_batch=0)
+
+
 BAD_REQUESTS = [  # (body, what the message must name)
     (b"{not json", "not valid JSON"),
     (b"[1, 2]", "send a JSON object"),
@@ -348,6 +436,20 @@ def test_the_command_loads_the_model_from_its_flags_and_serves_it(model, monkeyp
     assert ran["host"] == "127.0.0.1" and ran["port"] == 8123
     with serving(ran["app"]) as url:  # named after the heads' base (the tiny heads name none)
         assert [m.id for m in client(url).models.list().data] == ["medusa"]
+
+
+def test_the_commands_max_batch_reaches_the_app_and_below_one_is_refused(model, monkeypatch, capsys):
+    import medusa.serve
+
+    made = {}
+    monkeypatch.setattr(MedusaModel, "from_pretrained", lambda path=None, **kwargs: model)
+    monkeypatch.setattr(medusa.serve, "create_app", lambda model, **kwargs: made.update(kwargs))
+    monkeypatch.setattr(uvicorn, "run", lambda app, host, port: None)
+    medusa.cli.main(["serve", "--max-batch", "3"])
+    assert made["max_batch"] == 3
+    with pytest.raises(SystemExit):
+        medusa.cli.main(["serve", "--max-batch", "0"])
+    assert "--max-batch must be >= 1" in capsys.readouterr().err
 
 
 def test_the_command_without_fastapi_names_the_extra_before_loading_a_model(monkeypatch):

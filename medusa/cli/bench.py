@@ -73,6 +73,7 @@ from tqdm import tqdm
 from transformers import GenerationConfig
 
 from medusa import MedusaModel, llama_cpp
+from medusa.batch import left_padded
 from medusa.config import CONFIG_NAME
 from medusa.decode import DecodeStats
 from medusa.fileio import atomic_write_text
@@ -484,9 +485,7 @@ def run_batch(run, recorders: dict, prompts: list[list[int]], pad_id: int, max_n
     """One timed generation of several prompts together (left-padded) -> one raw record per prompt: its tokens (up to
     its first stop), and its share of the batch's seconds and target forwards by its share of the batch's tokens, so
     that totals over records are the batch's own. The batch's accepted / proposed lengths go with its first row."""
-    width = max(map(len, prompts))
-    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids, mask = left_padded(prompts, pad_id)
     for recorder in recorders.values():
         recorder.take()
     start = time.perf_counter()

@@ -1,9 +1,10 @@
 """`medusa serve`: an OpenAI-compatible HTTP server (chat and text completions, streamed or not) around one model.
 
     medusa serve [--heads DIR] [--base PATH] [--dtype float32] [--engine NAME] [--host 127.0.0.1] [--port 8000]
-                 [--model-name NAME] [--steady [--chunk 4] [--rate TOK_S]]
+                 [--model-name NAME] [--max-batch 16] [--steady [--chunk 4] [--rate TOK_S]]
 
-Requests are decoded one at a time, in arrival order (medusa/serve.py). `--steady` paces streams as
+Requests are decoded in arrival order; those not streamed that wait together decode as one batch, up to
+--max-batch of them (medusa/serve.py). `--steady` paces streams as
 `medusa chat --steady` does (see medusa/cli/chat.py for why). What is supported and refused: docs/serving.md.
 """
 
@@ -35,6 +36,9 @@ def main(argv=None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--model-name", default=None, help="the model's id in the API (default: the base's name)")
+    parser.add_argument(
+        "--max-batch", type=int, default=16, help="the most waiting requests decoded together (1: one at a time)"
+    )
     parser.add_argument("--steady", action="store_true", help="stream at a constant pace in fixed-size chunks")
     parser.add_argument("--chunk", type=int, default=4, help="tokens per chunk with --steady")
     parser.add_argument(
@@ -43,6 +47,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.chunk < 1 or (args.rate is not None and args.rate <= 0):
         parser.error("--chunk must be >= 1 and --rate > 0")
+    if args.max_batch < 1:
+        parser.error("--max-batch must be >= 1 (1: one request at a time)")
     try:  # before the model loads (seconds to minutes)
         import uvicorn
 
@@ -56,5 +62,7 @@ def main(argv=None) -> None:
         args.heads, base=args.base, dtype=args.dtype, device=args.device, engine=args.engine
     )
     name = args.model_name or args.base or model.config.base_model_name_or_path or "medusa"
-    app = create_app(model, model_name=name, steady=args.steady, chunk=args.chunk, rate=args.rate)
+    app = create_app(
+        model, model_name=name, steady=args.steady, chunk=args.chunk, rate=args.rate, max_batch=args.max_batch
+    )
     uvicorn.run(app, host=args.host, port=args.port)
