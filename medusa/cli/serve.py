@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 
 from medusa.precision import PRECISIONS
 from medusa.runtime import ENGINES
@@ -52,7 +53,7 @@ def main(argv=None) -> None:
     try:  # before the model loads (seconds to minutes)
         import uvicorn
 
-        from medusa.serve import create_app
+        from medusa.serve import MainThreadWorker, create_app
     except ImportError as error:
         sys.exit(f"medusa serve needs fastapi and uvicorn ({error.name or error} is missing): {INSTALL}")
 
@@ -62,7 +63,21 @@ def main(argv=None) -> None:
         args.heads, base=args.base, dtype=args.dtype, device=args.device, engine=args.engine
     )
     name = args.model_name or args.base or model.config.base_model_name_or_path or "medusa"
+    worker = MainThreadWorker()  # the model decodes on this thread, where it was loaded (medusa/serve.py says why)
     app = create_app(
-        model, model_name=name, steady=args.steady, chunk=args.chunk, rate=args.rate, max_batch=args.max_batch
+        model,
+        model_name=name,
+        steady=args.steady,
+        chunk=args.chunk,
+        rate=args.rate,
+        max_batch=args.max_batch,
+        worker=worker,
     )
-    uvicorn.run(app, host=args.host, port=args.port)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port))
+    thread = threading.Thread(target=server.run, name="medusa-http", daemon=True)
+    thread.start()
+    try:
+        worker.run_until(lambda: not thread.is_alive())
+    except KeyboardInterrupt:  # Ctrl-C reaches the main thread: let the server finish as uvicorn.run would
+        server.should_exit = True
+        thread.join()

@@ -114,7 +114,7 @@ class DataConfig:
     # by the plan; the figures are in docs/training.md) or "transformers" (the base's own generate)
     engine: str = "medusa"
     # Heads the medusa engine guesses with (a directory, Hub id or embedded: name); null: the shipped heads on the
-    # embedded default base, plain decoding on medusa's compiled engine on any other base (no heads to guess with)
+    # embedded default base; on any other base (no heads to guess with yet) plain decoding laid out by medusa's plan
     heads: str | None = None
     seed: int = 0  # shuffles the prompt mix and seeds sampling
     # Multi-turn data: this share of conversations (spread evenly) gets a second user turn, a follow-up from
