@@ -250,6 +250,8 @@ class MainThreadWorker(Executor):
                 future.set_result(fn(*args, **kwargs))
             except BaseException as error:  # noqa: BLE001 - the caller's future carries it
                 future.set_exception(error)
+                if not isinstance(error, Exception):  # Ctrl-C (KeyboardInterrupt) ends the loop too
+                    raise
 
 
 def create_app(

@@ -525,3 +525,22 @@ def test_the_embedded_model_through_the_server_says_what_generate_says():
         f"\nembedded model, {out.stats.new_tokens} tokens: direct generate {direct_rate:.1f} tok/s, "
         f"through the server {served_rate:.1f} tok/s"
     )
+
+
+def test_a_main_thread_worker_hands_errors_to_their_caller_and_stops_on_ctrl_c():
+    from medusa.serve import MainThreadWorker
+
+    worker, calls = MainThreadWorker(), []
+    failed = worker.submit(lambda: 1 / 0)
+    done = worker.submit(lambda: calls.append("ran") or 7)
+    worker.run_until(lambda: done.done(), poll=0.01)
+    assert isinstance(failed.exception(), ZeroDivisionError) and done.result() == 7 and calls == ["ran"]
+
+    def interrupt():
+        raise KeyboardInterrupt
+
+    interrupted = worker.submit(interrupt)
+    deadline = time.monotonic() + 5
+    with pytest.raises(KeyboardInterrupt):
+        worker.run_until(lambda: time.monotonic() > deadline, poll=0.01)
+    assert isinstance(interrupted.exception(), KeyboardInterrupt)
