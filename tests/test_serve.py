@@ -462,6 +462,7 @@ def test_the_command_loads_the_model_from_its_flags_and_serves_it(model, monkeyp
 
         def run(self):
             ran["thread"] = threading.current_thread()
+            self.started = True
 
     monkeypatch.setattr(MedusaModel, "from_pretrained", from_pretrained)
     monkeypatch.setattr(uvicorn, "Server", Server)
@@ -480,9 +481,14 @@ def test_the_commands_max_batch_reaches_the_app_and_below_one_is_refused(model, 
     made = {}
     monkeypatch.setattr(MedusaModel, "from_pretrained", lambda path=None, **kwargs: model)
     monkeypatch.setattr(medusa.serve, "create_app", lambda model, **kwargs: made.update(kwargs))
-    monkeypatch.setattr(uvicorn, "Server", lambda config: type("Server", (), {"run": lambda self: None})())
+    started = type("Server", (), {"run": lambda self: None, "started": True})
+    monkeypatch.setattr(uvicorn, "Server", lambda config: started())
     medusa.cli.main(["serve", "--max-batch", "3"])
     assert made["max_batch"] == 3 and isinstance(made["worker"], medusa.serve.MainThreadWorker)
+    failed = type("Server", (), {"run": lambda self: None, "started": False})  # e.g. its port in use
+    monkeypatch.setattr(uvicorn, "Server", lambda config: failed())
+    with pytest.raises(SystemExit, match="the server did not start on 127.0.0.1:8000"):
+        medusa.cli.main(["serve"])
     with pytest.raises(SystemExit):
         medusa.cli.main(["serve", "--max-batch", "0"])
     assert "--max-batch must be >= 1" in capsys.readouterr().err

@@ -81,3 +81,5 @@ def main(argv=None) -> None:
     except KeyboardInterrupt:  # Ctrl-C reaches the main thread: let the server finish as uvicorn.run would
         server.should_exit = True
         thread.join()
+    if not server.started:  # as uvicorn.run: a port in use, say (uvicorn logged why)
+        sys.exit(f"medusa serve: the server did not start on {args.host}:{args.port} (the reason is logged above)")
