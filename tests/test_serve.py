@@ -4,6 +4,8 @@ a background thread, around a tiny random model with a character-level tokenizer
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -462,12 +464,19 @@ def test_the_command_loads_the_model_from_its_flags_and_serves_it(model, monkeyp
 
         def run(self):
             ran["thread"] = threading.current_thread()
-            self.started = True
+            self.started, self.should_exit = True, False
+            os.kill(os.getpid(), signal.SIGTERM)  # as `docker stop`: the command's handler asks the server to stop
+            deadline = time.monotonic() + 30
+            while not self.should_exit and time.monotonic() < deadline:
+                time.sleep(0.01)
+            ran["stopped"] = self.should_exit
 
     monkeypatch.setattr(MedusaModel, "from_pretrained", from_pretrained)
     monkeypatch.setattr(uvicorn, "Server", Server)
+    handler = signal.getsignal(signal.SIGTERM)
     medusa.cli.main(["serve", "--heads", "h", "--dtype", "float32", "--engine", "eager", "--port", "8123"])
     assert ran["thread"] is not threading.main_thread()  # the main thread runs the model's worker
+    assert ran["stopped"] and signal.getsignal(signal.SIGTERM) is handler  # stopped by SIGTERM; handler restored
     monkeypatch.undo()  # uvicorn's own Server again, to serve the app
     assert loaded == dict(path="h", base=None, dtype="float32", device=None, engine="eager")
     assert ran["host"] == "127.0.0.1" and ran["port"] == 8123

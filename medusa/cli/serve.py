@@ -11,6 +11,7 @@ Requests are decoded in arrival order; those not streamed that wait together dec
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import threading
 
@@ -74,12 +75,19 @@ def main(argv=None) -> None:
         worker=worker,
     )
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port))
+
+    def stop(signum, frame):  # as uvicorn's own handlers, which it installs only on the main thread: the first
+        # SIGINT or SIGTERM finishes the requests in flight and stops, the second stops at once
+        server.force_exit = server.should_exit
+        server.should_exit = True
+
+    before = {signum: signal.signal(signum, stop) for signum in (signal.SIGINT, signal.SIGTERM)}
     thread = threading.Thread(target=server.run, name="medusa-http", daemon=True)
     thread.start()
     try:
         worker.run_until(lambda: not thread.is_alive())
-    except KeyboardInterrupt:  # Ctrl-C reaches the main thread: let the server finish as uvicorn.run would
-        server.should_exit = True
-        thread.join()
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
     if not server.started:  # as uvicorn.run: a port in use, say (uvicorn logged why)
         sys.exit(f"medusa serve: the server did not start on {args.host}:{args.port} (the reason is logged above)")
