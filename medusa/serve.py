@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from medusa.answers import stop_and_pad_ids
 from medusa.batch import left_padded
 from medusa.decode import stop_token_ids
 from medusa.generate_args import stopping
@@ -400,8 +401,9 @@ def create_app(
         it), the batch's stats. Rows that stop are cut again by the rule that stopped them (end token, stop string,
         max_tokens), which finds the same place."""
         first = jobs[0]
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(first.end_ids, default=0)
-        input_ids, attention_mask = left_padded([job.input_ids[0].tolist() for job in jobs], pad)
+        _, pad = stop_and_pad_ids(model.base, tokenizer)
+        prompts = [job.input_ids[0].tolist() for job in jobs]
+        input_ids, attention_mask = left_padded(prompts, pad)
         width = input_ids.shape[1]
         out = model.generate(
             input_ids,
@@ -415,9 +417,9 @@ def create_app(
         )
         stop_when = stopping(None, first.stops or None, tokenizer)
         outs = []
-        for row, job in enumerate(jobs):
+        for row, (job, prompt) in enumerate(zip(jobs, prompts)):
             new = out.sequences[row, width:].tolist()
-            kept, _ = take_new(new, job.input_ids[0].tolist(), [], len(new), job.end_ids, stop_when)
+            kept, _ = take_new(new, prompt, [], len(new), job.end_ids, stop_when)
             sequences = torch.cat([job.input_ids, torch.tensor([kept], dtype=torch.long)], dim=1)
             outs.append(GenerateOutput(sequences=sequences, stats=out.stats))
         return outs
