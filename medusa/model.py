@@ -43,7 +43,7 @@ from medusa.plan import (
 from medusa.precision import load_target
 from medusa.propose import CandidateProjection, compile_proposal
 from medusa.proposers import get_proposer
-from medusa.runtime import ENGINES, int8_copy
+from medusa.runtime import ENGINES, int8_copy, releases_openmp_pool
 from medusa.sampling import SamplingConfig
 from medusa.tree import TreeSpec, build_buffers, chain, load_tree
 
@@ -114,6 +114,7 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         """The engine of the best plain decoding at hand: the plan's fastest measured, else the compiled engine."""
         return self.plan.plain_engine if self.plan is not None else "compiled"
 
+    @releases_openmp_pool
     def calibrate(self, recalibrate: bool = True, progress: bool = True, compile: bool | None = None) -> Plan:
         """Measure this machine and choose engine, tree and proposer (medusa.plan); cached, and used from now on.
         `compile`: whether torch.compile's engine is an option (default: `$MEDUSA_COMPILE` != "0")."""
@@ -156,6 +157,7 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
 
     # ---------------------------------------------------------------- construction
     @classmethod
+    @releases_openmp_pool
     def from_base(
         cls,
         base: BaseSource = None,
@@ -195,6 +197,7 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         return cls(model, heads, tokenizer, tree=_tree_arg(tree))
 
     @classmethod
+    @releases_openmp_pool
     def from_pretrained(
         cls,
         path: str | os.PathLike | None = None,
@@ -291,6 +294,7 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         return medusa
 
     @classmethod
+    @releases_openmp_pool
     def from_draft_model(
         cls,
         target: BaseSource = None,

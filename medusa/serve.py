@@ -2,26 +2,22 @@
 `POST /v1/completions`, whole or streamed as server-sent events (`medusa serve`, docs/serving.md).
 
 The model decodes in a single worker thread, requests waiting in its queue in arrival order, so the event loop keeps
-accepting (and refusing) requests while the model decodes. `medusa serve` makes the process's main thread that worker
-(MainThreadWorker, the server in a thread of its own): on a CPU, torch's parallel regions run half as fast once a
-second thread has run any (GNU OpenMP stops spinning when its threads outnumber the cores), and the model was loaded
-and calibrated on the main thread. Requests that are not streamed and wait together decode
-together: the one the worker reaches takes every other waiting one with the same settings (sampling without a seed,
-stop strings, max_tokens) into one batched `generate` (medusa.batch: each row as it would decode alone). A streamed
-request, or one with a seed, decodes alone. A request the server cannot honour exactly gets a 400 in OpenAI's error
-format naming the field and the fix; the server goes on serving.
+accepting (and refusing) requests while the model decodes (at full speed on a CPU although the model was loaded on
+another thread: generate ends its thread's OpenMP pool, medusa.runtime.threads). Requests that are not streamed and
+wait together decode together: the one the worker reaches takes every other waiting one with the same settings
+(sampling without a seed, stop strings, max_tokens) into one batched `generate` (medusa.batch: each row as it would
+decode alone). A streamed request, or one with a seed, decodes alone. A request the server cannot honour exactly gets
+a 400 in OpenAI's error format naming the field and the fix; the server goes on serving.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -226,35 +222,6 @@ def _sse(payload) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
-class MainThreadWorker(Executor):
-    """An executor whose calls run one at a time in the thread that calls `run_until` (the main thread, where the model
-    was loaded): the app's worker where the server runs in another thread (`medusa serve`)."""
-
-    def __init__(self):
-        self.calls: queue.SimpleQueue = queue.SimpleQueue()
-
-    def submit(self, fn, /, *args, **kwargs) -> Future:
-        future: Future = Future()
-        self.calls.put((future, fn, args, kwargs))
-        return future
-
-    def run_until(self, stop: Callable[[], bool], poll: float = 0.1) -> None:
-        """Run submitted calls, in order, until `stop()` holds (checked at least every `poll` seconds)."""
-        while not stop():
-            try:
-                future, fn, args, kwargs = self.calls.get(timeout=poll)
-            except queue.Empty:
-                continue
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn(*args, **kwargs))
-            except BaseException as error:  # noqa: BLE001 - the caller's future carries it
-                future.set_exception(error)
-                if not isinstance(error, Exception):  # Ctrl-C (KeyboardInterrupt) ends the loop too
-                    raise
-
-
 def create_app(
     model,
     model_name: str = "medusa",
@@ -262,13 +229,11 @@ def create_app(
     chunk: int = 4,
     rate: float | None = None,
     max_batch: int = 16,
-    worker: Executor | None = None,
 ):
     """A FastAPI app serving `model` (a MedusaModel, or any model with this library's `generate`, `base` and
     `tokenizer`) as `model_name`. steady: streams release `chunk` tokens at `rate` tokens/s (default: the plan's
     plain decoding rate, else 20), as `medusa chat --steady`. max_batch: the most waiting requests decoded together
-    (1: one at a time). worker: the one-at-a-time executor the model runs in (default: a thread of its own; on a CPU
-    prefer a MainThreadWorker run by the main thread, the module's docstring says why)."""
+    (1: one at a time)."""
     if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
         raise ValueError(f"max_batch must be an integer >= 1 (1: one request at a time), got {max_batch!r}")
     tokenizer = model.tokenizer
@@ -278,7 +243,7 @@ def create_app(
     plan = getattr(model, "plan", None)
     rate = rate or (1000.0 / plan.plain_ms if plan is not None and plan.plain_ms else 20.0)
     # one request (or batch) on the model at a time
-    worker = worker or ThreadPoolExecutor(max_workers=1, thread_name_prefix="medusa-generate")
+    worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="medusa-generate")
     app = FastAPI(title="medusa", description=__doc__)
     app.state.waiting = waiting = []  # (job, future) of requests not streamed that the worker has not taken yet
 

@@ -4,8 +4,6 @@ a background thread, around a tiny random model with a character-level tokenizer
 from __future__ import annotations
 
 import json
-import os
-import signal
 import socket
 import subprocess
 import sys
@@ -309,33 +307,6 @@ def test_requests_waiting_together_decode_as_one_batch_each_as_it_would_alone(mo
     assert [reply.usage.model_extra["medusa_batch_rows"] for reply in replies] == [4, 4, 4, 4, 2, 2, 1]
 
 
-def test_a_main_thread_worker_runs_the_model_on_the_thread_that_runs_it(model):
-    """`medusa serve`'s layout: the server in a thread, every generate (whole or streamed) on the main thread."""
-    from medusa.serve import MainThreadWorker
-
-    expected, _ = direct(model, chat_ids(model, HELLO), max_new_tokens=4, do_sample=False)
-    worker, threads, replies = MainThreadWorker(), [], []
-    generate = model.generate
-    model.generate = lambda *args, **kwargs: threads.append(threading.current_thread()) or generate(*args, **kwargs)
-
-    def ask(url):
-        api = client(url)
-        asked = dict(model="tiny", messages=HELLO, max_tokens=4, temperature=0)
-        replies.append(api.chat.completions.create(**asked).choices[0].message.content)
-        replies.append(
-            "".join(c.choices[0].delta.content or "" for c in api.chat.completions.create(**asked, stream=True))
-        )
-
-    try:
-        with serving(create_app(model, model_name="tiny", worker=worker)) as url:
-            asker = threading.Thread(target=ask, args=(url,))
-            asker.start()
-            worker.run_until(lambda: not asker.is_alive(), poll=0.01)
-    finally:
-        del model.generate
-    assert replies == [expected, expected] and threads == [threading.main_thread()] * 2
-
-
 def test_max_batch_bounds_a_batch_and_a_failed_batch_decodes_each_request_alone(model):
     prompts = [f"question {i}" for i in range(5)]
     expected = [alone(model, p, 6)[0] for p in prompts]
@@ -458,26 +429,9 @@ def test_the_command_loads_the_model_from_its_flags_and_serves_it(model, monkeyp
         loaded.update(path=path, **kwargs)
         return model
 
-    class Server:  # uvicorn's, run in a thread by the command: here it returns at once, and the command with it
-        def __init__(self, config):
-            ran.update(app=config.app, host=config.host, port=config.port)
-
-        def run(self):
-            ran["thread"] = threading.current_thread()
-            self.started, self.should_exit = True, False
-            os.kill(os.getpid(), signal.SIGTERM)  # as `docker stop`: the command's handler asks the server to stop
-            deadline = time.monotonic() + 30
-            while not self.should_exit and time.monotonic() < deadline:
-                time.sleep(0.01)
-            ran["stopped"] = self.should_exit
-
     monkeypatch.setattr(MedusaModel, "from_pretrained", from_pretrained)
-    monkeypatch.setattr(uvicorn, "Server", Server)
-    handler = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(uvicorn, "run", lambda app, host, port: ran.update(app=app, host=host, port=port))
     medusa.cli.main(["serve", "--heads", "h", "--dtype", "float32", "--engine", "eager", "--port", "8123"])
-    assert ran["thread"] is not threading.main_thread()  # the main thread runs the model's worker
-    assert ran["stopped"] and signal.getsignal(signal.SIGTERM) is handler  # stopped by SIGTERM; handler restored
-    monkeypatch.undo()  # uvicorn's own Server again, to serve the app
     assert loaded == dict(path="h", base=None, dtype="float32", device=None, engine="eager")
     assert ran["host"] == "127.0.0.1" and ran["port"] == 8123
     with serving(ran["app"]) as url:  # named after the heads' base (the tiny heads name none)
@@ -490,14 +444,9 @@ def test_the_commands_max_batch_reaches_the_app_and_below_one_is_refused(model, 
     made = {}
     monkeypatch.setattr(MedusaModel, "from_pretrained", lambda path=None, **kwargs: model)
     monkeypatch.setattr(medusa.serve, "create_app", lambda model, **kwargs: made.update(kwargs))
-    started = type("Server", (), {"run": lambda self: None, "started": True})
-    monkeypatch.setattr(uvicorn, "Server", lambda config: started())
+    monkeypatch.setattr(uvicorn, "run", lambda app, host, port: None)
     medusa.cli.main(["serve", "--max-batch", "3"])
-    assert made["max_batch"] == 3 and isinstance(made["worker"], medusa.serve.MainThreadWorker)
-    failed = type("Server", (), {"run": lambda self: None, "started": False})  # e.g. its port in use
-    monkeypatch.setattr(uvicorn, "Server", lambda config: failed())
-    with pytest.raises(SystemExit, match="the server did not start on 127.0.0.1:8000"):
-        medusa.cli.main(["serve"])
+    assert made["max_batch"] == 3
     with pytest.raises(SystemExit):
         medusa.cli.main(["serve", "--max-batch", "0"])
     assert "--max-batch must be >= 1" in capsys.readouterr().err
@@ -540,22 +489,3 @@ def test_the_embedded_model_through_the_server_says_what_generate_says():
         f"\nembedded model, {out.stats.new_tokens} tokens: direct generate {direct_rate:.1f} tok/s, "
         f"through the server {served_rate:.1f} tok/s"
     )
-
-
-def test_a_main_thread_worker_hands_errors_to_their_caller_and_stops_on_ctrl_c():
-    from medusa.serve import MainThreadWorker
-
-    worker, calls = MainThreadWorker(), []
-    failed = worker.submit(lambda: 1 / 0)
-    done = worker.submit(lambda: calls.append("ran") or 7)
-    worker.run_until(lambda: done.done(), poll=0.01)
-    assert isinstance(failed.exception(), ZeroDivisionError) and done.result() == 7 and calls == ["ran"]
-
-    def interrupt():
-        raise KeyboardInterrupt
-
-    interrupted = worker.submit(interrupt)
-    deadline = time.monotonic() + 5
-    with pytest.raises(KeyboardInterrupt):
-        worker.run_until(lambda: time.monotonic() > deadline, poll=0.01)
-    assert isinstance(interrupted.exception(), KeyboardInterrupt)

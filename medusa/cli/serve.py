@@ -11,9 +11,7 @@ Requests are decoded in arrival order; those not streamed that wait together dec
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
-import threading
 
 from medusa.precision import PRECISIONS
 from medusa.runtime import ENGINES
@@ -54,7 +52,7 @@ def main(argv=None) -> None:
     try:  # before the model loads (seconds to minutes)
         import uvicorn
 
-        from medusa.serve import MainThreadWorker, create_app
+        from medusa.serve import create_app
     except ImportError as error:
         sys.exit(f"medusa serve needs fastapi and uvicorn ({error.name or error} is missing): {INSTALL}")
 
@@ -64,30 +62,7 @@ def main(argv=None) -> None:
         args.heads, base=args.base, dtype=args.dtype, device=args.device, engine=args.engine
     )
     name = args.model_name or args.base or model.config.base_model_name_or_path or "medusa"
-    worker = MainThreadWorker()  # the model decodes on this thread, where it was loaded (medusa/serve.py says why)
     app = create_app(
-        model,
-        model_name=name,
-        steady=args.steady,
-        chunk=args.chunk,
-        rate=args.rate,
-        max_batch=args.max_batch,
-        worker=worker,
+        model, model_name=name, steady=args.steady, chunk=args.chunk, rate=args.rate, max_batch=args.max_batch
     )
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port))
-
-    def stop(signum, frame):  # as uvicorn's own handlers, which it installs only on the main thread: the first
-        # SIGINT or SIGTERM finishes the requests in flight and stops, the second stops at once
-        server.force_exit = server.should_exit
-        server.should_exit = True
-
-    before = {signum: signal.signal(signum, stop) for signum in (signal.SIGINT, signal.SIGTERM)}
-    thread = threading.Thread(target=server.run, name="medusa-http", daemon=True)
-    thread.start()
-    try:
-        worker.run_until(lambda: not thread.is_alive())
-    finally:
-        for signum, handler in before.items():
-            signal.signal(signum, handler)
-    if not server.started:  # as uvicorn.run: a port in use, say (uvicorn logged why)
-        sys.exit(f"medusa serve: the server did not start on {args.host}:{args.port} (the reason is logged above)")
+    uvicorn.run(app, host=args.host, port=args.port)
