@@ -13,7 +13,7 @@ from medusa import generate_args
 from medusa.acceptance import AcceptanceRule, get_rule
 from medusa.batch import decode_batch, padded, split_padded
 from medusa.propose import PlainProposer, Proposer
-from medusa.runtime import EagerEngine, batch_engine, engine_for, releases_openmp_pool
+from medusa.runtime import EagerEngine, batch_engine, engine_for, runs_the_target
 from medusa.sampling import SamplingConfig, select_token, shape_logits
 from medusa.sequence import DecodeState, DecodeStats, GenerateOutput, take_new
 
@@ -292,7 +292,7 @@ class SpeculativeGenerator:
     def _check_lengths(self, prompt_length: int, max_new_tokens: int) -> None:
         check_lengths(self.base, prompt_length, max_new_tokens)
 
-    @releases_openmp_pool  # a model loaded on one thread, run on another, at full speed: medusa.runtime.threads
+    @runs_the_target  # from any thread, one call at a time, at full speed (medusa.runtime.threads)
     def generate(
         self,
         input_ids=None,

@@ -43,7 +43,7 @@ from medusa.plan import (
 from medusa.precision import load_target
 from medusa.propose import CandidateProjection, compile_proposal
 from medusa.proposers import get_proposer
-from medusa.runtime import ENGINES, int8_copy, releases_openmp_pool
+from medusa.runtime import ENGINES, int8_copy, releases_openmp_pool, runs_the_target
 from medusa.sampling import SamplingConfig
 from medusa.tree import TreeSpec, build_buffers, chain, load_tree
 
@@ -114,7 +114,7 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         """The engine of the best plain decoding at hand: the plan's fastest measured, else the compiled engine."""
         return self.plan.plain_engine if self.plan is not None else "compiled"
 
-    @releases_openmp_pool
+    @runs_the_target
     def calibrate(self, recalibrate: bool = True, progress: bool = True, compile: bool | None = None) -> Plan:
         """Measure this machine and choose engine, tree and proposer (medusa.plan); cached, and used from now on.
         `compile`: whether torch.compile's engine is an option (default: `$MEDUSA_COMPILE` != "0")."""

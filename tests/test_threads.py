@@ -81,3 +81,36 @@ def test_generate_and_the_loaders_release_the_callers_pool_even_when_they_raise(
     released.clear()
     loaded = MedusaModel.from_base(make_tiny_model("qwen2"), tokenizer=tiny_tokenizer(), num_heads=2)
     assert isinstance(loaded, MedusaModel) and released == [threading.get_ident()]
+
+
+def test_calls_from_several_threads_run_one_at_a_time_each_as_it_would_alone():
+    model = MedusaModel(make_tiny_model("llama"), make_heads(random=True), tiny_tokenizer())
+    prompts = [torch.tensor([[1, 5 + i, 9, 12 + i]]) for i in range(3)]
+    alone = [model.generate(p, max_new_tokens=6, engine="eager").tolist() for p in prompts]
+    running, most = [0], [0]
+    forward = model.base.forward
+
+    def slow_forward(*args, **kwargs):  # each forward lingers, so that calls running at once would overlap here
+        running[0] += 1
+        most[0] = max(most[0], running[0])
+        time.sleep(0.005)
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            running[0] -= 1
+
+    model.base.forward = slow_forward
+    results = [None] * len(prompts)
+
+    def ask(i: int):
+        results[i] = model.generate(prompts[i], max_new_tokens=6, engine="eager").tolist()
+
+    try:
+        callers = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        for caller in callers:
+            caller.start()
+        for caller in callers:
+            caller.join()
+    finally:
+        del model.base.forward
+    assert most[0] == 1 and results == alone

@@ -1,4 +1,9 @@
-"""The threads that run the target on a CPU, and GNU OpenMP's thread pools.
+"""The threads that run the target: one call at a time per target, and GNU OpenMP's thread pools on a CPU.
+
+A target's engines keep its caches and compiled state (medusa.runtime.engine_for), shared by every wrapper of it, so
+calls running it at once from several threads share them too (four threads each asking the embedded model for 48
+tokens at once had not finished after five minutes). Calls that run it take the target's lock (`runs_the_target`)
+and so run one after another, each at the speed of a call alone.
 
 torch's CPU kernels (and MKL's, and oneDNN's) run their parallel regions on GNU OpenMP (libgomp), which gives every
 thread that starts a region a pool of threads of its own, kept until that thread ends. A decoding step is hundreds of
@@ -15,10 +20,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
+import weakref
 
 import torch
 
 OMP_PAUSE_SOFT = 1  # omp_pause_resource_t's soft pause: the threads end, what they hold is freed
+# each target's lock, kept beside the model rather than in it (a lock cannot be copied or pickled with the model)
+_TARGET_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_MAKING_LOCKS = threading.Lock()
 
 
 @functools.lru_cache(maxsize=1)
@@ -57,5 +67,26 @@ def releases_openmp_pool(function):
             return function(*args, **kwargs)
         finally:
             release_openmp_pool()
+
+    return wrapper
+
+
+def target_lock(target) -> threading.RLock:
+    """The lock of one target model (re-entrant: a call that runs it may call another, calibration a generate)."""
+    with _MAKING_LOCKS:
+        return _TARGET_LOCKS.setdefault(target, threading.RLock())
+
+
+def runs_the_target(method):
+    """A method of a wrapper of `self.base` that runs it: calls from several threads run one at a time, each ending
+    its thread's OpenMP pool before the next one starts (module docstring: why both)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with target_lock(self.base):
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                release_openmp_pool()
 
     return wrapper
