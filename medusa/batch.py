@@ -63,10 +63,10 @@ def split_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -
 
 
 class _Row:
-    """One prompt's decoding: its state as the proposers read it, its proposer, its new tokens."""
+    """One prompt's decoding: its state as the proposers read it, its proposer, its new tokens, its streamer."""
 
-    def __init__(self, index: int, prompt: torch.Tensor, proposer, pad: int):
-        self.index, self.prompt, self.proposer, self.pad = index, prompt, proposer, pad
+    def __init__(self, index: int, prompt: torch.Tensor, proposer, pad: int, streamer=None):
+        self.index, self.prompt, self.proposer, self.pad, self.streamer = index, prompt, proposer, pad, streamer
         self.prompt_ids: list[int] = prompt[0].tolist()  # what a stopping criterion sees before the new tokens
         self.new: list[int] = []
         self.state: DecodeState | None = None
@@ -99,11 +99,14 @@ def decode_batch(
     generator=None,
     feature_layers=(),
     pad_token_id: int,
+    streamers=None,
 ) -> GenerateOutput:
     """prompts: each row's tokens (1, T_b) -> GenerateOutput with `sequences` (B, T + new) as transformers' batched
     generate returns them (but for the left padding's ids: `pad_token_id` here, generate puts back those given): the
     prompts left-padded to one width T, the new tokens after, rows that stopped early padded on the right with
-    `pad_token_id`. `engine` runs the target (medusa.runtime's); `make_proposer()` gives a fresh proposer per row."""
+    `pad_token_id`. `engine` runs the target (medusa.runtime's); `make_proposer()` gives a fresh proposer per row.
+    `streamers`: one per row (None: that row is not streamed), each fed as transformers feeds one: the row's prompt,
+    then its new tokens as they are kept, then `end()` when the row stops."""
     batch = BatchDecoding(
         engine,
         make_proposer,
@@ -116,6 +119,7 @@ def decode_batch(
         generator=generator,
         feature_layers=feature_layers,
         pad_token_id=pad_token_id,
+        streamers=streamers,
     )
     while batch.active:
         batch.step()
@@ -141,6 +145,7 @@ class BatchDecoding:
         generator=None,
         feature_layers=(),
         pad_token_id,
+        streamers=None,
     ):
         self.engine, self.rule, self.sampling, self.generator = engine, rule, sampling, generator
         self.dtype = engine.model.dtype
@@ -148,7 +153,14 @@ class BatchDecoding:
         self.feature_layers, self.pad_token_id = feature_layers, pad_token_id
         self.device = prompts[0].device
         width = max(p.shape[1] for p in prompts)
-        rows = [_Row(b, p, _unguarded(make_proposer()), width - p.shape[1]) for b, p in enumerate(prompts)]
+        streamers = streamers or [None] * len(prompts)
+        rows = [
+            _Row(b, p, _unguarded(make_proposer()), width - p.shape[1], streamer)
+            for b, (p, streamer) in enumerate(zip(prompts, streamers))
+        ]
+        for row in rows:
+            if row.streamer is not None:
+                row.streamer.put(row.prompt.cpu())
         self.rows, self.stats = rows, DecodeStats()
 
         # prefill: every row's prompt left-padded to `width`, written at positions 0 .. width - 1 (a group of rows of
@@ -197,6 +209,11 @@ class BatchDecoding:
     def _emit(self, row: _Row, tokens: list[int]) -> bool:
         kept, done = take_new(tokens, row.prompt_ids, row.new, self.max_new_tokens, self.stop_ids, self.stop_when)
         row.new.extend(kept)
+        if row.streamer is not None:
+            if kept:
+                row.streamer.put(torch.tensor(kept))
+            if done:
+                row.streamer.end()
         return done
 
     @torch.inference_mode()

@@ -208,9 +208,13 @@ class SpeculativeGenerator:
     def _generate_batch(
         self, rows, settings, sampling, rule, proposer, tree, generator, engine, stopping_criteria, streamer, tokenizer
     ) -> GenerateOutput:
-        """Several prompts (each (1, T_b)) decoded together (medusa.batch), or one at a time where that is faster."""
-        if streamer is not None:
-            raise ValueError("streamer takes one sequence (as transformers' streamers do): pass one prompt at a time")
+        """Several prompts (each (1, T_b)) decoded together (medusa.batch), or one at a time where that is faster;
+        `streamer`: None or one per row."""
+        if streamer is not None and (not isinstance(streamer, (list, tuple)) or len(streamer) != len(rows)):
+            raise ValueError(
+                f"several prompts stream with a list of one streamer per row ({len(rows)} here; None for a row not "
+                "streamed): a transformers streamer takes one sequence"
+            )
         if settings.output_scores or settings.output_logits:
             raise ValueError("output_scores / output_logits take one sequence for now: pass one prompt at a time")
         lengths = [row.shape[1] for row in rows]
@@ -223,7 +227,7 @@ class SpeculativeGenerator:
         stop_when = generate_args.stopping(stopping_criteria, settings.stop_strings, tokenizer)
         if layout.one_at_a_time:
             out = self._generate_rows_alone(
-                rows, settings, sampling, rule, proposer, tree, generator, engine, set(ends), stop_when, pad
+                rows, settings, sampling, rule, proposer, tree, generator, engine, set(ends), stop_when, pad, streamer
             )
             self.observe_batch(layout, out.stats)
             return out
@@ -241,19 +245,20 @@ class SpeculativeGenerator:
             generator=generator,
             feature_layers=self.feature_layers,
             pad_token_id=pad,
+            streamers=streamer,
         )
         self.observe_batch(layout, out.stats)
         return out
 
     def _generate_rows_alone(
-        self, rows, settings, sampling, rule, proposer, tree, generator, engine, stop_ids, stop_when, pad
+        self, rows, settings, sampling, rule, proposer, tree, generator, engine, stop_ids, stop_when, pad, streamers
     ) -> GenerateOutput:
         """A batch's rows decoded one after another on `engine` as single sequences (exact as each is), returned as
         decode_batch returns a batch; `steps` counts every row's target forwards."""
         stats, new = DecodeStats(), []
-        for row in rows:
+        for row, streamer in zip(rows, streamers or [None] * len(rows)):
             out = self._decode_one(
-                row, settings, sampling, rule, proposer, tree, generator, engine, stop_ids, stop_when
+                row, settings, sampling, rule, proposer, tree, generator, engine, stop_ids, stop_when, streamer=streamer
             )
             new.append(out.sequences[0, row.shape[1] :].tolist())
             stats.steps += out.stats.steps
@@ -334,7 +339,8 @@ class SpeculativeGenerator:
         Generation settings (max_new_tokens, max_length, do_sample, temperature, top_k, top_p, eos_token_id,
         stop_strings) come with transformers' precedence: this call, then `generation_config`, then the base's
         generation config, then transformers' defaults (see medusa.generate_args; with no length set anywhere, 128
-        new tokens). `stopping_criteria` and `streamer` are transformers'. Returns what transformers' generate
+        new tokens). `stopping_criteria` and `streamer` are transformers' (several prompts: a list of one streamer per
+        row, None for a row not streamed). Returns what transformers' generate
         returns: the sequences tensor (1, prompt + new), or with `return_dict_in_generate=True` a GenerateOutput
         (`.sequences`, `.stats`: steps, tau, acceptance; `.scores` / `.logits` with `output_scores` /
         `output_logits`). `generator` seeds the draws.
@@ -360,6 +366,8 @@ class SpeculativeGenerator:
             input_ids = (input_ids["input_ids"] if hasattr(input_ids, "keys") else input_ids).to(self.device)
         else:
             input_ids = prepare_input_ids(input_ids, self.device, vocab_size=vocab, attention_mask=attention_mask)
+            if isinstance(streamer, (list, tuple)):
+                raise ValueError("one prompt streams with one streamer: pass the streamer itself, not a list")
         settings = generate_args.resolve(
             self.base,
             input_ids.shape[1],

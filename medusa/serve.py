@@ -2,22 +2,25 @@
 `POST /v1/completions`, whole or streamed as server-sent events (`medusa serve`, docs/serving.md).
 
 The model decodes in a single worker thread, requests waiting in its queue in arrival order, so the event loop keeps
-accepting (and refusing) requests while the model decodes (at full speed on a CPU although the model was loaded on
-another thread: generate ends its thread's OpenMP pool, medusa.runtime.threads). Requests that are not streamed and
-wait together decode together: the one the worker reaches takes every other waiting one with the same settings
+accepting (and refusing) requests while the model decodes. `medusa serve` makes the process's main thread that worker
+(MainThreadWorker, the server in a thread of its own), where the model was loaded: measured faster under load than a
+worker thread of its own (docs/serving.md). Requests that wait together,
+streamed or not, decode together: the one the worker reaches takes every other waiting one with the same settings
 (sampling without a seed, stop strings, max_tokens) into one batched `generate` (medusa.batch: each row as it would
-decode alone). A streamed request, or one with a seed, decodes alone. A request the server cannot honour exactly gets
-a 400 in OpenAI's error format naming the field and the fix; the server goes on serving.
+decode alone, streamed rows each to their own client). A request with a seed decodes alone. A request the server
+cannot honour exactly gets a 400 in OpenAI's error format naming the field and the fix; the server goes on serving.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import queue
 import threading
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -155,18 +158,23 @@ class _Cancel(StoppingCriteria):
 
 class _QueueStreamer:
     """transformers' streamer protocol (put/end) from the worker thread into an asyncio queue on the event loop:
-    each put after the first (the prompt) is a list of new token ids. The job ends the queue with None."""
+    each put after the first (the prompt) is a list of new token ids. `close` (by the job, once it is done) ends the
+    queue with None; `sent`: whether any token went."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue):
-        self.loop, self.queue, self.prompt_seen = loop, queue, False
+        self.loop, self.queue, self.prompt_seen, self.sent = loop, queue, False, False
 
     def put(self, value: torch.Tensor) -> None:
         if self.prompt_seen:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, value.flatten().tolist())
+            self.sent = True
         self.prompt_seen = True
 
     def end(self) -> None:
         pass
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, None)
 
 
 def _cut(text: str, stops: list[str]) -> tuple[str, bool]:
@@ -222,6 +230,35 @@ def _sse(payload) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
+class MainThreadWorker(Executor):
+    """An executor whose calls run one at a time in the thread that calls `run_until` (the main thread, where the model
+    was loaded): the app's worker where the server runs in another thread (`medusa serve`)."""
+
+    def __init__(self):
+        self.calls: queue.SimpleQueue = queue.SimpleQueue()
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        future: Future = Future()
+        self.calls.put((future, fn, args, kwargs))
+        return future
+
+    def run_until(self, stop: Callable[[], bool], poll: float = 0.1) -> None:
+        """Run submitted calls, in order, until `stop()` holds (checked at least every `poll` seconds)."""
+        while not stop():
+            try:
+                future, fn, args, kwargs = self.calls.get(timeout=poll)
+            except queue.Empty:
+                continue
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as error:  # noqa: BLE001 - the caller's future carries it
+                future.set_exception(error)
+                if not isinstance(error, Exception):  # Ctrl-C (KeyboardInterrupt) ends the loop too
+                    raise
+
+
 def create_app(
     model,
     model_name: str = "medusa",
@@ -229,11 +266,13 @@ def create_app(
     chunk: int = 4,
     rate: float | None = None,
     max_batch: int = 16,
+    worker: Executor | None = None,
 ):
     """A FastAPI app serving `model` (a MedusaModel, or any model with this library's `generate`, `base` and
     `tokenizer`) as `model_name`. steady: streams release `chunk` tokens at `rate` tokens/s (default: the plan's
     plain decoding rate, else 20), as `medusa chat --steady`. max_batch: the most waiting requests decoded together
-    (1: one at a time)."""
+    (1: one at a time). worker: the one-at-a-time executor the model runs in (default: a thread of its own;
+    `medusa serve` passes a MainThreadWorker run by the main thread, faster under load: docs/serving.md)."""
     if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
         raise ValueError(f"max_batch must be an integer >= 1 (1: one request at a time), got {max_batch!r}")
     tokenizer = model.tokenizer
@@ -243,9 +282,9 @@ def create_app(
     plan = getattr(model, "plan", None)
     rate = rate or (1000.0 / plan.plain_ms if plan is not None and plan.plain_ms else 20.0)
     # one request (or batch) on the model at a time
-    worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="medusa-generate")
+    worker = worker or ThreadPoolExecutor(max_workers=1, thread_name_prefix="medusa-generate")
     app = FastAPI(title="medusa", description=__doc__)
-    app.state.waiting = waiting = []  # (job, future) of requests not streamed that the worker has not taken yet
+    app.state.waiting = waiting = []  # (job, future, streamer or None) of requests the worker has not taken yet
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -324,12 +363,13 @@ def create_app(
     waiting_lock = threading.Lock()
 
     def batch_key(job: _Job):
-        """Requests with equal keys decode in one batch; None: alone (a seed's random stream is its request's)."""
+        """Requests with equal keys decode in one batch, streamed or not; None: alone (a seed's random stream is its
+        request's)."""
         if job.seed is not None:
             return None
         return tuple(sorted(job.sampling.items())), tuple(job.stops), job.max_tokens
 
-    def take_waiting() -> list[tuple[_Job, Future]]:
+    def take_waiting() -> list[tuple[_Job, Future, _QueueStreamer | None]]:
         """The oldest waiting request and the next waiting ones with its key, max_batch in all (none where none
         waits: a request taken with an earlier one)."""
         with waiting_lock:
@@ -343,28 +383,43 @@ def create_app(
 
     def run_waiting() -> None:
         """In the worker thread (submitted once per waiting request): decode what take_waiting gives, together; where
-        the batch fails, each request alone, so that one request's error is its own."""
+        the batch fails, each request alone (but for streams that already sent tokens: they get the error), so that
+        one request's error is its own. A stream's queue ends when its request is done."""
         taken = take_waiting()
-        if len(taken) > 1:
-            try:
-                outs = generate_together([job for job, _ in taken])
-            except Exception:  # noqa: BLE001 - retried one by one below, each failing (or not) on its own
-                outs = None
-            if outs is not None:
-                for (_, future), out in zip(taken, outs):
-                    future.set_result((out, len(taken)))
-                return
-        for job, future in taken:
-            try:
-                future.set_result((generate(job), 1))
-            except Exception as error:  # noqa: BLE001 - handed to the request's handler
-                future.set_exception(error)
+        for job, future, _ in taken:
+            if job.cancelled.is_set():  # its client left while it waited
+                future.set_result((None, 1))
+        taken = [t for t in taken if not t[1].done()]
+        try:
+            if len(taken) > 1:
+                try:
+                    outs = generate_together([job for job, _, _ in taken], [streamer for _, _, streamer in taken])
+                except Exception as error:  # noqa: BLE001 - retried one by one below, each failing (or not) alone
+                    outs, failed = None, error
+                if outs is not None:
+                    for (_, future, _), out in zip(taken, outs):
+                        future.set_result((out, len(taken)))
+                    return
+                for _, future, streamer in taken:
+                    if streamer is not None and streamer.sent:
+                        future.set_exception(failed)
+                taken = [t for t in taken if not t[1].done()]
+            for job, future, streamer in taken:
+                try:
+                    future.set_result((generate(job, streamer), 1))
+                except Exception as error:  # noqa: BLE001 - handed to the request's handler
+                    future.set_exception(error)
+        finally:
+            for _, _, streamer in taken:
+                if streamer is not None:
+                    streamer.close()
 
-    def generate_together(jobs: list[_Job]) -> list[GenerateOutput]:
-        """Requests of one batch_key decoded as one left-padded batch -> each one's output as generate gives it for
-        the request alone: its prompt, the new tokens up to its own stop (a row that stopped early is padded after
-        it), the batch's stats. Rows that stop are cut again by the rule that stopped them (end token, stop string,
-        max_tokens), which finds the same place."""
+    def generate_together(jobs: list[_Job], streamers: list) -> list[GenerateOutput]:
+        """Requests of one batch_key decoded as one left-padded batch, each streamed row to its streamer -> each
+        one's output as generate gives it for the request alone: its prompt, the new tokens up to its own stop (a row
+        that stopped early is padded after it), the batch's stats. Rows that stop are cut again by the rule that
+        stopped them (end token, stop string, max_tokens), which finds the same place. A streamed row whose client
+        left runs on with the batch (its cancel stops requests decoded alone)."""
         first = jobs[0]
         _, pad = stop_and_pad_ids(model.base, tokenizer)
         prompts = [job.input_ids[0].tolist() for job in jobs]
@@ -377,6 +432,7 @@ def create_app(
             stop_strings=first.stops or None,
             tokenizer=tokenizer,
             pad_token_id=pad,
+            streamer=streamers if any(s is not None for s in streamers) else None,
             return_dict_in_generate=True,
             **first.sampling,
         )
@@ -423,23 +479,17 @@ def create_app(
             said = {"delta": content} if delta else {"message": {"role": "assistant", **content}}
             return {"index": 0, **said, "finish_reason": reason, "logprobs": None}
 
+        queue: asyncio.Queue = asyncio.Queue()
+        streamer = _QueueStreamer(loop, queue) if job.stream else None
+        future: Future = Future()
+        with waiting_lock:
+            waiting.append((job, future, streamer))
+        worker.submit(run_waiting)
+        done = asyncio.wrap_future(future)
         if not job.stream:
-            future: Future = Future()
-            with waiting_lock:
-                waiting.append((job, future))
-            worker.submit(run_waiting)
-            text, reason, usage = finish(job, *await asyncio.wrap_future(future))
+            text, reason, usage = finish(job, *await done)
             return {**head, "choices": [choice(text, reason)], "usage": usage}
 
-        queue: asyncio.Queue = asyncio.Queue()
-
-        def run():
-            try:
-                return generate(job, _QueueStreamer(loop, queue))
-            finally:
-                loop.call_soon_threadsafe(queue.put_nowait, None)
-
-        done = loop.run_in_executor(worker, run)
         batches = _until_none(queue)
         first = await anext(batches, None)
         if first is None:  # generate ended before its first token: it refused the request (raised here: a 400)
@@ -463,7 +513,7 @@ def create_app(
                 async for ids in _steady(tokens(), chunk, chunk / rate) if steady else tokens():
                     if delta := text.add(ids):
                         yield _sse({**chunk_head, "choices": [choice(delta, None, True)]})
-                final, reason, usage = finish(job, await done)
+                final, reason, usage = finish(job, *await done)
                 rest = text.rest(final)
                 yield _sse({**chunk_head, "choices": [choice(rest if rest or not chat else None, reason, True)]})
                 if job.include_usage:

@@ -130,10 +130,50 @@ def test_batch_inputs_that_cannot_decode_exactly_are_refused_by_name():
         model.generate(ids, attention_mask=mask.flip(-1), max_new_tokens=4)
     with pytest.raises(ValueError, match="all padding"):
         model.generate(ids, attention_mask=mask * torch.tensor([[1], [0], [1], [1]]), max_new_tokens=4)
-    with pytest.raises(ValueError, match="streamer takes one sequence"):
+    with pytest.raises(ValueError, match="a list of one streamer per row \\(4 here"):
         model.generate(ids, attention_mask=mask, max_new_tokens=4, streamer=TextStreamer(tiny_tokenizer()))
+    with pytest.raises(ValueError, match="a list of one streamer per row"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, streamer=[None, None])
+    with pytest.raises(ValueError, match="one prompt streams with one streamer"):
+        model.generate(ids[:1], max_new_tokens=4, streamer=[None])
     with pytest.raises(ValueError, match="unknown engine 'fastest'"):
         model.generate(ids, attention_mask=mask, max_new_tokens=4, engine="fastest")
+
+
+class RecordingStreamer:
+    """transformers' streamer protocol, recorded: the prompt, then each put's tokens, then end."""
+
+    def __init__(self):
+        self.puts, self.ended = [], 0
+
+    def put(self, value):
+        assert not self.ended, "a token after end()"
+        self.puts.append(value.flatten().tolist())
+
+    def end(self):
+        self.ended += 1
+
+
+@pytest.mark.parametrize("one_at_a_time", [False, True])
+def test_each_streamed_row_gets_its_prompt_then_its_own_tokens_as_kept_then_end(one_at_a_time, monkeypatch):
+    base = make_tiny_model("llama")
+    model = MedusaModel(base, make_heads(random=False), tokenizer=tiny_tokenizer(), projection_dtype=torch.float32)
+    if one_at_a_time:  # the layout the plan picks where decoding rows alone is faster
+        layout = medusa.decode.BatchLayout("eager", True, None, None)
+        monkeypatch.setattr(MedusaModel, "batch_layout", lambda self, *args: layout)
+    ids, mask = padded(PROMPTS)
+    free = base.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    stop = int(free[1, ids.shape[1] + 3])  # row 1 ends early, at its fourth new token
+    streamers = [RecordingStreamer(), RecordingStreamer(), None, RecordingStreamer()]
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=stop, streamer=streamers)
+    for row, (prompt, streamer) in enumerate(zip(PROMPTS, streamers)):
+        if streamer is None:
+            continue
+        new = alone(base, prompt, 20, eos_token_id=stop)[0, len(prompt) :].tolist()
+        assert streamer.puts[0] == prompt and streamer.ended == 1, row
+        assert [t for put in streamer.puts[1:] for t in put] == new == out[row, ids.shape[1] :][: len(new)].tolist()
+        assert all(streamer.puts[1:]), "an empty put"
+    assert len(streamers[1].puts[1:]) < len(streamers[0].puts[1:])  # row 1 ended early; row 0 streamed on
 
 
 @pytest.mark.parametrize("family", FAMILIES)

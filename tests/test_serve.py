@@ -4,6 +4,8 @@ a background thread, around a tiny random model with a character-level tokenizer
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -11,6 +13,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from functools import partial
+from types import SimpleNamespace
 
 import httpx
 import openai
@@ -235,10 +239,19 @@ def test_twenty_concurrent_requests_complete_one_at_a_time(model, url, monkeypat
     assert most[0] == 1
 
 
+def streamed(api, **asked):
+    """A streamed chat request's reply, read as a whole one is (text, finish reason, usage)."""
+    chunks = list(api.chat.completions.create(**asked, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    reason = next(c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason)
+    said = SimpleNamespace(message=SimpleNamespace(content=text), finish_reason=reason)
+    return SimpleNamespace(choices=[said], usage=chunks[-1].usage)
+
+
 def asked_while_busy(model, app, requests: list[tuple[str, dict]], refuse_batches: bool = False):
-    """Each (prompt, chat options) asked at once, not streamed, while a streamed request holds the model: all of them
-    waiting before it is let go. -> (the rows of each generate call, the replies). refuse_batches: generate raises
-    a ValueError for more than one row."""
+    """Each (prompt, chat options; streamed where they hold stream=True) asked at once while a streamed request holds
+    the model: all of them waiting before it is let go. -> (the rows of each generate call, the replies).
+    refuse_batches: generate raises a ValueError for more than one row."""
     rows, entered, release = [], threading.Event(), threading.Event()
     generate = model.generate
 
@@ -260,7 +273,12 @@ def asked_while_busy(model, app, requests: list[tuple[str, dict]], refuse_batche
             )
             assert entered.wait(60)
             replies = [
-                pool.submit(api.chat.completions.create, model="tiny", messages=[{"role": "user", "content": p}], **o)
+                pool.submit(
+                    partial(streamed, api) if o.get("stream") else api.chat.completions.create,
+                    model="tiny",
+                    messages=[{"role": "user", "content": p}],
+                    **{k: v for k, v in o.items() if k != "stream"},
+                )
                 for p, o in requests
             ]
             deadline = time.monotonic() + 60
@@ -287,13 +305,16 @@ def alone(model, prompt: str, max_tokens: int, stop=None, seed=None) -> tuple[st
 
 
 def test_requests_waiting_together_decode_as_one_batch_each_as_it_would_alone(model):
-    """Non-streamed requests that wait while the model is busy decode together where their settings agree (here 4
-    greedy ones of 8 tokens, 2 of 12 tokens with a stop string one of them meets), each reply what it is alone (text,
-    finish reason, tokens); a seeded one, and the streamed one that kept the model busy, decode alone."""
+    """Requests that wait while the model is busy decode together where their settings agree (here 4 greedy ones of
+    8 tokens, two of them streamed, and 2 of 12 tokens with a stop string one of them meets, one streamed), each reply
+    what it is alone (text, finish reason, tokens); a seeded one, and the streamed one that kept the model busy,
+    decode alone."""
     prompts = [f"question {i}" for i in range(4)] + ["hello", "what is 2 + 2?", "seeded"]
     full = [alone(model, p, 12)[0] for p in prompts[4:6]]
     stop = next(full[0][k : k + 2] for k in range(2, 10) if full[0][k : k + 2] not in full[1])  # row 4's, not row 5's
-    asks = [dict(max_tokens=8, temperature=0)] * 4 + [dict(max_tokens=12, temperature=0, stop=[stop])] * 2
+    greedy, stopping = dict(max_tokens=8, temperature=0), dict(max_tokens=12, temperature=0, stop=[stop])
+    asks = [greedy, {**greedy, "stream": True}, greedy, {**greedy, "stream": True}, {**stopping, "stream": True}]
+    asks.append(stopping)
     asks.append(dict(max_tokens=8, temperature=1.5, seed=3))
     expected = [alone(model, p, a["max_tokens"], a.get("stop"), a.get("seed")) for p, a in zip(prompts, asks)]
     assert len(expected[4][0]) < len(expected[5][0]) and expected[5][1] == 12  # one stops early, one runs on
@@ -305,6 +326,33 @@ def test_requests_waiting_together_decode_as_one_batch_each_as_it_would_alone(mo
         assert reply.usage.completion_tokens == tokens
         assert reply.choices[0].finish_reason == ("stop" if ask.get("stop") and len(text) < tokens else "length")
     assert [reply.usage.model_extra["medusa_batch_rows"] for reply in replies] == [4, 4, 4, 4, 2, 2, 1]
+
+
+def test_a_main_thread_worker_runs_the_model_on_the_thread_that_runs_it(model):
+    """`medusa serve`'s layout: the server in a thread, every generate (whole or streamed) on the main thread."""
+    from medusa.serve import MainThreadWorker
+
+    expected, _ = direct(model, chat_ids(model, HELLO), max_new_tokens=4, do_sample=False)
+    worker, threads, replies = MainThreadWorker(), [], []
+    generate = model.generate
+    model.generate = lambda *args, **kwargs: threads.append(threading.current_thread()) or generate(*args, **kwargs)
+
+    def ask(url):
+        api = client(url)
+        asked = dict(model="tiny", messages=HELLO, max_tokens=4, temperature=0)
+        replies.append(api.chat.completions.create(**asked).choices[0].message.content)
+        replies.append(
+            "".join(c.choices[0].delta.content or "" for c in api.chat.completions.create(**asked, stream=True))
+        )
+
+    try:
+        with serving(create_app(model, model_name="tiny", worker=worker)) as url:
+            asker = threading.Thread(target=ask, args=(url,))
+            asker.start()
+            worker.run_until(lambda: not asker.is_alive(), poll=0.01)
+    finally:
+        del model.generate
+    assert replies == [expected, expected] and threads == [threading.main_thread()] * 2
 
 
 def test_max_batch_bounds_a_batch_and_a_failed_batch_decodes_each_request_alone(model):
@@ -429,9 +477,26 @@ def test_the_command_loads_the_model_from_its_flags_and_serves_it(model, monkeyp
         loaded.update(path=path, **kwargs)
         return model
 
+    class Server:  # uvicorn's, run in a thread by the command: here it returns at once, and the command with it
+        def __init__(self, config):
+            ran.update(app=config.app, host=config.host, port=config.port)
+
+        def run(self):
+            ran["thread"] = threading.current_thread()
+            self.started, self.should_exit = True, False
+            os.kill(os.getpid(), signal.SIGTERM)  # as `docker stop`: the command's handler asks the server to stop
+            deadline = time.monotonic() + 30
+            while not self.should_exit and time.monotonic() < deadline:
+                time.sleep(0.01)
+            ran["stopped"] = self.should_exit
+
     monkeypatch.setattr(MedusaModel, "from_pretrained", from_pretrained)
-    monkeypatch.setattr(uvicorn, "run", lambda app, host, port: ran.update(app=app, host=host, port=port))
+    monkeypatch.setattr(uvicorn, "Server", Server)
+    handler = signal.getsignal(signal.SIGTERM)
     medusa.cli.main(["serve", "--heads", "h", "--dtype", "float32", "--engine", "eager", "--port", "8123"])
+    assert ran["thread"] is not threading.main_thread()  # the main thread runs the model's worker
+    assert ran["stopped"] and signal.getsignal(signal.SIGTERM) is handler  # stopped by SIGTERM; handler restored
+    monkeypatch.undo()  # uvicorn's own Server again, to serve the app
     assert loaded == dict(path="h", base=None, dtype="float32", device=None, engine="eager")
     assert ran["host"] == "127.0.0.1" and ran["port"] == 8123
     with serving(ran["app"]) as url:  # named after the heads' base (the tiny heads name none)
@@ -444,9 +509,14 @@ def test_the_commands_max_batch_reaches_the_app_and_below_one_is_refused(model, 
     made = {}
     monkeypatch.setattr(MedusaModel, "from_pretrained", lambda path=None, **kwargs: model)
     monkeypatch.setattr(medusa.serve, "create_app", lambda model, **kwargs: made.update(kwargs))
-    monkeypatch.setattr(uvicorn, "run", lambda app, host, port: None)
+    started = type("Server", (), {"run": lambda self: None, "started": True})
+    monkeypatch.setattr(uvicorn, "Server", lambda config: started())
     medusa.cli.main(["serve", "--max-batch", "3"])
-    assert made["max_batch"] == 3
+    assert made["max_batch"] == 3 and isinstance(made["worker"], medusa.serve.MainThreadWorker)
+    failed = type("Server", (), {"run": lambda self: None, "started": False})  # e.g. its port in use
+    monkeypatch.setattr(uvicorn, "Server", lambda config: failed())
+    with pytest.raises(SystemExit, match="the server did not start on 127.0.0.1:8000"):
+        medusa.cli.main(["serve"])
     with pytest.raises(SystemExit):
         medusa.cli.main(["serve", "--max-batch", "0"])
     assert "--max-batch must be >= 1" in capsys.readouterr().err
@@ -489,3 +559,22 @@ def test_the_embedded_model_through_the_server_says_what_generate_says():
         f"\nembedded model, {out.stats.new_tokens} tokens: direct generate {direct_rate:.1f} tok/s, "
         f"through the server {served_rate:.1f} tok/s"
     )
+
+
+def test_a_main_thread_worker_hands_errors_to_their_caller_and_stops_on_ctrl_c():
+    from medusa.serve import MainThreadWorker
+
+    worker, calls = MainThreadWorker(), []
+    failed = worker.submit(lambda: 1 / 0)
+    done = worker.submit(lambda: calls.append("ran") or 7)
+    worker.run_until(lambda: done.done(), poll=0.01)
+    assert isinstance(failed.exception(), ZeroDivisionError) and done.result() == 7 and calls == ["ran"]
+
+    def interrupt():
+        raise KeyboardInterrupt
+
+    interrupted = worker.submit(interrupt)
+    deadline = time.monotonic() + 5
+    with pytest.raises(KeyboardInterrupt):
+        worker.run_until(lambda: time.monotonic() > deadline, poll=0.01)
+    assert isinstance(interrupted.exception(), KeyboardInterrupt)

@@ -3,15 +3,17 @@
     medusa serve [--heads DIR] [--base PATH] [--dtype float32] [--engine NAME] [--host 127.0.0.1] [--port 8000]
                  [--model-name NAME] [--max-batch 16] [--steady [--chunk 4] [--rate TOK_S]]
 
-Requests are decoded in arrival order; those not streamed that wait together decode as one batch, up to
---max-batch of them (medusa/serve.py). `--steady` paces streams as
-`medusa chat --steady` does (see medusa/cli/chat.py for why). What is supported and refused: docs/serving.md.
+Requests are decoded in arrival order; those that wait together, streamed or not, decode as one batch, up to
+--max-batch of them (medusa/serve.py). `--steady` paces streams as `medusa chat --steady` does (see
+medusa/cli/chat.py for why). What is supported and refused: docs/serving.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 
 from medusa.precision import PRECISIONS
 from medusa.runtime import ENGINES
@@ -52,7 +54,7 @@ def main(argv=None) -> None:
     try:  # before the model loads (seconds to minutes)
         import uvicorn
 
-        from medusa.serve import create_app
+        from medusa.serve import MainThreadWorker, create_app
     except ImportError as error:
         sys.exit(f"medusa serve needs fastapi and uvicorn ({error.name or error} is missing): {INSTALL}")
 
@@ -62,7 +64,30 @@ def main(argv=None) -> None:
         args.heads, base=args.base, dtype=args.dtype, device=args.device, engine=args.engine
     )
     name = args.model_name or args.base or model.config.base_model_name_or_path or "medusa"
+    worker = MainThreadWorker()  # the model decodes on this thread, where it was loaded (medusa/serve.py says why)
     app = create_app(
-        model, model_name=name, steady=args.steady, chunk=args.chunk, rate=args.rate, max_batch=args.max_batch
+        model,
+        model_name=name,
+        steady=args.steady,
+        chunk=args.chunk,
+        rate=args.rate,
+        max_batch=args.max_batch,
+        worker=worker,
     )
-    uvicorn.run(app, host=args.host, port=args.port)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port))
+
+    def stop(signum, frame):  # as uvicorn's own handlers, which it installs only on the main thread: the first
+        # SIGINT or SIGTERM finishes the requests in flight and stops, the second stops at once
+        server.force_exit = server.should_exit
+        server.should_exit = True
+
+    before = {signum: signal.signal(signum, stop) for signum in (signal.SIGINT, signal.SIGTERM)}
+    thread = threading.Thread(target=server.run, name="medusa-http", daemon=True)
+    thread.start()
+    try:
+        worker.run_until(lambda: not thread.is_alive())
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+    if not server.started:  # as uvicorn.run: a port in use, say (uvicorn logged why)
+        sys.exit(f"medusa serve: the server did not start on {args.host}:{args.port} (the reason is logged above)")

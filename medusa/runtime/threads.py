@@ -45,7 +45,10 @@ def _pause_functions() -> tuple:
         return ()
     functions = []
     for path in sorted(paths):
-        function = getattr(ctypes.CDLL(path), "omp_pause_resource_all", None)
+        try:
+            function = getattr(ctypes.CDLL(path), "omp_pause_resource_all", None)
+        except OSError:  # a mapping whose file is gone, say: its pools are left as they are
+            continue
         if function is not None:
             function.argtypes, function.restype = [ctypes.c_int], ctypes.c_int
             functions.append(function)
