@@ -386,6 +386,7 @@ def create_app(
         the batch fails, each request alone (but for streams that already sent tokens: they get the error), so that
         one request's error is its own. A stream's queue ends when its request is done."""
         taken = take_waiting()
+        streamers = [streamer for _, _, streamer in taken if streamer is not None]
         for job, future, _ in taken:
             if job.cancelled.is_set():  # its client left while it waited
                 future.set_result((None, 1))
@@ -409,10 +410,9 @@ def create_app(
                     future.set_result((generate(job, streamer), 1))
                 except Exception as error:  # noqa: BLE001 - handed to the request's handler
                     future.set_exception(error)
-        finally:
-            for _, _, streamer in taken:
-                if streamer is not None:
-                    streamer.close()
+        finally:  # every stream taken ends, its request answered, failed or left
+            for streamer in streamers:
+                streamer.close()
 
     def generate_together(jobs: list[_Job], streamers: list) -> list[GenerateOutput]:
         """Requests of one batch_key decoded as one left-padded batch, each streamed row to its streamer -> each

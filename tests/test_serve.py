@@ -248,10 +248,11 @@ def streamed(api, **asked):
     return SimpleNamespace(choices=[said], usage=chunks[-1].usage)
 
 
-def asked_while_busy(model, app, requests: list[tuple[str, dict]], refuse_batches: bool = False):
+def asked_while_busy(model, app, requests: list[tuple[str, dict]], refuse_batches: bool | str = False):
     """Each (prompt, chat options; streamed where they hold stream=True) asked at once while a streamed request holds
     the model: all of them waiting before it is let go. -> (the rows of each generate call, the replies).
-    refuse_batches: generate raises a ValueError for more than one row."""
+    refuse_batches: generate raises a ValueError for more than one row ("after a token": once its streamed rows have
+    each sent a token)."""
     rows, entered, release = [], threading.Event(), threading.Event()
     generate = model.generate
 
@@ -261,6 +262,10 @@ def asked_while_busy(model, app, requests: list[tuple[str, dict]], refuse_batche
             entered.set()
             release.wait(60)
         if refuse_batches and rows[-1] > 1:
+            for streamer in kwargs.get("streamer") or []:  # "after a token": the streamed rows have sent one
+                if streamer is not None and refuse_batches == "after a token":
+                    streamer.put(args[0][:1])
+                    streamer.put(torch.tensor([5]))
             raise ValueError("no batches today")
         return generate(*args, **kwargs)
 
@@ -369,6 +374,15 @@ def test_max_batch_bounds_a_batch_and_a_failed_batch_decodes_each_request_alone(
     assert {r.usage.model_extra["medusa_batch_rows"] for r in replies} == {1}
     with pytest.raises(ValueError, match="max_batch must be an integer >= 1"):
         create_app(model, max_batch=0)
+
+
+def test_a_batch_failing_after_its_streams_sent_text_ends_them_with_the_error_and_decodes_the_rest_alone(model):
+    requests = [(p, dict(max_tokens=6, temperature=0, stream=s)) for p, s in [("a", True), ("b", False), ("c", True)]]
+    with pytest.raises(openai.APIError, match="no batches today"):  # a stream that sent text cannot start again
+        asked_while_busy(model, create_app(model, model_name="tiny"), requests[:1] * 2, refuse_batches="after a token")
+    requests = [requests[1], requests[1]]  # the whole ones are answered, each decoded alone
+    rows, replies = asked_while_busy(model, create_app(model, model_name="tiny"), requests, "after a token")
+    assert rows == [1, 2, 1, 1] and [r.choices[0].message.content for r in replies] == [alone(model, "b", 6)[0]] * 2
 
 
 BAD_REQUESTS = [  # (body, what the message must name)
