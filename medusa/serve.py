@@ -479,8 +479,7 @@ def create_app(
             said = {"delta": content} if delta else {"message": {"role": "assistant", **content}}
             return {"index": 0, **said, "finish_reason": reason, "logprobs": None}
 
-        queue: asyncio.Queue = asyncio.Queue()
-        streamer = _QueueStreamer(loop, queue) if job.stream else None
+        streamer = _QueueStreamer(loop, asyncio.Queue()) if job.stream else None
         future: Future = Future()
         with waiting_lock:
             waiting.append((job, future, streamer))
@@ -490,7 +489,7 @@ def create_app(
             text, reason, usage = finish(job, *await done)
             return {**head, "choices": [choice(text, reason)], "usage": usage}
 
-        batches = _until_none(queue)
+        batches = _until_none(streamer.queue)
         first = await anext(batches, None)
         if first is None:  # generate ended before its first token: it refused the request (raised here: a 400)
             await done

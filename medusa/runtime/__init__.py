@@ -35,7 +35,7 @@ from medusa.runtime.prepack import (
 )
 from medusa.runtime.quantize import QUANTIZED, dequantize_target, precision_of, quantize_target
 from medusa.runtime.static import ENGINES_ATTRIBUTE, CompiledEngine, engines_set_aside
-from medusa.runtime.threads import release_openmp_pool, releases_openmp_pool, runs_the_target, target_lock
+from medusa.runtime.threads import releases_openmp_pool, runs_the_target
 from medusa.runtime.torch_patches import meta_nonzero_takes_all
 from medusa.runtime.verify import PrefillOutput, VerifyOutput, base_features, verify, with_cache
 from medusa.tree import Candidates
@@ -73,10 +73,8 @@ __all__ = [
     "prepacked_copy",
     "quantize_int8",
     "quantize_target",
-    "release_openmp_pool",
     "releases_openmp_pool",
     "runs_the_target",
-    "target_lock",
     "dequantize_target",
     "verify",
     "upload_ids",

@@ -84,12 +84,11 @@ def runs_the_target(method):
     """A method of a wrapper of `self.base` that runs it: calls from several threads run one at a time, each ending
     its thread's OpenMP pool before the next one starts (module docstring: why both)."""
 
+    releasing = releases_openmp_pool(method)
+
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         with target_lock(self.base):
-            try:
-                return method(self, *args, **kwargs)
-            finally:
-                release_openmp_pool()
+            return releasing(self, *args, **kwargs)
 
     return wrapper
