@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import statistics
 import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 import torch
 
@@ -62,14 +64,43 @@ def split_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -
     return rows
 
 
-class _Row:
-    """One prompt's decoding: its state as the proposers read it, its proposer, its new tokens, its streamer."""
+@dataclass
+class GenerationRequest:
+    """One prompt for continuous batching (SpeculativeGenerator.generate_continuously): its token ids ((1, T) or a
+    list), at most `max_new_tokens` new tokens (None: the call's settings, as generate's), its stop strings and
+    transformers stopping criteria, its streamer (transformers' protocol). `result` gets what generate returns for
+    this prompt alone (a GenerateOutput, as with return_dict_in_generate=True: `.sequences` (1, T + new) and the
+    row's own `.stats`) as soon as its row stops, or the error that refused or failed it."""
 
-    def __init__(self, index: int, prompt: torch.Tensor, proposer, pad: int, streamer=None):
-        self.index, self.prompt, self.proposer, self.pad, self.streamer = index, prompt, proposer, pad, streamer
+    input_ids: torch.Tensor | list[int]
+    max_new_tokens: int | None = None
+    stop_strings: str | list[str] | None = None
+    stopping_criteria: list | None = None
+    streamer: object = None
+    result: Future = field(default_factory=Future)
+    rows: int = 0  # the most rows it decoded with, itself included (set with the result)
+
+
+class _Row:
+    """One prompt's decoding: its state as the proposers read it, its proposer, its limits (max_new_tokens and
+    stop_when, as decode_batch's), its new tokens, its streamer and what its steps accepted."""
+
+    def __init__(self, prompt: torch.Tensor, proposer, max_new_tokens: int, stop_when, streamer=None):
+        self.prompt, self.proposer, self.streamer = prompt, proposer, streamer
+        self.max_new_tokens, self.stop_when = max_new_tokens, stop_when
         self.prompt_ids: list[int] = prompt[0].tolist()  # what a stopping criterion sees before the new tokens
         self.new: list[int] = []
         self.state: DecodeState | None = None
+        self.pad = 0  # cache positions before the prompt (padding its forward's masks hide), set by its prefill
+        self.done = False
+        self.stats = DecodeStats(steps=1)  # its own: its prefill, then each step it took part in
+        self.most_rows = 0  # the most rows it stepped with (itself included)
+
+    def output(self) -> GenerateOutput:
+        """This row alone, as generate returns one sequence: its prompt and new tokens (1, T + new), its stats."""
+        self.stats.new_tokens = len(self.new)
+        new = torch.tensor([self.new], dtype=torch.long, device=self.prompt.device)
+        return GenerateOutput(sequences=torch.cat([self.prompt, new], dim=1), stats=self.stats)
 
 
 def _mask(rows: list[_Row], lengths: list[int], trees, width: int, n: int, dtype, device) -> torch.Tensor:
@@ -127,8 +158,10 @@ def decode_batch(
 
 
 class BatchDecoding:
-    """A batch's decoding (decode_batch's arguments): prefilled when made, one step (every active row's propose,
-    the batched verify, each row's acceptance, the commit) per `step()` while `active` holds rows."""
+    """A batch's decoding (decode_batch's arguments; max_new_tokens and stop_when one for every row or a list of one
+    per row): prefilled when made, one step (every active row's propose, the batched verify, each row's acceptance,
+    the commit) per `step()` while `active` holds rows; `admit` adds rows to it between steps (continuous batching:
+    SpeculativeGenerator.generate_continuously). `rows`: every row it took, in order."""
 
     @torch.inference_mode()
     def __init__(
@@ -149,38 +182,94 @@ class BatchDecoding:
     ):
         self.engine, self.rule, self.sampling, self.generator = engine, rule, sampling, generator
         self.dtype = engine.model.dtype
-        self.max_new_tokens, self.stop_ids, self.stop_when = max_new_tokens, stop_ids, stop_when
-        self.feature_layers, self.pad_token_id = feature_layers, pad_token_id
+        self.stop_ids, self.feature_layers, self.pad_token_id = stop_ids, feature_layers, pad_token_id
         self.device = prompts[0].device
-        width = max(p.shape[1] for p in prompts)
-        streamers = streamers or [None] * len(prompts)
-        rows = [
-            _Row(b, p, _unguarded(make_proposer()), width - p.shape[1], streamer)
-            for b, (p, streamer) in enumerate(zip(prompts, streamers))
-        ]
-        for row in rows:
-            if row.streamer is not None:
-                row.streamer.put(row.prompt.cpu())
-        self.rows, self.stats = rows, DecodeStats()
-
+        self.rows: list[_Row] = []
+        self.stats = DecodeStats(steps=1)
+        rows = self._new_rows(prompts, make_proposer, max_new_tokens, stop_when, streamers)
         # prefill: every row's prompt left-padded to `width`, written at positions 0 .. width - 1 (a group of rows of
         # like lengths in one forward, padded only to the group's longest: prefill_groups)
-        cache = engine.new_rows_cache(width + max_new_tokens + max(r.proposer.max_nodes for r in rows) + 1)
+        width = max(p.shape[1] for p in prompts)
+        # (a step writes every row's tokens at its length onward, as many as the largest tree's nodes)
+        cache = engine.new_rows_cache(width + max(r.max_new_tokens for r in rows) + _most_nodes(rows) + 1)
         cache.start(len(rows))
         for group in prefill_groups([row.prompt.shape[1] for row in rows]):
-            self._prefill([rows[b] for b in group], cache, width)
+            self._prefill([rows[b] for b in group], cache, group, width)
         cache.advance(width)
-        self.stats.steps = 1
         self.cache = cache
         self.active = [row for row in rows if not self._emit(row, [int(row.state.root_token)])]
         _leave(cache, rows, self.active)
 
-    def _prefill(self, group: list[_Row], cache, width: int) -> None:
-        """One forward over the prompts of `group`, left-padded to the longest of them, into `cache` (the whole batch
-        at once), or into a scratch cache placed into its rows at the end of the batch's width; each row's state."""
+    def _new_rows(self, prompts, make_proposer, max_new_tokens, stop_when, streamers) -> list[_Row]:
+        """Rows for `prompts`: max_new_tokens and stop_when are each one for every row or a list of one per row."""
+        each = [max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)]
+        each.append(stop_when if isinstance(stop_when, list) else [stop_when] * len(prompts))
+        each.append(streamers or [None] * len(prompts))
+        rows = [
+            _Row(p, _unguarded(make_proposer()), most, stop, streamer)
+            for p, most, stop, streamer in zip(prompts, *each)
+        ]
+        for row in rows:
+            if row.streamer is not None:
+                row.streamer.put(row.prompt.cpu())
+        self.rows += rows
+        return rows
+
+    @torch.inference_mode()
+    def admit(self, prompts, make_proposer, *, max_new_tokens, stop_when=None, streamers=None) -> list[_Row]:
+        """Rows joining the batch between steps (each prompt (1, T_b); max_new_tokens and stop_when one for all or
+        one per row; a streamer per row or None): prefilled in groups of like lengths on their own, placed after the
+        active rows in the cache (grown where a row would not fit), then stepping with the others -> the new rows
+        (`done` where their first token ended them)."""
+        rows = self._new_rows(prompts, make_proposer, max_new_tokens, stop_when, streamers)
+        before = list(self.active)
+        self._fit(rows)
+        cache = self.cache
+        cache.add_rows(len(rows))
+        for group in prefill_groups([row.prompt.shape[1] for row in rows]):
+            longest = max(rows[b].prompt.shape[1] for b in group)
+            slots = [len(before) + b for b in group]
+            self._prefill([rows[b] for b in group], cache, slots, longest)
+            for slot in slots:
+                cache.lengths[slot] = longest
+        joined = [row for row in rows if not self._emit(row, [int(row.state.root_token)])]
+        _leave(cache, before + rows, before + joined)
+        self.active = before + joined
+        return rows
+
+    def budget_trees(self, num_nodes: int) -> None:
+        """The active rows that propose dynamic trees propose `num_nodes` nodes a step from now on (1: plainly), as
+        the plan lays out a batch of their number (continuous batching: as rows join and leave)."""
+        for row in self.active:
+            if hasattr(row.proposer, "budget"):
+                row.proposer.budget(num_nodes)
+        self._fit([])
+
+    def _fit(self, joining: list[_Row]) -> None:
+        """Grow the cache where the active rows and `joining` (not prefilled yet) may not fit it: a larger allocation,
+        the active rows copied into it. Each row ends by its prompt's end and its max_new_tokens (the joining ones'
+        prompts end at their group's longest), and a step writes every row's tokens there onward, as many as the
+        largest tree's nodes."""
+        cache, rows = self.cache, self.active + joining
+        if not rows:
+            return
+        longest = max((row.prompt.shape[1] for row in joining), default=0)
+        ends = [row.pad + row.prompt.shape[1] + row.max_new_tokens for row in self.active]
+        need = max(ends + [longest + row.max_new_tokens for row in joining]) + _most_nodes(rows) + 1
+        if need > cache.max_rows:
+            larger = self.engine.new_rows_cache(need)
+            larger.start(len(cache.lengths))
+            larger.place(list(range(len(cache.lengths))), cache, 0)
+            larger.lengths[:] = cache.lengths
+            self.cache = larger
+
+    def _prefill(self, group: list[_Row], cache, slots: list[int], end: int) -> None:
+        """One forward over the prompts of `group`, left-padded to the longest of them, into cache rows `slots` so that
+        each prompt ends at position `end` (directly where the group is the whole batch and fills its width, else
+        through a scratch cache placed there); each row's state."""
         device, dtype, sampling = self.device, self.dtype, self.sampling
         longest = max(row.prompt.shape[1] for row in group)
-        whole = len(group) == len(cache.lengths)  # (the batch's cache was started for every row)
+        whole = len(group) == len(cache.lengths) and longest == end  # (the batch's cache was started for every row)
         target = cache if whole else cache.scratch(longest + 1)
         if not whole:
             target.start(len(group))
@@ -200,15 +289,17 @@ class BatchDecoding:
         )
         if not whole:
             target.advance(longest)
-            cache.place([row.index for row in group], target, width - longest)
+            cache.place(slots, target, end - longest)
         for i, row in enumerate(group):
             root = select_token(logits[i, -1], sampling, self.generator)
             hidden = features[i, longest - row.prompt.shape[1] :]
+            row.pad = end - row.prompt.shape[1]
             row.state = DecodeState(None, row.prompt.shape[1], root, hidden[-1], row.prompt_ids + [int(root)], hidden)
 
     def _emit(self, row: _Row, tokens: list[int]) -> bool:
-        kept, done = take_new(tokens, row.prompt_ids, row.new, self.max_new_tokens, self.stop_ids, self.stop_when)
+        kept, done = take_new(tokens, row.prompt_ids, row.new, row.max_new_tokens, self.stop_ids, row.stop_when)
         row.new.extend(kept)
+        row.done = done
         if row.streamer is not None:
             if kept:
                 row.streamer.put(torch.tensor(kept))
@@ -238,9 +329,12 @@ class BatchDecoding:
             kept.append(accepted.nodes)
             row.state.advance(accepted, verified.hidden, device)
             row.proposer.observe(row.state, accepted.tokens)
-            stats.accepted_lengths.append(len(accepted.tokens))
-            stats.proposed_lengths.append(c.tree.max_depth)
-            stats.verified_nodes.append(size)
+            row.most_rows = max(row.most_rows, len(active))
+            row.stats.steps += 1
+            for each in (stats, row.stats):
+                each.accepted_lengths.append(len(accepted.tokens))
+                each.proposed_lengths.append(c.tree.max_depth)
+                each.verified_nodes.append(size)
             if not self._emit(row, accepted.tokens):
                 still.append(row)
         cache.commit(kept)
@@ -254,12 +348,19 @@ class BatchDecoding:
 
 
 def propose_rows(proposers: list, states: list) -> list:
-    """Each row's candidates: together where the rows' proposers propose a batch at once (`propose_batch`, as the
-    dynamic tree's do: one head call for all rows), else one row after another."""
-    kind = type(proposers[0])
-    if hasattr(kind, "propose_batch") and all(type(p) is kind for p in proposers):
-        return kind.propose_batch(proposers, states)
-    return [proposer.propose(state) for proposer, state in zip(proposers, states)]
+    """Each row's candidates: together where rows' proposers propose a batch at once (`propose_batch`, as the dynamic
+    tree's do: one head call for all rows whose `batch_key` is one), else one row after another (rows that joined a
+    running batch may have another tree than the rows before them)."""
+    candidates, together = [None] * len(proposers), {}
+    for b, proposer in enumerate(proposers):
+        if hasattr(proposer, "propose_batch"):
+            together.setdefault((type(proposer), proposer.batch_key), []).append(b)
+        else:
+            candidates[b] = proposer.propose(states[b])
+    for (kind, _), rows in together.items():
+        for b, proposed in zip(rows, kind.propose_batch([proposers[b] for b in rows], [states[b] for b in rows])):
+            candidates[b] = proposed
+    return candidates
 
 
 def prefill_groups(lengths: list[int]) -> list[list[int]]:
@@ -294,6 +395,10 @@ def _leave(cache, before: list[_Row], after: list[_Row]) -> None:
     """Drop the cache rows of the rows that finished (from `before` to `after`, order kept): they cost no more work."""
     if len(after) < len(before) and after:
         cache.keep([i for i, row in enumerate(before) if row in after])
+
+
+def _most_nodes(rows: list[_Row]) -> int:
+    return max(row.proposer.max_nodes for row in rows)
 
 
 def _unguarded(proposer):

@@ -11,7 +11,7 @@ from transformers import GenerationConfig
 
 from medusa import generate_args
 from medusa.acceptance import AcceptanceRule, get_rule
-from medusa.batch import decode_batch, padded, split_padded
+from medusa.batch import BatchDecoding, decode_batch, padded, split_padded
 from medusa.propose import PlainProposer, Proposer
 from medusa.runtime import EagerEngine, batch_engine, engine_for, runs_the_target
 from medusa.sampling import SamplingConfig, select_token, shape_logits
@@ -427,6 +427,151 @@ class SpeculativeGenerator:
             output_logits=settings.return_dict_in_generate and settings.output_logits,
         )
         return out if settings.return_dict_in_generate else out.sequences
+
+    @runs_the_target  # one call at a time on the target, from any thread (medusa.runtime.threads)
+    def generate_continuously(
+        self,
+        take,
+        *,
+        max_batch: int = 16,
+        generation_config: GenerationConfig | None = None,
+        do_sample: bool | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_token_id: int | list[int] | None = None,
+        pad_token_id: int | None = None,
+        acceptance: str | None = None,
+        posterior_threshold: float = 0.09,
+        posterior_alpha: float = 0.3,
+        proposer: str | None = None,
+        tree: list[list[int]] | str | None = None,
+        engine: str | None = None,
+        tokenizer=None,
+    ) -> DecodeStats:
+        """Continuous batching: decodes the prompts `take(room)` hands over (a list of at most `room`
+        medusa.batch.GenerationRequest), up to `max_batch` rows at once, each exactly as generate decodes it alone
+        (greedy: the same tokens; sampling: the same distribution). `take` is called before every step; the requests
+        it gives join the running batch there (prefilled together, then stepping with the rest:
+        medusa.batch.BatchDecoding.admit), and each request's `result` gets its output as soon as its own row stops,
+        so a short answer never waits for a long one and a new prompt never waits for the batch to end. Returns the
+        stats of all rows once none is left and `take` gives none. The sampling settings (and generation_config,
+        eos_token_id, acceptance and its posterior settings) are the call's, for every row; max_new_tokens, stop
+        strings, stopping criteria and streamers are each request's. A request generate would refuse gets that error
+        in its `result` and the rest go on; if a step fails, every request still decoding gets the error, which is
+        raised. The engine is the one the plan lays out for the first requests (or `engine`); each request's
+        proposer and tree are the plan's for the rows it joins (or `proposer` and `tree`)."""
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        tokenizer = tokenizer or self.tokenizer
+        vocab = self.base.get_input_embeddings().num_embeddings
+        shared = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
+        shared.update(eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+        ends = end_token_ids(self.base, tokenizer, eos_token_id)
+        batch, live, stats, laid_out = None, [], DecodeStats(), 0  # laid_out: the rows the trees were sized for
+        try:
+            while True:
+                if batch is not None and not batch.active:  # every row stopped: the next ones start a new batch
+                    _add(stats, batch)
+                    batch = None
+                room = max_batch - (len(batch.active) if batch is not None else 0)
+                given = take(room) if room > 0 else []
+                if len(given) > room:
+                    raise ValueError(f"take(room) gave {len(given)} requests where room was {room}: give at most room")
+                ready = []  # (request, its prompt (1, T), its settings, its stopping rule)
+                for request in given:
+                    try:
+                        prompt = prepare_input_ids(request.input_ids, self.device, vocab_size=vocab)
+                        asked = dict(shared, max_new_tokens=request.max_new_tokens, stop_strings=request.stop_strings)
+                        settings = generate_args.resolve(
+                            self.base, prompt.shape[1], generation_config, asked, posterior_threshold, posterior_alpha
+                        )
+                        self._check_lengths(prompt.shape[1], settings.max_new_tokens)
+                        stop_when = generate_args.stopping(request.stopping_criteria, settings.stop_strings, tokenizer)
+                    except (ValueError, TypeError) as error:  # its own refusal; the others go on
+                        request.result.set_exception(error)
+                        continue
+                    ready.append((request, prompt, settings, stop_when))
+                if not ready and batch is None:
+                    return stats
+                if ready:
+                    batch, rows = self._join(batch, ready, acceptance, proposer, tree, engine, ends)
+                    live += [(row, request) for row, (request, *_) in zip(rows, ready)]
+                    live = _deliver(live)
+                if batch.active:
+                    if len(batch.active) != laid_out and proposer is None and tree is None:
+                        self.budget_trees(batch)
+                        laid_out = len(batch.active)
+                    batch.step()
+                    live = _deliver(live)
+        except BaseException as error:
+            for _, request in live:
+                if not request.result.done():
+                    request.result.set_exception(error)
+            raise
+
+    def budget_trees(self, batch) -> None:
+        """Continuous batching, as the batch's rows change: what their proposers guess a step (MedusaModel sizes
+        dynamic trees by the plan); nothing here."""
+
+    def _join(self, batch, ready, acceptance, proposer, tree, engine, ends):
+        """Requests `ready` (request, prompt, settings, stopping rule) as rows of `batch` (a new one where it is
+        None, on the engine the plan lays out for them) -> (the batch, their rows)."""
+        prompts = [prompt for _, prompt, _, _ in ready]
+        sampling = ready[0][2].sampling
+        lengths = [p.shape[1] for p in prompts] + ([] if batch is None else [r.state.length for r in batch.active])
+        longest_new = max(settings.max_new_tokens for _, _, settings, _ in ready)
+        named = None if batch is None else batch.engine.name
+        layout = self.batch_layout(lengths, longest_new, engine or named, proposer, tree)
+        target, eager = self.engine(layout.engine), self.engine("eager")  # eager: what a row's draft model runs on
+        self.prepare_proposal(target)
+
+        def make_proposer():
+            return self.make_proposer(layout.proposer, layout.tree, sampling, None, engine=eager)
+
+        each = dict(
+            max_new_tokens=[settings.max_new_tokens for _, _, settings, _ in ready],
+            stop_when=[stop_when for *_, stop_when in ready],
+            streamers=[request.streamer for request, *_ in ready],
+        )
+        if batch is not None:
+            return batch, batch.admit(prompts, make_proposer, **each)
+        pad = ready[0][2].pad_token_id
+        batch = BatchDecoding(
+            target,
+            make_proposer,
+            get_rule(acceptance or (self.default_sampling_rule if sampling.do_sample else "greedy")),
+            prompts,
+            sampling=sampling,
+            stop_ids=set(ends),
+            feature_layers=self.feature_layers,
+            pad_token_id=(ends[0] if ends else 0) if pad is None else pad,
+            **each,
+        )
+        return batch, batch.rows
+
+
+def _deliver(live: list) -> list:
+    """Of the rows decoding for continuous batching's requests (row, request), those still decoding; each that
+    stopped hands its output to its request."""
+    still = []
+    for row, request in live:
+        if row.done:
+            request.rows = row.most_rows or 1
+            request.result.set_result(row.output())
+        else:
+            still.append((row, request))
+    return still
+
+
+def _add(total: DecodeStats, batch: BatchDecoding) -> None:
+    """A finished batch's stats added to `total`."""
+    stats = batch.stats
+    total.steps += stats.steps
+    total.new_tokens += sum(len(row.new) for row in batch.rows)
+    total.accepted_lengths += stats.accepted_lengths
+    total.proposed_lengths += stats.proposed_lengths
+    total.verified_nodes += stats.verified_nodes
 
 
 @torch.inference_mode()

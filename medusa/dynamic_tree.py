@@ -107,6 +107,17 @@ class DynamicTreeProposer:
         self.num_nodes, self.depth, self.topk = num_nodes, depth, topk
         self.max_nodes = num_nodes
 
+    def budget(self, num_nodes: int) -> None:
+        """Propose `num_nodes` nodes a step from now on (a batch's rows, as the batch's size changes)."""
+        if num_nodes < 1:
+            raise ValueError(f"a dynamic tree needs num_nodes >= 1, got {num_nodes}")
+        self.num_nodes = self.max_nodes = num_nodes
+
+    @property
+    def batch_key(self) -> tuple:
+        """Rows whose proposers have equal keys propose together (propose_batch)."""
+        return self.num_nodes, self.depth, self.topk, id(self.medusa.heads)
+
     def propose(self, state) -> Candidates:
         return self.propose_batch([self], [state])[0]
 
@@ -116,11 +127,8 @@ class DynamicTreeProposer:
         gives it, with the rows' context reads in one call and each depth's head in one call over every row's paths
         (a call costs about the same for one row as for a few on a CPU: its weights are read once)."""
         first = proposers[0]
-        for other in proposers[1:]:
-            if (other.num_nodes, other.depth, other.topk) != (first.num_nodes, first.depth, first.topk) or (
-                other.medusa.heads is not first.medusa.heads
-            ):
-                raise ValueError("a batch's rows propose together only with one kind of tree over the same heads")
+        if any(other.batch_key != first.batch_key for other in proposers[1:]):
+            raise ValueError("a batch's rows propose together only with one kind of tree over the same heads")
         roots = [state.root_token.view(1) for state in states]
         budget = first.num_nodes - 1  # non-root nodes
         if budget == 0 or first.depth == 0:

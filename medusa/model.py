@@ -426,6 +426,17 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
             expected = trees[0] if trees else None
         return BatchLayout(engine, one_at_a_time, chosen, chosen_tree, expected)
 
+    def budget_trees(self, batch) -> None:
+        """The batch's rows that propose dynamic trees take the node budget the plan lays out for a batch of their
+        number on its engine (more rows, fewer nodes each: a step verifies rows x nodes tokens)."""
+        rows = batch.active
+        if len(rows) == 1 and self.plan is not None and self.plan.proposer == "dynamic":
+            batch.budget_trees(len(self.plan.tree) + 1)  # one row: one sequence, the plan's own tree
+            return
+        left = max(row.max_new_tokens - len(row.new) for row in rows)
+        layout = self.batch_layout([row.state.length for row in rows], left, batch.engine.name, None, None)
+        batch.budget_trees(1 if layout.proposer == "plain" else len(self.tree_paths(layout.tree)) + 1)
+
     def observe_batch(self, layout: BatchLayout, stats) -> None:
         """A batch decoded with the proposer and tree the plan chose for it (together, or one row at a time as it
         decodes one sequence): what its rows' guessing steps accepted, for later layouts (steps the online guard

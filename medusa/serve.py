@@ -4,11 +4,12 @@
 The model decodes in a single worker thread, requests waiting in its queue in arrival order, so the event loop keeps
 accepting (and refusing) requests while the model decodes. `medusa serve` makes the process's main thread that worker
 (MainThreadWorker, the server in a thread of its own), where the model was loaded: measured faster under load than a
-worker thread of its own (docs/serving.md). Requests that wait together,
-streamed or not, decode together: the one the worker reaches takes every other waiting one with the same settings
-(sampling without a seed, stop strings, max_tokens) into one batched `generate` (medusa.batch: each row as it would
-decode alone, streamed rows each to their own client). A request with a seed decodes alone. A request the server
-cannot honour exactly gets a 400 in OpenAI's error format naming the field and the fix; the server goes on serving.
+worker thread of its own (docs/serving.md). Requests decode by continuous batching: the one the worker reaches
+decodes with the waiting ones that share its sampling settings (without a seed), in one running batch that the next
+such requests join between steps (model.generate_continuously: each row as it would decode alone, with its own
+max_tokens, stop strings and stream), and each is answered when its own row stops. A request with a seed decodes
+alone. A request the server cannot honour exactly gets a 400 in OpenAI's error format naming the field
+and the fix; the server goes on serving.
 """
 
 from __future__ import annotations
@@ -33,11 +34,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from medusa.answers import stop_and_pad_ids
-from medusa.batch import left_padded
+from medusa.batch import GenerationRequest
 from medusa.decode import stop_token_ids
-from medusa.generate_args import stopping
-from medusa.sequence import GenerateOutput, take_new
 
 # OpenAI fields that would change the output in ways this server does not produce: refused unless at these values
 UNSUPPORTED = {
@@ -270,8 +268,8 @@ def create_app(
 ):
     """A FastAPI app serving `model` (a MedusaModel, or any model with this library's `generate`, `base` and
     `tokenizer`) as `model_name`. steady: streams release `chunk` tokens at `rate` tokens/s (default: the plan's
-    plain decoding rate, else 20), as `medusa chat --steady`. max_batch: the most waiting requests decoded together
-    (1: one at a time). worker: the one-at-a-time executor the model runs in (default: a thread of its own;
+    plain decoding rate, else 20), as `medusa chat --steady`. max_batch: the most requests decoded together (1: one at
+    a time). worker: the one-at-a-time executor the model runs in (default: a thread of its own;
     `medusa serve` passes a MainThreadWorker run by the main thread, faster under load: docs/serving.md)."""
     if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
         raise ValueError(f"max_batch must be an integer >= 1 (1: one request at a time), got {max_batch!r}")
@@ -363,90 +361,97 @@ def create_app(
     waiting_lock = threading.Lock()
 
     def batch_key(job: _Job):
-        """Requests with equal keys decode in one batch, streamed or not; None: alone (a seed's random stream is its
-        request's)."""
+        """Requests with equal keys decode in one batch (each with its own max_tokens, stops and stream); None:
+        alone (a seed's random stream is its request's)."""
         if job.seed is not None:
             return None
-        return tuple(sorted(job.sampling.items())), tuple(job.stops), job.max_tokens
-
-    def take_waiting() -> list[tuple[_Job, Future, _QueueStreamer | None]]:
-        """The oldest waiting request and the next waiting ones with its key, max_batch in all (none where none
-        waits: a request taken with an earlier one)."""
-        with waiting_lock:
-            if not waiting:
-                return []
-            key = batch_key(waiting[0][0])
-            taken = [waiting[0]] + [w for w in waiting[1:] if key is not None and batch_key(w[0]) == key]
-            taken = taken[:max_batch]
-            waiting[:] = [w for w in waiting if not any(w is t for t in taken)]
-            return taken
+        return tuple(sorted(job.sampling.items()))
 
     def run_waiting() -> None:
-        """In the worker thread (submitted once per waiting request): decode what take_waiting gives, together; where
-        the batch fails, each request alone (but for streams that already sent tokens: they get the error), so that
-        one request's error is its own. A stream's queue ends when its request is done."""
-        taken = take_waiting()
-        streamers = [streamer for _, _, streamer in taken if streamer is not None]
-        for job, future, _ in taken:
-            if job.cancelled.is_set():  # its client left while it waited
-                future.set_result((None, 1))
-        taken = [t for t in taken if not t[1].done()]
+        """In the worker thread (submitted once per waiting request): the oldest waiting request decodes alone where
+        it has a seed, else with the requests waiting behind it that share its key, in one running batch that the
+        next ones of that key join as they come (decode_together), even when it waits alone: a request that comes a
+        moment later joins it rather than waiting for it to end. A stream's queue ends when its request is done."""
+        with waiting_lock:
+            if not waiting:
+                return
+            key = batch_key(waiting[0][0])
+            alone = waiting.pop(0) if key is None else None
+        if alone is None:
+            decode_together(key)
+        else:
+            decode_alone(*alone)
+
+    def decode_alone(job: _Job, future: Future, streamer) -> None:
+        """One request by itself (generate): its answer or its error to its handler, its stream ended."""
         try:
-            if len(taken) > 1:
-                try:
-                    outs = generate_together([job for job, _, _ in taken], [streamer for _, _, streamer in taken])
-                except Exception as error:  # noqa: BLE001 - retried one by one below, each failing (or not) alone
-                    outs, failed = None, error
-                if outs is not None:
-                    for (_, future, _), out in zip(taken, outs):
-                        future.set_result((out, len(taken)))
-                    return
-                for _, future, streamer in taken:
-                    if streamer is not None and streamer.sent:
-                        future.set_exception(failed)
-                taken = [t for t in taken if not t[1].done()]
-            for job, future, streamer in taken:
-                try:
-                    future.set_result((generate(job, streamer), 1))
-                except Exception as error:  # noqa: BLE001 - handed to the request's handler
-                    future.set_exception(error)
-        finally:  # every stream taken ends, its request answered, failed or left
-            for streamer in streamers:
+            future.set_result((generate(job, streamer), 1))
+        except Exception as error:  # noqa: BLE001 - handed to the request's handler
+            future.set_exception(error)
+        finally:
+            if streamer is not None:
                 streamer.close()
 
-    def generate_together(jobs: list[_Job], streamers: list) -> list[GenerateOutput]:
-        """Requests of one batch_key decoded as one left-padded batch, each streamed row to its streamer -> each
-        one's output as generate gives it for the request alone: its prompt, the new tokens up to its own stop (a row
-        that stopped early is padded after it), the batch's stats. Rows that stop are cut again by the rule that
-        stopped them (end token, stop string, max_tokens), which finds the same place. A streamed row whose client
-        left runs on with the batch (its cancel stops requests decoded alone)."""
-        first = jobs[0]
-        _, pad = stop_and_pad_ids(model.base, tokenizer)
-        prompts = [job.input_ids[0].tolist() for job in jobs]
-        input_ids, attention_mask = left_padded(prompts, pad)
-        width = input_ids.shape[1]
-        out = model.generate(
-            input_ids,
-            attention_mask=attention_mask,
-            max_new_tokens=first.max_tokens,
-            stop_strings=first.stops or None,
-            tokenizer=tokenizer,
-            pad_token_id=pad,
-            streamer=streamers if any(s is not None for s in streamers) else None,
-            return_dict_in_generate=True,
-            **first.sampling,
-        )
-        stop_when = stopping(None, first.stops or None, tokenizer)
-        outs = []
-        for row, (job, prompt) in enumerate(zip(jobs, prompts)):
-            new = out.sequences[row, width:].tolist()
-            kept, _ = take_new(new, prompt, [], len(new), job.end_ids, stop_when)
-            sequences = torch.cat([job.input_ids, torch.tensor([kept], dtype=torch.long)], dim=1)
-            outs.append(GenerateOutput(sequences=sequences, stats=out.stats))
-        return outs
+    def decode_together(key) -> None:
+        """Continuous batching (model.generate_continuously): the waiting requests of `key` from the head of the
+        queue join the running batch before each step, up to max_batch rows, until one of another key is first in
+        line (it waits for this batch to end: arrival order); each is answered when its own row stops. Where a step
+        fails, the requests it held decode again one by one, but for streams that already sent text (they get the
+        error)."""
+        ended: list = []  # (job, future, streamer, request) of requests whose result is an error, seen at the end
+
+        def take(room: int) -> list[GenerationRequest]:
+            with waiting_lock:
+                taken = []
+                while waiting and len(taken) < room and batch_key(waiting[0][0]) == key:
+                    taken.append(waiting.pop(0))
+            requests = []
+            for job, future, streamer in taken:
+                if job.cancelled.is_set():  # its client left while it waited
+                    future.set_result((None, 1))
+                    if streamer is not None:
+                        streamer.close()
+                    continue
+                request = GenerationRequest(
+                    job.input_ids,
+                    max_new_tokens=job.max_tokens,
+                    stop_strings=job.stops or None,
+                    stopping_criteria=[_Cancel(job.cancelled)] if streamer else None,  # a client that left stops it
+                    streamer=streamer,
+                )
+                request.result.add_done_callback(lambda _, asked=(job, future, streamer, request): answer(*asked))
+                requests.append(request)
+            return requests
+
+        def answer(job, future, streamer, request) -> None:
+            if request.result.exception() is not None:
+                ended.append((job, future, streamer, request))
+                return
+            future.set_result((request.result.result(), request.rows))
+            if streamer is not None:
+                streamer.close()
+
+        failed = None
+        try:
+            model.generate_continuously(take, max_batch=max_batch, tokenizer=tokenizer, **dict(key))
+        except Exception as error:  # noqa: BLE001 - its requests decode again alone below, or are handed it
+            failed = error
+        finally:
+            again = []
+            for job, future, streamer, request in ended:
+                error = request.result.exception()
+                if error is failed and (streamer is None or not streamer.sent):
+                    again.append((job, future, streamer))
+                    continue
+                refused = error is not failed and isinstance(error, (ValueError, TypeError))  # generate names the fix
+                future.set_exception(RequestError(str(error)) if refused else error)
+                if streamer is not None:
+                    streamer.close()
+        for job, future, streamer in again:
+            decode_alone(job, future, streamer)
 
     def finish(job: _Job, out, rows: int = 1) -> tuple[str, str, dict]:
-        """generate's output (of a batch of `rows` requests) -> (text, finish_reason, usage)."""
+        """generate's output for the request (decoded with at most `rows` requests) -> (text, finish_reason, usage)."""
         new = out.sequences[0, job.input_ids.shape[1] :].tolist()
         said = [i for i in new if i not in job.end_ids]  # generate stops at the first end token: only the last
         text, stopped = _cut(tokenizer.decode(said, skip_special_tokens=True), job.stops)
@@ -455,11 +460,9 @@ def create_app(
             "prompt_tokens": job.input_ids.shape[1],
             "completion_tokens": len(new),
             "total_tokens": job.input_ids.shape[1] + len(new),
-            # not OpenAI's: tau, new tokens per forward (in a batch, per row: each verify's committed tokens)
-            "medusa_tokens_per_step": out.stats.mean_accepted_tokens
-            if rows == 1
-            else sum(out.stats.accepted_lengths) / max(len(out.stats.accepted_lengths), 1),
-            "medusa_batch_rows": rows,  # not OpenAI's: the requests decoded together with this one
+            # not OpenAI's: tau, the request's new tokens per forward it took part in (prefill included)
+            "medusa_tokens_per_step": out.stats.mean_accepted_tokens,
+            "medusa_batch_rows": rows,  # not OpenAI's: the most requests decoded together with this one (itself too)
         }
         return text, reason, usage
 

@@ -199,3 +199,26 @@ def test_a_batch_on_each_engine_is_each_prompt_decoded_alone(shipped, plain_gree
             reference = plain_greedy(text, 48)[0, len(chat) :]
             assert out[row, width : width + len(reference)].tolist() == reference.tolist(), (engine, text)
     assert packaged  # the inductor engine's steps ran through its batch package
+
+
+def test_requests_joining_a_running_batch_each_decode_as_alone(shipped, plain_greedy, monkeypatch):
+    """Continuous batching on the inductor engine's batch package with the shipped heads: chat prompts join the
+    running batch two steps apart with their own max_new_tokens; each is transformers' greedy output for it alone."""
+    import medusa.runtime.aot
+    from medusa.batch import GenerationRequest
+
+    texts = [PROMPTS[1], "Hi!", PROMPTS[3], PROMPTS[4]]
+    news = [48, 8, 40, 24]
+    requests = [GenerationRequest(_chat(shipped, t)["input_ids"], max_new_tokens=n) for t, n in zip(texts, news)]
+    schedule, calls = {0: requests[:2], 2: requests[2:3], 4: requests[3:]}, []
+    packaged, run_rows = [], medusa.runtime.aot.run_rows
+    monkeypatch.setattr(medusa.runtime.aot, "run_rows", lambda *a, **k: packaged.append(1) or run_rows(*a, **k))
+
+    def take(room):
+        calls.append(room)
+        return schedule.get(len(calls) - 1, [])
+
+    shipped.generate_continuously(take, engine="inductor", proposer="dynamic")
+    for request, text, new in zip(requests, texts, news):
+        assert torch.equal(request.result.result(timeout=0).sequences, plain_greedy(text, new)), text
+    assert max(request.rows for request in requests) >= 3 and packaged

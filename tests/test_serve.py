@@ -204,20 +204,23 @@ def test_twenty_concurrent_requests_complete_one_at_a_time(model, url, monkeypat
     ]
     running, most = [0], [0]
     lock = threading.Lock()
-    generate = model.generate
 
-    def counting(*args, **kwargs):
-        with lock:
-            running[0] += 1
-            most[0] = max(most[0], running[0])
-        try:
-            time.sleep(0.01)  # widen the window two calls would overlap in
-            return generate(*args, **kwargs)
-        finally:
+    def counting(call):
+        def counted(*args, **kwargs):
             with lock:
-                running[0] -= 1
+                running[0] += 1
+                most[0] = max(most[0], running[0])
+            try:
+                time.sleep(0.01)  # widen the window two calls would overlap in
+                return call(*args, **kwargs)
+            finally:
+                with lock:
+                    running[0] -= 1
 
-    monkeypatch.setattr(model, "generate", counting)
+        return counted
+
+    monkeypatch.setattr(model, "generate", counting(model.generate))
+    monkeypatch.setattr(model, "generate_continuously", counting(model.generate_continuously))
     api = client(url)
 
     def ask(i: int) -> str:
@@ -249,53 +252,66 @@ def streamed(api, **asked):
 
 
 def asked_while_busy(model, app, requests: list[tuple[str, dict]], refuse_batches: bool | str = False):
-    """Each (prompt, chat options; streamed where they hold stream=True) asked at once while a streamed request holds
-    the model: all of them waiting before it is let go. -> (the rows of each generate call, the replies).
-    refuse_batches: generate raises a ValueError for more than one row ("after a token": once its streamed rows have
-    each sent a token)."""
-    rows, entered, release = [], threading.Event(), threading.Event()
-    generate = model.generate
+    """Each (prompt, chat options; streamed where they hold stream=True) asked in turn while a streamed seeded
+    request holds the model: all of them waiting, in that order, before it is let go. -> (the requests each
+    decoding call took, in order: 1 for a generate, all it took for a generate_continuously; the replies).
+    refuse_batches: generate_continuously fails once it has taken its requests ("after a token": once its streamed
+    ones have each sent a token)."""
+    calls, entered, release = [], threading.Event(), threading.Event()
+    generate, continuously = model.generate, model.generate_continuously
 
     def held(*args, **kwargs):
-        rows.append(args[0].shape[0])
-        if len(rows) == 1:
+        calls.append([args[0]])
+        if len(calls) == 1:
             entered.set()
             release.wait(60)
-        if refuse_batches and rows[-1] > 1:
-            for streamer in kwargs.get("streamer") or []:  # "after a token": the streamed rows have sent one
-                if streamer is not None and refuse_batches == "after a token":
-                    streamer.put(args[0][:1])
-                    streamer.put(torch.tensor([5]))
-            raise ValueError("no batches today")
         return generate(*args, **kwargs)
+
+    def together(take, **kwargs):
+        taken = []
+        calls.append(taken)
+
+        def counted(room):
+            given = take(room)
+            taken.extend(given)
+            return given
+
+        if not refuse_batches:
+            return continuously(counted, **kwargs)
+        for request in counted(kwargs["max_batch"]):
+            if request.streamer is not None and refuse_batches == "after a token":
+                request.streamer.put(torch.tensor([[1]]))
+                request.streamer.put(torch.tensor([5]))
+        failed = ValueError("no batches today")
+        for request in taken:
+            request.result.set_exception(failed)
+        raise failed
 
     with serving(app) as url, ThreadPoolExecutor(len(requests) + 1) as pool:
         api = client(url)
-        model.generate = held
+        model.generate, model.generate_continuously = held, together
         try:
-            busy = pool.submit(
-                lambda: list(api.chat.completions.create(model="tiny", messages=HELLO, max_tokens=4, stream=True))
+            busy = pool.submit(  # seeded: it decodes alone (generate), the others wait for it
+                lambda: list(
+                    api.chat.completions.create(model="tiny", messages=HELLO, max_tokens=4, stream=True, seed=1)
+                )
             )
             assert entered.wait(60)
-            replies = [
-                pool.submit(
-                    partial(streamed, api) if o.get("stream") else api.chat.completions.create,
-                    model="tiny",
-                    messages=[{"role": "user", "content": p}],
-                    **{k: v for k, v in o.items() if k != "stream"},
-                )
-                for p, o in requests
-            ]
-            deadline = time.monotonic() + 60
-            while len(app.state.waiting) < len(requests):
-                assert time.monotonic() < deadline, "the requests did not reach the server"
-                time.sleep(0.01)
+            replies, deadline = [], time.monotonic() + 60
+            for p, o in requests:  # in this order: each waiting before the next is asked
+                asked = partial(streamed, api) if o.get("stream") else api.chat.completions.create
+                options = {k: v for k, v in o.items() if k != "stream"}
+                replies.append(pool.submit(asked, model="tiny", messages=[{"role": "user", "content": p}], **options))
+                while len(app.state.waiting) < len(replies):
+                    assert time.monotonic() < deadline, "the requests did not reach the server"
+                    time.sleep(0.005)
             release.set()
             busy.result()
-            return rows, [reply.result() for reply in replies]
+            answered = [reply.result() for reply in replies]
+            return [len(taken) for taken in calls], answered
         finally:
             release.set()
-            del model.generate
+            del model.generate, model.generate_continuously
 
 
 def alone(model, prompt: str, max_tokens: int, stop=None, seed=None) -> tuple[str, int]:
@@ -310,7 +326,7 @@ def alone(model, prompt: str, max_tokens: int, stop=None, seed=None) -> tuple[st
 
 
 def test_requests_waiting_together_decode_as_one_batch_each_as_it_would_alone(model):
-    """Requests that wait while the model is busy decode together where their settings agree (here 4 greedy ones of
+    """Requests that wait while the model is busy decode together where their sampling agrees (here 4 greedy ones of
     8 tokens, two of them streamed, and 2 of 12 tokens with a stop string one of them meets, one streamed), each reply
     what it is alone (text, finish reason, tokens); a seeded one, and the streamed one that kept the model busy,
     decode alone."""
@@ -325,12 +341,12 @@ def test_requests_waiting_together_decode_as_one_batch_each_as_it_would_alone(mo
     assert len(expected[4][0]) < len(expected[5][0]) and expected[5][1] == 12  # one stops early, one runs on
 
     rows, replies = asked_while_busy(model, create_app(model, model_name="tiny"), list(zip(prompts, asks)))
-    assert rows[0] == 1 and sorted(rows[1:]) == [1, 2, 4]
+    assert rows == [1, 6, 1]
     for reply, (text, tokens), ask in zip(replies, expected, asks):
         assert reply.choices[0].message.content == text
         assert reply.usage.completion_tokens == tokens
         assert reply.choices[0].finish_reason == ("stop" if ask.get("stop") and len(text) < tokens else "length")
-    assert [reply.usage.model_extra["medusa_batch_rows"] for reply in replies] == [4, 4, 4, 4, 2, 2, 1]
+    assert [reply.usage.model_extra["medusa_batch_rows"] for reply in replies] == [6, 6, 6, 6, 6, 6, 1]
 
 
 def test_a_main_thread_worker_runs_the_model_on_the_thread_that_runs_it(model):
@@ -339,8 +355,11 @@ def test_a_main_thread_worker_runs_the_model_on_the_thread_that_runs_it(model):
 
     expected, _ = direct(model, chat_ids(model, HELLO), max_new_tokens=4, do_sample=False)
     worker, threads, replies = MainThreadWorker(), [], []
-    generate = model.generate
+    generate, continuously = model.generate, model.generate_continuously
     model.generate = lambda *args, **kwargs: threads.append(threading.current_thread()) or generate(*args, **kwargs)
+    model.generate_continuously = lambda *args, **kwargs: (
+        threads.append(threading.current_thread()) or continuously(*args, **kwargs)
+    )
 
     def ask(url):
         api = client(url)
@@ -356,7 +375,7 @@ def test_a_main_thread_worker_runs_the_model_on_the_thread_that_runs_it(model):
             asker.start()
             worker.run_until(lambda: not asker.is_alive(), poll=0.01)
     finally:
-        del model.generate
+        del model.generate, model.generate_continuously
     assert replies == [expected, expected] and threads == [threading.main_thread()] * 2
 
 
@@ -365,9 +384,10 @@ def test_max_batch_bounds_a_batch_and_a_failed_batch_decodes_each_request_alone(
     expected = [alone(model, p, 6)[0] for p in prompts]
     requests = [(p, dict(max_tokens=6, temperature=0)) for p in prompts]
     rows, replies = asked_while_busy(model, create_app(model, model_name="tiny", max_batch=2), requests)
-    assert rows == [1, 2, 2, 1]
+    assert rows == [1, 5]  # one running batch took them all, two rows at a time
     assert [r.choices[0].message.content for r in replies] == expected
-    # a batch generate refuses: each of its requests decodes alone, and is answered
+    assert max(r.usage.model_extra["medusa_batch_rows"] for r in replies) == 2
+    # a batch that fails: each of its requests decodes alone, and is answered
     rows, replies = asked_while_busy(model, create_app(model, model_name="tiny"), requests, refuse_batches=True)
     assert rows == [1, 5, 1, 1, 1, 1, 1]
     assert [r.choices[0].message.content for r in replies] == expected
@@ -435,32 +455,35 @@ def test_what_generate_refuses_becomes_a_400_with_its_message(model, url, monkey
     def refusing(*args, **kwargs):
         raise ValueError("generate does not support this: pass that instead")
 
+    def refusing_each(take, **kwargs):  # generate_continuously hands each request its own refusal
+        for request in take(kwargs["max_batch"]):
+            request.result.set_exception(ValueError("generate does not support this: pass that instead"))
+
     monkeypatch.setattr(model, "generate", refusing)
+    monkeypatch.setattr(model, "generate_continuously", refusing_each)
     api = client(url)
-    for stream in (False, True):
+    for stream, seed in [(False, None), (True, None), (False, 1), (True, 1)]:  # seeded: alone, through generate
         with pytest.raises(openai.BadRequestError, match="pass that instead"):
-            api.chat.completions.create(model="tiny", messages=HELLO, max_tokens=3, stream=stream)
+            api.chat.completions.create(model="tiny", messages=HELLO, max_tokens=3, stream=stream, seed=seed)
     monkeypatch.undo()
     assert api.chat.completions.create(model="tiny", messages=HELLO, max_tokens=3).choices[0].message.content
 
 
 def test_a_client_leaving_mid_stream_frees_the_model(model, url, monkeypatch):
-    made = []
-    generate = model.generate
+    made = []  # the requests the model took
+    continuously = model.generate_continuously
 
-    def recording(*args, **kwargs):
-        out = generate(*args, **kwargs)
-        made.append(out.stats.new_tokens)
-        return out
+    def recording(take, **kwargs):
+        return continuously(lambda room: made.extend(given := take(room)) or given, **kwargs)
 
-    monkeypatch.setattr(model, "generate", recording)
+    monkeypatch.setattr(model, "generate_continuously", recording)
     body = {"messages": HELLO, "max_tokens": 400, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{url}/chat/completions", json=body, timeout=60) as response:
         lines = response.iter_lines()
         next(line for line in lines if '"content"' in line)  # a token arrived: it is generating
     reply = client(url).chat.completions.create(model="tiny", messages=HELLO, max_tokens=3, temperature=0)
     assert reply.usage.completion_tokens == 3
-    assert len(made) == 2 and made[0] < 400, made  # the first ended early, before the second ran
+    assert len(made) == 2 and made[0].result.result(timeout=30).stats.new_tokens < 400  # the first ended early
 
 
 def test_steady_streams_release_fixed_chunks_at_the_rate(model):

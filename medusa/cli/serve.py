@@ -3,9 +3,10 @@
     medusa serve [--heads DIR] [--base PATH] [--dtype float32] [--engine NAME] [--host 127.0.0.1] [--port 8000]
                  [--model-name NAME] [--max-batch 16] [--steady [--chunk 4] [--rate TOK_S]]
 
-Requests are decoded in arrival order; those that wait together, streamed or not, decode as one batch, up to
---max-batch of them (medusa/serve.py). `--steady` paces streams as `medusa chat --steady` does (see
-medusa/cli/chat.py for why). What is supported and refused: docs/serving.md.
+Requests are decoded in arrival order, by continuous batching: those with the same sampling settings, streamed or
+not, decode in one running batch that new ones join between steps, up to --max-batch rows (medusa/serve.py).
+`--steady` paces streams as `medusa chat --steady` does (see medusa/cli/chat.py for why). What is supported and
+refused: docs/serving.md.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def main(argv=None) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--model-name", default=None, help="the model's id in the API (default: the base's name)")
     parser.add_argument(
-        "--max-batch", type=int, default=16, help="the most waiting requests decoded together (1: one at a time)"
+        "--max-batch", type=int, default=16, help="the most requests decoded together (1: one at a time)"
     )
     parser.add_argument("--steady", action="store_true", help="stream at a constant pace in fixed-size chunks")
     parser.add_argument("--chunk", type=int, default=4, help="tokens per chunk with --steady")

@@ -163,6 +163,15 @@ class RowsCache:
             layer.keys[index, :, at : at + n] = theirs.keys[:, :, :n]
             layer.values[index, :, at : at + n] = theirs.values[:, :, :n]
 
+    def add_rows(self, count: int) -> None:
+        """`count` empty rows after the batch's (rows joining a running batch: `place` fills them)."""
+        self.lengths.extend([0] * count)
+        for layer in self.cache.layers:
+            if layer.is_initialized:
+                empty = (count, *layer.keys.shape[1:])
+                layer.keys = torch.cat([layer.keys, layer.keys.new_zeros(empty)])
+                layer.values = torch.cat([layer.values, layer.values.new_zeros(empty)])
+
     def keep(self, rows: list[int]) -> None:
         """Keep only these batch rows, in this order."""
         self.lengths[:] = [self.lengths[i] for i in rows]

@@ -1,0 +1,161 @@
+"""Continuous batching (SpeculativeGenerator.generate_continuously): requests join a running batch between steps and
+leave it when their own row stops; each is exactly what generate gives for it alone."""
+
+import pytest
+import torch
+
+import medusa.runtime.eager
+from medusa import MedusaModel
+from medusa.batch import GenerationRequest as Request
+from tests.conftest import FAMILIES, make_heads, make_tiny_model, tiny_tokenizer
+from tests.test_batch import RecordingStreamer, alone
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [12], [20, 21, 22, 23], [30, 31, 30, 31, 30, 31, 30]]
+
+
+def heads_model(family="llama"):
+    base = make_tiny_model(family)
+    return base, MedusaModel(base, make_heads(random=False), tokenizer=tiny_tokenizer(), projection_dtype=torch.float32)
+
+
+class Arrivals:
+    """take(room) handing over requests at given calls (before steps 0, 1, ...), recording each call's room and
+    the call at which each request's result came."""
+
+    def __init__(self, schedule: dict[int, list[Request]]):
+        self.schedule, self.calls, self.rooms, self.finished = schedule, 0, [], {}
+
+    def __call__(self, room):
+        self.rooms.append(room)
+        given = self.schedule.get(self.calls, [])
+        for request in given:
+            request.result.add_done_callback(lambda f, r=request: self.finished.setdefault(id(r), self.calls))
+        self.calls += 1
+        return given
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("engine", ["eager", "compiled"])
+def test_requests_joining_a_running_batch_each_decode_as_alone(family, engine):
+    base, model = heads_model(family)
+    short = Request(torch.tensor([PROMPTS[1]]), max_new_tokens=4)
+    early = [Request(torch.tensor([PROMPTS[0]]), max_new_tokens=24), short]
+    later = [Request(PROMPTS[2], max_new_tokens=30), Request(torch.tensor([PROMPTS[3]]), max_new_tokens=12)]
+    # the last joins with a longer prompt and more new tokens than the batch's cache was made for: it grows
+    longest = Request(torch.tensor([PROMPTS[0] * 3]), max_new_tokens=40)
+    arrivals = Arrivals({0: early, 2: later, 4: [longest]})
+    stats = model.generate_continuously(arrivals, engine=engine, proposer="dynamic")
+    requests = early + later + [longest]
+    for request in requests:
+        prompt = torch.as_tensor(request.input_ids).reshape(1, -1)
+        expected = alone(base, prompt[0].tolist(), request.max_new_tokens)
+        out = request.result.result(timeout=0)
+        assert torch.equal(out.sequences, expected), request.max_new_tokens
+        assert out.stats.new_tokens == request.max_new_tokens
+    assert max(request.rows for request in requests) >= 3  # rows that joined decoded with the ones before
+    assert arrivals.finished[id(short)] < arrivals.finished[id(early[0])]  # the short one did not wait for the batch
+    assert stats.new_tokens == sum(r.max_new_tokens for r in requests) and stats.steps < stats.new_tokens
+
+
+def test_take_is_asked_for_no_more_than_the_room_left_and_may_not_give_more():
+    """Five requests of one length handed over as room frees, two rows at most: rows that all stop at one step
+    leave an empty batch, and the next ones start a new one."""
+    base, model = heads_model()
+    requests = [Request(torch.tensor([p]), max_new_tokens=6) for p in PROMPTS + [[40, 41]]]
+    queue, rooms = list(requests), []
+
+    def take(room):
+        rooms.append(room)
+        given, queue[:] = queue[:room], queue[room:]
+        return given
+
+    model.generate_continuously(take, max_batch=2)
+    assert rooms[0] == 2 and all(1 <= room <= 2 for room in rooms)  # a full batch is not asked
+    assert max(request.rows for request in requests) == 2
+    for request in requests:
+        prompt = request.input_ids[0].tolist()
+        assert torch.equal(request.result.result(timeout=0).sequences, alone(base, prompt, 6))
+    with pytest.raises(ValueError, match="gave 3 requests where room was 2"):
+        model.generate_continuously(lambda room: [Request([5, 6], max_new_tokens=3) for _ in range(3)], max_batch=2)
+    with pytest.raises(ValueError, match="max_batch must be an integer >= 1"):
+        model.generate_continuously(lambda room: [], max_batch=0)
+
+
+def test_a_request_generate_refuses_gets_its_error_and_the_others_go_on():
+    base, model = heads_model()
+    window = base.config.max_position_embeddings
+    good = Request([5, 6, 7], max_new_tokens=8)
+    empty, too_long = Request([]), Request([5, 6, 7], max_new_tokens=window)
+    model.generate_continuously(Arrivals({0: [empty, good], 1: [too_long]}))
+    assert torch.equal(good.result.result(timeout=0).sequences, alone(base, [5, 6, 7], 8))
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        empty.result.result(timeout=0)
+    with pytest.raises(ValueError, match="exceeds the model's context window"):
+        too_long.result.result(timeout=0)
+
+
+def test_a_failing_step_hands_its_error_to_every_request_still_decoding(monkeypatch):
+    base, model = heads_model()
+    done = Request([12], max_new_tokens=1)  # its first token ends it: delivered before the failure
+    running = [Request([5, 6, 7], max_new_tokens=20), Request([8, 9], max_new_tokens=20)]
+    forward, calls = medusa.runtime.eager.EagerEngine.batch_forward, []
+
+    def fails_on_the_third(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("out of memory")
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(medusa.runtime.eager.EagerEngine, "batch_forward", fails_on_the_third)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        model.generate_continuously(Arrivals({0: [done] + running}), engine="eager")
+    assert torch.equal(done.result.result(timeout=0).sequences, alone(base, [12], 1))
+    for request in running:
+        with pytest.raises(RuntimeError, match="out of memory"):
+            request.result.result(timeout=0)
+
+
+def test_each_request_streams_and_stops_by_its_own_rules():
+    base, model = heads_model()
+    free = alone(base, PROMPTS[0], 20)[0, len(PROMPTS[0]) :].tolist()
+    text = tiny_tokenizer().decode(free[5:7])  # a stop string that ends the first request at its 7th new token
+    streamers = [RecordingStreamer(), RecordingStreamer()]
+    stopped = Request([PROMPTS[0]], max_new_tokens=20, stop_strings=[text], streamer=streamers[0])
+    other = Request([PROMPTS[2]], max_new_tokens=20, streamer=streamers[1])
+    model.generate_continuously(Arrivals({0: [stopped], 1: [other]}))
+    for request, streamer, prompt in zip([stopped, other], streamers, [PROMPTS[0], PROMPTS[2]]):
+        new = request.result.result(timeout=0).sequences[0, len(prompt) :].tolist()
+        assert streamer.puts[0] == prompt and streamer.ended == 1
+        assert [t for put in streamer.puts[1:] for t in put] == new
+    assert stopped.result.result().sequences[0, len(PROMPTS[0]) :].tolist() == free[:7]
+    assert other.result.result().sequences[0].tolist() == alone(base, PROMPTS[2], 20)[0].tolist()
+
+
+def test_rows_that_join_with_another_proposer_decode_beside_the_others_and_trees_follow_the_batch_size(monkeypatch):
+    """Each join takes the layout for the batch's new size (here: one row a dynamic tree of 3 nodes, two rows the
+    static tree, three plain decoding, four a dynamic tree of 5 nodes), side by side in one batch; before each step
+    the dynamic rows take the node budget of the batch's size (four rows: 5 nodes each, proposing together)."""
+    import medusa.dynamic_tree
+    from medusa.decode import BatchLayout
+
+    base, model = heads_model("qwen2")
+    layouts = {
+        1: BatchLayout("eager", False, "dynamic", [[0], [1]]),
+        2: BatchLayout("eager", False, "medusa", None),
+        3: BatchLayout("eager", False, "plain", None),
+        4: BatchLayout("eager", False, "dynamic", [[0], [0, 0], [1], [0, 1]]),
+    }
+    monkeypatch.setattr(MedusaModel, "batch_layout", lambda self, lengths, *args: layouts[len(lengths)])
+    proposed, propose_batch = [], medusa.dynamic_tree.DynamicTreeProposer.propose_batch
+
+    def recorded(proposers, states):
+        proposed.append((len(proposers), proposers[0].num_nodes))
+        return propose_batch(proposers, states)
+
+    monkeypatch.setattr(medusa.dynamic_tree.DynamicTreeProposer, "propose_batch", staticmethod(recorded))
+    requests = [Request([p], max_new_tokens=20) for p in PROMPTS]
+    model.generate_continuously(Arrivals({0: requests[:1], 1: requests[1:2], 2: requests[2:3], 3: requests[3:]}))
+    for request, prompt in zip(requests, PROMPTS):
+        assert torch.equal(request.result.result(timeout=0).sequences, alone(base, prompt, 20))
+    assert max(request.rows for request in requests) == 4
+    assert proposed[0] == (1, 3) and (2, 5) in proposed  # alone: 3 nodes; among four rows the two dynamic ones: 5
