@@ -70,7 +70,8 @@ class GenerationRequest:
     list), at most `max_new_tokens` new tokens (None: the call's settings, as generate's), its stop strings and
     transformers stopping criteria, its streamer (transformers' protocol). `result` gets what generate returns for
     this prompt alone (a GenerateOutput, as with return_dict_in_generate=True: `.sequences` (1, T + new) and the
-    row's own `.stats`) as soon as its row stops, or the error that refused or failed it."""
+    row's own `.stats`) as soon as its row stops, or the error that refused it (`started` False: generate would
+    refuse it too) or that failed the batch it was in (`started` True)."""
 
     input_ids: torch.Tensor | list[int]
     max_new_tokens: int | None = None
@@ -79,6 +80,7 @@ class GenerationRequest:
     streamer: object = None
     result: Future = field(default_factory=Future)
     rows: int = 0  # the most rows it decoded with, itself included (set with the result)
+    started: bool = False  # whether it joined a batch (set before its prefill)
 
 
 class _Row:

@@ -458,9 +458,9 @@ class SpeculativeGenerator:
         stats of all rows once none is left and `take` gives none. The sampling settings (and generation_config,
         eos_token_id, acceptance and its posterior settings) are the call's, for every row; max_new_tokens, stop
         strings, stopping criteria and streamers are each request's. A request generate would refuse gets that error
-        in its `result` and the rest go on; if a step fails, every request still decoding gets the error, which is
-        raised. The engine is the one the plan lays out for the first requests (or `engine`); each request's
-        proposer and tree are the plan's for the rows it joins (or `proposer` and `tree`)."""
+        in its `result` (its `started` False) and the rest go on; if a step fails, every request still decoding gets
+        the error, which is raised. The engine is the one the plan lays out for the first requests (or `engine`);
+        each request's proposer and tree are the plan's for the rows it joins (or `proposer` and `tree`)."""
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         tokenizer = tokenizer or self.tokenizer
@@ -469,6 +469,7 @@ class SpeculativeGenerator:
         shared.update(eos_token_id=eos_token_id, pad_token_id=pad_token_id)
         ends = end_token_ids(self.base, tokenizer, eos_token_id)
         batch, live, stats, laid_out = None, [], DecodeStats(), 0  # laid_out: the rows the trees were sized for
+        joining: list = []
         try:
             while True:
                 if batch is not None and not batch.active:  # every row stopped: the next ones start a new batch
@@ -495,8 +496,12 @@ class SpeculativeGenerator:
                 if not ready and batch is None:
                     return stats
                 if ready:
+                    for request, *_ in ready:
+                        request.started = True
+                    joining = [request for request, *_ in ready]  # (a failing prefill hands them its error)
                     batch, rows = self._join(batch, ready, acceptance, proposer, tree, engine, ends)
-                    live += [(row, request) for row, (request, *_) in zip(rows, ready)]
+                    live += list(zip(rows, joining))
+                    joining = []
                     live = _deliver(live)
                 if batch.active:
                     if len(batch.active) != laid_out and proposer is None and tree is None:
@@ -505,7 +510,7 @@ class SpeculativeGenerator:
                     batch.step()
                     live = _deliver(live)
         except BaseException as error:
-            for _, request in live:
+            for request in [request for _, request in live] + joining:
                 if not request.result.done():
                     request.result.set_exception(error)
             raise

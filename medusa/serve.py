@@ -398,7 +398,7 @@ def create_app(
         line (it waits for this batch to end: arrival order); each is answered when its own row stops. Where a step
         fails, the requests it held decode again one by one, but for streams that already sent text (they get the
         error)."""
-        ended: list = []  # (job, future, streamer, request) of requests whose result is an error, seen at the end
+        ended: list = []  # (job, future, streamer, request) of the requests a failed step ended
 
         def take(room: int) -> list[GenerationRequest]:
             with waiting_lock:
@@ -424,10 +424,14 @@ def create_app(
             return requests
 
         def answer(job, future, streamer, request) -> None:
-            if request.result.exception() is not None:
+            error = request.result.exception()
+            if error is not None and request.started:  # a failed step: seen once generate_continuously raises
                 ended.append((job, future, streamer, request))
                 return
-            future.set_result((request.result.result(), request.rows))
+            if error is None:
+                future.set_result((request.result.result(), request.rows))
+            else:  # refused, as generate would refuse it: a 400 naming the fix, at once
+                future.set_exception(RequestError(str(error)) if isinstance(error, (ValueError, TypeError)) else error)
             if streamer is not None:
                 streamer.close()
 
@@ -439,12 +443,10 @@ def create_app(
         finally:
             again = []
             for job, future, streamer, request in ended:
-                error = request.result.exception()
-                if error is failed and (streamer is None or not streamer.sent):
+                if failed is not None and (streamer is None or not streamer.sent):
                     again.append((job, future, streamer))
                     continue
-                refused = error is not failed and isinstance(error, (ValueError, TypeError))  # generate names the fix
-                future.set_exception(RequestError(str(error)) if refused else error)
+                future.set_exception(request.result.exception())
                 if streamer is not None:
                     streamer.close()
         for job, future, streamer in again:

@@ -92,25 +92,27 @@ def test_a_request_generate_refuses_gets_its_error_and_the_others_go_on():
         empty.result.result(timeout=0)
     with pytest.raises(ValueError, match="exceeds the model's context window"):
         too_long.result.result(timeout=0)
+    assert good.started and not empty.started and not too_long.started  # refused: never started
 
 
-def test_a_failing_step_hands_its_error_to_every_request_still_decoding(monkeypatch):
+def test_a_failing_forward_hands_its_error_to_every_request_decoding_or_joining(monkeypatch):
     base, model = heads_model()
     done = Request([12], max_new_tokens=1)  # its first token ends it: delivered before the failure
     running = [Request([5, 6, 7], max_new_tokens=20), Request([8, 9], max_new_tokens=20)]
-    forward, calls = medusa.runtime.eager.EagerEngine.batch_forward, []
+    forward = medusa.runtime.eager.EagerEngine.batch_forward
 
-    def fails_on_the_third(self, *args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:
+    def fails_on_a_four_token_prompt(self, cache, ids, *args, **kwargs):
+        if ids.shape == (1, 4):
             raise RuntimeError("out of memory")
-        return forward(self, *args, **kwargs)
+        return forward(self, cache, ids, *args, **kwargs)
 
-    monkeypatch.setattr(medusa.runtime.eager.EagerEngine, "batch_forward", fails_on_the_third)
+    monkeypatch.setattr(medusa.runtime.eager.EagerEngine, "batch_forward", fails_on_a_four_token_prompt)
+    joining = Request([5, 6, 7, 8], max_new_tokens=20)  # its prefill fails, after the others' first step
     with pytest.raises(RuntimeError, match="out of memory"):
-        model.generate_continuously(Arrivals({0: [done] + running}), engine="eager")
+        model.generate_continuously(Arrivals({0: [done] + running, 1: [joining]}), engine="eager")
     assert torch.equal(done.result.result(timeout=0).sequences, alone(base, [12], 1))
-    for request in running:
+    for request in running + [joining]:
+        assert request.started
         with pytest.raises(RuntimeError, match="out of memory"):
             request.result.result(timeout=0)
 

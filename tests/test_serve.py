@@ -283,7 +283,8 @@ def asked_while_busy(model, app, requests: list[tuple[str, dict]], refuse_batche
                 request.streamer.put(torch.tensor([[1]]))
                 request.streamer.put(torch.tensor([5]))
         failed = ValueError("no batches today")
-        for request in taken:
+        for request in taken:  # as generate_continuously fails a step: its requests started
+            request.started = True
             request.result.set_exception(failed)
         raise failed
 
