@@ -474,7 +474,7 @@ class SpeculativeGenerator:
             while True:
                 if batch is not None and not batch.active:  # every row stopped: the next ones start a new batch
                     _add(stats, batch)
-                    batch = None
+                    batch, laid_out = None, 0
                 room = max_batch - (len(batch.active) if batch is not None else 0)
                 given = take(room) if room > 0 else []
                 if len(given) > room:
