@@ -161,3 +161,20 @@ def test_rows_that_join_with_another_proposer_decode_beside_the_others_and_trees
         assert torch.equal(request.result.result(timeout=0).sequences, alone(base, prompt, 20))
     assert max(request.rows for request in requests) == 4
     assert proposed[0] == (1, 3) and (2, 5) in proposed  # alone: 3 nodes; among four rows the two dynamic ones: 5
+
+
+def test_a_draft_model_decodes_requests_joining_a_running_batch_exactly():
+    target, tokenizer = make_tiny_model("llama"), tiny_tokenizer()
+    drafted = MedusaModel.from_draft_model(
+        target=target,
+        draft=make_tiny_model("llama", seed=1),
+        num_speculative_tokens=3,
+        tokenizer=tokenizer,
+        draft_tokenizer=tokenizer,
+    )
+    requests = [Request([p], max_new_tokens=12 + 4 * r) for r, p in enumerate(PROMPTS)]
+    drafted.generate_continuously(Arrivals({0: requests[:2], 2: requests[2:]}))
+    for request, prompt in zip(requests, PROMPTS):
+        expected = alone(target, prompt, request.max_new_tokens)
+        assert torch.equal(request.result.result(timeout=0).sequences, expected)
+    assert max(request.rows for request in requests) == 4
