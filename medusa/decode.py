@@ -496,9 +496,9 @@ class SpeculativeGenerator:
                 if not ready and batch is None:
                     return stats
                 if ready:
-                    for request, *_ in ready:
-                        request.started = True
                     joining = [request for request, *_ in ready]  # (a failing prefill hands them its error)
+                    for request in joining:
+                        request.started = True
                     batch, rows = self._join(batch, ready, acceptance, proposer, tree, engine, ends)
                     live += list(zip(rows, joining))
                     joining = []
