@@ -67,14 +67,19 @@ def split_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -
 @dataclass
 class GenerationRequest:
     """One prompt for continuous batching (SpeculativeGenerator.generate_continuously): its token ids ((1, T) or a
-    list), at most `max_new_tokens` new tokens (None: the call's settings, as generate's), its stop strings and
-    transformers stopping criteria, its streamer (transformers' protocol). `result` gets what generate returns for
+    list), at most `max_new_tokens` new tokens, its sampling (do_sample, temperature, top_p, top_k), each None for
+    the call's settings (as generate's), its stop strings and transformers stopping criteria, its streamer
+    (transformers' protocol). `result` gets what generate returns for
     this prompt alone (a GenerateOutput, as with return_dict_in_generate=True: `.sequences` (1, T + new) and the
     row's own `.stats`) as soon as its row stops, or the error that refused it (`started` False: generate would
     refuse it too) or that failed the batch it was in (`started` True)."""
 
     input_ids: torch.Tensor | list[int]
     max_new_tokens: int | None = None
+    do_sample: bool | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
     stop_strings: str | list[str] | None = None
     stopping_criteria: list | None = None
     streamer: object = None
@@ -85,11 +90,12 @@ class GenerationRequest:
 
 class _Row:
     """One prompt's decoding: its state as the proposers read it, its proposer, its limits (max_new_tokens and
-    stop_when, as decode_batch's), its new tokens, its streamer and what its steps accepted."""
+    stop_when, as decode_batch's), its sampling and acceptance rule, its new tokens, its streamer and what its steps
+    accepted."""
 
-    def __init__(self, prompt: torch.Tensor, proposer, max_new_tokens: int, stop_when, streamer=None):
+    def __init__(self, prompt: torch.Tensor, proposer, max_new_tokens: int, stop_when, sampling, rule, streamer=None):
         self.prompt, self.proposer, self.streamer = prompt, proposer, streamer
-        self.max_new_tokens, self.stop_when = max_new_tokens, stop_when
+        self.max_new_tokens, self.stop_when, self.sampling, self.rule = max_new_tokens, stop_when, sampling, rule
         self.prompt_ids: list[int] = prompt[0].tolist()  # what a stopping criterion sees before the new tokens
         self.new: list[int] = []
         self.state: DecodeState | None = None
@@ -160,10 +166,11 @@ def decode_batch(
 
 
 class BatchDecoding:
-    """A batch's decoding (decode_batch's arguments; max_new_tokens and stop_when one for every row or a list of one
-    per row): prefilled when made, one step (every active row's propose, the batched verify, each row's acceptance,
-    the commit) per `step()` while `active` holds rows; `admit` adds rows to it between steps (continuous batching:
-    SpeculativeGenerator.generate_continuously). `rows`: every row it took, in order."""
+    """A batch's decoding (decode_batch's arguments; make_proposer, rule, max_new_tokens, sampling and stop_when each
+    one for every row or a list of one per row): prefilled when made, one step (every active row's propose, the
+    batched verify, each row's acceptance, the commit) per `step()` while `active` holds rows; `admit` adds rows to it
+    between steps (continuous batching: SpeculativeGenerator.generate_continuously). `rows`: every row it took, in
+    order."""
 
     @torch.inference_mode()
     def __init__(
@@ -182,13 +189,13 @@ class BatchDecoding:
         pad_token_id,
         streamers=None,
     ):
-        self.engine, self.rule, self.sampling, self.generator = engine, rule, sampling, generator
+        self.engine, self.generator = engine, generator
         self.dtype = engine.model.dtype
         self.stop_ids, self.feature_layers, self.pad_token_id = stop_ids, feature_layers, pad_token_id
         self.device = prompts[0].device
         self.rows: list[_Row] = []
         self.stats = DecodeStats(steps=1)
-        rows = self._new_rows(prompts, make_proposer, max_new_tokens, stop_when, streamers)
+        rows = self._new_rows(prompts, make_proposer, rule, max_new_tokens, sampling, stop_when, streamers)
         # prefill: every row's prompt left-padded to `width`, written at positions 0 .. width - 1 (a group of rows of
         # like lengths in one forward, padded only to the group's longest: prefill_groups)
         width = max(p.shape[1] for p in prompts)
@@ -202,14 +209,15 @@ class BatchDecoding:
         self.active = [row for row in rows if not self._emit(row, [int(row.state.root_token)])]
         _leave(cache, rows, self.active)
 
-    def _new_rows(self, prompts, make_proposer, max_new_tokens, stop_when, streamers) -> list[_Row]:
-        """Rows for `prompts`: max_new_tokens and stop_when are each one for every row or a list of one per row."""
-        each = [max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompts)]
-        each.append(stop_when if isinstance(stop_when, list) else [stop_when] * len(prompts))
+    def _new_rows(self, prompts, make_proposer, rule, max_new_tokens, sampling, stop_when, streamers) -> list[_Row]:
+        """Rows for `prompts`: make_proposer, rule, max_new_tokens, sampling and stop_when are each one for every row
+        or a list of one per row."""
+        each = [v if isinstance(v, list) else [v] * len(prompts) for v in (make_proposer, max_new_tokens, stop_when)]
+        each += [v if isinstance(v, list) else [v] * len(prompts) for v in (sampling, rule)]
         each.append(streamers or [None] * len(prompts))
         rows = [
-            _Row(p, _unguarded(make_proposer()), most, stop, streamer)
-            for p, most, stop, streamer in zip(prompts, *each)
+            _Row(p, _unguarded(make()), most, stop, how, accept, streamer)
+            for p, make, most, stop, how, accept, streamer in zip(prompts, *each)
         ]
         for row in rows:
             if row.streamer is not None:
@@ -218,12 +226,14 @@ class BatchDecoding:
         return rows
 
     @torch.inference_mode()
-    def admit(self, prompts, make_proposer, *, max_new_tokens, stop_when=None, streamers=None) -> list[_Row]:
-        """Rows joining the batch between steps (each prompt (1, T_b); max_new_tokens and stop_when one for all or
-        one per row; a streamer per row or None): prefilled in groups of like lengths on their own, placed after the
-        active rows in the cache (grown where a row would not fit), then stepping with the others -> the new rows
-        (`done` where their first token ended them)."""
-        rows = self._new_rows(prompts, make_proposer, max_new_tokens, stop_when, streamers)
+    def admit(
+        self, prompts, make_proposer, rule, *, max_new_tokens, sampling, stop_when=None, streamers=None
+    ) -> list[_Row]:
+        """Rows joining the batch between steps (each prompt (1, T_b); make_proposer, rule, max_new_tokens, sampling
+        and stop_when one for all or one per row; a streamer per row or None): prefilled in groups of like lengths on
+        their own, placed after the active rows in the cache (grown where a row would not fit), then stepping with
+        the others -> the new rows (`done` where their first token ended them)."""
+        rows = self._new_rows(prompts, make_proposer, rule, max_new_tokens, sampling, stop_when, streamers)
         before = list(self.active)
         self._fit(rows)
         cache = self.cache
@@ -269,7 +279,7 @@ class BatchDecoding:
         """One forward over the prompts of `group`, left-padded to the longest of them, into cache rows `slots` so that
         each prompt ends at position `end` (directly where the group is the whole batch and fills its width, else
         through a scratch cache placed there); each row's state."""
-        device, dtype, sampling = self.device, self.dtype, self.sampling
+        device, dtype = self.device, self.dtype
         longest = max(row.prompt.shape[1] for row in group)
         whole = len(group) == len(cache.lengths) and longest == end  # (the batch's cache was started for every row)
         target = cache if whole else cache.scratch(longest + 1)
@@ -293,7 +303,7 @@ class BatchDecoding:
             target.advance(longest)
             cache.place(slots, target, end - longest)
         for i, row in enumerate(group):
-            root = select_token(logits[i, -1], sampling, self.generator)
+            root = select_token(logits[i, -1], row.sampling, self.generator)
             hidden = features[i, longest - row.prompt.shape[1] :]
             row.pad = end - row.prompt.shape[1]
             row.state = DecodeState(None, row.prompt.shape[1], root, hidden[-1], row.prompt_ids + [int(root)], hidden)
@@ -327,7 +337,7 @@ class BatchDecoding:
         for b, (row, c) in enumerate(zip(active, candidates)):
             size = c.tree.num_nodes
             verified = VerifyOutput(logits[b, :size], features[b, :size])
-            accepted = self.rule(c, verified, self.sampling, self.generator)
+            accepted = row.rule(c, verified, row.sampling, self.generator)
             kept.append(accepted.nodes)
             row.state.advance(accepted, verified.hidden, device)
             row.proposer.observe(row.state, accepted.tokens)

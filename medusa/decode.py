@@ -455,17 +455,19 @@ class SpeculativeGenerator:
         it gives join the running batch there (prefilled together, then stepping with the rest:
         medusa.batch.BatchDecoding.admit), and each request's `result` gets its output as soon as its own row stops,
         so a short answer never waits for a long one and a new prompt never waits for the batch to end. Returns the
-        stats of all rows once none is left and `take` gives none. The sampling settings (and generation_config,
-        eos_token_id, acceptance and its posterior settings) are the call's, for every row; max_new_tokens, stop
-        strings, stopping criteria and streamers are each request's. A request generate would refuse gets that error
-        in its `result` (its `started` False) and the rest go on; if a step fails, every request still decoding gets
-        the error, which is raised. The engine is the one the plan lays out for the first requests (or `engine`);
-        each request's proposer and tree are the plan's for the rows it joins (or `proposer` and `tree`)."""
+        stats of all rows once none is left and `take` gives none. Each request's max_new_tokens and sampling settings
+        (do_sample, temperature, top_p, top_k) override the call's where it sets them, so greedy and sampled rows
+        share a batch; its stop strings, stopping criteria and streamer are its own; generation_config, eos_token_id
+        and acceptance (with its posterior settings) are the call's for every row. A request generate would refuse
+        gets that error in its `result` (its `started` False) and the rest go on; if a step fails, every request
+        still decoding gets the error, which is raised. The engine is the one the plan lays out for the first
+        requests (or `engine`); each request's proposer and tree are the plan's for the rows it joins (or `proposer`
+        and `tree`)."""
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         tokenizer = tokenizer or self.tokenizer
         vocab = self.base.get_input_embeddings().num_embeddings
-        shared = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
+        shared = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)  # (SAMPLING)
         shared.update(eos_token_id=eos_token_id, pad_token_id=pad_token_id)
         ends = end_token_ids(self.base, tokenizer, eos_token_id)
         batch, live, stats, laid_out = None, [], DecodeStats(), 0  # laid_out: the rows the trees were sized for
@@ -484,6 +486,7 @@ class SpeculativeGenerator:
                     try:
                         prompt = prepare_input_ids(request.input_ids, self.device, vocab_size=vocab)
                         asked = dict(shared, max_new_tokens=request.max_new_tokens, stop_strings=request.stop_strings)
+                        asked.update({k: getattr(request, k) for k in SAMPLING if getattr(request, k) is not None})
                         settings = generate_args.resolve(
                             self.base, prompt.shape[1], generation_config, asked, posterior_threshold, posterior_alpha
                         )
@@ -523,7 +526,7 @@ class SpeculativeGenerator:
         """Requests `ready` (request, prompt, settings, stopping rule) as rows of `batch` (a new one where it is
         None, on the engine the plan lays out for them) -> (the batch, their rows)."""
         prompts = [prompt for _, prompt, _, _ in ready]
-        sampling = ready[0][2].sampling
+        samplings = [settings.sampling for _, _, settings, _ in ready]
         lengths = [p.shape[1] for p in prompts] + ([] if batch is None else [r.state.length for r in batch.active])
         longest_new = max(settings.max_new_tokens for _, _, settings, _ in ready)
         named = None if batch is None else batch.engine.name
@@ -531,23 +534,25 @@ class SpeculativeGenerator:
         target, eager = self.engine(layout.engine), self.engine("eager")  # eager: what a row's draft model runs on
         self.prepare_proposal(target)
 
-        def make_proposer():
-            return self.make_proposer(layout.proposer, layout.tree, sampling, None, engine=eager)
+        def proposing(sampling):
+            return lambda: self.make_proposer(layout.proposer, layout.tree, sampling, None, engine=eager)
 
+        makers = [proposing(sampling) for sampling in samplings]
+        rules = [get_rule(acceptance or (self.default_sampling_rule if s.do_sample else "greedy")) for s in samplings]
         each = dict(
             max_new_tokens=[settings.max_new_tokens for _, _, settings, _ in ready],
+            sampling=samplings,
             stop_when=[stop_when for *_, stop_when in ready],
             streamers=[request.streamer for request, *_ in ready],
         )
         if batch is not None:
-            return batch, batch.admit(prompts, make_proposer, **each)
+            return batch, batch.admit(prompts, makers, rules, **each)
         pad = ready[0][2].pad_token_id
         batch = BatchDecoding(
             target,
-            make_proposer,
-            get_rule(acceptance or (self.default_sampling_rule if sampling.do_sample else "greedy")),
+            makers,
+            rules,
             prompts,
-            sampling=sampling,
             stop_ids=set(ends),
             feature_layers=self.feature_layers,
             pad_token_id=(ends[0] if ends else 0) if pad is None else pad,
@@ -577,6 +582,10 @@ def _add(total: DecodeStats, batch: BatchDecoding) -> None:
     total.accepted_lengths += stats.accepted_lengths
     total.proposed_lengths += stats.proposed_lengths
     total.verified_nodes += stats.verified_nodes
+
+
+# generate's sampling settings, which a continuous batch's requests may each set (medusa.batch.GenerationRequest)
+SAMPLING = ("do_sample", "temperature", "top_p", "top_k")
 
 
 @torch.inference_mode()

@@ -5,11 +5,10 @@ The model decodes in a single worker thread, requests waiting in its queue in ar
 accepting (and refusing) requests while the model decodes. `medusa serve` makes the process's main thread that worker
 (MainThreadWorker, the server in a thread of its own), where the model was loaded: measured faster under load than a
 worker thread of its own (docs/serving.md). Requests decode by continuous batching: the one the worker reaches
-decodes with the waiting ones that share its sampling settings (without a seed), in one running batch that the next
-such requests join between steps (model.generate_continuously: each row as it would decode alone, with its own
-max_tokens, stop strings and stream), and each is answered when its own row stops. A request with a seed decodes
-alone. A request the server cannot honour exactly gets a 400 in OpenAI's error format naming the field
-and the fix; the server goes on serving.
+decodes with the waiting ones behind it in one running batch that the next requests join between steps
+(model.generate_continuously: each row as it would decode alone, with its own sampling, max_tokens, stop strings and
+stream), and each is answered when its own row stops. A request with a seed decodes alone. A request the server
+cannot honour exactly gets a 400 in OpenAI's error format naming the field and the fix; the server goes on serving.
 """
 
 from __future__ import annotations
@@ -360,25 +359,17 @@ def create_app(
 
     waiting_lock = threading.Lock()
 
-    def batch_key(job: _Job):
-        """Requests with equal keys decode in one batch (each with its own max_tokens, stops and stream); None:
-        alone (a seed's random stream is its request's)."""
-        if job.seed is not None:
-            return None
-        return tuple(sorted(job.sampling.items()))
-
     def run_waiting() -> None:
         """In the worker thread (submitted once per waiting request): the oldest waiting request decodes alone where
-        it has a seed, else with the requests waiting behind it that share its key, in one running batch that the
-        next ones of that key join as they come (decode_together), even when it waits alone: a request that comes a
-        moment later joins it rather than waiting for it to end. A stream's queue ends when its request is done."""
+        it has a seed, else with the requests waiting behind it, in one running batch that the next ones join as
+        they come (decode_together), even when it waits alone: a request that comes a moment later joins it rather
+        than waiting for it to end. A stream's queue ends when its request is done."""
         with waiting_lock:
             if not waiting:
                 return
-            key = batch_key(waiting[0][0])
-            alone = waiting.pop(0) if key is None else None
+            alone = waiting.pop(0) if waiting[0][0].seed is not None else None
         if alone is None:
-            decode_together(key)
+            decode_together()
         else:
             decode_alone(*alone)
 
@@ -392,10 +383,11 @@ def create_app(
             if streamer is not None:
                 streamer.close()
 
-    def decode_together(key) -> None:
-        """Continuous batching (model.generate_continuously): the waiting requests of `key` from the head of the
-        queue join the running batch before each step, up to max_batch rows, until one of another key is first in
-        line (it waits for this batch to end: arrival order); each is answered when its own row stops. Where a step
+    def decode_together() -> None:
+        """Continuous batching (model.generate_continuously): the waiting requests from the head of the queue join
+        the running batch before each step, each with its own sampling, max_tokens, stops and stream, up to
+        max_batch rows, until a seeded one is first in line (it waits for this batch to end: arrival order); each is
+        answered when its own row stops. Where a step
         fails, the requests it held decode again one by one, but for streams that already sent text (they get the
         error)."""
         ended: list = []  # (job, future, streamer, request) of the requests a failed step ended
@@ -403,7 +395,7 @@ def create_app(
         def take(room: int) -> list[GenerationRequest]:
             with waiting_lock:
                 taken = []
-                while waiting and len(taken) < room and batch_key(waiting[0][0]) == key:
+                while waiting and len(taken) < room and waiting[0][0].seed is None:
                     taken.append(waiting.pop(0))
             requests = []
             for job, future, streamer in taken:
@@ -415,6 +407,7 @@ def create_app(
                 request = GenerationRequest(
                     job.input_ids,
                     max_new_tokens=job.max_tokens,
+                    **job.sampling,
                     stop_strings=job.stops or None,
                     stopping_criteria=[_Cancel(job.cancelled)] if streamer else None,  # a client that left stops it
                     streamer=streamer,
@@ -437,7 +430,7 @@ def create_app(
 
         failed = None
         try:
-            model.generate_continuously(take, max_batch=max_batch, tokenizer=tokenizer, **dict(key))
+            model.generate_continuously(take, max_batch=max_batch, tokenizer=tokenizer)
         except Exception as error:  # noqa: BLE001 - its requests decode again alone below, or are handed it
             failed = error
         finally:

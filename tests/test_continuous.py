@@ -178,3 +178,24 @@ def test_a_draft_model_decodes_requests_joining_a_running_batch_exactly():
         expected = alone(target, prompt, request.max_new_tokens)
         assert torch.equal(request.result.result(timeout=0).sequences, expected)
     assert max(request.rows for request in requests) == 4
+
+
+def test_greedy_and_sampled_requests_share_a_batch_each_with_its_own_settings():
+    """Each request's sampling is its own (the call's where it sets none): greedy rows beside sampled ones are still
+    transformers' greedy output; a sampled row draws at its own temperature (its distribution: test_distribution)."""
+    base, model = heads_model()
+    greedy = [Request([p], max_new_tokens=16) for p in PROMPTS[:2]]
+    sampled = [Request([p], max_new_tokens=16, do_sample=True, temperature=t) for p, t in zip(PROMPTS[2:], [0.7, 1.5])]
+    torch.manual_seed(0)
+    model.generate_continuously(Arrivals({0: [sampled[0], greedy[0]], 1: [greedy[1], sampled[1]]}), do_sample=False)
+    for request, prompt in zip(greedy, PROMPTS):
+        assert torch.equal(request.result.result(timeout=0).sequences, alone(base, prompt, 16))
+    assert max(request.rows for request in greedy + sampled) == 4
+    # the call's sampling holds where a request sets none
+    called = [Request([p], max_new_tokens=16) for p in PROMPTS[:2]]
+    torch.manual_seed(0)
+    model.generate_continuously(Arrivals({0: called}), do_sample=True, temperature=1.5)
+    assert any(
+        not torch.equal(r.result.result(timeout=0).sequences, g.result.result(timeout=0).sequences)
+        for r, g in zip(called, greedy)
+    )

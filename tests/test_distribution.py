@@ -414,11 +414,12 @@ def test_each_row_of_a_sampled_batch_is_distributed_as_the_target(request, targe
     assert_each_row_exact(target, index, f"{model_name}, batch row", settings)
 
 
-def assert_each_row_exact(target, index: torch.Tensor, label: str, settings: dict) -> None:
-    """index[row]: each draw's 3-token continuation (as an index) for BATCH_PROMPTS[row]: every row must follow the
-    target's distribution for its prompt."""
-    for row, prompt in enumerate(BATCH_PROMPTS):
-        exact = exact_continuations(target, torch.tensor([prompt]), **settings)
+def assert_each_row_exact(target, index: torch.Tensor, label: str, settings, prompts=BATCH_PROMPTS) -> None:
+    """index[row]: each draw's 3-token continuation (as an index) for prompts[row]: every row must follow the
+    target's distribution for its prompt under `settings` (one dict for all rows, or a list of one per row)."""
+    for row, prompt in enumerate(prompts):
+        own = settings[row] if isinstance(settings, list) else settings
+        exact = exact_continuations(target, torch.tensor([prompt]), **own)
         result = chi_square(torch.bincount(index[row], minlength=V**3), exact)
         report(f"{label} {row} (exact)", result)
         assert result["impossible"] == 0
@@ -428,22 +429,33 @@ def assert_each_row_exact(target, index: torch.Tensor, label: str, settings: dic
 @pytest.mark.slow
 def test_each_request_joining_a_running_batch_is_distributed_as_the_target(target, medusa):
     """Continuous batching (generate_continuously), sampled: two requests start a batch (6 new tokens, their first 3
-    counted), two more join it after its first step; every request's continuations follow the target's distribution
-    for its prompt, so rows that join a running batch (their own prefill, masks, positions and draws) stay exact."""
+    counted), two more join it after its first step, each request with its own sampling settings and one greedy
+    among them; every sampled request's continuations follow the target's distribution for its prompt and settings
+    and the greedy one is the target's greedy continuation every time, so rows that join a running batch (their own
+    prefill, masks, positions, rules and draws) stay exact."""
     from medusa.batch import GenerationRequest
 
+    own = [MEDUSA_SETTINGS, None, dict(temperature=1.3, top_k=8), dict(temperature=0.5)]  # None: greedy
+    greedy = medusa.base.generate(torch.tensor([BATCH_PROMPTS[1]]), max_new_tokens=NEW, do_sample=False)[0, -NEW:]
     torch.manual_seed(13)
     index = torch.empty((len(BATCH_PROMPTS), BATCH_SAMPLES), dtype=torch.long)
     for i in range(BATCH_SAMPLES):
-        requests = [GenerationRequest([p], max_new_tokens=6 if r < 2 else NEW) for r, p in enumerate(BATCH_PROMPTS)]
+        requests = [
+            GenerationRequest([p], max_new_tokens=6 if r < 2 else NEW, do_sample=s is not None, **(s or {}))
+            for r, (p, s) in enumerate(zip(BATCH_PROMPTS, own))
+        ]
         calls = []
 
         def take(room, requests=requests, calls=calls):
             calls.append(room)
             return requests[:2] if len(calls) == 1 else requests[2:] if len(calls) == 2 else []
 
-        medusa.generate_continuously(take, do_sample=True, **MEDUSA_SETTINGS)
+        medusa.generate_continuously(take)
         for row, (request, prompt) in enumerate(zip(requests, BATCH_PROMPTS)):
             x1, x2, x3 = request.result.result(timeout=0).sequences[0, len(prompt) : len(prompt) + NEW].tolist()
             index[row, i] = x1 * V * V + x2 * V + x3
-    assert_each_row_exact(target, index, "continuous batching, request", MEDUSA_SETTINGS)
+    x1, x2, x3 = greedy.tolist()
+    assert (index[1] == x1 * V * V + x2 * V + x3).all()
+    sampled = [0, 2, 3]
+    prompts, settings = [BATCH_PROMPTS[r] for r in sampled], [own[r] for r in sampled]
+    assert_each_row_exact(target, index[sampled], "continuous batching, request", settings, prompts)

@@ -3,8 +3,8 @@
     medusa serve [--heads DIR] [--base PATH] [--dtype float32] [--engine NAME] [--host 127.0.0.1] [--port 8000]
                  [--model-name NAME] [--max-batch 16] [--steady [--chunk 4] [--rate TOK_S]]
 
-Requests are decoded in arrival order, by continuous batching: those with the same sampling settings, streamed or
-not, decode in one running batch that new ones join between steps, up to --max-batch rows (medusa/serve.py).
+Requests are decoded in arrival order, by continuous batching: streamed or not, greedy or sampled, they decode in one
+running batch that new ones join between steps, up to --max-batch rows (seeded ones alone: medusa/serve.py).
 `--steady` paces streams as `medusa chat --steady` does (see medusa/cli/chat.py for why). What is supported and
 refused: docs/serving.md.
 """
