@@ -261,11 +261,7 @@ class SpeculativeGenerator:
                 row, settings, sampling, rule, proposer, tree, generator, engine, stop_ids, stop_when, streamer=streamer
             )
             new.append(out.sequences[0, row.shape[1] :].tolist())
-            stats.steps += out.stats.steps
-            stats.new_tokens += out.stats.new_tokens
-            stats.accepted_lengths += out.stats.accepted_lengths
-            stats.proposed_lengths += out.stats.proposed_lengths
-            stats.verified_nodes += out.stats.verified_nodes
+            stats.add(out.stats)
         return GenerateOutput(sequences=padded(rows, new, pad), stats=stats)
 
     def _decode_one(
@@ -475,7 +471,8 @@ class SpeculativeGenerator:
         try:
             while True:
                 if batch is not None and not batch.active:  # every row stopped: the next ones start a new batch
-                    _add(stats, batch)
+                    batch.stats.new_tokens = sum(len(row.new) for row in batch.rows)
+                    stats.add(batch.stats)
                     batch, laid_out = None, 0
                 room = max_batch - (len(batch.active) if batch is not None else 0)
                 given = take(room) if room > 0 else []
@@ -572,16 +569,6 @@ def _deliver(live: list) -> list:
         else:
             still.append((row, request))
     return still
-
-
-def _add(total: DecodeStats, batch: BatchDecoding) -> None:
-    """A finished batch's stats added to `total`."""
-    stats = batch.stats
-    total.steps += stats.steps
-    total.new_tokens += sum(len(row.new) for row in batch.rows)
-    total.accepted_lengths += stats.accepted_lengths
-    total.proposed_lengths += stats.proposed_lengths
-    total.verified_nodes += stats.verified_nodes
 
 
 # generate's sampling settings, which a continuous batch's requests may each set (medusa.batch.GenerationRequest)

@@ -44,6 +44,14 @@ class DecodeStats:
     verified_nodes: list[int] = field(default_factory=list)  # nodes each verify step ran, root included
     timings: dict[str, float] = field(default_factory=dict)  # seconds per phase, when profiling
 
+    def add(self, other: DecodeStats) -> None:
+        """Count `other`'s forwards, tokens and steps in these (sequences decoded one after another, or batches)."""
+        self.steps += other.steps
+        self.new_tokens += other.new_tokens
+        self.accepted_lengths += other.accepted_lengths
+        self.proposed_lengths += other.proposed_lengths
+        self.verified_nodes += other.verified_nodes
+
     @property
     def mean_accepted_tokens(self) -> float:
         """tau: new tokens per target forward (plain decoding: 1.0)."""

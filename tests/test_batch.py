@@ -108,9 +108,9 @@ def test_rows_accepting_different_lengths_commit_each_its_own_path(engine, tmp_p
     assert len(packaged) == (out.stats.steps - 1 if engine == "inductor" else 0)  # every step but the prefill
 
 
-def test_a_draft_model_decodes_a_batch_row_by_row_exactly():
-    target = make_tiny_model("llama")
-    tokenizer = tiny_tokenizer()
+def tiny_drafted():
+    """(a tiny llama target, the target with another tiny llama as its draft model, 3 tokens a step)."""
+    target, tokenizer = make_tiny_model("llama"), tiny_tokenizer()
     drafted = MedusaModel.from_draft_model(
         target=target,
         draft=make_tiny_model("llama", seed=1),
@@ -118,6 +118,11 @@ def test_a_draft_model_decodes_a_batch_row_by_row_exactly():
         tokenizer=tokenizer,
         draft_tokenizer=tokenizer,
     )
+    return target, drafted
+
+
+def test_a_draft_model_decodes_a_batch_row_by_row_exactly():
+    target, drafted = tiny_drafted()
     ids, mask = padded(PROMPTS)
     out = drafted.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16)
     assert torch.equal(out, target.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False))

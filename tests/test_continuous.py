@@ -8,7 +8,7 @@ import medusa.runtime.eager
 from medusa import MedusaModel
 from medusa.batch import GenerationRequest as Request
 from tests.conftest import FAMILIES, make_heads, make_tiny_model, tiny_tokenizer
-from tests.test_batch import RecordingStreamer, alone
+from tests.test_batch import RecordingStreamer, alone, tiny_drafted
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [12], [20, 21, 22, 23], [30, 31, 30, 31, 30, 31, 30]]
 
@@ -164,14 +164,7 @@ def test_rows_that_join_with_another_proposer_decode_beside_the_others_and_trees
 
 
 def test_a_draft_model_decodes_requests_joining_a_running_batch_exactly():
-    target, tokenizer = make_tiny_model("llama"), tiny_tokenizer()
-    drafted = MedusaModel.from_draft_model(
-        target=target,
-        draft=make_tiny_model("llama", seed=1),
-        num_speculative_tokens=3,
-        tokenizer=tokenizer,
-        draft_tokenizer=tokenizer,
-    )
+    target, drafted = tiny_drafted()
     requests = [Request([p], max_new_tokens=12 + 4 * r) for r, p in enumerate(PROMPTS)]
     drafted.generate_continuously(Arrivals({0: requests[:2], 2: requests[2:]}))
     for request, prompt in zip(requests, PROMPTS):
