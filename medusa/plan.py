@@ -86,8 +86,7 @@ BATCH_REPEATS = 4
 # Choosing a batch's layout times whole decoding steps (what a verify's timing leaves out: masks, acceptance, commits),
 # this many after a warm-up, at each of these numbers of cached tokens: every row of a batch attends over its longest
 # prompt (padding included), so a batch's step grows with the width where one sequence's does not. The wider stays
-# inside the inductor engine's 1,024-row batch package with its steps, which a call's prompts of up to ~900 tokens use
-# too (a wider one would compile a 2,048-row package for the timing alone: minutes)
+# inside a 1,024-row cache with its steps, the size a call's prompts of up to ~900 tokens use too
 BATCH_LAYOUT_STEPS = 6
 # One sequence's steps are timed as the decode loop of twice this many new tokens less this many (time_alone_step): a
 # step of the plan's tree commits a few (fewer steps to count than tokens), and 6 tokens left a difference of 2-3

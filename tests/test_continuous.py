@@ -192,3 +192,36 @@ def test_greedy_and_sampled_requests_share_a_batch_each_with_its_own_settings():
         not torch.equal(r.result.result(timeout=0).sequences, g.result.result(timeout=0).sequences)
         for r, g in zip(called, greedy)
     )
+
+
+@pytest.mark.slow
+def test_one_batch_package_serves_the_cache_as_it_grows(tmp_path, monkeypatch):
+    """On the inductor engine a batch's steps run through one package whatever its cache's size: a request joining
+    with a longer prompt and more tokens than the cache holds grows it (small sizes here), and every step before and
+    after runs through the same package, each request as decoded alone."""
+    import medusa.runtime.aot
+    import medusa.runtime.static
+
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
+    monkeypatch.setattr(medusa.runtime.static, "INDUCTOR_CPU_OPTIONS", {"freezing": True})  # no GEMM benchmarking
+    monkeypatch.setattr(medusa.runtime.static, "COMPILED_MIN_ROWS", 32)
+    ran, run_rows = [], medusa.runtime.aot.run_rows
+    monkeypatch.setattr(
+        medusa.runtime.aot,
+        "run_rows",
+        lambda runner, cache, *a, **k: ran.append((runner, cache.max_rows)) or run_rows(runner, cache, *a, **k),
+    )
+    base, model = heads_model()
+    early = [
+        Request(torch.tensor([PROMPTS[0]]), max_new_tokens=12),
+        Request(torch.tensor([PROMPTS[2]]), max_new_tokens=10),
+    ]
+    longest = Request(torch.tensor([PROMPTS[0] * 3]), max_new_tokens=30)  # 39 + 30 rows: past the first cache's 64
+    model.generate_continuously(Arrivals({0: early, 2: [longest]}), engine="inductor", proposer="dynamic")
+    for request in early + [longest]:
+        prompt = torch.as_tensor(request.input_ids).reshape(1, -1)
+        expected = alone(base, prompt[0].tolist(), request.max_new_tokens)
+        assert torch.equal(request.result.result(timeout=0).sequences, expected)
+    runners, sizes = {id(runner) for runner, _ in ran}, [rows for _, rows in ran]
+    assert len(runners) == 1 and sizes[0] < sizes[-1]  # one package, before and after the cache grew
+    assert len(list((tmp_path / "aoti").glob("batch-*.pt2"))) == 1

@@ -181,8 +181,9 @@ FAST_INDUCTOR = {"freezing": True}  # the inductor engine's settings less max-au
 @pytest.mark.parametrize("family", FAMILIES)
 def test_ahead_of_time_packages_match_eager_and_load_in_a_new_engine(family, tmp_path, monkeypatch):
     """engine='inductor' on CPU compiles the verify forward ahead of time into $MEDUSA_CACHE/aoti: its logits and
-    hidden states equal eager's at one token and a tree, and a new engine on the same weights (as a new process)
-    loads the package instead of compiling; other weights get another package."""
+    hidden states equal eager's at one token and a tree, in a cache of the first size and of a larger one (one
+    package serves both), and a new engine on the same weights (as a new process) loads the package instead of
+    compiling; other weights get another package."""
     monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
     monkeypatch.setattr(medusa.runtime.static, "INDUCTOR_CPU_OPTIONS", FAST_INDUCTOR)
     model = make_tiny_model(family)
@@ -191,13 +192,18 @@ def test_ahead_of_time_packages_match_eager_and_load_in_a_new_engine(family, tmp
     trees = [build_buffers(TreeSpec(tree, 3), 3) for tree in ([], HAND_TREE)]
     candidates = [Candidates(tokens=torch.randint(1, 90, (b.num_nodes,)), tree=b) for b in trees]
     first = make_engine("inductor", model)
+    ran, run = [], medusa.runtime.aot.run
+    monkeypatch.setattr(medusa.runtime.aot, "run", lambda runner, *a, **k: ran.append(runner) or run(runner, *a, **k))
     for engine in (first, make_engine("inductor", model)):
         for c in candidates:
-            eager_state, eager = _verify(EagerEngine(model), model, prompt, c)
-            state, ahead = _verify(engine, model, prompt, c)
-            torch.testing.assert_close(ahead.logits, eager.logits, **TOL)
-            torch.testing.assert_close(ahead.hidden, eager.hidden, **TOL)
-        assert engine.ahead_of_time and sorted(engine._packages) == [512]
+            for max_length in (64, 700):  # caches of 512 and 1024 rows
+                eager_state, eager = _verify(EagerEngine(model), model, prompt, c)
+                state, ahead = _verify(engine, model, prompt, c, max_length=max_length)
+                assert state.cache.layers[0].max_cache_len == (512 if max_length == 64 else 1024)
+                torch.testing.assert_close(ahead.logits, eager.logits, **TOL)
+                torch.testing.assert_close(ahead.hidden, eager.hidden, **TOL)
+        assert engine.ahead_of_time and ran == [engine.package] * 4  # the package ran every step, at both sizes
+        ran.clear()
     assert first.compile_seconds > 0 and engine.compile_seconds == 0.0  # the second one loaded it
     # a package attends over the rows written; a step that fills the allocation to its last row is left to the
     # uncompiled forward, and agrees as well
@@ -208,9 +214,9 @@ def test_ahead_of_time_packages_match_eager_and_load_in_a_new_engine(family, tmp
     _, eager = _verify(EagerEngine(model), model, long_prompt, tree, max_length=512)
     _, full = _verify(engine, model, long_prompt, tree, max_length=512)
     torch.testing.assert_close(full.logits, eager.logits, **TOL)
-    (package,) = (tmp_path / "aoti").glob("*.pt2")
+    (package,) = (tmp_path / "aoti").glob("*.pt2")  # one for both sizes
     other = make_tiny_model(family, seed=1)
-    options = dict(rows=512, options=medusa.runtime.static.inductor_cpu_options(model))
+    options = dict(options=medusa.runtime.static.inductor_cpu_options(model))
     assert medusa.runtime.aot.package_path(other, weights=base_fingerprint(other), **options) != package
     assert medusa.runtime.aot.package_path(model, weights=base_fingerprint(model), **options) == package
 
@@ -242,7 +248,7 @@ def test_a_package_compiled_without_weights_reads_the_models_own(family, tmp_pat
             _, ours = _verify(engine, model, prompt, candidates)
             torch.testing.assert_close(ours.logits, eager.logits, **TOL)
             torch.testing.assert_close(ours.hidden, eager.hidden, **TOL)
-    assert engine.ahead_of_time and sorted(engine._packages) == [512] and not engine._one_token
+    assert engine.ahead_of_time and engine.package is not None and engine.one_token_package is None
 
 
 @pytest.mark.slow
@@ -277,7 +283,7 @@ def test_a_bf16_package_without_amx_runs_the_prefetching_template_and_matches_ea
         _, ours = _verify(engine, model, prompt, candidates)
         torch.testing.assert_close(ours.logits, eager.logits, **close)
         torch.testing.assert_close(ours.hidden, eager.hidden, **close)
-    assert engine.ahead_of_time and sorted(engine._packages) == [512] and not engine._one_token
+    assert engine.ahead_of_time and engine.package is not None and engine.one_token_package is None
     assert picked and set(picked) == {"PrefetchingCppMicroGemmFP32Vec"}
 
 
@@ -319,11 +325,11 @@ def test_weight_only_one_token_steps_on_amx_run_a_package_compiled_without_amx(p
     close = dict(atol=3e-2, rtol=3e-2)  # bf16 activations: another GEMM sums in another order
     torch.testing.assert_close(ours.logits, eager.logits, **close)
     torch.testing.assert_close(ours.hidden, eager.hidden, **close)
-    assert sorted(engine._one_token) == sorted(engine._packages) == [512] and ran == [engine._one_token[512]]
+    assert engine.package is not None and ran == [engine.one_token_package] != [None]
     assert compiled_without_amx == [True]  # the one-token package; the main one as it is
     tree = build_buffers(TreeSpec(HAND_TREE, 3), 3)
     _verify(engine, model, prompt, Candidates(tokens=torch.randint(1, 90, (tree.num_nodes,)), tree=tree))
-    assert ran[-1] is engine._packages[512]
+    assert ran[-1] is engine.package
     (one_token,) = (tmp_path / "aoti").glob("*-one-token-*.pt2")
     assert not InductorEngine(make_tiny_model("llama")).one_token_without_amx  # fp32
     assert not InductorEngine(make_tiny_model("llama", dtype=torch.bfloat16)).one_token_without_amx
@@ -334,19 +340,19 @@ def test_weight_only_one_token_steps_on_amx_run_a_package_compiled_without_amx(p
 def test_an_unreadable_package_is_compiled_again(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
     model = make_tiny_model("llama")
-    path = medusa.runtime.aot.package_path(model, 512, FAST_INDUCTOR, "weights")
+    path = medusa.runtime.aot.package_path(model, FAST_INDUCTOR, "weights")
     path.parent.mkdir(parents=True)
     path.write_bytes(b"not a package")
     compiled = []
-    monkeypatch.setattr(medusa.runtime.aot, "_export", lambda model, rows, one_token, batched: compiled.append(rows))
+    monkeypatch.setattr(medusa.runtime.aot, "_export", lambda model, one_token, batched: compiled.append(model))
     monkeypatch.setattr(
         torch._inductor,
         "aoti_compile_and_package",
         lambda program, package_path, inductor_configs: open(package_path, "wb").close(),
     )
     monkeypatch.setattr(torch._inductor, "aoti_load_package", lambda p: "runner" if compiled else 1 / 0)
-    runner, _ = medusa.runtime.aot.load_or_compile(model, 512, FAST_INDUCTOR, "weights", progress=False)
-    assert runner == "runner" and compiled == [512]
+    runner, _ = medusa.runtime.aot.load_or_compile(model, FAST_INDUCTOR, "weights", progress=False)
+    assert runner == "runner" and compiled == [model]
     assert f"compiled package {path} is unreadable" in caplog.text
     assert not list(path.parent.glob(".*tmp*"))  # written under a temporary name, then renamed
 
@@ -361,7 +367,7 @@ def test_processes_wanting_one_package_compile_it_once(tmp_path, monkeypatch):
     model = make_tiny_model("llama")
     compiled = []
 
-    def slow_export(model, rows, one_token, batched):
+    def slow_export(model, one_token, batched):
         compiled.append(threading.current_thread().name)
         time.sleep(0.5)
 
@@ -375,7 +381,7 @@ def test_processes_wanting_one_package_compile_it_once(tmp_path, monkeypatch):
     results = {}
 
     def load(name):
-        results[name] = medusa.runtime.aot.load_or_compile(model, 512, FAST_INDUCTOR, "weights", progress=False)
+        results[name] = medusa.runtime.aot.load_or_compile(model, FAST_INDUCTOR, "weights", progress=False)
 
     run_together(load)
     assert len(compiled) == 1
@@ -385,28 +391,27 @@ def test_processes_wanting_one_package_compile_it_once(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_inductor_engine_greedy_identity_across_cache_sizes(tmp_path, monkeypatch):
-    """engine='inductor': one package per cache size serves trees of every size; a larger cache compiles its own
-    once, as it is allocated (64, 128, then 512 rows here), and the output is plain greedy's."""
+    """engine='inductor': one package serves trees of every size in caches of every size: larger caches are allocated
+    as calls need them (64, 128, then 512 rows here) and compile nothing more, and the output is plain greedy's."""
     monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
     monkeypatch.setattr(medusa.runtime.static, "INDUCTOR_CPU_OPTIONS", FAST_INDUCTOR)
     monkeypatch.setattr(medusa.runtime.static, "COMPILED_MIN_ROWS", 64)
     base = make_tiny_model("llama")
     model = MedusaModel(base, make_heads(random=True), projection_dtype=torch.float32)
-    engine = model.engine("inductor")  # compiles here, for 64 rows
+    engine = model.engine("inductor")  # compiles here, as its first cache (64 rows) is allocated
     assert engine.compile_seconds > 0 and engine.ahead_of_time
+    spent = engine.compile_seconds
     prompt = torch.tensor([[3, 4, 5, 6, 3, 4]])
     calls = (("plain", 20), ("medusa", 80), ("dynamic", 400))
-    for repeat in range(2):
-        spent = engine.compile_seconds
+    for _ in range(2):  # the second time round, every size is allocated already
         for proposer, new_tokens in calls:
             reference = base.generate(
                 prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens, do_sample=False
             )
             out = model.generate(prompt, max_new_tokens=new_tokens, proposer=proposer, engine="inductor")
             assert torch.equal(out, reference), proposer
-        if repeat:  # every size was compiled as its cache was allocated, the first time round
-            assert engine.compile_seconds == spent
-    assert sorted(engine._sized) == sorted(engine._packages) == [64, 128, 512]
+    assert engine.compile_seconds == spent  # the larger caches compiled nothing
+    assert sorted(engine._sized) == [64, 128, 512] and len(list((tmp_path / "aoti").glob("*.pt2"))) == 1
     model.generate(prompt, max_new_tokens=20, proposer="plain", engine="inductor")
     assert engine._cache.layers[0].max_cache_len == 64  # a short call after a long one: the small cache again
     assert engine.ahead_of_time  # nothing fell back to the uncompiled forward
@@ -447,7 +452,7 @@ def test_compiling_parses_each_text_once_and_puts_inductor_back(monkeypatch):
     expression = seen["expressions"][0]
     assert second is first
     assert seen["expressions"][1] is expression and seen["expressions"][2] is expression
-    assert seen["freezing"] and engine._packages == {512: "runner"}
+    assert seen["freezing"] and engine.package == "runner"
     assert KernelTemplate.__dict__["_template_from_string"] is template_parser
     assert cpp_template_kernel.parse_expr_with_index_symbols is expression_parser
     again = KernelTemplate._template_from_string(source)
@@ -473,14 +478,14 @@ def test_warm_up_compiles_every_cache_size_a_length_needs_once(monkeypatch):
     assert EagerEngine(make_tiny_model("qwen2")).warm_up(max_length=1500) == 0.0
 
 
-def test_warm_up_for_batches_loads_each_batch_package_a_length_needs(monkeypatch):
-    """warm_up(max_length, batches=True) also loads every batch package a batch of up to max_length rows per
-    sequence takes, so that a benchmark's first batch of a width does not pay for loading it inside its timing."""
+def test_warm_up_for_batches_loads_the_batch_package(monkeypatch):
+    """warm_up(batches=True) also loads the batch package, which serves batches of every width, so that a benchmark's
+    first batch (or a server's first request) does not pay for loading it."""
     loaded = []
 
-    def load(self, rows, progress, batched=False):
-        loaded.append((rows, batched))
-        return f"runner {rows}", 0.0
+    def load(self, progress, batched=False):
+        loaded.append(batched)
+        return "runner", 0.0
 
     monkeypatch.setattr(CompiledEngine, "_compile_for", lambda self, cache, progress: None)
     monkeypatch.setattr(InductorEngine, "_load_or_compile", load)
@@ -488,11 +493,11 @@ def test_warm_up_for_batches_loads_each_batch_package_a_length_needs(monkeypatch
     engine.warm_up(max_length=1500)
     assert loaded == []  # one sequence's caches only
     engine.warm_up(max_length=1500, batches=True)
-    assert loaded == [(512, True), (1024, True), (2048, True)]
-    for max_rows in (100, 600, 1500):  # every batch up to that length finds its package loaded
-        engine.new_rows_cache(max_rows, progress=False)
-    assert engine.new_rows_cache(1024, progress=False).max_rows == 2048  # a package takes fewer rows than it holds
-    assert len(loaded) == 3
+    assert loaded == [True]
+    for max_rows in (100, 600, 1500, 5000):  # every batch finds the package loaded, whatever its cache's size
+        assert engine.new_rows_cache(max_rows, progress=False).max_rows > max_rows  # aot.takes: fewer than it holds
+    assert loaded == [True] and engine.batch_package == "runner"
+    assert engine.new_rows_cache(1024, progress=False).max_rows == 2048
 
 
 def test_shared_gqa_attention_is_transformers_sdpa_bit_for_bit():
@@ -546,7 +551,7 @@ def test_a_change_to_the_row_invariant_attention_names_new_packages_for_its_targ
     use_row_invariant_sdpa(row_invariant)
 
     def paths():
-        return [medusa.runtime.aot.package_path(m, 512, {}, "weights") for m in (plain, row_invariant)]
+        return [medusa.runtime.aot.package_path(m, {}, "weights") for m in (plain, row_invariant)]
 
     before = paths()
     monkeypatch.setattr(medusa.runtime.aot, "ROW_INVARIANT_FORMAT", medusa.runtime.aot.ROW_INVARIANT_FORMAT + 1)
@@ -855,7 +860,7 @@ def test_an_fp32_package_is_compiled_with_those_kernels_and_keyed_by_them(tmp_pa
     models = make_tiny_model("llama"), int8, make_tiny_model("llama", dtype=torch.bfloat16)  # fp32, int8, bf16
 
     def paths():
-        return [medusa.runtime.aot.package_path(m, rows=64, options={}, weights="w") for m in models]
+        return [medusa.runtime.aot.package_path(m, options={}, weights="w") for m in models]
 
     before = paths()
     monkeypatch.setattr(medusa.runtime.aot, "FP32_REGISTER_BLOCKS", ((8, 32, 1),))

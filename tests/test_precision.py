@@ -162,7 +162,7 @@ def test_the_inductor_engine_compiles_a_quantised_target_ahead_of_time(tmp_path,
     buffers = build_buffers(TreeSpec(HAND_TREE, 3), 3)
     candidates = Candidates(tokens=torch.randint(1, 90, (buffers.num_nodes,)), tree=buffers)
     engine.warm_up(progress=False, max_length=64)
-    assert engine.ahead_of_time and engine._packages  # compiled, not fallen back to the uncompiled forward
+    assert engine.ahead_of_time and engine.package is not None  # compiled, not fallen back to the uncompiled forward
     _, eager = _verify(EagerEngine(model), model, prompt, candidates)
     _, compiled = _verify(engine, model, prompt, candidates)
     torch.testing.assert_close(compiled.logits.float(), eager.logits.float(), **INT8_TOL)
@@ -419,7 +419,7 @@ def test_the_w8a8_package_computes_every_node_as_plain_decoding_does(tmp_path, m
     model = quantised_target("llama", "w8a8")
     engine = InductorEngine(model)
     engine.warm_up(progress=False, max_length=128)
-    assert engine.ahead_of_time and engine._packages
+    assert engine.ahead_of_time and engine.package is not None
     _assert_every_node_as_plain_decoding(engine, model)
 
 
@@ -438,7 +438,7 @@ def test_the_w8a8_package_on_fbgemm_reads_the_models_weights_and_computes_every_
     model = quantised_target("llama", "w8a8")
     engine = InductorEngine(model)
     engine.warm_up(progress=False, max_length=128)
-    assert engine.ahead_of_time and engine._packages
+    assert engine.ahead_of_time and engine.package is not None
     _assert_every_node_as_plain_decoding(engine, model)
     layers = [m.weight_int8 for m in model.modules() if isinstance(m, W8A8Linear)]
     assert layers and all(packed[id(weight)][0]() is weight for weight in layers)

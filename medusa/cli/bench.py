@@ -219,7 +219,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=1,
         help="questions decoded together (first turns, left-padded; methods on the batch's engine, baseline as "
         "transformers' batched generate; tokens/s per method counts the whole batch's time; each method warmed up "
-        "untimed on a batch of every size the questions come in, the batch packages of every width loaded first)",
+        "untimed on a batch of every size the questions come in, the batch package loaded first)",
     )
     args = parser.parse_args(argv)
     if args.batch_size < 1:

@@ -64,6 +64,7 @@ def main(argv=None) -> None:
     model = MedusaModel.from_pretrained(
         args.heads, base=args.base, dtype=args.dtype, device=args.device, engine=args.engine
     )
+    model.engine().warm_up(batches=True)  # the batch package too: every request decodes in a batch, the first as well
     name = args.model_name or args.base or model.config.base_model_name_or_path or "medusa"
     worker = MainThreadWorker()  # the model decodes on this thread, where it was loaded (medusa/serve.py says why)
     app = create_app(

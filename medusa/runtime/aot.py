@@ -1,15 +1,15 @@
 """The inductor engine's verify forward compiled ahead of time (AOTInductor): once per machine, into
-`$MEDUSA_CACHE/aoti`, and loaded from there by every later process in about a second.
+`$MEDUSA_CACHE/aoti`, and loaded from there by every later process in a few seconds.
 
 `torch.compile` compiles again in each new process on a CPU (torch bypasses its caches for a graph holding
 oneDNN-packed frozen weights: minutes there). `torch.export` traces the target's public forward over a static cache
-whose tensors are inputs, written in place, with the query length and the rows attended dynamic; AOTInductor
-compiles that with the inductor engine's settings (frozen weights, C++ GEMM templates) into one package per cache
-size. A package holds the weights it was compiled with, so its file name hashes every weight, the dtype, the cache
-size, this CPU, its threads and the versions of torch, transformers and this format (hundreds of MB per size for a
-small model; delete them freely, they are compiled again when needed; past `$MEDUSA_AOT_CACHE_GB`, default 8, the
-least recently used are deleted). It returns every layer's hidden states, so one package serves heads that read any
-of them (`feature_layers`).
+whose tensors are inputs, written in place, with the query length, the rows attended and the cache's size dynamic;
+AOTInductor compiles that with the inductor engine's settings (frozen weights, C++ GEMM templates) into one package
+that serves every cache size (one for single sequences, one for batches). A package holds the weights it was compiled
+with, so its file name hashes every weight, the dtype, this CPU, its threads and the versions of torch, transformers
+and this format (about the weights' size each; delete them freely, they are compiled again when needed; past
+`$MEDUSA_AOT_CACHE_GB`, default 8, the least recently used are deleted). It returns every layer's hidden states, so
+one package serves heads that read any of them (`feature_layers`).
 """
 
 from __future__ import annotations
@@ -50,16 +50,17 @@ from medusa.runtime.verify import base_features, with_cache
 
 logger = logging.getLogger(__name__)
 
-AOT_FORMAT = 4  # bump when what is exported changes (2: medusa's attention, 3: the rows written, 4: kv_dtype's
-# cache), so old packages are not loaded
+AOT_FORMAT = 5  # bump when what is exported changes (2: medusa's attention, 3: the rows written, 4: kv_dtype's
+# cache, 5: the cache's size dynamic), so old packages are not loaded
 ROW_INVARIANT_FORMAT = 4  # the same for what only w8a8 exports (attention.reduction_sdpa): 2, the values read
 # where they lie; 3, fbgemm's sums as a library op; 4, sibling projections on fbgemm fused
 # A package that holds no weights and reads the model's own tensors (`own_weights`): w8a8 on fbgemm, whose GEMMs are
 # calls out of the package that pack the weights they are given once (docs/engines.md).
 OWN_WEIGHTS_OPTIONS = {"freezing": False, "aot_inductor.package_constants_in_so": False}
-DEFAULT_CACHE_GB = 8  # a few models' packages at two or three cache sizes each
+DEFAULT_CACHE_GB = 8  # a few models' packages (one for single sequences and one for batches each)
 MAX_QUERY = 256  # the most tokens one verify forward may take (a tree's nodes)
 MAX_BATCH = 64  # the most rows a batch's package takes at once (a larger batch runs on the eager runner)
+MAX_ROWS = 1 << 20  # the largest cache a package takes (a larger one runs on the eager runner)
 GEMM_BACKENDS = "max_autotune_gemm_backends"
 # An option of ours among inductor's (so the package key carries it; taken out before inductor sees them): the package
 # compiles without AMX micro-kernels (torch_patches.micro_kernels_without_amx)
@@ -89,9 +90,9 @@ class WrittenRowsLayer(KeptDtypeLayer):
 
 
 def takes(rows: int, past_length: int, query: int) -> bool:
-    """Whether a package over `rows` rows runs a step of `query` tokens after `past_length`: at most MAX_QUERY tokens,
-    attending over fewer rows than the whole allocation (export cannot keep that one size dynamic with the others)."""
-    return query <= MAX_QUERY and past_length + query < rows
+    """Whether a package runs a step of `query` tokens after `past_length` in a cache of `rows` rows: at most MAX_QUERY
+    tokens, attending over fewer rows than the whole allocation (what it was exported for), at most MAX_ROWS rows."""
+    return query <= MAX_QUERY and past_length + query < rows <= MAX_ROWS
 
 
 def _cache_over(
@@ -134,14 +135,13 @@ class VerifyStep(nn.Module):
         return (out.logits if self.batched else out.logits[0]), torch.stack(out.hidden_states)
 
 
-def package_path(model, rows: int, options: dict, weights: str, one_token: bool = False, batched: bool = False) -> Path:
-    """Where the package for `model` (its `weights`: medusa.loading.base_fingerprint) over `rows` rows lives."""
+def package_path(model, options: dict, weights: str, one_token: bool = False, batched: bool = False) -> Path:
+    """Where the package for `model` (its `weights`: medusa.loading.base_fingerprint) lives."""
     attention = getattr(model.config, "_attn_implementation", None)
     key = {
         "format": AOT_FORMAT,
         "weights": weights,
         "dtype": str(model.dtype),
-        "rows": rows,
         "inductor": options,
         "transformers": transformers.__version__,
         **describe(model.device),
@@ -160,7 +160,7 @@ def package_path(model, rows: int, options: dict, weights: str, one_token: bool 
             else {}
         ),
     }
-    return keyed_package(f"{'batch-' if batched else ''}{rows}{'-one-token' if one_token else ''}", key)
+    return keyed_package(f"{'batch' if batched else 'verify'}{'-one-token' if one_token else ''}", key)
 
 
 def keyed_package(stem: str, key: dict) -> Path:
@@ -169,16 +169,16 @@ def keyed_package(stem: str, key: dict) -> Path:
     return cache_root() / "aoti" / f"{stem}-{digest}.pt2"
 
 
-def _export(model, rows: int, one_token: bool = False, batched: bool = False):
-    """torch.export of VerifyStep over a fresh cache of `rows` rows, the query length (1 .. MAX_QUERY; one token
-    only with `one_token`) and the rows attended (1 .. rows - 1) dynamic; `batched`: the rows of a batch too
-    (1 .. MAX_BATCH), each written at its own start."""
+def _export(model, one_token: bool = False, batched: bool = False):
+    """torch.export of VerifyStep over a cache, its size (up to MAX_ROWS rows), the query length (1 .. MAX_QUERY; one
+    token only with `one_token`) and the rows attended (fewer than the cache's: `takes`) dynamic; `batched`: the rows
+    of a batch too (1 .. MAX_BATCH), each written at its own start."""
     config = model.config.get_text_config()
     heads = config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     dtype = kv_dtype(model) or model.dtype  # what the engine's caches keep
     # examples that are neither 0 nor 1 (export would specialise on those)
-    n, past, size = (1 if one_token else 2), 3, (2 if batched else 1)
+    n, past, size, rows = (1 if one_token else 2), 3, (2 if batched else 1), 16
     blank = lambda: torch.zeros((size, heads, rows, head_dim), dtype=dtype, device=model.device)  # noqa: E731
     keys = [blank() for _ in range(config.num_hidden_layers)]
     values = [blank() for _ in range(config.num_hidden_layers)]
@@ -192,13 +192,14 @@ def _export(model, rows: int, one_token: bool = False, batched: bool = False):
         values,
     )
     query = None if one_token else torch.export.Dim("query", min=1, max=MAX_QUERY)
-    visible = torch.export.Dim("visible", min=1, max=rows - 1)  # see `takes`
+    visible = torch.export.Dim("visible", min=1, max=MAX_ROWS - 1)  # see `takes`
+    cache_rows = torch.export.Dim("cache_rows", min=2, max=MAX_ROWS)
     if batched:
         rows_of = torch.export.Dim("batch", min=1, max=MAX_BATCH)
-        layers = [{0: rows_of}] * config.num_hidden_layers
+        layers = [{0: rows_of, 2: cache_rows}] * config.num_hidden_layers
         shapes = ({0: rows_of, 1: query}, {0: rows_of, 1: query}, {0: rows_of, 2: query, 3: visible}, {0: rows_of})
     else:
-        layers = [None] * config.num_hidden_layers
+        layers = [{2: cache_rows}] * config.num_hidden_layers
         shapes = ({1: query}, {1: query}, {2: query, 3: visible}, None)
     return torch.export.export(
         VerifyStep(model, batched).eval(), example, dynamic_shapes=(*shapes, layers, layers), strict=False
@@ -232,7 +233,6 @@ def _ticking(message: str):
 
 def load_or_compile(
     model,
-    rows: int,
     options: dict,
     weights: str,
     label: str = "",
@@ -240,14 +240,14 @@ def load_or_compile(
     one_token: bool = False,
     batched: bool = False,
 ):
-    """The AOTInductor runner of `model`'s verify forward over `rows` cache rows: loaded from its package, or
+    """The AOTInductor runner of `model`'s verify forward over a cache of any size: loaded from its package, or
     compiled (minutes on a small CPU) and saved there first. `one_token`: the one-token package; `batched`: the
     batch's (run_rows). A package compiled with OWN_WEIGHTS_OPTIONS reads `model`'s own weights. -> (runner, seconds
     spent compiling)."""
     kind = "one-token steps" if one_token else "a batch's steps" if batched else "steps"
-    message = f"compiling {label or 'the target'} ahead of time for {kind} over {rows} cached rows"
-    path = package_path(model, rows, options, weights, one_token, batched)
-    export = lambda: _export(model, rows, one_token, batched)  # noqa: E731
+    message = f"compiling {label or 'the target'} ahead of time for {kind}"
+    path = package_path(model, options, weights, one_token, batched)
+    export = lambda: _export(model, one_token, batched)  # noqa: E731
     runner, seconds = load_or_build(path, export, options, message, progress, cpu=model.device.type == "cpu")
     if options.get("aot_inductor.package_constants_in_so", True) is False:
         own_weights(runner, model)

@@ -1,8 +1,8 @@
 """The inductor engine: the compiled engine's StaticCache with the verify forward compiled by inductor. On a CPU it
 compiles ahead of time (medusa.runtime.aot: torch.export + AOTInductor, frozen weights and inductor's C++ GEMM
-templates), one package per cache size, once per machine, loaded by later processes in about a second: torch.compile
-would compile again in every process there (torch_patches.INTERNALS names why). Packages are paid when a cache is
-allocated (`warm_up`, or a call that needs a larger cache), never between a call's steps. torchao's quantized weights
+templates), one package for every cache size, once per machine, loaded by later processes in a few seconds:
+torch.compile would compile again in every process there (torch_patches.INTERNALS names why). A package is paid when
+the first cache is allocated (`warm_up`, or the first call), never between a call's steps. torchao's quantized weights
 and CUDA go through torch.compile (CUDA graphs on a GPU). What each costs where: docs/engines.md."""
 
 from __future__ import annotations
@@ -32,14 +32,14 @@ class InductorEngine(CompiledEngine):
     def __init__(self, model, prepack: bool | None = None):
         plain_weights = all(type(p) in (torch.Tensor, torch.nn.Parameter) for p in model.parameters())
         self.ahead_of_time = model.device.type != "cuda" and plain_weights
-        self._packages: dict[int, object] = {}  # cache rows -> the loaded package's runner
+        self.package = None  # the loaded package's runner (every cache size)
         # weight-only int8 and int4 on a CPU with AMX: one-token steps run a package of their own compiled without AMX
         # micro-kernels, whose vector kernels stream the weights faster at one row (AMX's stay for trees)
         self.one_token_without_amx = (
             self.ahead_of_time and precision_of(model) in ("int8", "int4") and amx(model.device)
         )
-        self._one_token: dict[int, object] = {}  # cache rows -> that package's runner
-        self._batched: dict[int, object] = {}  # a batch's cache rows -> its package's runner (run_rows)
+        self.one_token_package = None  # that package's runner
+        self.batch_package = None  # a batch's package's runner (run_rows)
         self._weights: str | None = None  # the base's fingerprint, which names its packages
         super().__init__(model, torch_compile=True, prepack=prepack)
         # a batch's package (aot.run_rows) on a CPU; sliding-window layers keep the eager batch (their cache is the
@@ -57,40 +57,37 @@ class InductorEngine(CompiledEngine):
     def verify(self, cache, candidates: Candidates, past_length: int, feature_layers=()) -> VerifyOutput:
         rows = cache.layers[0].max_cache_len
         n = candidates.tokens.numel()
-        package = self._packages.get(rows) if self.ahead_of_time else None
+        package = self.package if self.ahead_of_time else None
         if package is None or not aot.takes(rows, past_length, n):
             return super().verify(cache, candidates, past_length, feature_layers)
         self._start_step(cache, candidates, past_length)
         # the package attends over the rows written: the mask is as wide as them
         tokens, position_ids, mask = verify_inputs(candidates, past_length, self.model.dtype, past_length + n)
         if n == 1:
-            package = self._one_token.get(rows, package)
+            package = self.one_token_package or package
         return VerifyOutput(*aot.run(package, cache, tokens, position_ids, mask, past_length, feature_layers))
 
     def warm_up(self, progress: bool = True, max_length: int | None = None, batches: bool = False) -> float:
-        """As the compiled engine's; `batches`: also load (or compile) each batch package a batch of up to
-        `max_length` rows per sequence takes, so that the first batch of a size does not pay for it."""
+        """As the compiled engine's; `batches`: also load (or compile) the batch package, so that the first batch
+        does not pay for it."""
         seconds = super().warm_up(progress, max_length)
         if batches and self.batch_ahead_of_time:
-            before, rows = self.compile_seconds, static.COMPILED_MIN_ROWS
-            while True:  # each size new_rows_cache takes, up to the one max_length needs
-                self.new_rows_cache(rows - 1, progress)
-                if rows > (max_length or 0):
-                    break
-                rows *= 2
+            before = self.compile_seconds
+            self.new_rows_cache(static.COMPILED_MIN_ROWS - 1, progress)
             seconds += self.compile_seconds - before
         return seconds
 
     def new_rows_cache(self, max_rows: int, progress: bool = True) -> RowsCache:
-        """A batch's cache: on a CPU, as large as the smallest batch package that holds `max_rows` rows (loaded, or
-        compiled now: minutes once on this machine, never between steps), its rows kept as the package keeps them;
-        elsewhere, or where it fails, the compiled engine's (an eager batch on the runner)."""
+        """A batch's cache: on a CPU, of the smallest size in doubling steps that holds more than `max_rows` rows
+        (aot.takes), with the batch package loaded (or compiled now: minutes once on this machine, never between
+        steps), its rows kept as the package keeps them; elsewhere, or where it fails, the compiled engine's (an eager
+        batch on the runner)."""
         if not self.batch_ahead_of_time:
             return super().new_rows_cache(max_rows)
         rows = max(static.COMPILED_MIN_ROWS, 1 << max_rows.bit_length())  # > max_rows: see aot.takes
-        if rows not in self._batched:
+        if self.batch_package is None:
             try:
-                self._batched[rows], seconds = self._load_or_compile(rows, progress, batched=True)
+                self.batch_package, seconds = self._load_or_compile(progress, batched=True)
                 self.compile_seconds += seconds
             except Exception as err:  # noqa: BLE001 - a compiler failure must not stop generation: run uncompiled
                 logger.warning(
@@ -107,7 +104,7 @@ class InductorEngine(CompiledEngine):
         """Through the batch's package where it takes the step (a prefill keeping only its last logits, a step
         longer than a package takes or of more than aot.MAX_BATCH rows, runs on the runner eagerly into the same
         cache)."""
-        package = self._batched.get(cache.max_rows) if self.batch_ahead_of_time else None
+        package = self.batch_package if self.batch_ahead_of_time else None
         if (
             package is None
             or logits_to_keep is not None
@@ -118,14 +115,15 @@ class InductorEngine(CompiledEngine):
         return aot.run_rows(package, cache, ids, positions, mask, feature_layers)
 
     def _compile_graphs(self, cache: StaticCache, progress: bool) -> float:
-        """Load (or compile and save) the package for `cache`'s size; torch.compile where there is none.
-        -> seconds spent compiling (none when the package was on disk)."""
+        """Load (or compile and save) the package, which serves every cache size, as the first cache is allocated;
+        torch.compile where there is none. -> seconds spent compiling (none when the package was on disk or loaded)."""
         if not self.ahead_of_time:
             return super()._compile_graphs(cache, progress)
-        rows = cache.layers[0].max_cache_len
+        if self.package is not None:
+            return 0.0
         try:
-            self._packages[rows], seconds = self._load_or_compile(rows, progress)
-            return seconds + self._compile_one_token(rows, progress)
+            self.package, seconds = self._load_or_compile(progress)
+            return seconds + self._compile_one_token(progress)
         except Exception as err:  # noqa: BLE001 - a compiler failure must not stop generation: run uncompiled
             logger.warning(
                 "compiling ahead of time failed (%s: %s); the %s engine runs uncompiled from now on",
@@ -136,14 +134,13 @@ class InductorEngine(CompiledEngine):
             self.ahead_of_time = False
             return 0.0
 
-    def _load_or_compile(self, rows: int, progress: bool, batched: bool = False):
-        """aot.load_or_compile of this engine's runner over `rows` cache rows with its settings (`batched`: a
-        batch's package). -> (runner, seconds spent compiling)."""
+    def _load_or_compile(self, progress: bool, batched: bool = False):
+        """aot.load_or_compile of this engine's runner with its settings (`batched`: a batch's package). -> (runner,
+        seconds spent compiling)."""
         self._weights = self._weights or base_fingerprint(self.model)
         with self._compile_config():  # as for torch.compile: the GEMM template choice reads the global
             return aot.load_or_compile(
                 self.runner,
-                rows,
                 static.inductor_cpu_options(self.model),
                 self._weights,
                 self.label,
@@ -151,16 +148,16 @@ class InductorEngine(CompiledEngine):
                 batched=batched,
             )
 
-    def _compile_one_token(self, rows: int, progress: bool) -> float:
-        """Load (or compile) the one-token package for `rows` where this engine runs one (`one_token_without_amx`): the
+    def _compile_one_token(self, progress: bool) -> float:
+        """Load (or compile) the one-token package where this engine runs one (`one_token_without_amx`): the
         engine's settings without AMX micro-kernels. A failure leaves one-token steps to the main package. -> seconds
         spent compiling."""
         if not self.one_token_without_amx:
             return 0.0
         options = {**static.inductor_cpu_options(self.model), aot.WITHOUT_AMX: True}
         try:
-            self._one_token[rows], seconds = aot.load_or_compile(
-                self.runner, rows, options, self._weights, self.label, progress, one_token=True
+            self.one_token_package, seconds = aot.load_or_compile(
+                self.runner, options, self._weights, self.label, progress, one_token=True
             )
             return seconds
         except Exception as err:  # noqa: BLE001 - the main package still serves one-token steps
