@@ -98,8 +98,9 @@ BATCH_WIDTHS = (CONTEXT, 3 * CONTEXT)
 # of neighbouring sizes lie within a few percent: docs/benchmarks/cpu-batch-trees-session49)
 BATCH_TREES_TIMED = 3
 # What a kept batch layout was timed with: 2, the plan's own steps alone (session 50); 3, a batch's rows proposing
-# together (dynamic_tree.propose_batch) on heads compiled as for one sequence. An older layout is timed again
-BATCH_LAYOUT_VERSION = 3
+# together (dynamic_tree.propose_batch) on heads compiled as for one sequence; 4, the inductor engine's batch package
+# writing a step's rows in place (cheaper batched steps). An older layout is timed again
+BATCH_LAYOUT_VERSION = 4
 # A batch's trees are expected to accept what they did on held-out prompts (decoded_taus); another workload accepts
 # less of their guesses (Spec-Bench's first turns: 74-80% of the guessed part, tau - 1, at 2-8 nodes,
 # docs/benchmarks/cpu-batch-trees-session49). Batches decoded together record what their rows accepted

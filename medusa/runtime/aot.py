@@ -50,8 +50,8 @@ from medusa.runtime.verify import base_features, with_cache
 
 logger = logging.getLogger(__name__)
 
-AOT_FORMAT = 5  # bump when what is exported changes (2: medusa's attention, 3: the rows written, 4: kv_dtype's
-# cache, 5: the cache's size dynamic), so old packages are not loaded
+AOT_FORMAT = 6  # bump when what is exported changes (2: medusa's attention, 3: the rows written, 4: kv_dtype's
+# cache, 5: the cache's size dynamic, 6: a batch's rows written by index_put), so old packages are not loaded
 ROW_INVARIANT_FORMAT = 4  # the same for what only w8a8 exports (attention.reduction_sdpa): 2, the values read
 # where they lie; 3, fbgemm's sums as a library op; 4, sibling projections on fbgemm fused
 # A package that holds no weights and reads the model's own tensors (`own_weights`): w8a8 on fbgemm, whose GEMMs are

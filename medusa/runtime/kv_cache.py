@@ -69,11 +69,15 @@ class KeptDtypeLayer(StaticLayer):
 
     def write_at(self, starts: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Each batch row b's N new rows (B, heads, N, head_dim) written at starts[b] .. + N, in place: a batch's rows
-        keep their own lengths (RowsCache, and the inductor engine's batch package)."""
+        keep their own lengths (RowsCache, and the inductor engine's batch package). An index_put: in a package whose
+        cache size is dynamic inductor writes it in place, where a scatter became a copy of the whole cache a step
+        (docs/benchmarks/cpu-one-package-session55)."""
         batch, heads, n, _ = key_states.shape
-        where = (starts[:, None] + torch.arange(n, device=key_states.device))[:, None, :, None]  # (B, 1, n, 1)
-        self.keys.scatter_(2, where.expand(batch, heads, n, key_states.shape[-1]), key_states)
-        self.values.scatter_(2, where.expand(batch, heads, n, value_states.shape[-1]), value_states)
+        device = key_states.device
+        rows = (starts[:, None] + torch.arange(n, device=device))[:, None, :]  # (B, 1, n)
+        where = (torch.arange(batch, device=device)[:, None, None], torch.arange(heads, device=device)[:, None], rows)
+        self.keys.index_put_(where, key_states)
+        self.values.index_put_(where, value_states)
 
 
 class RowsLayer(KeptDtypeLayer):
