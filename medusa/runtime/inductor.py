@@ -71,9 +71,9 @@ class InductorEngine(CompiledEngine):
         """As the compiled engine's; `batches`: also load (or compile) the batch package, so that the first batch
         does not pay for it."""
         seconds = super().warm_up(progress, max_length)
-        if batches and self.batch_ahead_of_time:
+        if batches:
             before = self.compile_seconds
-            self.new_rows_cache(static.COMPILED_MIN_ROWS - 1, progress)
+            self._load_batch_package(progress)
             seconds += self.compile_seconds - before
         return seconds
 
@@ -82,23 +82,28 @@ class InductorEngine(CompiledEngine):
         (aot.takes), with the batch package loaded (or compiled now: minutes once on this machine, never between
         steps), its rows kept as the package keeps them; elsewhere, or where it fails, the compiled engine's (an eager
         batch on the runner)."""
+        self._load_batch_package(progress)
         if not self.batch_ahead_of_time:
             return super().new_rows_cache(max_rows)
         rows = max(static.COMPILED_MIN_ROWS, 1 << max_rows.bit_length())  # > max_rows: see aot.takes
-        if self.batch_package is None:
-            try:
-                self.batch_package, seconds = self._load_or_compile(progress, batched=True)
-                self.compile_seconds += seconds
-            except Exception as err:  # noqa: BLE001 - a compiler failure must not stop generation: run uncompiled
-                logger.warning(
-                    "compiling a batch's package failed (%s: %s); batches run uncompiled on the %s engine from now on",
-                    type(err).__name__,
-                    err,
-                    self.name,
-                )
-                self.batch_ahead_of_time = False
-                return super().new_rows_cache(max_rows)
         return RowsCache(self.model.config, rows, kv_dtype(self.runner))
+
+    def _load_batch_package(self, progress: bool) -> None:
+        """Load (or compile) the batch package once, where batches run ahead of time; a failure leaves batches to the
+        compiled engine's eager batch from then on."""
+        if not self.batch_ahead_of_time or self.batch_package is not None:
+            return
+        try:
+            self.batch_package, seconds = self._load_or_compile(progress, batched=True)
+            self.compile_seconds += seconds
+        except Exception as err:  # noqa: BLE001 - a compiler failure must not stop generation: run uncompiled
+            logger.warning(
+                "compiling a batch's package failed (%s: %s); batches run uncompiled on the %s engine from now on",
+                type(err).__name__,
+                err,
+                self.name,
+            )
+            self.batch_ahead_of_time = False
 
     def batch_forward(self, cache: RowsCache, ids, mask, positions, feature_layers=(), logits_to_keep=None):
         """Through the batch's package where it takes the step (a prefill keeping only its last logits, a step
