@@ -311,6 +311,7 @@ class BatchDecoding:
     def _emit(self, row: _Row, tokens: list[int]) -> bool:
         kept, done = take_new(tokens, row.prompt_ids, row.new, row.max_new_tokens, self.stop_ids, row.stop_when)
         row.new.extend(kept)
+        self.stats.new_tokens += len(kept)  # every row's, as they come
         row.done = done
         if row.streamer is not None:
             if kept:
@@ -354,7 +355,6 @@ class BatchDecoding:
         self.active = still
 
     def output(self) -> GenerateOutput:
-        self.stats.new_tokens = sum(len(row.new) for row in self.rows)
         sequences = padded([row.prompt for row in self.rows], [row.new for row in self.rows], self.pad_token_id)
         return GenerateOutput(sequences=sequences, stats=self.stats)
 

@@ -471,7 +471,6 @@ class SpeculativeGenerator:
         try:
             while True:
                 if batch is not None and not batch.active:  # every row stopped: the next ones start a new batch
-                    batch.stats.new_tokens = sum(len(row.new) for row in batch.rows)
                     stats.add(batch.stats)
                     batch, laid_out = None, 0
                 room = max_batch - (len(batch.active) if batch is not None else 0)
