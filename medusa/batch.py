@@ -139,13 +139,15 @@ def decode_batch(
     feature_layers=(),
     pad_token_id: int,
     streamers=None,
+    on_rows_left=None,
 ) -> GenerateOutput:
     """prompts: each row's tokens (1, T_b) -> GenerateOutput with `sequences` (B, T + new) as transformers' batched
     generate returns them (but for the left padding's ids: `pad_token_id` here, generate puts back those given): the
     prompts left-padded to one width T, the new tokens after, rows that stopped early padded on the right with
     `pad_token_id`. `engine` runs the target (medusa.runtime's); `make_proposer()` gives a fresh proposer per row.
     `streamers`: one per row (None: that row is not streamed), each fed as transformers feeds one: the row's prompt,
-    then its new tokens as they are kept, then `end()` when the row stops."""
+    then its new tokens as they are kept, then `end()` when the row stops. `on_rows_left(batch)`: called before a
+    step whenever rows finished since the last (the rows left may afford larger trees: MedusaModel.budget_trees)."""
     batch = BatchDecoding(
         engine,
         make_proposer,
@@ -160,7 +162,11 @@ def decode_batch(
         pad_token_id=pad_token_id,
         streamers=streamers,
     )
+    rows = len(prompts)  # (a row whose first token ended it left before the first step)
     while batch.active:
+        if on_rows_left is not None and len(batch.active) < rows:
+            on_rows_left(batch)
+            rows = len(batch.active)
         batch.step()
     return batch.output()
 

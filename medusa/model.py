@@ -440,8 +440,13 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
     def observe_batch(self, layout: BatchLayout, stats) -> None:
         """A batch decoded with the proposer and tree the plan chose for it (together, or one row at a time as it
         decodes one sequence): what its rows' guessing steps accepted, for later layouts (steps the online guard
-        decoded plainly guessed nothing)."""
-        accepted = [n for n, depth in zip(stats.accepted_lengths, stats.proposed_lengths) if depth]
+        decoded plainly guessed nothing; steps of the larger trees a batch's last rows took are not the layout's)."""
+        nodes = len(self.tree_paths(layout.tree)) + 1
+        accepted = [
+            n
+            for n, depth, size in zip(stats.accepted_lengths, stats.proposed_lengths, stats.verified_nodes)
+            if depth and size <= nodes
+        ]
         if layout.expected_tau is not None and accepted:
             self.acceptance.add(layout.expected_tau, accepted)
 

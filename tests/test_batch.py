@@ -3,7 +3,7 @@ whole output is what transformers' batched generate returns (left-padded prompts
 
 import pytest
 import torch
-from transformers import TextStreamer
+from transformers import StoppingCriteria, TextStreamer
 
 import medusa.batch
 import medusa.decode
@@ -74,6 +74,53 @@ def test_rows_that_end_early_are_padded_as_transformers_pads_them():
     for row, prompt in enumerate(PROMPTS):  # and each row is still the prompt decoded alone
         single = alone(base, prompt, 20, eos_token_id=stop)[0, len(prompt) :].tolist()
         assert ours[row, ids.shape[1] : ids.shape[1] + len(single)].tolist() == single
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rows_left_when_others_finish_take_the_layout_of_their_number(family, monkeypatch):
+    """A batch whose trees the plan chose re-budgets them as rows finish (as continuous batching does): four rows a
+    2-node dynamic tree each, the rows left after one stops 3 nodes each, then (one row) 5; every row is still its
+    prompt decoded alone, and what later layouts expect counts only the steps of the layout's own tree."""
+    import medusa.dynamic_tree
+    from medusa.decode import BatchLayout
+
+    base = make_tiny_model(family)
+    model = MedusaModel(base, make_heads(random=False), tokenizer=tiny_tokenizer(), projection_dtype=torch.float32)
+    trees = {4: [[0]], 3: [[0], [0, 0]], 2: [[0], [0, 0]], 1: [[0], [0, 0], [1], [0, 1]]}
+    monkeypatch.setattr(
+        MedusaModel,
+        "batch_layout",
+        lambda self, lengths, *args: BatchLayout("eager", False, "dynamic", trees[len(lengths)], 1.5),
+    )
+    proposed, propose_batch = [], medusa.dynamic_tree.DynamicTreeProposer.propose_batch
+
+    def recorded(proposers, states):
+        proposed.append((len(proposers), proposers[0].num_nodes))
+        return propose_batch(proposers, states)
+
+    monkeypatch.setattr(medusa.dynamic_tree.DynamicTreeProposer, "propose_batch", staticmethod(recorded))
+    observed = []
+    monkeypatch.setattr(MedusaModel, "observe_batch", lambda self, layout, stats: observed.append(stats))
+
+    class RowOneStopsAtSix(StoppingCriteria):  # row 1 (its prompt: [12]) after 6 new tokens, the others at 20
+        def __call__(self, ids, scores, **kwargs):
+            return torch.tensor([int(ids[0, 0]) == 12 and ids.shape[1] >= 7])
+
+    ids, mask = padded(PROMPTS)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=20, stopping_criteria=[RowOneStopsAtSix()])
+    for row, prompt in enumerate(PROMPTS):
+        single = alone(base, prompt, 6 if row == 1 else 20)[0, len(prompt) :].tolist()
+        assert out[row, ids.shape[1] : ids.shape[1] + len(single)].tolist() == single
+    assert proposed == [(rows, len(trees[rows]) + 1) for rows, _ in proposed]
+    assert proposed[0][0] == 4 and proposed[-1][0] < 4  # the rows left stepped on without the finished ones
+    # what the plan learns from: only the steps of the layout's 2-node tree
+    stats = observed[0]
+    assert len(set(stats.verified_nodes)) > 1
+    counted = []
+    monkeypatch.undo()
+    model.acceptance.add = lambda tau, accepted: counted.append(accepted)
+    model.observe_batch(BatchLayout("eager", False, "dynamic", trees[4], 1.5), stats)
+    assert len(counted[0]) == stats.verified_nodes.count(2)
 
 
 @pytest.mark.parametrize("engine", ["eager", "inductor"])
