@@ -93,14 +93,13 @@ BATCH_LAYOUT_STEPS = 6
 # steps, whose timing ranged 17.6-34.9 ms for one 26 ms step (bf16, 8 nodes)
 ALONE_TIMED_TOKENS = 4 * BATCH_LAYOUT_STEPS
 BATCH_WIDTHS = (CONTEXT, 3 * CONTEXT)
-# The trees a batch's layout times as whole steps: the best this many by their batched verify's expected speedup (a
-# verify's timing leaves out each row's propose, mask and acceptance, which grow with the tree, and the expectations
-# of neighbouring sizes lie within a few percent: docs/benchmarks/cpu-batch-trees-session49)
-BATCH_TREES_TIMED = 3
 # What a kept batch layout was timed with: 2, the plan's own steps alone (session 50); 3, a batch's rows proposing
 # together (dynamic_tree.propose_batch) on heads compiled as for one sequence; 4, the inductor engine's batch package
-# writing a step's rows in place (cheaper batched steps). An older layout is timed again
-BATCH_LAYOUT_VERSION = 4
+# writing a step's rows in place (cheaper batched steps); 5, every tree expected to pay timed as whole steps, not
+# the best three by the verify's expectation (which ranked the 3-node tree last of five at 2 fp32 rows, where its
+# whole steps decoded fastest: docs/benchmarks/cpu-batch2-session56), and a tree of a size not decoded expected
+# between the sizes decoded (planned_tau). An older layout, or choice on a named engine, is timed again
+BATCH_LAYOUT_VERSION = 5
 # A batch's trees are expected to accept what they did on held-out prompts (decoded_taus); another workload accepts
 # less of their guesses (Spec-Bench's first turns: 74-80% of the guessed part, tau - 1, at 2-8 nodes,
 # docs/benchmarks/cpu-batch-trees-session49). Batches decoded together record what their rows accepted
@@ -480,11 +479,16 @@ def interpolate(curve: dict[int, float], nodes: float) -> float:
 
 def planned_tau(order, nodes: int, acc, proposer: str, decoded: dict | None = None) -> float:
     """Expected tokens per step of `proposer` over the first `nodes - 1` paths of `order`: as decoded on held-out
-    prompts where `decoded` has it, else the accuracy table's, discounted by TAU_CARRY_OVER, times what the proposer
-    gains over a static tree of that size."""
+    prompts where `decoded` has it, or linearly between the sizes decoded around it (a batch's 3-node tree: the
+    table's model, another workload's, put the shipped heads' at 1.76 where 2 and 4 nodes decoded 1.66 and 2.37),
+    else the accuracy table's, discounted by TAU_CARRY_OVER, times what the proposer gains over a static tree of that
+    size."""
     measured = decoded_value(decoded, "tau", proposer, nodes)
     if measured is not None:
         return measured
+    taus = {int(n): tau for n, tau in (decoded["tau"].get(proposer, {}) if decoded else {}).items()}
+    if taus and min(taus) < nodes < max(taus):
+        return interpolate(taus, nodes)
     tau = 1 + TAU_CARRY_OVER * (expected_tau(order[: nodes - 1], acc) - 1)
     return tau * {"medusa": 1.0, "dynamic": DYNAMIC_TAU_GAIN, "hybrid": HYBRID_TAU_GAIN}[proposer]
 
@@ -605,9 +609,8 @@ def batch_choice(model, rows: int, progress: bool = True, engine: str | None = N
     # timed several trees and the plan's own steps alone: timed again
     kept = plan.batches.get(key)
     stale = kept is not None and (
-        "candidates" not in kept
-        if engine
-        else kept.get("version") != BATCH_LAYOUT_VERSION or set(kept["plain_ms"]) != set(_batch_engines(model))
+        kept.get("version") != BATCH_LAYOUT_VERSION
+        or (not engine and set(kept["plain_ms"]) != set(_batch_engines(model)))
     )
     if kept is None or stale:
         if progress:
@@ -625,13 +628,13 @@ def batch_choice(model, rows: int, progress: bool = True, engine: str | None = N
 
 def _lay_out_batch(model, rows: int, progress: bool) -> dict:
     """What `lay_out` weighs for `rows` rows, timed for real: whole steps of plain decoding together on each engine
-    the plan weighed (time_batch_step) at each of BATCH_WIDTHS cached tokens; on the fastest (at CONTEXT) the
-    BATCH_TREES_TIMED trees its batched verify expects fastest (_calibrate_batch), each timed as whole steps there
-    too, with its expected tau, and the prefill per token (time_batch_prefill); one sequence's plain step on the
-    plan's plain engine and the plan's own whole steps on its engine (time_alone_step, at each of BATCH_WIDTHS), its
-    prefill per token on the plan's engine, and its expected tau. (A batch's verify alone leaves out masks,
-    acceptance and commits per row, and every row's step attends over the batch's longest prompt: batches took trees
-    that lost, docs/benchmarks/cpu-batch-amx-session46.)"""
+    the plan weighed (time_batch_step) at each of BATCH_WIDTHS cached tokens; on the fastest (at CONTEXT) every tree
+    its batched verify expects to pay (_calibrate_batch: a verify's timing leaves out each row's propose, mask and
+    acceptance, which grow with the tree), each timed as whole steps there too, with its expected tau, and the
+    prefill per token (time_batch_prefill); one sequence's plain step on the plan's plain engine and the plan's own
+    whole steps on its engine (time_alone_step, at each of BATCH_WIDTHS), its prefill per token on the plan's engine,
+    and its expected tau. (Every row's step attends over the batch's longest prompt: batches took trees that lost,
+    docs/benchmarks/cpu-batch-amx-session46.)"""
     plan, sampling, engines = model.plan, SamplingConfig(), _batch_engines(model)
 
     def step_ms(engine: str, proposer: str, tree) -> dict[str, float]:
@@ -659,10 +662,7 @@ def _lay_out_batch(model, rows: int, progress: bool) -> dict:
         "plain_ms": together_ms,  # {engine: {width: ms per step}}
         "prefill_ms_per_token": time_batch_prefill(engine_for(model.base, batched), 2, CONTEXT),
         # {proposer, tree, tau, expected_speedup, step_ms {width: ms}}; none where the heads have no accuracy table
-        "trees": [
-            dict(tree, step_ms=step_ms(batched, tree["proposer"], tree["tree"]))
-            for tree in candidates[:BATCH_TREES_TIMED]
-        ],
+        "trees": [dict(tree, step_ms=step_ms(batched, tree["proposer"], tree["tree"])) for tree in candidates],
         "alone_engine": plan.engine,
         "alone_plain_engine": plan.plain_engine,
         "alone_plain_ms": alone_ms(plan.plain_engine, "plain", None),
@@ -787,11 +787,15 @@ def time_alone_step(
         sync(model.device)
         return time.perf_counter() - start, out.stats.steps
 
-    per_step = []
+    per_step, whole = [], []
     for _ in range(BATCH_REPEATS + 1):  # the first round warms up
         (short, short_steps), (long, long_steps) = run(tokens), run(2 * tokens)
         per_step.append(1000 * (long - short) / max(long_steps - short_steps, 1))
-    return statistics.median(per_step[1:])
+        whole.append(1000 * long / long_steps)
+    # a difference of noisy timings can come out at or below zero on a loaded machine (a step costs something):
+    # then the longer run's ms per step, its prefill included, an upper bound
+    difference = statistics.median(per_step[1:])
+    return difference if difference > 0 else statistics.median(whole[1:])
 
 
 def _calibrate_batch(model, rows: int, engine: str, context: int = CONTEXT, repeats: int = BATCH_REPEATS) -> dict:
@@ -802,6 +806,7 @@ def _calibrate_batch(model, rows: int, engine: str, context: int = CONTEXT, repe
     plan, acc = model.plan, model.accuracy
     if acc is None:  # nothing to predict acceptance from: the plan's own choice, as one sequence takes it
         return {
+            "version": BATCH_LAYOUT_VERSION,
             "proposer": plan.proposer,
             "tree": plan.tree,
             "expected_speedup": None,
@@ -850,6 +855,7 @@ def _calibrate_batch(model, rows: int, engine: str, context: int = CONTEXT, repe
     speedup, nodes = (best.speedup, best.num_nodes) if best.speedup >= MIN_GAIN else (1.0, 1)
     paying = sorted((o for o in options[1:] if o.speedup >= MIN_GAIN), key=lambda o: -o.speedup)
     return {
+        "version": BATCH_LAYOUT_VERSION,
         "proposer": proposer if nodes > 1 else "plain",
         "tree": [list(p) for p in order[: nodes - 1]],
         "expected_speedup": round(speedup, 3),

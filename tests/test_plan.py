@@ -19,6 +19,7 @@ from medusa.plan import (
     ACCEPTANCE_MEMORY,
     ACCEPTANCE_PRIOR,
     ACCURACY_NAME,
+    BATCH_LAYOUT_VERSION,
     MIN_GAIN,
     TIE_MARGIN,
     ObservedAcceptance,
@@ -175,6 +176,12 @@ def test_decoded_taus_replace_the_accuracy_model_and_round_trip(tmp_path):
     taus = {(o["proposer"], o["num_nodes"]): o["tau"] for o in plan.options}
     assert taus["dynamic", wanted] == 2.2 and taus["medusa", 4] == 1.2
     assert taus["medusa", 2] == pytest.approx(medusa.plan.planned_tau(order, 2, STRONG, "medusa"))
+    # a size between two decoded: linear between them; beyond the decoded ones, the model's
+    between = decoded_taus({"dynamic": {2: 1.6, 4: 2.4}})
+    assert medusa.plan.planned_tau(order, 3, STRONG, "dynamic", between) == pytest.approx(2.0)
+    assert medusa.plan.planned_tau(order, 6, STRONG, "dynamic", between) == medusa.plan.planned_tau(
+        order, 6, STRONG, "dynamic"
+    )
     save_accuracy(tmp_path, STRONG, source="test", decoded=decoded)
     assert load_accuracy(tmp_path) == (STRONG, decoded)
     save_accuracy(tmp_path, STRONG)  # a new table: taus grown from the old one go
@@ -436,7 +443,7 @@ def test_a_batch_takes_the_tree_its_rows_can_afford(tmp_path, monkeypatch):
     assert medusa.plan.batch_choice(again, 2, engine=engine) == small
     assert medusa.plan.batch_choice(again, 2, engine=other)
     assert timed == [2, 16, 2]  # each kept under its own engine
-    del again.plan.batches[f"2 on {engine}"]["candidates"]  # kept from before a layout timed several trees
+    again.plan.batches[f"2 on {engine}"]["version"] = BATCH_LAYOUT_VERSION - 1  # kept from an older layout
     assert medusa.plan.batch_choice(again, 2, engine=engine)["candidates"] and timed == [2, 16, 2, 2]
 
 
@@ -586,7 +593,7 @@ def test_a_batch_decodes_its_rows_one_at_a_time_where_that_is_faster(tmp_path, m
 
 
 def test_a_batch_takes_the_tree_whose_whole_steps_decode_fastest(tmp_path, monkeypatch):
-    """A layout times whole steps of the trees its batched verify expects fastest, not only the one it expects
+    """A layout times whole steps of every tree its batched verify expects to pay, not only the one it expects
     fastest: a tree whose propose and acceptance cost more than its verify suggested loses to a smaller one, and
     trees within TIE_MARGIN of each other go to the fewest nodes."""
     monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "cache"))
@@ -597,7 +604,7 @@ def test_a_batch_takes_the_tree_whose_whole_steps_decode_fastest(tmp_path, monke
     _layout_with(monkeypatch, model, lambda engine, width: 40.0, 40.0, tree_ms=lambda width, nodes: 40.0)
     expected = medusa.plan.batch_choice(model, 4, engine="eager")["candidates"]
     layout = medusa.plan.batch_choice(model, 4)
-    assert [t["tree"] for t in layout["trees"]] == [c["tree"] for c in expected[: medusa.plan.BATCH_TREES_TIMED]]
+    assert [t["tree"] for t in layout["trees"]] == [c["tree"] for c in expected] and len(expected) > 3  # every one
     tau = {len(t["tree"]) + 1: t["tau"] for t in layout["trees"]}
     largest, smallest = max(tau), min(tau)
     assert len(tau) >= 2 and tau[largest] > tau[smallest] > 1.0

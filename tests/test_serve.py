@@ -379,7 +379,8 @@ def test_a_main_thread_worker_runs_the_model_on_the_thread_that_runs_it(model):
             worker.run_until(lambda: not asker.is_alive(), poll=0.01)
     finally:
         del model.generate, model.generate_continuously
-    assert replies == [expected, expected] and threads == [threading.main_thread()] * 2
+    # (the streamed request may join the first one's call: it can arrive before that call has seen no more waiting)
+    assert replies == [expected, expected] and threads and set(threads) == {threading.main_thread()}
 
 
 def test_max_batch_bounds_a_batch_and_a_failed_batch_decodes_each_request_alone(model):
