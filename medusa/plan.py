@@ -605,8 +605,8 @@ def batch_choice(model, rows: int, progress: bool = True, engine: str | None = N
     sequence, each timed as whole steps."""
     plan = model.plan
     key = batch_key(rows, engine)  # (an older plan's keys name no engine: timed again)
-    # a layout timed before every engine the plan weighs took batches (the inductor engine's package), or before it
-    # timed several trees and the plan's own steps alone: timed again
+    # a choice timed by an older BATCH_LAYOUT_VERSION, or a layout timed before every engine the plan weighs took
+    # batches (the inductor engine's package): timed again
     kept = plan.batches.get(key)
     stale = kept is not None and (
         kept.get("version") != BATCH_LAYOUT_VERSION
