@@ -132,6 +132,8 @@ class DynamicTreeProposer:
         roots = [state.root_token.view(1) for state in states]
         budget = first.num_nodes - 1  # non-root nodes
         if budget == 0 or first.depth == 0:
+            for proposer, state in zip(proposers, states):  # (a batch's rows budgeted to plain steps for a while)
+                proposer.skip(state)  # the heads' context layer reads these positions with the next guessing step's
             return [Candidates(tokens=root, tree=buffers_from_parents([0], root.device)) for root in roots]
         medusa, rows = first.medusa, range(len(states))
         hidden = medusa.read_batch([p.medusa for p in proposers], states)

@@ -245,6 +245,40 @@ def test_heads_with_a_context_layer_and_base_features_read_each_rows_own_positio
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_rows_budgeted_to_plain_steps_read_those_positions_when_they_guess_again(family):
+    """A dynamic row budgeted to one node (the plan laying out plain steps for its batch's rows) guesses nothing; its
+    heads' context layer reads the positions those steps committed with the next guessing step's, as one sequence's
+    guard leaves them (MedusaProposer.skip), and every row is still its prompt decoded alone."""
+    from medusa.batch import BatchDecoding
+    from tests.conftest import context_heads
+
+    base = make_tiny_model(family)
+    model = MedusaModel(base, context_heads(feature_layers=[0, 1]), tree=[[0], [1], [0, 0]])
+    ids, mask = padded(PROMPTS)
+    sampling = SamplingConfig()
+    batch = BatchDecoding(
+        engine_for(base, "eager"),
+        lambda: model.make_proposer("dynamic", None, sampling, None),
+        get_rule("greedy"),
+        split_padded(ids, mask),
+        max_new_tokens=24,
+        sampling=sampling,
+        stop_ids=set(),
+        feature_layers=model.feature_layers,
+        pad_token_id=0,
+    )
+    for budget in (1, 1, 4, 1, 1, 1, 3):
+        batch.budget_trees(budget)
+        batch.step()
+    while batch.active:
+        batch.step()
+    out = batch.output().sequences
+    assert max(batch.stats.accepted_lengths) > 1  # guessing steps after plain ones accepted guesses
+    for row, prompt in enumerate(PROMPTS):
+        assert out[row, ids.shape[1] :].tolist() == alone(base, prompt, 24)[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_a_batchs_rows_propose_together_what_each_proposes_alone(family, monkeypatch):
     """The dynamic tree's rows propose with one context read and one head call per depth for all of them
     (propose_batch): every step's trees are those the rows propose one by one, and so is all they decode."""

@@ -28,6 +28,9 @@ class FixedHeads:
     def step_copies(self, state):
         return []  # no copy guesses (tests/test_copy.py covers them)
 
+    def skip(self, state):
+        pass  # no context layer to leave positions for
+
     def head_logits(self, hidden, next_token, num_heads=None):
         return self.logits[:num_heads]
 
