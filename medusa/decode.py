@@ -219,7 +219,7 @@ class SpeculativeGenerator:
             raise ValueError("output_scores / output_logits take one sequence for now: pass one prompt at a time")
         lengths = [row.shape[1] for row in rows]
         layout = self.batch_layout(lengths, settings.max_new_tokens, engine, proposer, tree)
-        proposer_named, tree_named = proposer, tree
+        plan_chose_trees = proposer is None and tree is None
         engine, proposer, tree = layout.engine, layout.proposer, layout.tree
         ends = end_token_ids(self.base, tokenizer, settings.eos_token_id)
         pad = settings.pad_token_id
@@ -248,7 +248,7 @@ class SpeculativeGenerator:
             pad_token_id=pad,
             streamers=streamer,
             # rows that finished leave the rest a larger tree each, as continuous batching re-budgets them
-            on_rows_left=self.budget_trees if proposer_named is None and tree_named is None else None,
+            on_rows_left=self.budget_trees if plan_chose_trees else None,
         )
         self.observe_batch(layout, out.stats)
         return out

@@ -435,19 +435,25 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
             return
         left = max(row.max_new_tokens - len(row.new) for row in rows)
         layout = self.batch_layout([row.state.length for row in rows], left, batch.engine.name, None, None)
-        batch.budget_trees(1 if layout.proposer == "plain" else len(self.tree_paths(layout.tree)) + 1)
+        batch.budget_trees(self._layout_nodes(layout))
+
+    def _layout_nodes(self, layout: BatchLayout) -> int:
+        """The nodes (root included) a step of `layout`'s tree verifies: 1 where it decodes plainly."""
+        return 1 if layout.proposer == "plain" else len(self.tree_paths(layout.tree)) + 1
 
     def observe_batch(self, layout: BatchLayout, stats) -> None:
         """A batch decoded with the proposer and tree the plan chose for it (together, or one row at a time as it
         decodes one sequence): what its rows' guessing steps accepted, for later layouts (steps the online guard
         decoded plainly guessed nothing; steps of the larger trees a batch's last rows took are not the layout's)."""
-        nodes = len(self.tree_paths(layout.tree)) + 1
+        if layout.expected_tau is None:  # not the plan's choice
+            return
+        nodes = self._layout_nodes(layout)
         accepted = [
             n
             for n, depth, size in zip(stats.accepted_lengths, stats.proposed_lengths, stats.verified_nodes)
             if depth and size <= nodes
         ]
-        if layout.expected_tau is not None and accepted:
+        if accepted:
             self.acceptance.add(layout.expected_tau, accepted)
 
     def prepare_proposal(self, engine) -> None:

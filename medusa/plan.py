@@ -257,9 +257,14 @@ def check_decoded(decoded: dict) -> dict:
     return checked
 
 
+def decoded_curve(decoded: dict | None, part: str, proposer: str) -> dict[int, float]:
+    """decoded[part][proposer] (check_decoded) by node count; empty where not decoded."""
+    return {} if decoded is None else {int(n): value for n, value in decoded[part].get(proposer, {}).items()}
+
+
 def decoded_value(decoded: dict | None, part: str, proposer: str, nodes: int) -> float | None:
     """decoded[part][proposer][nodes] (check_decoded), None where not decoded."""
-    return None if decoded is None else decoded[part].get(proposer, {}).get(str(nodes))
+    return decoded_curve(decoded, part, proposer).get(nodes)
 
 
 def heads_fingerprint(model) -> str:
@@ -483,10 +488,9 @@ def planned_tau(order, nodes: int, acc, proposer: str, decoded: dict | None = No
     table's model, another workload's, put the shipped heads' at 1.76 where 2 and 4 nodes decoded 1.66 and 2.37),
     else the accuracy table's, discounted by TAU_CARRY_OVER, times what the proposer gains over a static tree of that
     size."""
-    measured = decoded_value(decoded, "tau", proposer, nodes)
-    if measured is not None:
-        return measured
-    taus = {int(n): tau for n, tau in (decoded["tau"].get(proposer, {}) if decoded else {}).items()}
+    taus = decoded_curve(decoded, "tau", proposer)
+    if nodes in taus:
+        return taus[nodes]
     if taus and min(taus) < nodes < max(taus):
         return interpolate(taus, nodes)
     tau = 1 + TAU_CARRY_OVER * (expected_tau(order[: nodes - 1], acc) - 1)
@@ -620,7 +624,7 @@ def batch_choice(model, rows: int, progress: bool = True, engine: str | None = N
             plan.batches[key] = _lay_out_batch(model, batch_bucket(rows), progress)
         else:
             plan.batches[key] = _calibrate_batch(model, batch_bucket(rows), engine)
-        plan.batches[key]["calibration_s"] = round(time.perf_counter() - start, 1)
+        plan.batches[key].update(version=BATCH_LAYOUT_VERSION, calibration_s=round(time.perf_counter() - start, 1))
         if plan.key:
             _save(plan, plan_path(plan.key))
     return plan.batches[key]
@@ -656,7 +660,6 @@ def _lay_out_batch(model, rows: int, progress: bool) -> dict:
     batched = min(engines, key=lambda e: together_ms[e][str(CONTEXT)])
     candidates = batch_choice(model, rows, progress, engine=batched)["candidates"]
     return {
-        "version": BATCH_LAYOUT_VERSION,
         "rows": rows,
         "engine": batched,
         "plain_ms": together_ms,  # {engine: {width: ms per step}}
@@ -806,7 +809,6 @@ def _calibrate_batch(model, rows: int, engine: str, context: int = CONTEXT, repe
     plan, acc = model.plan, model.accuracy
     if acc is None:  # nothing to predict acceptance from: the plan's own choice, as one sequence takes it
         return {
-            "version": BATCH_LAYOUT_VERSION,
             "proposer": plan.proposer,
             "tree": plan.tree,
             "expected_speedup": None,
@@ -855,7 +857,6 @@ def _calibrate_batch(model, rows: int, engine: str, context: int = CONTEXT, repe
     speedup, nodes = (best.speedup, best.num_nodes) if best.speedup >= MIN_GAIN else (1.0, 1)
     paying = sorted((o for o in options[1:] if o.speedup >= MIN_GAIN), key=lambda o: -o.speedup)
     return {
-        "version": BATCH_LAYOUT_VERSION,
         "proposer": proposer if nodes > 1 else "plain",
         "tree": [list(p) for p in order[: nodes - 1]],
         "expected_speedup": round(speedup, 3),
