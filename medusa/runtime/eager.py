@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from medusa.runtime import kv_cache
 from medusa.runtime.kv_cache import RowsCache
@@ -26,7 +27,13 @@ class EagerEngine:
         return rows_forward(self.model, cache, ids, mask, positions, feature_layers, logits_to_keep)
 
     def new_cache(self, max_length: int):
-        return DynamicCache(config=self.model.config)
+        """transformers' DynamicCache, its sliding-window layers keeping every row as the others do: a tree verified
+        past the window needs the rows its nodes' window reaches back to (runtime.verify.layer_masks hides the rest)."""
+        cache = DynamicCache(config=self.model.config)
+        cache.layers = [
+            DynamicLayer() if isinstance(layer, DynamicSlidingWindowLayer) else layer for layer in cache.layers
+        ]
+        return cache
 
     def warm_up(self, progress: bool = True, max_length: int | None = None, batches: bool = False) -> float:
         return 0.0  # nothing to compile

@@ -17,10 +17,10 @@ from medusa.loading import base_fingerprint
 from medusa.runtime import aot, static
 from medusa.runtime.attention import kv_dtype
 from medusa.runtime.kv_cache import RowsCache
-from medusa.runtime.prepack import attention_copy
+from medusa.runtime.prepack import attention_copy, plain_weights
 from medusa.runtime.quantize import precision_of
 from medusa.runtime.static import CompiledEngine
-from medusa.runtime.verify import VerifyOutput, verify_inputs
+from medusa.runtime.verify import VerifyOutput, sliding_window, verify_inputs
 from medusa.tree import Candidates
 
 logger = logging.getLogger(__name__)
@@ -30,8 +30,7 @@ class InductorEngine(CompiledEngine):
     name = "inductor"
 
     def __init__(self, model, prepack: bool | None = None):
-        plain_weights = all(type(p) in (torch.Tensor, torch.nn.Parameter) for p in model.parameters())
-        self.ahead_of_time = model.device.type != "cuda" and plain_weights
+        self.ahead_of_time = model.device.type != "cuda" and plain_weights(model)
         self.package = None  # the loaded package's runner (every cache size)
         # weight-only int8 and int4 on a CPU with AMX: one-token steps run a package of their own compiled without AMX
         # micro-kernels, whose vector kernels stream the weights faster at one row (AMX's stay for trees)
@@ -42,9 +41,9 @@ class InductorEngine(CompiledEngine):
         self.batch_package = None  # a batch's package's runner (run_rows)
         self._weights: str | None = None  # the base's fingerprint, which names its packages
         super().__init__(model, torch_compile=True, prepack=prepack)
-        # a batch's package (aot.run_rows) on a CPU; sliding-window layers keep the eager batch (their cache is the
-        # window's, which a package's rows do not follow)
-        self.batch_ahead_of_time = self.ahead_of_time and self.window is None
+        # a batch's package (aot.run_rows) on a CPU; a sliding-window model's batch runs eagerly (its masks per layer
+        # type: medusa.batch)
+        self.batch_ahead_of_time = self.ahead_of_time and sliding_window(model.config) is None
 
     def _runner_for(self, model):
         """On a CPU, a copy of the target (parameters shared) on medusa's attention (runtime.attention): what is

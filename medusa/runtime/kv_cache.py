@@ -41,11 +41,6 @@ def commit(cache, past_length: int, accepted_nodes: torch.Tensor) -> None:
     """
     keep = past_length + accepted_nodes.numel()
     for layer in cache.layers:
-        if getattr(layer, "is_sliding", False) and getattr(layer, "cumulative_length", 0) >= layer.sliding_window - 1:
-            raise NotImplementedError(
-                "the sequence outgrew a sliding-window layer's cache; tree verification supports sliding-window "
-                "models only while prompt + new tokens stay inside the window"
-            )
         keep_rows([layer.keys, layer.values], past_length, accepted_nodes)
         layer.keys, layer.values = layer.keys[:, :, :keep], layer.values[:, :, :keep]
         if hasattr(layer, "cumulative_length"):

@@ -30,6 +30,12 @@ def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and native_bf16())
 
 
+def plain_weights(model: nn.Module) -> bool:
+    """Whether every parameter of `model` is a plain tensor: torchao's quantized weights (a tensor subclass) are neither
+    packed nor compiled ahead of time."""
+    return all(type(p) in (torch.Tensor, nn.Parameter) for p in model.parameters())
+
+
 # The rows oneDNN lays the weight out for. Packed for 1, a matrix read by 2-16 rows (a tree's verify, path heads)
 # cost as if each row read it again; packed for 8, one row costs the same and more rows little more (docs/engines.md).
 PACKED_ROWS = 8

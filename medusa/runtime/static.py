@@ -21,7 +21,7 @@ from medusa.runtime.aot import OWN_WEIGHTS_OPTIONS
 from medusa.runtime.attention import ROW_INVARIANT_SDPA, kv_dtype
 from medusa.runtime.graphs import StepGraph, upload_ids
 from medusa.runtime.kv_cache import KeptDtypeLayer, RowsCache, keep_rows, row_mover
-from medusa.runtime.prepack import can_prepack, prepacked_copy
+from medusa.runtime.prepack import can_prepack, plain_weights, prepacked_copy
 from medusa.runtime.quantize import QUANTIZED, precision_of, sums_on_fbgemm
 from medusa.runtime.torch_patches import parses_kept, use_inductor_cache
 from medusa.runtime.verify import (
@@ -124,8 +124,8 @@ class CompiledEngine:
 
     Uncompiled, one cache is kept between calls and reallocated only when a call needs more rows. Compiled, each size
     (512 rows, doubling) keeps its own cache and graphs, and a call runs on the smallest that fits it: attention reads
-    the whole allocation under a mask, so a larger cache costs every step (docs/engines.md). Sliding-window models run
-    only while prompt + new tokens + tree fit inside the window (as in the eager engine's commit).
+    the whole allocation under a mask, so a larger cache costs every step (docs/engines.md). Sliding-window layers keep
+    every row, as the others do (runtime.verify.layer_masks).
     """
 
     name = "compiled"
@@ -135,9 +135,11 @@ class CompiledEngine:
         start = time.perf_counter()
         self.model = model
         self.torch_compile = model.device.type == "cuda" if torch_compile is None else torch_compile
-        # inductor packs weights itself (freezing) and cannot lower ours
+        # inductor packs weights itself (freezing) and cannot lower ours; torchao's quantized weights stay as they are
         self.prepacked = (
-            (can_prepack(model.device, model.dtype) and not self.torch_compile) if prepack is None else prepack
+            (can_prepack(model.device, model.dtype) and not self.torch_compile and plain_weights(model))
+            if prepack is None
+            else prepack
         )
         with engines_set_aside(model):
             self.runner = self._runner_for(model)
@@ -159,12 +161,6 @@ class CompiledEngine:
         self.setup_seconds = time.perf_counter() - start  # packing; compiling happens as caches are allocated
         self.label = os.path.basename(str(getattr(model, "name_or_path", "") or "")) or type(model).__name__
         self.compile_seconds = 0.0
-        text = model.config.get_text_config()
-        self.window = (
-            getattr(text, "sliding_window", None)
-            if "sliding_attention" in (getattr(text, "layer_types", None) or ())
-            else None
-        )
 
     def new_rows_cache(self, max_rows: int) -> RowsCache:
         """A batch's cache (torch.compile's graphs take one sequence: a batch runs eagerly on the runner, the
@@ -186,16 +182,9 @@ class CompiledEngine:
 
     @torch.inference_mode()  # a cache made under it (warm_up's) is written in place here
     def new_cache(self, max_length: int, progress: bool = True) -> StaticCache:
-        if self.window is not None and max_length > self.window:
-            raise ValueError(
-                f"the compiled engine keeps sliding-window layers only inside their window ({self.window} tokens); "
-                f"this call needs {max_length}: lower max_new_tokens or use engine='eager'"
-            )
         rows = -(-max_length // CACHE_ROUNDING) * CACHE_ROUNDING
         if self.torch_compile:  # each size is a graph to compile: few sizes, doubling
             rows = max(COMPILED_MIN_ROWS, 1 << (rows - 1).bit_length())
-        if self.window is not None:
-            rows = min(rows, self.window)
         if self.torch_compile and rows in self._sized:  # the smallest compiled size that fits: reads no more
             self._cache = self._sized[rows]
         elif self.torch_compile:  # a size of its own, kept for the calls that fit; compiled now, not mid-call
@@ -304,14 +293,10 @@ class CompiledEngine:
             return 0.0
         before = self.compile_seconds
         max_length = max_length or COMPILED_MIN_ROWS
-        if self.window is not None:
-            max_length = min(max_length, self.window)
-        # each size the caches come in, up to the one max_length needs (a window may stop them short)
+        # each size the caches come in, up to the one max_length needs
         sizes = [COMPILED_MIN_ROWS]
         while sizes[-1] < max_length:
             sizes.append(sizes[-1] * 2)
-        if self.window is not None:
-            sizes = sorted({min(rows, self.window) for rows in sizes})
         sizes = [rows for rows in sizes if rows not in self._sized]  # as new_cache keys them
         for rows in sizes:
             self.new_cache(rows, progress)  # allocates and compiles

@@ -24,6 +24,36 @@ def with_cache(model, cache) -> dict:
     return {_cache_keyword(type(model)): cache}
 
 
+def sliding_window(config) -> int | None:
+    """The window of a model whose layers include sliding-window attention (Gemma 2 and 3, Mistral, Qwen2 with
+    `use_sliding_window`, ...): a query attends to the keys less than this many positions before it; None: no such
+    layer."""
+    text = config.get_text_config()
+    return (
+        getattr(text, "sliding_window", None)
+        if "sliding_attention" in (getattr(text, "layer_types", None) or ())
+        else None
+    )
+
+
+def layer_masks(config, mask, positions: torch.Tensor, offsets: torch.Tensor | None = None):
+    """A (B, 1, N, K) additive mask over cache rows -> what the model's forward takes: the mask itself, or for a
+    sliding-window model (`sliding_window`) a mask per layer type, the sliding layers' also hiding the rows a window
+    leaves out. transformers reads a 4D mask as every layer's; a dict by layer type skips its own masks. Every layer
+    keeps every row (medusa's caches), so a tree of any length past the window verifies exactly as plain decoding.
+    `positions` (B, N): the queries'; `offsets` (B,): how far row b's cache index is ahead of its position (a
+    batch's left padding; None: the index is the position). A tree's own rows lie within its depth of each other,
+    never a window apart."""
+    window = sliding_window(config)
+    if window is None or mask is None or isinstance(mask, dict):
+        return mask
+    keys = torch.arange(mask.shape[-1], device=mask.device)[None]  # (1, K) each row's position, or (B, K)
+    if offsets is not None:
+        keys = keys - offsets[:, None]
+    far = positions[:, None, :, None] - keys[:, None, None, :] >= window  # (B, 1, N, K)
+    return {"full_attention": mask, "sliding_attention": mask.masked_fill(far, torch.finfo(mask.dtype).min)}
+
+
 def base_features(hidden_states: tuple[torch.Tensor, ...], feature_layers=()) -> torch.Tensor:
     """A base forward's `hidden_states` (embeddings, then each layer's output; the last one post-norm) -> what heads
     read per position: the last hidden state, then the residual stream after each of `feature_layers`, concatenated
@@ -48,11 +78,31 @@ class PrefillOutput:
 
 @torch.inference_mode()
 def run_prefill(model, cache, input_ids: torch.Tensor, feature_layers=()) -> PrefillOutput:
-    """One ordinary forward over the prompt (1, T) into `cache`, logits kept for its last position only."""
+    """One ordinary forward over the prompt (1, T) into `cache` (empty), logits kept for its last position only."""
     out = model(
-        input_ids=input_ids, **with_cache(model, cache), use_cache=True, output_hidden_states=True, logits_to_keep=1
+        input_ids=input_ids,
+        attention_mask=prefill_masks(model, cache, input_ids.shape[1]),
+        **with_cache(model, cache),
+        use_cache=True,
+        output_hidden_states=True,
+        logits_to_keep=1,
     )
     return PrefillOutput(out.logits[0, -1], base_features(out.hidden_states, feature_layers)[0])
+
+
+def prefill_masks(model, cache, length: int):
+    """None (transformers masks a prompt itself) or, for a sliding-window model, a prompt's causal masks per layer
+    type over the rows `cache` shows attention: an engine's copy of the target attends on medusa's attention, for
+    which transformers makes no masks at all, and its sliding layers would see past their window."""
+    if sliding_window(model.config) is None:
+        return None
+    device = model.device
+    causal = torch.ones((length, length), dtype=torch.bool, device=device).tril()
+    bias = torch.zeros((length, length), dtype=model.dtype, device=device).masked_fill(
+        ~causal, torch.finfo(model.dtype).min
+    )
+    mask = bias_over_rows(bias, 0, cache.get_mask_sizes(length, 0)[0])
+    return layer_masks(model.config, mask, torch.arange(length, device=device)[None])
 
 
 @dataclass(frozen=True)
@@ -80,11 +130,14 @@ def bias_over_rows(bias: torch.Tensor, past_length: int | torch.Tensor, rows: in
     return torch.where(place < 0, 0.0, mask)[None, None]
 
 
-def verify_inputs(candidates: Candidates, past_length: int, dtype: torch.dtype, mask_rows: int | None = None):
-    """-> input_ids (1, N), position_ids (1, N) and the tree's mask (None for one token without `mask_rows`)."""
+def verify_inputs(
+    candidates: Candidates, past_length: int, dtype: torch.dtype, mask_rows: int | None = None, windowed: bool = False
+):
+    """-> input_ids (1, N), position_ids (1, N) and the tree's mask (None for one token without `mask_rows`, unless
+    `windowed`: a sliding-window model's, which prefill_masks says why)."""
     tokens = candidates.tokens[None]
     position_ids = (past_length + candidates.tree.depth)[None]
-    one_token = tokens.shape[1] == 1 and mask_rows is None
+    one_token = tokens.shape[1] == 1 and mask_rows is None and not windowed
     mask = None if one_token else tree_attention_mask(candidates, past_length, dtype, mask_rows)
     return tokens, position_ids, mask
 
@@ -97,7 +150,8 @@ def verify(
 
     One token sees the whole past: it goes without a mask (transformers' one-token path, as in its `generate`),
     unless `mask_rows` asks for a mask of that fixed width (a compiled graph's static shapes)."""
-    tokens, position_ids, mask = verify_inputs(candidates, past_length, model.dtype, mask_rows)
+    windowed = sliding_window(model.config) is not None
+    tokens, position_ids, mask = verify_inputs(candidates, past_length, model.dtype, mask_rows, windowed)
     return forward_nodes(model, cache, tokens, position_ids, mask, feature_layers, fixed_width=mask_rows is not None)
 
 
@@ -110,6 +164,7 @@ def forward_nodes(model, cache, tokens, position_ids, mask, feature_layers=(), f
         if tokens.shape[1] > 1:
             for tensor, dim in ((tokens, 1), (position_ids, 1), (mask, 2)):
                 torch._dynamo.maybe_mark_dynamic(tensor, dim)
+    mask = layer_masks(model.config, mask, position_ids)
     logits, hidden = _forward(model, cache, tokens, mask, position_ids, feature_layers)
     return VerifyOutput(logits=logits[0], hidden=hidden[0])
 

@@ -1,0 +1,149 @@
+"""Sliding-window models (Gemma 2 and 3, Mistral, Qwen2 with `use_sliding_window`): trees verified long past the
+window decode exactly as plain greedy decoding does, on every engine, alone and in batches, with heads, prompt lookup
+and a draft model. The tiny models' window (8) is far shorter than their sequences."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import medusa.runtime.aot
+import medusa.runtime.static
+from medusa import MedusaModel
+from medusa.batch import left_padded
+from medusa.runtime import engine_for
+from medusa.runtime.verify import layer_masks, sliding_window
+from tests.conftest import SLIDING_CONFIGS, VOCAB, WINDOW, make_heads, make_tiny_model, tiny_tokenizer
+from tests.test_engine import FAST_INDUCTOR
+
+SLIDING = sorted(SLIDING_CONFIGS)
+TREE = [[0], [1], [0, 0], [0, 0, 0], [0, 0, 0, 0]]
+NEW = 40
+
+
+def prompt_of(length: int, seed: int) -> list[int]:
+    """Random tokens, their first half said again (prompt lookup finds copies)."""
+    tokens = torch.randint(1, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return tokens + tokens[: length // 2]
+
+
+def greedy(base, prompt: list[int], new: int = NEW) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = base.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def without_window(base):
+    """The same weights with a window longer than any sequence here: what decoding would say if the window were lost."""
+    config = base.config.__class__.from_dict(base.config.to_dict())
+    config.sliding_window = 4096
+    unwindowed = AutoModelForCausalLM.from_config(config).eval()
+    unwindowed.load_state_dict(base.state_dict())
+    return unwindowed
+
+
+def medusa_of(base) -> MedusaModel:
+    return MedusaModel(base, make_heads(4, random=True), tree=TREE)
+
+
+@pytest.mark.parametrize("family", SLIDING)
+def test_the_window_changes_what_these_models_say(family):
+    """The sequences below outgrow the window, and the window changes their greedy output (so a verify that lost it
+    would be caught)."""
+    base = make_tiny_model(family, sliding=True)
+    assert sliding_window(base.config) == WINDOW
+    prompt = prompt_of(14, seed=1)
+    assert greedy(base, prompt) != greedy(without_window(base), prompt)
+
+
+@pytest.mark.parametrize("family", SLIDING)
+@pytest.mark.parametrize("engine", ["eager", "compiled"])
+def test_trees_past_the_window_decode_as_plain_greedy(family, engine):
+    base = make_tiny_model(family, sliding=True)
+    model = medusa_of(base)
+    for seed, length in ((1, 14), (2, 3)):  # prompts longer and shorter than the window; both outgrow it
+        prompt = prompt_of(length, seed)
+        expected = greedy(base, prompt)
+        for proposer in ("medusa", "dynamic", "prompt_lookup"):
+            out = model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=NEW,
+                proposer=proposer,
+                engine=engine,
+                return_dict_in_generate=True,
+            )
+            assert out.sequences[0, len(prompt) :].tolist() == expected, (proposer, length)
+            if proposer == "prompt_lookup":  # copies accepted: trees committed past the window
+                assert max(out.stats.accepted_lengths) > 1
+
+
+@pytest.mark.parametrize("family", SLIDING)
+@pytest.mark.parametrize("engine", ["eager", "compiled"])
+def test_batch_rows_past_the_window_decode_as_alone(family, engine):
+    """Rows of very different lengths, left-padded (a row's padding shifts its cache rows from its positions: the
+    window counts positions), each identical to its prompt decoded alone."""
+    base = make_tiny_model(family, sliding=True)
+    model = medusa_of(base)
+    prompts = [prompt_of(length, seed) for seed, length in enumerate((2, 14, 7, 20))]
+    expected = [greedy(base, prompt) for prompt in prompts]
+    ids, mask = left_padded(prompts, 0)
+    for proposer in ("dynamic", "prompt_lookup"):
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, proposer=proposer, engine=engine)
+        assert [row[ids.shape[1] :].tolist() for row in out] == expected, proposer
+
+
+def test_a_draft_model_past_the_window_keeps_greedy_identity():
+    target = make_tiny_model("gemma3", sliding=True)
+    model = MedusaModel.from_draft_model(
+        target=target, draft="int8", num_speculative_tokens=3, tokenizer=tiny_tokenizer()
+    )
+    prompt = prompt_of(14, seed=3)
+    for engine in ("eager", "compiled"):
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, engine=engine, return_dict_in_generate=True)
+        assert out.sequences[0, len(prompt) :].tolist() == greedy(target, prompt)
+        assert out.stats.acceptance_rate > 0.5  # the draft's trees are accepted, past the window
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", SLIDING)
+def test_the_inductor_package_verifies_past_the_window(family, tmp_path, monkeypatch):
+    """The package compiled ahead of time makes the sliding layers' masks itself (from the tree's mask and positions);
+    a batch runs eagerly on the same engine."""
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
+    monkeypatch.setattr(medusa.runtime.static, "INDUCTOR_CPU_OPTIONS", FAST_INDUCTOR)
+    base = make_tiny_model(family, sliding=True)
+    model = medusa_of(base)
+    ran, run = [], medusa.runtime.aot.run
+    monkeypatch.setattr(medusa.runtime.aot, "run", lambda *a, **k: ran.append(1) or run(*a, **k))
+    prompt = prompt_of(14, seed=4)
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, proposer="dynamic", engine="inductor")
+    assert out[0, len(prompt) :].tolist() == greedy(base, prompt)
+    engine = engine_for(base, "inductor")
+    assert engine.package is not None and len(ran) > 0  # the steps ran in the package
+    assert not engine.batch_ahead_of_time
+    prompts = [prompt_of(5, seed=5), prompt]
+    ids, mask = left_padded(prompts, 0)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, proposer="dynamic", engine="inductor")
+    for row, each in enumerate(prompts):
+        assert out[row, ids.shape[1] :].tolist() == greedy(base, each)
+
+
+def test_layer_masks_hide_exactly_what_the_window_leaves_out():
+    base = make_tiny_model("gemma3", sliding=True)
+    rows, queries = 30, 3
+    mask = torch.zeros((2, 1, queries, rows))
+    mask[0, 0, :, 25:] = torch.finfo(mask.dtype).min  # row 0: unwritten rows
+    positions = torch.tensor([[20, 21, 21], [10, 11, 12]])
+    offsets = torch.tensor([0, 4])  # row 1: 4 rows of padding before its tokens
+    masks = layer_masks(base.config, mask, positions, offsets)
+    assert torch.equal(masks["full_attention"], mask)
+    hidden = masks["sliding_attention"] != 0
+    for b in range(2):
+        for q in range(queries):
+            key_positions = torch.arange(rows) - offsets[b]
+            far = positions[b, q] - key_positions >= WINDOW
+            assert torch.equal(hidden[b, 0, q], far | (mask[b, 0, q] != 0)), (b, q)
+    assert layer_masks(make_tiny_model("llama").config, mask, positions) is mask  # no sliding layer: as it was
