@@ -14,6 +14,7 @@ from transformers import (
     Gemma3TextConfig,
     GemmaConfig,
     LlamaConfig,
+    MistralConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
 )
@@ -57,14 +58,15 @@ TINY_CONFIGS = {
     "gemma": lambda: GemmaConfig(**_COMMON, head_dim=16),
 }
 FAMILIES = sorted(TINY_CONFIGS)
-# Sliding-window attention, a window far shorter than the tests' sequences: Gemma 3 (a full layer after a sliding one)
-# and Qwen2 with `use_sliding_window` (every layer sliding)
+# Sliding-window attention, a window far shorter than the tests' sequences: Gemma 3 (a full layer after a sliding one),
+# Qwen2 with `use_sliding_window` (layers typed, every one sliding), Mistral (no layer types: one mask for all)
 WINDOW = 8
 SLIDING_CONFIGS = {
     "gemma3": lambda: Gemma3TextConfig(
         **_COMMON, head_dim=16, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]
     ),
     "qwen2": lambda: Qwen2Config(**_COMMON, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=0),
+    "mistral": lambda: MistralConfig(**_COMMON, sliding_window=WINDOW),
 }
 
 

@@ -1,4 +1,4 @@
-"""Sliding-window models (Gemma 2 and 3, Mistral, Qwen2 with `use_sliding_window`): trees verified long past the
+"""Sliding-window models (Gemma 2 and 3, Qwen2 with `use_sliding_window`, Mistral): trees verified long past the
 window decode exactly as plain greedy decoding does, on every engine, alone and in batches, with heads, prompt lookup
 and a draft model. The tiny models' window (8) is far shorter than their sequences."""
 
@@ -147,3 +147,5 @@ def test_layer_masks_hide_exactly_what_the_window_leaves_out():
             far = positions[b, q] - key_positions >= WINDOW
             assert torch.equal(hidden[b, 0, q], far | (mask[b, 0, q] != 0)), (b, q)
     assert layer_masks(make_tiny_model("llama").config, mask, positions) is mask  # no sliding layer: as it was
+    one_for_all = layer_masks(make_tiny_model("mistral", sliding=True).config, mask, positions, offsets)
+    assert torch.equal(one_for_all, masks["sliding_attention"])  # no layer types: every layer's mask windowed

@@ -25,25 +25,25 @@ def with_cache(model, cache) -> dict:
 
 
 def sliding_window(config) -> int | None:
-    """The window of a model whose layers include sliding-window attention (Gemma 2 and 3, Mistral, Qwen2 with
-    `use_sliding_window`, ...): a query attends to the keys less than this many positions before it; None: no such
-    layer."""
+    """The window of a model with sliding-window attention, in transformers' two ways: layers of types, some
+    "sliding_attention" (Gemma 2 and 3, Qwen2 with `use_sliding_window`, gpt-oss, ...), or no layer types and a
+    `sliding_window` that every layer keeps (Mistral, Mixtral, Phi-3, Starcoder2). A query attends to the keys less
+    than this many positions before it. None: no such layer."""
     text = config.get_text_config()
-    return (
-        getattr(text, "sliding_window", None)
-        if "sliding_attention" in (getattr(text, "layer_types", None) or ())
-        else None
-    )
+    window, layer_types = getattr(text, "sliding_window", None), getattr(text, "layer_types", None)
+    if layer_types:
+        return window if "sliding_attention" in layer_types else None
+    return window
 
 
 def layer_masks(config, mask, positions: torch.Tensor, offsets: torch.Tensor | None = None):
     """A (B, 1, N, K) additive mask over cache rows -> what the model's forward takes: the mask itself, or for a
-    sliding-window model (`sliding_window`) a mask per layer type, the sliding layers' also hiding the rows a window
-    leaves out. transformers reads a 4D mask as every layer's; a dict by layer type skips its own masks. Every layer
-    keeps every row (medusa's caches), so a tree of any length past the window verifies exactly as plain decoding.
-    `positions` (B, N): the queries'; `offsets` (B,): how far row b's cache index is ahead of its position (a
-    batch's left padding; None: the index is the position). A tree's own rows lie within its depth of each other,
-    never a window apart."""
+    sliding-window model (`sliding_window`) the mask also hiding the rows a window leaves out, for its sliding layers:
+    a dict by layer type where the model has types (transformers reads a 4D mask as every layer's; a dict skips its
+    own masks), else the windowed mask (every layer slides). Every layer keeps every row (medusa's caches), so a tree
+    of any length past the window verifies exactly as plain decoding. `positions` (B, N): the queries'; `offsets`
+    (B,): how far row b's cache index is ahead of its position (a batch's left padding; None: the index is the
+    position). A tree's own rows lie within its depth of each other, never a window apart."""
     window = sliding_window(config)
     if window is None or mask is None or isinstance(mask, dict):
         return mask
@@ -51,7 +51,10 @@ def layer_masks(config, mask, positions: torch.Tensor, offsets: torch.Tensor | N
     if offsets is not None:
         keys = keys - offsets[:, None]
     far = positions[:, None, :, None] - keys[:, None, None, :] >= window  # (B, 1, N, K)
-    return {"full_attention": mask, "sliding_attention": mask.masked_fill(far, torch.finfo(mask.dtype).min)}
+    sliding = mask.masked_fill(far, torch.finfo(mask.dtype).min)
+    if getattr(config.get_text_config(), "layer_types", None):
+        return {"full_attention": mask, "sliding_attention": sliding}
+    return sliding
 
 
 def base_features(hidden_states: tuple[torch.Tensor, ...], feature_layers=()) -> torch.Tensor:
