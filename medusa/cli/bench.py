@@ -159,7 +159,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--heads",
         default=None,
         help="heads directory (default: the shipped heads, which fit SmolLM2 only); 'none': untrained heads on --base, "
-        "for a base without heads of its own (methods that guess without heads: prompt_lookup, draft, llama_cpp ...)",
+        "for a base without heads of its own (methods that guess without heads: lookup, draft, llama_cpp_lookup ...)",
     )
     parser.add_argument(
         "--base", default=None, help="base model: directory, .gguf or Hub id (default: the heads' base)"

@@ -109,17 +109,22 @@ def row_invariant_sdpa(
     )
 
 
+def on_medusa_attention(model) -> bool:
+    """Whether `model` attends with medusa's attention (an engine's copy of the target, or a w8a8 target), for which
+    transformers makes no masks: a forward without one attends causally over every row it is shown."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None) in (
+        SHARED_GQA_SDPA,
+        ROW_INVARIANT_SDPA,
+    )
+
+
 def kv_dtype(model) -> torch.dtype | None:
     """The dtype a static cache keeps `model`'s key and value rows in: float32 where it attends in fp32 over half-
     precision activations (`shared_gqa_sdpa` on a CPU), so that each row is widened once, as it is written, instead
     of the whole cache at every layer of every step; None elsewhere (rows kept as they come). Eager forwards give the
     same numbers (bf16 and fp16 widen exactly); a compiled one may store the rotary keys unrounded, which moves
     answers by near-ties. Twice the cache's memory (docs/engines.md, session 30)."""
-    uses_ours = getattr(getattr(model, "config", None), "_attn_implementation", None) in (
-        SHARED_GQA_SDPA,
-        ROW_INVARIANT_SDPA,
-    )
-    if uses_ours and attends_in_fp32(model.device, model.dtype):
+    if on_medusa_attention(model) and attends_in_fp32(model.device, model.dtype):
         return torch.float32
     return None
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from medusa.runtime.attention import on_medusa_attention
 from medusa.tree import Candidates
 
 
@@ -34,6 +35,12 @@ def sliding_window(config) -> int | None:
     if layer_types:
         return window if "sliding_attention" in layer_types else None
     return window
+
+
+def needs_window_masks(model) -> bool:
+    """Whether a forward of `model` needs masks from medusa even where transformers would make them (a prompt, one
+    token): a sliding-window model on medusa's attention, for which transformers makes none."""
+    return sliding_window(model.config) is not None and on_medusa_attention(model)
 
 
 def layer_masks(config, mask, positions: torch.Tensor, offsets: torch.Tensor | None = None):
@@ -94,10 +101,10 @@ def run_prefill(model, cache, input_ids: torch.Tensor, feature_layers=()) -> Pre
 
 
 def prefill_masks(model, cache, length: int):
-    """None (transformers masks a prompt itself) or, for a sliding-window model, a prompt's causal masks per layer
-    type over the rows `cache` shows attention: an engine's copy of the target attends on medusa's attention, for
-    which transformers makes no masks at all, and its sliding layers would see past their window."""
-    if sliding_window(model.config) is None:
+    """None (transformers masks a prompt itself) or, for a sliding-window model on medusa's attention (an engine's copy
+    of the target), for which transformers makes no masks at all and whose sliding layers would see past their
+    window, a prompt's causal masks (layer_masks) over the rows `cache` shows attention."""
+    if not needs_window_masks(model):
         return None
     device = model.device
     causal = torch.ones((length, length), dtype=torch.bool, device=device).tril()
@@ -137,7 +144,7 @@ def verify_inputs(
     candidates: Candidates, past_length: int, dtype: torch.dtype, mask_rows: int | None = None, windowed: bool = False
 ):
     """-> input_ids (1, N), position_ids (1, N) and the tree's mask (None for one token without `mask_rows`, unless
-    `windowed`: a sliding-window model's, which prefill_masks says why)."""
+    `windowed`: needs_window_masks)."""
     tokens = candidates.tokens[None]
     position_ids = (past_length + candidates.tree.depth)[None]
     one_token = tokens.shape[1] == 1 and mask_rows is None and not windowed
@@ -153,8 +160,9 @@ def verify(
 
     One token sees the whole past: it goes without a mask (transformers' one-token path, as in its `generate`),
     unless `mask_rows` asks for a mask of that fixed width (a compiled graph's static shapes)."""
-    windowed = sliding_window(model.config) is not None
-    tokens, position_ids, mask = verify_inputs(candidates, past_length, model.dtype, mask_rows, windowed)
+    tokens, position_ids, mask = verify_inputs(
+        candidates, past_length, model.dtype, mask_rows, needs_window_masks(model)
+    )
     return forward_nodes(model, cache, tokens, position_ids, mask, feature_layers, fixed_width=mask_rows is not None)
 
 
