@@ -10,7 +10,7 @@ import torch
 from medusa import llama_cpp
 from medusa.cli import bench as benchmark
 from medusa.questions import encode_conversation, load_questions, per_group
-from tests.conftest import save_tiny_checkpoint, tiny_tokenizer
+from tests.conftest import make_tiny_model, save_tiny_checkpoint, tiny_tokenizer
 from tests.test_llama_cpp import COMPLETION_STDERR, fake, write_gguf  # noqa: F401 - fake is a fixture
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
@@ -454,3 +454,19 @@ def test_the_plans_fixed_options_run_as_methods_with_its_trees(tmp_path):
 def test_a_sized_method_names_a_tree_method_and_two_nodes_at_least(name):
     with pytest.raises(SystemExit):
         benchmark.parse_args(["--questions", "q.jsonl", "--methods", name, "--out", "run"])
+
+
+def test_a_base_without_heads_benchmarks_the_methods_that_need_none(tmp_path):
+    """`--heads none`: untrained heads on the base, said so in the results (the shipped heads fit SmolLM2 only); here
+    a sliding-window model (a window of 8 tokens), whose answers run past it, identical to transformers' greedy."""
+    base_dir = tmp_path / "base"
+    make_tiny_model("gemma3", sliding=True).save_pretrained(base_dir)
+    tiny_tokenizer().save_pretrained(base_dir)
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps(QUESTIONS[3]) + "\n")
+    argv = ["--questions", str(questions), "--base", str(base_dir), "--heads", "none", "--max-new-tokens", "24"]
+    result = benchmark.main(
+        argv + ["--methods", "baseline,plain,lookup", "--threads", "1", "--out", str(tmp_path / "run")]
+    )
+    assert all(result["overall"][method]["identical"] is True for method in ("plain", "lookup"))
+    assert result["settings"]["heads"].startswith("untrained (--heads none)")
