@@ -24,8 +24,7 @@ import torch
 
 from medusa.acceptance import get_rule
 from medusa.guard import GuardedProposer
-from medusa.runtime import VerifyOutput
-from medusa.runtime.verify import layer_masks
+from medusa.runtime import VerifyOutput, layer_masks
 from medusa.sampling import SamplingConfig, select_token
 from medusa.sequence import DecodeState, DecodeStats, GenerateOutput, take_new
 

@@ -12,10 +12,14 @@ import medusa.runtime.aot
 import medusa.runtime.static
 from medusa import MedusaModel
 from medusa.batch import left_padded
+from medusa.decode import prefill
 from medusa.runtime import engine_for
 from medusa.runtime.verify import layer_masks, sliding_window
+from medusa.sampling import SamplingConfig
+from medusa.tree import Candidates, TreeSpec, build_buffers
 from tests.conftest import SLIDING_CONFIGS, VOCAB, WINDOW, make_heads, make_tiny_model, tiny_tokenizer
 from tests.test_engine import FAST_INDUCTOR
+from tests.test_tree import HAND_TREE
 
 SLIDING = sorted(SLIDING_CONFIGS)
 TREE = [[0], [1], [0, 0], [0, 0, 0], [0, 0, 0, 0]]
@@ -149,3 +153,27 @@ def test_layer_masks_hide_exactly_what_the_window_leaves_out():
     assert layer_masks(make_tiny_model("llama").config, mask, positions) is mask  # no sliding layer: as it was
     one_for_all = layer_masks(make_tiny_model("mistral", sliding=True).config, mask, positions, offsets)
     assert torch.equal(one_for_all, masks["sliding_attention"])  # no layer types: every layer's mask windowed
+
+
+@pytest.mark.parametrize("family", SLIDING)
+@pytest.mark.parametrize("engine", ["eager", "compiled"])
+def test_every_node_of_a_tree_past_the_window_gets_the_models_own_logits(family, engine):
+    """Each node's logits (siblings and rejected branches too: what sampling reads) equal those of the model's own
+    forward over the prompt and that node's path, long past the window."""
+    base = make_tiny_model(family, sliding=True)
+    prompt = torch.tensor([prompt_of(14, seed=6)])
+    tree = build_buffers(TreeSpec(HAND_TREE, 3), 3)
+    candidates = Candidates(
+        tokens=torch.randint(1, VOCAB, (tree.num_nodes,), generator=torch.Generator().manual_seed(7)), tree=tree
+    )
+    target = engine_for(base, engine)
+    state = prefill(base, prompt, SamplingConfig(), engine=target, max_length=64)
+    verified = target.verify(state.cache, candidates, state.length)
+    for node in range(tree.num_nodes):
+        path = [node]
+        while path[-1] != 0:
+            path.append(int(tree.parent[path[-1]]))
+        ids = torch.cat([prompt[0], candidates.tokens[path[::-1]]])[None]
+        with torch.no_grad():
+            expected = base(ids).logits[0, -1]
+        torch.testing.assert_close(verified.logits[node], expected, rtol=1e-4, atol=1e-4)

@@ -37,7 +37,7 @@ from medusa.runtime.quantize import QUANTIZED, dequantize_target, precision_of, 
 from medusa.runtime.static import ENGINES_ATTRIBUTE, CompiledEngine, engines_set_aside
 from medusa.runtime.threads import releases_openmp_pool, runs_the_target
 from medusa.runtime.torch_patches import meta_nonzero_takes_all
-from medusa.runtime.verify import PrefillOutput, VerifyOutput, base_features, verify, with_cache
+from medusa.runtime.verify import PrefillOutput, VerifyOutput, base_features, layer_masks, verify, with_cache
 from medusa.tree import Candidates
 
 ENGINES = ("eager", "compiled", "inductor")
@@ -65,6 +65,7 @@ __all__ = [
     "engines_set_aside",
     "int8_copy",
     "int8_linear",
+    "layer_masks",
     "make_engine",
     "meta_nonzero_takes_all",
     "pack",
