@@ -7,14 +7,14 @@ import torch
 import medusa.runtime.eager
 from medusa import MedusaModel
 from medusa.batch import GenerationRequest as Request
-from tests.conftest import FAMILIES, make_heads, make_tiny_model, tiny_tokenizer
+from tests.conftest import FAMILIES, SLIDING_CONFIGS, make_heads, make_tiny_model, tiny_tokenizer
 from tests.test_batch import RecordingStreamer, alone, tiny_drafted
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [12], [20, 21, 22, 23], [30, 31, 30, 31, 30, 31, 30]]
 
 
-def heads_model(family="llama"):
-    base = make_tiny_model(family)
+def heads_model(family="llama", sliding=False):
+    base = make_tiny_model(family, sliding=sliding)
     return base, MedusaModel(base, make_heads(random=False), tokenizer=tiny_tokenizer(), projection_dtype=torch.float32)
 
 
@@ -34,10 +34,12 @@ class Arrivals:
         return given
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(
+    "family, sliding", [(f, False) for f in FAMILIES] + [(f, True) for f in sorted(SLIDING_CONFIGS)]
+)  # sliding: windows of 8 tokens, which the rows outgrow (joining rows prefill apart, then take their place)
 @pytest.mark.parametrize("engine", ["eager", "compiled"])
-def test_requests_joining_a_running_batch_each_decode_as_alone(family, engine):
-    base, model = heads_model(family)
+def test_requests_joining_a_running_batch_each_decode_as_alone(family, sliding, engine):
+    base, model = heads_model(family, sliding)
     short = Request(torch.tensor([PROMPTS[1]]), max_new_tokens=4)
     early = [Request(torch.tensor([PROMPTS[0]]), max_new_tokens=24), short]
     later = [Request(PROMPTS[2], max_new_tokens=30), Request(torch.tensor([PROMPTS[3]]), max_new_tokens=12)]

@@ -159,7 +159,8 @@ def verify(
     """Run the target once over the N candidate tokens; the cache grows by N rows (commit keeps the accepted ones).
 
     One token sees the whole past: it goes without a mask (transformers' one-token path, as in its `generate`),
-    unless `mask_rows` asks for a mask of that fixed width (a compiled graph's static shapes)."""
+    unless `mask_rows` asks for a mask of that fixed width (a compiled graph's static shapes) or the model's sliding
+    layers need one from medusa (needs_window_masks)."""
     tokens, position_ids, mask = verify_inputs(
         candidates, past_length, model.dtype, mask_rows, needs_window_masks(model)
     )
