@@ -302,8 +302,7 @@ class BatchDecoding:
         mask = torch.where(visible, 0.0, torch.finfo(dtype).min).to(dtype)[:, None]
         positions = (real.long().cumsum(-1) - 1).clamp(min=0)
         # each prompt's token t lies at column t + its padding (a sliding window counts positions)
-        offsets = torch.tensor([longest - row.prompt.shape[1] for row in group], device=device)
-        mask = layer_masks(self.engine.model.config, mask, positions, offsets)
+        mask = layer_masks(self.engine.model.config, mask, positions, [longest - row.prompt.shape[1] for row in group])
         # the next token's logits only: the prompts' own would cost a (B, T, V) projection
         logits, features = self.engine.batch_forward(
             target, ids, mask, positions, self.feature_layers, logits_to_keep=1
@@ -341,9 +340,7 @@ class BatchDecoding:
             positions[b, : c.tree.num_nodes] = row.state.length + c.tree.depth.to(device)
         trees = [c.tree for c in candidates]
         mask = _mask(active, cache.lengths, trees, max(cache.lengths) + n, n, self.dtype, device)
-        mask = layer_masks(
-            self.engine.model.config, mask, positions, torch.tensor([row.pad for row in active], device=device)
-        )
+        mask = layer_masks(self.engine.model.config, mask, positions, [row.pad for row in active])
         logits, features = self.engine.batch_forward(cache, tokens, mask, positions, self.feature_layers)
         stats.steps += 1
         still, kept = [], []

@@ -141,7 +141,7 @@ def test_layer_masks_hide_exactly_what_the_window_leaves_out():
     mask = torch.zeros((2, 1, queries, rows))
     mask[0, 0, :, 25:] = torch.finfo(mask.dtype).min  # row 0: unwritten rows
     positions = torch.tensor([[20, 21, 21], [10, 11, 12]])
-    offsets = torch.tensor([0, 4])  # row 1: 4 rows of padding before its tokens
+    offsets = [0, 4]  # row 1: 4 rows of padding before its tokens
     masks = layer_masks(base.config, mask, positions, offsets)
     assert torch.equal(masks["full_attention"], mask)
     hidden = masks["sliding_attention"] != 0

@@ -43,20 +43,20 @@ def needs_window_masks(model) -> bool:
     return sliding_window(model.config) is not None and on_medusa_attention(model)
 
 
-def layer_masks(config, mask, positions: torch.Tensor, offsets: torch.Tensor | None = None):
+def layer_masks(config, mask, positions: torch.Tensor, offsets: list[int] | None = None):
     """A (B, 1, N, K) additive mask over cache rows -> what the model's forward takes: the mask itself, or for a
     sliding-window model (`sliding_window`) the mask also hiding the rows a window leaves out, for its sliding layers:
     a dict by layer type where the model has types (transformers reads a 4D mask as every layer's; a dict skips its
     own masks), else the windowed mask (every layer slides). Every layer keeps every row (medusa's caches), so a tree
     of any length past the window verifies exactly as plain decoding. `positions` (B, N): the queries'; `offsets`
-    (B,): how far row b's cache index is ahead of its position (a batch's left padding; None: the index is the
-    position). A tree's own rows lie within its depth of each other, never a window apart."""
+    (one per row): how far row b's cache index is ahead of its position (a batch's left padding; None: the index is
+    the position). A tree's own rows lie within its depth of each other, never a window apart."""
     window = sliding_window(config)
     if window is None or mask is None or isinstance(mask, dict):
         return mask
     keys = torch.arange(mask.shape[-1], device=mask.device)[None]  # (1, K) each row's position, or (B, K)
     if offsets is not None:
-        keys = keys - offsets[:, None]
+        keys = keys - torch.tensor(offsets, device=mask.device)[:, None]
     far = positions[:, None, :, None] - keys[:, None, None, :] >= window  # (B, 1, N, K)
     sliding = mask.masked_fill(far, torch.finfo(mask.dtype).min)
     if getattr(config.get_text_config(), "layer_types", None):
