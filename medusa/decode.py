@@ -12,6 +12,7 @@ from transformers import GenerationConfig
 from medusa import generate_args
 from medusa.acceptance import AcceptanceRule, get_rule
 from medusa.batch import BatchDecoding, decode_batch, padded, split_padded
+from medusa.prompt_lookup import PromptLookupProposer
 from medusa.propose import PlainProposer, Proposer
 from medusa.runtime import EagerEngine, batch_engine, engine_for, runs_the_target
 from medusa.sampling import SamplingConfig, select_token, shape_logits
@@ -273,9 +274,14 @@ class SpeculativeGenerator:
         """One sequence (1, T) decoded on `engine` (medusa.decode.decode; `options`: its streamer, profile and
         output_scores / output_logits)."""
         target = self.engine(engine)
+        built = self.make_proposer(proposer, tree, sampling, generator, engine=target)
+        lookup = getattr(built, "inner", built)  # a guarded proposer's own
+        plan = getattr(self, "plan", None)
+        if isinstance(lookup, PromptLookupProposer) and plan is not None:  # its chains sized by what they cost here
+            lookup.chain_ms = plan.chain_ms(target.name, lookup.num_tokens)
         return decode(
             self.base,
-            self.make_proposer(proposer, tree, sampling, generator, engine=target),
+            built,
             rule,
             input_ids,
             max_new_tokens=settings.max_new_tokens,

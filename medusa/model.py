@@ -103,11 +103,19 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         self.plan: Plan | None = None  # what generate uses by default (medusa.plan); None: eager, the heads' tree
         self.acceptance = ObservedAcceptance()  # what batches decoded together accepted of their trees' expected tau
         self.engine_override: str | None = None  # from_pretrained(engine=...): wins over the plan
+        # False for from_base's heads: they guess nothing yet, so generate guesses with prompt lookup instead
+        self.heads_trained = True
         self.adapter: dict[str, bytes] | None = None  # Medusa-2: the adapter files loaded, saved again with the heads
 
     @property
     def default_engine(self) -> str:
         return self.engine_override or (self.plan.engine if self.plan else "eager")
+
+    @property
+    def default_proposer(self) -> str:
+        """What guesses when neither the call nor the plan names a proposer: the heads, or prompt lookup (which needs
+        no training) where they are untrained."""
+        return "medusa" if self.heads_trained else "prompt_lookup"
 
     @property
     def best_plain_engine(self) -> str:
@@ -169,11 +177,17 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         device=None,
         tokenizer=None,
         tree=None,
+        plan: str | None = None,
+        engine: str | None = None,
+        compile: bool | None = None,
         token: str | bool | None = None,
         cache_dir: str | os.PathLike | None = None,
         local_files_only: bool = False,
     ) -> MedusaModel:
-        """Fresh (untrained) heads on a base model: each head starts as the identity on the base projection.
+        """Fresh (untrained) heads on a base model, to train: each head starts as the identity on the base
+        projection. Until they are trained, generate guesses with prompt lookup (`default_proposer`), and the plan
+        ("auto", as in from_pretrained) runs it on this machine's fastest engine, guarded online: a base with no
+        heads of its own decodes faster than transformers' `generate` without any training.
         `token`, `cache_dir` and `local_files_only` go to transformers with the base and its tokenizer."""
         model, tokenizer = load_target(
             base,
@@ -194,7 +208,9 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
             base_model_name_or_path=_base_reference(base, model),
         )
         heads = MedusaHeads(config, base_lm_head=lm_head)
-        return cls(model, heads, tokenizer, tree=_tree_arg(tree))
+        medusa = cls(model, heads, tokenizer, tree=_tree_arg(tree))
+        medusa.heads_trained = False
+        return medusa._planned(plan, engine, compile)
 
     @classmethod
     @releases_openmp_pool
@@ -249,16 +265,20 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
             cache_dir=cache_dir,
             local_files_only=local_files_only,
         )
+        return model._planned(plan, engine, compile)
+
+    def _planned(self, plan: str | None, engine: str | None, compile: bool | None) -> MedusaModel:
+        """The constructors' `plan`, `engine` and `compile` (from_pretrained's docstring) applied -> self."""
         if engine is not None and engine not in ENGINES:
             raise ValueError(f"unknown engine {engine!r}: use one of {list(ENGINES)}")
-        model.engine_override = engine
+        self.engine_override = engine
         plan = plan or os.environ.get("MEDUSA_PLAN", "auto")
         if plan not in ("auto", "off"):
             raise ValueError(f"plan must be 'auto' or 'off', got {plan!r}")
         if plan == "auto":
-            model.calibrate(recalibrate=False, compile=compile)
-            model.engine()  # built (and compiled, for torch.compile's engine) at load, not in the first generate
-        return model
+            self.calibrate(recalibrate=False, compile=compile)
+            self.engine()  # built (and compiled, for torch.compile's engine) at load, not in the first generate
+        return self
 
     @classmethod
     def _load(cls, path, *, base, dtype, device, tokenizer, tree, revision=None, device_map=None, **hub) -> MedusaModel:
@@ -266,7 +286,9 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         if path is None:
             if not (DEFAULT_HEADS_DIR / CONFIG_NAME).is_file():
                 logger.warning("no shipped heads found in %s: using untrained heads", DEFAULT_HEADS_DIR)
-                return cls.from_base(base, dtype=dtype, device=device, tokenizer=tokenizer, tree=tree, **hub)
+                return cls.from_base(
+                    base, dtype=dtype, device=device, tokenizer=tokenizer, tree=tree, plan="off", **hub
+                )
             path = DEFAULT_HEADS_DIR
         path = resolve_heads(path, revision, **hub)
         heads = load_heads(path)  # any layout, checked before the (slow) base load
@@ -459,6 +481,8 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
     def prepare_proposal(self, engine) -> None:
         """Where `engine` compiles the target ahead of time (the inductor engine on a CPU), compile what proposes too
         (seconds, once on this machine and heads; loaded after): every later call proposes with it."""
+        if not self.heads_trained:  # they propose only when asked to, and compiling them would cost every load
+            return
         if getattr(engine, "ahead_of_time", False) and self.compiled_proposal is None:
             on_cpu = self.device.type == "cpu"
             self.compiled_proposal = (
@@ -474,7 +498,7 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
             proposer = self.plan.proposer
         paths = self.tree_paths(tree)
         buffers = build_buffers(TreeSpec(paths, self.config.num_heads), self.config.num_heads)
-        built = get_proposer(proposer or "medusa")(self, buffers.to(self.device))
+        built = get_proposer(proposer or self.default_proposer)(self, buffers.to(self.device))
         if not chosen_by_plan or proposer == "plain":  # an explicit proposer runs as asked
             return built
         # plain decoding where guessing stops paying, online (medusa.guard)

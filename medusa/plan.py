@@ -34,9 +34,11 @@ from medusa.decode import decode, prefill
 from medusa.fileio import atomic_write_text
 from medusa.hardware import describe
 from medusa.loading import cache_root
+from medusa.prompt_lookup import NUM_TOKENS as LOOKUP_CHAIN
 from medusa.propose import ContextRead
 from medusa.runtime import ENGINES, compile_seconds, engine_for, precision_of
 from medusa.sampling import SamplingConfig
+from medusa.tree import Candidates, TreeSpec, build_buffers, chain
 from medusa.tree_builder import check_accuracy, expected_tau, grow_tree, sync, time_step
 
 logger = logging.getLogger(__name__)
@@ -76,7 +78,7 @@ DYNAMIC_TAU_GAIN = 1.04
 TAU_CARRY_OVER = 0.73
 HYBRID_TAU_GAIN = 1.17
 CONTEXT_ROWS = 2  # positions a heads' context layer reads per step while calibrating (a step commits tau of them)
-HYBRID_CHAIN = 10  # prompt lookup's chain (medusa.prompt_lookup.NUM_TOKENS): costed at its full length without taus
+HYBRID_CHAIN = LOOKUP_CHAIN  # prompt lookup's longest chain: a hybrid step costed at its full length without taus
 PROPOSERS = ("medusa", "dynamic", "hybrid")  # the speculative proposers a plan weighs
 # Batches (medusa.batch) verify rows x nodes tokens per forward, so the best tree shrinks as rows grow: a batch takes
 # the choice timed for the smallest of these sizes that holds it (the largest beyond), measured on its first use
@@ -197,6 +199,19 @@ class Plan:
         option = self.chosen_option
         return option["tau"] if option and self.proposer != "plain" else 1.0
 
+    def chain_ms(self, engine: str, guesses: int) -> list[float] | None:
+        """The verify's ms on `engine` for the root and 0 .. `guesses` guessed tokens, from the query lengths timed
+        there (never falling with length; linear between them and beyond): what prompt lookup sizes its chains by.
+        None where fewer than two lengths were timed."""
+        timed = sorted((int(n), ms) for n, ms in self.latency_ms.get(engine, {}).items())
+        if len(timed) < 2:
+            return None
+        curve, most = {}, 0.0
+        for n, ms in timed:
+            most = max(most, ms)
+            curve[n] = most
+        return [interpolate(curve, 1 + g) for g in range(guesses + 1)]
+
     @property
     def plain_engine(self) -> str:
         """The engine of the fastest plain decoding measured: the yardstick `expected_speedup` is over."""
@@ -282,7 +297,7 @@ def plan_key(model, engines: tuple[str, ...]) -> dict:
         **describe(model.device),
         "base": str(base.config.name_or_path),
         "base_parameters": sum(p.numel() for p in base.parameters()),
-        "heads": heads_fingerprint(model),
+        "heads": heads_fingerprint(model) if model.heads_trained else "untrained",
         "dtype": precision_of(base),
         "has_accuracy": model.accuracy is not None,
         "decoded_taus": hashlib.sha256(json.dumps(model.decoded_taus, sort_keys=True).encode()).hexdigest()[:16]
@@ -301,8 +316,9 @@ def plan_path(key: dict) -> Path:
 def measure(model, engines=None, sizes=SIZES, repeats: int = REPEATS, context: int = CONTEXT, progress: bool = True):
     """-> ({engine: {(proposer, nodes): (propose_ms, verify_ms)}} as medians, the static trees' path order).
 
-    Static trees come from the heads' accuracy table (grow_tree), dynamic and hybrid trees from the same sizes; every
-    proposal is verified and accepted, then the cache is set back, so all sizes see `context` tokens. Sizes and
+    Static trees come from the heads' accuracy table (grow_tree), dynamic and hybrid trees from the same sizes
+    (untrained heads: chains of those sizes, what prompt lookup verifies); every proposal is verified and accepted,
+    then the cache is set back, so all sizes see `context` tokens. Sizes and
     proposers are interleaved within each repeat, so drifts in machine load hit them alike.
     """
     device, sampling = model.device, SamplingConfig()
@@ -310,8 +326,12 @@ def measure(model, engines=None, sizes=SIZES, repeats: int = REPEATS, context: i
     vocab = model.base.get_output_embeddings().weight.shape[0]
     prompt = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(0)).to(device)
     order = grow_tree(model.accuracy, max(sizes)) if model.accuracy is not None else []
-    sizes = [n for n in sizes if n == 1 or n - 1 <= len(order)]
-    jobs = [("plain", 1)] + [(p, n) for n in sizes if n > 1 for p in PROPOSERS]
+    if model.heads_trained:
+        sizes = [n for n in sizes if n == 1 or n - 1 <= len(order)]
+        jobs = [("plain", 1)] + [(p, n) for n in sizes if n > 1 for p in PROPOSERS]
+    else:  # no trees to weigh: the chains prompt lookup verifies, whose length follows their cost (Plan.chain_ms)
+        sizes = [n for n in sizes if n <= LOOKUP_CHAIN + 2]
+        jobs = [("plain", 1)] + [("prompt_lookup", n) for n in sizes if n > 1]
     plain_ms, states = {}, {}  # per engine: its plain step, and the prefilled state every step starts from
     for name in engines:  # plain steps first: engines far slower than the fastest are not timed further
         engine = engine_for(model.base, name)  # compiles first, if this engine does (timed apart: see calibrate)
@@ -329,7 +349,10 @@ def measure(model, engines=None, sizes=SIZES, repeats: int = REPEATS, context: i
     for name in engines:  # what proposes is timed as decoding runs it: compiled where an engine compiles the target
         model.prepare_proposal(engine_for(model.base, name))
     proposers = {
-        (p, n): model.make_proposer(p, [list(path) for path in order[: n - 1]] or None, sampling, None) for p, n in jobs
+        (p, n): _Chain(n, device)
+        if p == "prompt_lookup"
+        else model.make_proposer(p, [list(path) for path in order[: n - 1]] or None, sampling, None)
+        for p, n in jobs
     }  # the same for every engine
     results = {}
     total = len(engines) * (repeats + 1) * len(jobs)
@@ -355,6 +378,20 @@ def measure(model, engines=None, sizes=SIZES, repeats: int = REPEATS, context: i
             if job[0] != "plain":
                 jobs_measured[job] = (propose_ms + read_ms, verify_ms)
     return results, order
+
+
+class _Chain:
+    """The root and `nodes` - 1 copies of it as a chain: a prompt-lookup step's verify, timed (a random prompt
+    matches nothing to look up)."""
+
+    def __init__(self, nodes: int, device):
+        self.nodes, self.tree = nodes, build_buffers(TreeSpec(chain(nodes - 1)), nodes - 1).to(device)
+
+    def propose(self, state) -> Candidates:
+        return Candidates(state.root_token.view(1).repeat(self.nodes), self.tree)
+
+    def observe(self, state, accepted_tokens) -> None:
+        pass
 
 
 @torch.inference_mode()
@@ -454,6 +491,8 @@ def choose(measured: dict, order, acc, decoded: dict | None = None) -> tuple[Opt
     for engine, jobs in measured.items():
         fitted = verify_curve(jobs)
         for (proposer, n), (propose_ms, verify_ms) in jobs.items():
+            if proposer == "prompt_lookup":  # timed for its chains' verify cost (latency_ms), not weighed
+                continue
             verify_ms = fitted[n] if proposer != "hybrid" else verify_ms
             if proposer == "plain":
                 options.append(Option(engine, "plain", 1, 1.0, propose_ms + verify_ms))
@@ -516,20 +555,27 @@ def calibrate(
     start = time.perf_counter()
     compiled_before = compile_seconds(model.base)
     acc = model.accuracy
-    measured, order = measure(model, engines, sizes if acc is not None else (1,), repeats, progress=progress)
-    plan = decide(measured, order, acc, model.decoded_taus)
+    timed = sizes if acc is not None or not model.heads_trained else (1,)  # untrained heads: lookup's chains
+    measured, order = measure(model, engines, timed, repeats, progress=progress)
+    plan = decide(measured, order, acc, model.decoded_taus, heads_trained=model.heads_trained)
     plan.compile_s = compile_seconds(model.base) - compiled_before
     plan.key, plan.calibration_s = key or plan_key(model, engines), time.perf_counter() - start - plan.compile_s
     return plan
 
 
-def decide(measured: dict, order, acc, decoded: dict | None = None) -> Plan:
+def decide(measured: dict, order, acc, decoded: dict | None = None, heads_trained: bool = True) -> Plan:
     """Measured step times ({engine: {(proposer, nodes): (propose_ms, verify_ms)}}), the static trees' path order,
     the accuracy table (None: unknown) and decoded taus -> the plan: the best option, or plain decoding unless one
     beats it by MIN_GAIN. Without an accuracy table: the heads' own tree (`tree` []) on the fastest engine, guarded
-    online."""
+    online; untrained heads (`heads_trained` False) leave the guessing to prompt lookup there, guarded as well."""
     best, options, plain = choose(measured, order, acc, decoded)
-    if acc is None:
+    if not heads_trained:
+        best = Option(plain.engine, "prompt_lookup", 0, 0.0, 0.0, speedup=1.0)
+        reason = (
+            "untrained heads guess nothing: prompt lookup (copies of the prompt and output so far) on the fastest "
+            "engine, guarded online"
+        )
+    elif acc is None:
         best = Option(plain.engine, "medusa", 0, 0.0, 0.0, speedup=1.0)
         reason = "the heads have no accuracy table to predict acceptance from: their own tree, guarded online"
     elif best.speedup < MIN_GAIN:
@@ -543,7 +589,7 @@ def decide(measured: dict, order, acc, decoded: dict | None = None) -> Plan:
     else:
         reason = f"the most expected tokens per second of {len(options)} options measured here"
     latency = {
-        e: {str(n): round(v[1], 3) for (p, n), v in jobs.items() if p in ("plain", "medusa")}
+        e: {str(n): round(v[1], 3) for (p, n), v in jobs.items() if p in ("plain", "medusa", "prompt_lookup")}
         for e, jobs in measured.items()
     }
     tree = [list(p) for p in order[: best.num_nodes - 1]] if best.proposer != "plain" else []

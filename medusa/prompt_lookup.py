@@ -14,7 +14,12 @@ from medusa.propose import build_medusa_proposer
 from medusa.tree import Candidates, TreeBuffers, TreeSpec, buffers_from_parents, build_buffers, chain
 
 MAX_NGRAM = 3  # longest suffix tried first (prompt-lookup-decoding's default; transformers uses 2)
-NUM_TOKENS = 10  # continuation length, as transformers' prompt_lookup_num_tokens=10
+NUM_TOKENS = 10  # longest continuation, as transformers' prompt_lookup_num_tokens=10
+# Where a step's verify cost is known per chain length, each guess's chance of being right (given those before it
+# were) is counted per depth as decoding goes. A depth's count starts from the estimate at the depth above, worth
+# PRIOR_WEIGHT guesses (the first from PRIOR_RIGHT): a copy runs on at the rate it started with, so chains that
+# are taken whole grow (an even prior per depth never grew them: docs/benchmarks/cpu-no-heads-session58)
+PRIOR_RIGHT, PRIOR_WEIGHT = 0.5, 2.0
 
 
 def graft_chain(candidates: Candidates, chain_tokens: list[int]) -> Candidates:
@@ -43,17 +48,47 @@ def graft_chain(candidates: Candidates, chain_tokens: list[int]) -> Candidates:
 
 
 class PromptLookupProposer:
-    """A chain: the n-gram continuation of the prompt and output so far (`state.tokens`), or the root alone."""
+    """A chain: the n-gram continuation of the prompt and output so far (`state.tokens`), or the root alone.
 
-    def __init__(self, device: torch.device, max_ngram: int = MAX_NGRAM, num_tokens: int = NUM_TOKENS):
+    `chain_ms` (the verify's ms for the root and L guesses, L = 0 .. num_tokens, on the engine that runs the call):
+    each step guesses the length with the most expected tokens per ms, each guess expected right as often as guesses
+    at its depth were so far in the call. Without it, every match is guessed num_tokens long. On a CPU, where a
+    verify's cost grows with its tokens and most matches fail at their first guess, the long chain loses; where the
+    cost is flat (a GPU) it stays (docs/benchmarks/cpu-no-heads-session58)."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        max_ngram: int = MAX_NGRAM,
+        num_tokens: int = NUM_TOKENS,
+        chain_ms: list[float] | None = None,
+    ):
         if max_ngram < 1 or num_tokens < 1:
             raise ValueError(f"prompt lookup needs max_ngram >= 1 and num_tokens >= 1, got {max_ngram}, {num_tokens}")
+        if chain_ms is not None and len(chain_ms) != num_tokens + 1:
+            raise ValueError(f"chain_ms needs {num_tokens + 1} verify times (0 .. {num_tokens} guesses)")
         self.device, self.max_ngram, self.num_tokens = device, max_ngram, num_tokens
         self.max_nodes = 1 + num_tokens
+        self.chain_ms = chain_ms
+        self._right, self._tries = [0] * (num_tokens + 1), [0] * (num_tokens + 1)  # per depth, 1 .. num_tokens
+        self._guessed = 0  # the last step's guesses
         self._chains: dict[int, TreeBuffers] = {}  # chain length -> buffers on the device (keeps their mask cache)
 
-    def continuation(self, state) -> list[int]:
-        return ngram_continuation(torch.tensor(state.tokens), self.max_ngram, self.num_tokens)
+    def chain_length(self) -> int:
+        """How many guesses a match may take this step (num_tokens without `chain_ms`)."""
+        if self.chain_ms is None:
+            return self.num_tokens
+        best, best_speed, reach, expected, rate = 1, 0.0, 1.0, 1.0, PRIOR_RIGHT
+        for length in range(1, self.num_tokens + 1):
+            rate = (self._right[length] + PRIOR_WEIGHT * rate) / (self._tries[length] + PRIOR_WEIGHT)
+            reach *= rate
+            expected += reach
+            if expected / self.chain_ms[length] > best_speed:  # tokens per ms
+                best, best_speed = length, expected / self.chain_ms[length]
+        return best
+
+    def continuation(self, state, length: int | None = None) -> list[int]:
+        return ngram_continuation(torch.tensor(state.tokens), self.max_ngram, length or self.num_tokens)
 
     def chain_buffers(self, length: int) -> TreeBuffers:
         if length not in self._chains:
@@ -61,12 +96,16 @@ class PromptLookupProposer:
         return self._chains[length]
 
     def propose(self, state) -> Candidates:
-        guess = self.continuation(state)
+        guess = self.continuation(state, self.chain_length())
+        self._guessed = len(guess)
         tokens = torch.cat([state.root_token.view(1), torch.tensor(guess, dtype=torch.long, device=self.device)])
         return Candidates(tokens=tokens, tree=self.chain_buffers(len(guess)))
 
     def observe(self, state, accepted_tokens: list[int]) -> None:
-        pass
+        right = len(accepted_tokens) - 1  # the guesses taken; the last token is the target's own
+        for depth in range(1, min(self._guessed, right + 1) + 1):  # the guesses verified with all before them right
+            self._tries[depth] += 1
+            self._right[depth] += depth <= right
 
 
 class HybridProposer:
@@ -90,7 +129,8 @@ class HybridProposer:
 
 
 def build_prompt_lookup_proposer(model, tree: TreeBuffers) -> PromptLookupProposer:
-    """The static tree is not used: the chain's length follows the match."""
+    """The static tree is not used: the chain's length follows the match (and the verify's cost where
+    MedusaModel.make_proposer knows it: `chain_ms`)."""
     return PromptLookupProposer(model.device)
 
 

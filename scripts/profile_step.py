@@ -86,7 +86,7 @@ def main() -> None:
     args = parser.parse_args()
 
     model = (
-        MedusaModel.from_base(args.base, dtype=args.dtype, device=args.device)
+        MedusaModel.from_base(args.base, dtype=args.dtype, device=args.device, plan="off")
         if args.heads == "untrained"
         else MedusaModel.from_pretrained(args.heads, base=args.base, dtype=args.dtype, device=args.device, plan="off")
     )

@@ -466,7 +466,7 @@ def test_a_base_without_heads_benchmarks_the_methods_that_need_none(tmp_path):
     questions.write_text(json.dumps(QUESTIONS[3]) + "\n")
     argv = ["--questions", str(questions), "--base", str(base_dir), "--heads", "none", "--max-new-tokens", "24"]
     result = benchmark.main(
-        argv + ["--methods", "baseline,plain,lookup", "--threads", "1", "--out", str(tmp_path / "run")]
+        argv + ["--methods", "baseline,plain,lookup,planned", "--threads", "1", "--out", str(tmp_path / "run")]
     )
-    assert all(result["overall"][method]["identical"] is True for method in ("plain", "lookup"))
+    assert all(result["overall"][method]["identical"] is True for method in ("plain", "lookup", "planned"))
     assert result["settings"]["heads"].startswith("untrained (--heads none)")

@@ -96,6 +96,25 @@ def test_calibrate_measures_and_writes_the_plan(tmp_path, capsys, monkeypatch, c
     assert "measured in" in capsys.readouterr().out
 
 
+def test_a_base_without_heads_chats_and_calibrates_with_prompt_lookup(tmp_path, capsys, monkeypatch, checkpoint):
+    """--heads none: untrained heads on --base (MedusaModel.from_base), whose plan guesses with prompt lookup,
+    its chains sized by the verify's cost on the plan's engine; the chat's answer is the base's greedy answer."""
+    from medusa.cli import calibrate
+
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "cache"))
+    base_dir, _ = checkpoint
+    plan = calibrate.main(["--heads", "none", "--base", str(base_dir)])
+    assert plan["proposer"] == "prompt_lookup" and "no trained heads" in capsys.readouterr().out
+    assert len(plan["latency_ms"][plan["engine"]]) > 2  # the chains' verifies, timed
+    out = _chat(monkeypatch, capsys, ["--heads", "none", "--base", str(base_dir), "--max-new-tokens", "10"], ["hi"])
+    model = MedusaModel.from_base(base_dir, plan="off")
+    ids = model.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, return_tensors="pt"
+    )
+    greedy = model.base.generate(**ids, max_new_tokens=10, do_sample=False)[0, ids["input_ids"].shape[1] :]
+    assert out.out.startswith(model.tokenizer.decode(greedy, skip_special_tokens=True))
+
+
 QUESTIONS = [
     {"question_id": 1, "category": "writing", "turns": ["Tell me a story about owls.", "Shorter."]},
     {"question_id": 2, "category": "math", "turns": ["What is 2 + 2?"]},

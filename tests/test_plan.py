@@ -87,6 +87,44 @@ def test_without_an_accuracy_table_the_heads_own_tree_runs_on_the_fastest_engine
     assert "no accuracy table" in plan.reason
 
 
+def test_untrained_heads_leave_the_guessing_to_prompt_lookup_on_the_fastest_engine():
+    measured = {"compiled": {("plain", 1): (0.0, 10.0)}, "eager": {("plain", 1): (0.0, 30.0)}}
+    plan = decide(measured, [], None, heads_trained=False)
+    assert (plan.engine, plan.proposer, plan.tree, plan.plain_ms) == ("compiled", "prompt_lookup", [], 10.0)
+    assert "untrained" in plan.reason
+    with_table = decide(curve(lambda n: 10.0), grow_tree(STRONG, 12), STRONG, heads_trained=False)
+    assert with_table.proposer == "prompt_lookup"  # whatever an accuracy table says of other heads
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_base_without_trained_heads_decodes_exactly_with_planned_prompt_lookup(tmp_path, monkeypatch, family):
+    """from_base's plan: prompt lookup on the fastest engine, guarded; alone and in a batch, every output is the
+    base's own greedy output, and lookup's guesses are taken where the output repeats."""
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "cache"))
+    base_dir, _ = save_tiny_checkpoint(tmp_path, family)
+    model = MedusaModel.from_base(base_dir, plan="auto")
+    assert (model.plan.proposer, model.plan.key["heads"]) == ("prompt_lookup", "untrained")
+    assert model.default_engine == model.plan.plain_engine
+    prompts = [[3, 4, 5, 6, 3, 4, 5, 6, 3, 4], [7, 8, 9]]
+    alone, accepted = [], []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        reference = model.base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
+        out = model.generate(ids, max_new_tokens=40, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, reference)
+        alone.append(reference[0, len(prompt) :].tolist())
+        accepted += out.stats.accepted_lengths
+    deepest_heads = model.config.num_heads + 1  # only lookup's chain of 10 accepts more than the heads can guess
+    assert max(accepted) > deepest_heads, "prompt lookup took no guess on a looping output"
+    ids = torch.tensor([prompts[0], [0] * 7 + prompts[1]])  # left-padded
+    mask = torch.tensor([[1] * 10, [0] * 7 + [1] * 3])
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=40)
+    assert [row[-40:].tolist() for row in out] == alone
+    unplanned = MedusaModel.from_base(base_dir, plan="off")  # the eager engine, still guessing with lookup
+    out = unplanned.generate(torch.tensor([prompts[0]]), max_new_tokens=40, return_dict_in_generate=True)
+    assert out.sequences[0, 10:].tolist() == alone[0] and max(out.stats.accepted_lengths) > deepest_heads
+
+
 def test_auto_dtype_is_bf16_only_with_native_support(tmp_path, monkeypatch):
     base_dir, heads_dir = save_tiny_checkpoint(tmp_path)
     for native, dtype in ((False, torch.float32), (True, torch.bfloat16)):

@@ -7,6 +7,7 @@ import torch
 
 from medusa import MedusaModel
 from medusa.ngram import ngram_continuation
+from medusa.plan import Plan
 from medusa.prompt_lookup import PromptLookupProposer, graft_chain
 from medusa.tree import Candidates, TreeSpec, build_buffers
 from tests.conftest import FAMILIES, make_heads, make_tiny_model
@@ -68,6 +69,53 @@ def test_prompt_lookup_proposer_builds_a_chain():
         SimpleNamespace(tokens=[1, 2, 3], root_token=torch.tensor(3))
     )
     assert alone.tokens.tolist() == [3] and alone.tree.num_nodes == 1
+
+
+def _step(lookup, state, right: int) -> int:
+    """One step of `lookup` on `state` whose first `right` guesses the target takes -> how many it guessed."""
+    guessed = lookup.propose(state).tokens.numel() - 1
+    lookup.observe(state, [0] * (min(right, guessed) + 1))
+    return guessed
+
+
+def test_chains_are_as_long_as_their_expected_tokens_pay_for():
+    """With the verify's cost per chain length, a match is guessed as far as the expected tokens per ms grow: short
+    on a steep curve while guesses fail at their first token, long once whole chains are taken, and as long as
+    allowed where verifying more costs nothing more."""
+    state = SimpleNamespace(tokens=list(range(20)) * 2, root_token=torch.tensor(19))  # every continuation 10 long
+    steep = [20.0, 20.2, 21.2, 23.0, 24.5, 26.0, 27.8, 29.7, 30.9, 35.0, 37.9]  # SmolLM2 fp32 on a 2-core CPU
+    assert PromptLookupProposer(torch.device("cpu")).chain_length() == 10  # no costs known: transformers' 10
+    missing = PromptLookupProposer(torch.device("cpu"), chain_ms=steep)
+    first = _step(missing, state, right=0)
+    for _ in range(8):
+        _step(missing, state, right=0)
+    assert missing.chain_length() == 1 < first
+    copying = PromptLookupProposer(torch.device("cpu"), chain_ms=steep)
+    for _ in range(8):
+        _step(copying, state, right=10)
+    # as long as pays here: the 9th and 10th guesses cost more than their expected tokens on this curve
+    assert copying.chain_length() == 8 and _step(copying, state, right=10) == 8
+    flat = PromptLookupProposer(torch.device("cpu"), chain_ms=[20.0] * 11)
+    for _ in range(8):
+        _step(flat, state, right=0)
+    assert flat.chain_length() == 10  # a longer chain never costs more: every guess is free
+    with pytest.raises(ValueError, match="chain_ms needs 11"):
+        PromptLookupProposer(torch.device("cpu"), chain_ms=steep[:5])
+
+
+def test_a_plan_gives_lookup_the_verify_cost_of_each_chain_length():
+    plan = Plan(
+        "inductor",
+        "prompt_lookup",
+        [],
+        1.0,
+        20.0,
+        "test",
+        latency_ms={"inductor": {"1": 20.0, "2": 19.0, "4": 23.0, "12": 39.0}},
+    )
+    costs = plan.chain_ms("inductor", 10)
+    assert costs[:4] == [20.0, 20.0, 21.5, 23.0] and costs[10] == pytest.approx(37.0)  # never falling; linear between
+    assert plan.chain_ms("eager", 10) is None  # not timed there: chains of 10
 
 
 @pytest.mark.parametrize("family", FAMILIES)

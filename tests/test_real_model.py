@@ -77,10 +77,11 @@ def test_random_heads_greedy_identity(shipped, plain_greedy):
         assert torch.equal(model.generate(_chat(model, text), max_new_tokens=128), plain_greedy(text, 128)), text
 
 
-def test_untrained_heads_greedy_identity_and_stats(shipped):
+@pytest.mark.parametrize("proposer", ["medusa", None])  # None: what an untrained model guesses with, prompt lookup
+def test_untrained_heads_greedy_identity_and_stats(shipped, proposer):
     model = MedusaModel.from_base(shipped.base, tokenizer=shipped.tokenizer)
     ids = _chat(model, PROMPTS[0])
-    out = model.generate(ids, max_new_tokens=64, return_dict_in_generate=True)
+    out = model.generate(ids, max_new_tokens=64, proposer=proposer, return_dict_in_generate=True)
     assert torch.equal(out.sequences, model.base.generate(**ids, max_new_tokens=64, do_sample=False))
     assert 1.0 <= out.stats.mean_accepted_tokens and out.stats.steps <= 64
 

@@ -4,6 +4,20 @@ from __future__ import annotations
 
 import sys
 
+# --heads none: a base with no heads of its own (untrained heads: its plan guesses with prompt lookup)
+NO_HEADS = "none"
+NO_HEADS_HELP = f"'{NO_HEADS}': a base (--base) with no heads of its own, guessing with prompt lookup"
+
+
+def load_model(heads: str | None, **options):
+    """--heads and the loading options -> a MedusaModel: the heads on their base (or `base`), or untrained heads on
+    `base` for --heads none (MedusaModel.from_base: its plan guesses with prompt lookup)."""
+    from medusa import MedusaModel
+
+    if heads == NO_HEADS:
+        return MedusaModel.from_base(options.pop("base", None), **options)
+    return MedusaModel.from_pretrained(heads, **options)
+
 
 # Each command's module is imported only when it runs, so `medusa --help` does not load torch.
 def _chat(argv):

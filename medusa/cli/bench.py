@@ -74,6 +74,7 @@ from transformers import GenerationConfig
 
 from medusa import MedusaModel, llama_cpp
 from medusa.batch import left_padded
+from medusa.cli import NO_HEADS, NO_HEADS_HELP, load_model
 from medusa.config import CONFIG_NAME
 from medusa.decode import DecodeStats
 from medusa.fileio import atomic_write_text
@@ -158,8 +159,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--heads",
         default=None,
-        help="heads directory (default: the shipped heads, which fit SmolLM2 only); 'none': untrained heads on --base, "
-        "for a base without heads of its own (methods that guess without heads: lookup, draft, llama_cpp_lookup ...)",
+        help=f"heads directory (default: the shipped heads, which fit SmolLM2 only); {NO_HEADS_HELP} (methods that "
+        "guess without heads: lookup, draft, llama_cpp_lookup ...; planned: prompt lookup on the plan's engine)",
     )
     parser.add_argument(
         "--base", default=None, help="base model: directory, .gguf or Hub id (default: the heads' base)"
@@ -755,8 +756,8 @@ def plot_speedups(summary: dict, path: Path) -> None:
 # --------------------------------------------------------------------------------------------------------- main
 def heads_label(heads: str | None) -> str:
     """What --heads resolved to, for the record: a results table of untrained heads must say so."""
-    if heads == "none":
-        return "untrained (--heads none): methods that read heads guess nothing useful here"
+    if heads == NO_HEADS:
+        return "untrained (--heads none): planned guesses with prompt lookup; methods that read heads guess nothing"
     if heads:
         return str(heads)
     if (DEFAULT_HEADS_DIR / CONFIG_NAME).is_file():
@@ -830,12 +831,7 @@ def main(argv=None) -> dict:
     if not questions:
         raise ValueError(f"{args.questions} holds no questions")
 
-    if args.heads == "none":  # no plan: it would be calibrated for heads that guess nothing
-        model = MedusaModel.from_base(args.base, dtype=args.dtype, device=args.device)
-    else:
-        model = MedusaModel.from_pretrained(
-            args.heads, base=args.base, dtype=args.dtype, device=args.device, plan=args.plan
-        )
+    model = load_model(args.heads, base=args.base, dtype=args.dtype, device=args.device, plan=args.plan)
     args.engine = args.engine or model.best_plain_engine
     tokenizer = model.tokenizer
     if tokenizer is None:

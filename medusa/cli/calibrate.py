@@ -14,7 +14,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from medusa import MedusaModel
+from medusa.cli import NO_HEADS_HELP, load_model
 from medusa.fileio import atomic_write_text
 from medusa.runtime import ENGINES
 
@@ -26,7 +26,7 @@ def main(argv=None) -> dict:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__,
     )
-    parser.add_argument("--heads", default=None, help="heads directory (default: the shipped heads)")
+    parser.add_argument("--heads", default=None, help=f"heads directory (default: the shipped heads); {NO_HEADS_HELP}")
     parser.add_argument("--base", default=None, help="base model (default: the heads' base)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default=None)
@@ -39,8 +39,10 @@ def main(argv=None) -> dict:
     )
     parser.add_argument("--out", default=None, help="also write the plan here as JSON")
     args = parser.parse_args(argv)
-    model = MedusaModel.from_pretrained(args.heads, base=args.base, dtype=args.dtype, device=args.device, plan="off")
-    if model.accuracy is None:
+    model = load_model(args.heads, base=args.base, dtype=args.dtype, device=args.device, plan="off")
+    if not model.heads_trained:
+        print("note: no trained heads: the plan chooses the engine, and prompt lookup guesses on it")
+    elif model.accuracy is None:
         print(
             "note: these heads have no accuracy table (medusa_accuracy.json): the plan only picks the engine; "
             "write one with `medusa accuracy --heads-dir`"

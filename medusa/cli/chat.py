@@ -21,6 +21,8 @@ from collections import deque
 import torch
 from transformers import TextStreamer
 
+from medusa.cli import NO_HEADS_HELP, load_model
+
 
 class EmissionLog:
     """What an observer of the stream sees: (time, tokens) per emission, and for each token the accepted length of
@@ -126,7 +128,9 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         prog="medusa chat", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--heads", default=None, help="heads directory (default: the shipped SmolLM2 heads)")
+    parser.add_argument(
+        "--heads", default=None, help=f"heads directory (default: the shipped SmolLM2 heads); {NO_HEADS_HELP}"
+    )
     parser.add_argument("--base", default=None, help="base model (default: the one the heads name)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=None, help="sample at this temperature (default: greedy)")
@@ -145,9 +149,7 @@ def main(argv=None) -> None:
     if args.chunk < 1 or (args.rate is not None and args.rate <= 0):
         parser.error("--chunk must be >= 1 and --rate > 0")
 
-    from medusa import MedusaModel
-
-    model = MedusaModel.from_pretrained(args.heads, base=args.base)
+    model = load_model(args.heads, base=args.base)
     rate = args.rate or (1000.0 / model.plan.plain_ms if model.plan is not None and model.plan.plain_ms else 20.0)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()

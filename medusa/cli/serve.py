@@ -16,6 +16,7 @@ import signal
 import sys
 import threading
 
+from medusa.cli import NO_HEADS_HELP, load_model
 from medusa.precision import PRECISIONS
 from medusa.runtime import ENGINES
 
@@ -29,7 +30,9 @@ def main(argv=None) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__,
     )
-    parser.add_argument("--heads", default=None, help="heads directory or Hub id (default: the shipped heads)")
+    parser.add_argument(
+        "--heads", default=None, help=f"heads directory or Hub id (default: the shipped heads); {NO_HEADS_HELP}"
+    )
     parser.add_argument("--base", default=None, help="base model (default: the one the heads name)")
     parser.add_argument("--dtype", default=None, choices=PRECISIONS, help="the target's precision (default: float32)")
     parser.add_argument("--device", default=None, help="e.g. cuda (default: CPU)")
@@ -59,11 +62,7 @@ def main(argv=None) -> None:
     except ImportError as error:
         sys.exit(f"medusa serve needs fastapi and uvicorn ({error.name or error} is missing): {INSTALL}")
 
-    from medusa import MedusaModel
-
-    model = MedusaModel.from_pretrained(
-        args.heads, base=args.base, dtype=args.dtype, device=args.device, engine=args.engine
-    )
+    model = load_model(args.heads, base=args.base, dtype=args.dtype, device=args.device, engine=args.engine)
     model.engine().warm_up(batches=True)  # the batch package too: every request decodes in a batch, the first as well
     name = args.model_name or args.base or model.config.base_model_name_or_path or "medusa"
     worker = MainThreadWorker()  # the model decodes on this thread, where it was loaded (medusa/serve.py says why)

@@ -19,7 +19,6 @@ that training reads only with `training.prompt_tokens` (the heads then learn the
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -202,9 +201,7 @@ def answering_model(config):
     if cfg.heads is not None or config.model.base is None:
         model = MedusaModel.from_pretrained(cfg.heads, base=config.model.base, dtype=cfg.dtype, device=device)
         return model, model.tokenizer, None
-    model = MedusaModel.from_base(config.model.base, dtype=cfg.dtype, device=device)
-    if os.environ.get("MEDUSA_PLAN", "auto") != "off":  # as from_pretrained: the plan times this machine's engines
-        model.calibrate(recalibrate=False)
+    model = MedusaModel.from_base(config.model.base, dtype=cfg.dtype, device=device)  # its plan: the engines timed
     return model, model.tokenizer, "plain"
 
 
