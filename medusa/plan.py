@@ -332,8 +332,8 @@ def measure(model, engines=None, sizes=SIZES, repeats: int = REPEATS, context: i
     else:  # no trees to weigh: the chains prompt lookup verifies, whose length follows their cost (Plan.chain_ms)
         sizes = [n for n in sizes if n <= LOOKUP_CHAIN + 2]
         jobs = [("plain", 1)] + [("prompt_lookup", n) for n in sizes if n > 1]
-    plain_ms, states = {}, {}  # per engine: its plain step, and the prefilled state every step starts from
-    for name in engines:  # plain steps first: engines far slower than the fastest are not timed further
+    states = {}  # per engine: the prefilled state every step starts from
+    for name in engines:
         engine = engine_for(model.base, name)  # compiles first, if this engine does (timed apart: see calibrate)
         states[name] = prefill(
             model.base,
@@ -343,7 +343,16 @@ def measure(model, engines=None, sizes=SIZES, repeats: int = REPEATS, context: i
             engine=engine,
             max_length=context + max(sizes) + HYBRID_CHAIN + 1,
         )
-        plain_ms[name] = _plain_ms(model, engine, states[name], repeats + 1)
+    # plain steps first, the engines in turn (a busy spell of the machine slows them alike; timed one engine after
+    # another, it had left out the fastest engine, and the plan is kept): engines far slower than the fastest are
+    # not timed further
+    plain, plain_samples = model.make_proposer("plain", None, sampling, None), {name: [] for name in engines}
+    for _ in range(repeats + 1):
+        for name in engines:
+            plain_samples[name].append(
+                sum(time_step(model, engine_for(model.base, name), plain, states[name], sampling))
+            )
+    plain_ms = {name: statistics.median(times[1:] or times) for name, times in plain_samples.items()}  # 1st: warm-up
     fastest = min(plain_ms.values())
     engines = [name for name in engines if plain_ms[name] <= SLOW_ENGINE * fastest]
     for name in engines:  # what proposes is timed as decoding runs it: compiled where an engine compiles the target
@@ -457,13 +466,6 @@ def _context_read_ms(model, state, repeats: int, rows: int = CONTEXT_ROWS) -> fl
         sync(model.device)
         times.append(1000 * (time.perf_counter() - start))
     return statistics.median(times)
-
-
-def _plain_ms(model, engine, state, repeats: int) -> float:
-    """Median ms of a plain step (one token verified) on `engine`."""
-    proposer, sampling = model.make_proposer("plain", None, SamplingConfig(), None), SamplingConfig()
-    times = [sum(time_step(model, engine, proposer, state, sampling)) for _ in range(repeats)]
-    return statistics.median(times[1:] or times)
 
 
 def verify_curve(jobs: dict) -> dict[int, float]:

@@ -406,6 +406,25 @@ def test_calibration_costs_the_context_layers_read_of_each_step(monkeypatch, con
     assert all(1000.0 < propose_ms < 2000.0 for job, (propose_ms, _) in measured["eager"].items() if job[0] != "plain")
 
 
+def test_a_busy_spell_while_timing_leaves_out_the_engines_it_slows_alike(monkeypatch):
+    """Engines' plain steps are timed in turn: a spell of load in the second half of the timing (steps 3x as slow)
+    slows every engine's steps alike, so the engine that is faster (here compiled, 5 ms against eager's 10) stays
+    in the plan. Timed one engine after the other, the spell fell on the compiled engine alone and left it out."""
+    model = _guarded(plain_ms=1.0)
+    model.plan, model.accuracy = None, None
+    calls = []
+
+    def time_step(model, engine, proposer, state, sampling):
+        calls.append(engine.name)
+        busy = 3.0 if len(calls) > 6 else 1.0
+        return 0.0, {"eager": 10.0, "compiled": 5.0}[engine.name] * busy, 0.0
+
+    monkeypatch.setattr(medusa.plan, "time_step", time_step)
+    measured, _ = medusa.plan.measure(model, ["eager", "compiled"], sizes=(1,), repeats=5, context=8, progress=False)
+    assert list(measured) == ["compiled"]
+    assert calls[:4] == ["eager", "compiled", "eager", "compiled"]
+
+
 def test_planned_engines_leave_out_what_adds_nothing_or_is_switched_off(monkeypatch):
     """On a GPU the compiled engine is torch.compile already; $MEDUSA_COMPILE=0 leaves torch.compile out on CPU."""
     monkeypatch.delenv("MEDUSA_COMPILE", raising=False)
