@@ -352,6 +352,23 @@ def test_requests_waiting_together_decode_as_one_batch_each_as_it_would_alone(mo
     assert [reply.usage.model_extra["medusa_batch_rows"] for reply in replies] == [7] * 7 + [1]
 
 
+def test_a_model_without_trained_heads_serves_requests_together_each_as_it_would_alone(tmp_path, monkeypatch):
+    """`medusa serve --heads none`: from_base's plan (prompt lookup on its engine); requests that wait decode
+    together, each reply the base's own greedy answer."""
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "cache"))
+    noheads = MedusaModel.from_base(make_tiny_model("qwen2"), tokenizer=tiny_tokenizer(), plan="auto")
+    assert noheads.plan.proposer == "prompt_lookup"
+    prompts = ["hello hello hello", "what is 2 + 2?", "a b c a b c"]
+    greedy = dict(max_tokens=16, temperature=0)
+    rows, replies = asked_while_busy(noheads, create_app(noheads, model_name="tiny"), [(p, greedy) for p in prompts])
+    assert rows == [1, 3]
+    for reply, prompt in zip(replies, prompts):
+        ids = chat_ids(noheads, [{"role": "user", "content": prompt}])
+        expected = noheads.base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
+        text = noheads.tokenizer.decode(expected[0, ids.shape[1] :], skip_special_tokens=True)
+        assert reply.choices[0].message.content == text
+
+
 def test_a_main_thread_worker_runs_the_model_on_the_thread_that_runs_it(model):
     """`medusa serve`'s layout: the server in a thread, every generate (whole or streamed) on the main thread."""
     from medusa.serve import MainThreadWorker
