@@ -318,7 +318,7 @@ def measure(model, engines=None, sizes=SIZES, repeats: int = REPEATS, context: i
 
     Static trees come from the heads' accuracy table (grow_tree), dynamic and hybrid trees from the same sizes
     (untrained heads: chains of those sizes, what prompt lookup verifies); every proposal is verified and accepted,
-    then the cache is set back, so all sizes see `context` tokens. Sizes and
+    then the cache is set back, so all sizes see `context` tokens. Engines (for their plain steps), sizes and
     proposers are interleaved within each repeat, so drifts in machine load hit them alike.
     """
     device, sampling = model.device, SamplingConfig()
