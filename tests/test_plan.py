@@ -99,7 +99,8 @@ def test_untrained_heads_leave_the_guessing_to_prompt_lookup_on_the_fastest_engi
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_base_without_trained_heads_decodes_exactly_with_planned_prompt_lookup(tmp_path, monkeypatch, family):
     """from_base's plan: prompt lookup on the fastest engine, guarded, its chains sized by their timed cost; alone
-    and in a batch, every output is the base's own greedy output; lookup's guesses are taken where it repeats."""
+    and in a batch, every output is the base's own greedy output. Without a plan, lookup still guesses, its whole
+    10-token chains taken where the output repeats (planned, how long a chain gets depends on the timings)."""
     monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "cache"))
     base_dir, _ = save_tiny_checkpoint(tmp_path, family)
     model = MedusaModel.from_base(base_dir, plan="auto")
