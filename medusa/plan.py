@@ -219,9 +219,15 @@ class Plan:
         return min(plain, key=lambda o: o["step_ms"])["engine"] if plain else self.engine
 
     def describe(self) -> str:
+        if self.proposer == "prompt_lookup":  # no acceptance to expect: chains as long as their timed cost pays for
+            summary = f"plan: prompt lookup on the {self.engine} engine, chains sized by the verify's cost timed here"
+        else:
+            summary = (
+                f"plan: {self.proposer} on the {self.engine} engine, {len(self.tree) + 1 if self.tree else 1} nodes, "
+                f"expected {self.expected_speedup:.2f}x over plain decoding"
+            )
         lines = [
-            f"plan: {self.proposer} on the {self.engine} engine, {len(self.tree) + 1 if self.tree else 1} nodes, "
-            f"expected {self.expected_speedup:.2f}x over plain decoding ({self.reason})",
+            f"{summary} ({self.reason})",
             f"{'engine':<9} {'proposer':<8} {'nodes':>5} {'exp. tau':>8} {'step ms':>8} {'exp. speedup':>12}",
         ]
         for o in sorted(self.options, key=lambda o: -o["speedup"])[:12]:

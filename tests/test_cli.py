@@ -104,7 +104,9 @@ def test_a_base_without_heads_chats_and_calibrates_with_prompt_lookup(tmp_path, 
     monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "cache"))
     base_dir, _ = checkpoint
     plan = calibrate.main(["--heads", "none", "--base", str(base_dir)])
-    assert plan["proposer"] == "prompt_lookup" and "no trained heads" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert plan["proposer"] == "prompt_lookup" and "no trained heads" in printed
+    assert f"plan: prompt lookup on the {plan['engine']} engine, chains sized by the verify's cost" in printed
     assert len(plan["latency_ms"][plan["engine"]]) > 2  # the chains' verifies, timed
     out = _chat(monkeypatch, capsys, ["--heads", "none", "--base", str(base_dir), "--max-new-tokens", "10"], ["hi"])
     model = MedusaModel.from_base(base_dir, plan="off")
