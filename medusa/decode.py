@@ -277,7 +277,7 @@ class SpeculativeGenerator:
         built = self.make_proposer(proposer, tree, sampling, generator, engine=target)
         lookup = getattr(built, "inner", built)  # a guarded proposer's own
         plan = getattr(self, "plan", None)
-        if isinstance(lookup, PromptLookupProposer) and plan is not None:  # its chains sized by what they cost here
+        if isinstance(lookup, PromptLookupProposer) and plan is not None:  # its trees sized by what they cost here
             lookup.chain_ms = plan.chain_ms(target.name, lookup.num_tokens)
         return decode(
             self.base,

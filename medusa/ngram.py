@@ -10,23 +10,32 @@ from __future__ import annotations
 import torch
 
 
-def ngram_continuation(
-    tokens: torch.Tensor, max_ngram: int, num_tokens: int, min_ngram: int = 1, latest: bool = False
-) -> list[int]:
-    """tokens (T,) long -> up to `num_tokens` ids: what followed an earlier occurrence of the last n tokens.
+def ngram_matches(tokens: torch.Tensor, max_ngram: int, min_ngram: int = 1) -> list[int]:
+    """tokens (T,) long -> where the continuations of the longest suffix seen before start, oldest first.
 
-    Tries n = max_ngram down to min_ngram and returns the first match's continuation; [] if none. `latest` picks the
-    most recent earlier occurrence, else the earliest (transformers' prompt lookup rule). The continuation may run
-    into the suffix itself (repetitions are exactly what it should catch).
+    Tries n = max_ngram down to min_ngram; for the first n whose last n tokens occurred earlier (with at least one
+    token after them), returns the index just after each earlier occurrence; [] if none. A continuation may run into
+    the suffix itself (repetitions are exactly what it should catch).
     """
     length = tokens.numel()
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
         windows = tokens[: length - 1].unfold(0, n, 1)  # (T - n, n): windows with at least one token after them
         hits = (windows == tokens[length - n :]).all(1).nonzero()
         if hits.numel():
-            start = int(hits[-1 if latest else 0]) + n
-            return tokens[start : start + num_tokens].tolist()
+            return (hits[:, 0] + n).tolist()
     return []
+
+
+def ngram_continuation(
+    tokens: torch.Tensor, max_ngram: int, num_tokens: int, min_ngram: int = 1, latest: bool = False
+) -> list[int]:
+    """tokens (T,) long -> up to `num_tokens` ids: what followed an earlier occurrence of the last n tokens
+    (`ngram_matches`), the earliest (transformers' prompt lookup rule) or with `latest` the most recent; [] if none."""
+    starts = ngram_matches(tokens, max_ngram, min_ngram)
+    if not starts:
+        return []
+    start = starts[-1 if latest else 0]
+    return tokens[start : start + num_tokens].tolist()
 
 
 # A single repeated token is a weak cue: on MT-bench answers its continuation was right less often than head 1 (0.42

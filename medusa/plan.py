@@ -201,7 +201,7 @@ class Plan:
 
     def chain_ms(self, engine: str, guesses: int) -> list[float] | None:
         """The verify's ms on `engine` for the root and 0 .. `guesses` guessed tokens, from the query lengths timed
-        there (never falling with length; linear between them and beyond): what prompt lookup sizes its chains by.
+        there (never falling with length; linear between them and beyond): what prompt lookup sizes its trees by.
         None where fewer than two lengths were timed."""
         timed = sorted((int(n), ms) for n, ms in self.latency_ms.get(engine, {}).items())
         if len(timed) < 2:
@@ -219,8 +219,8 @@ class Plan:
         return min(plain, key=lambda o: o["step_ms"])["engine"] if plain else self.engine
 
     def describe(self) -> str:
-        if self.proposer == "prompt_lookup":  # no acceptance to expect: chains as long as their timed cost pays for
-            summary = f"plan: prompt lookup on the {self.engine} engine, chains sized by the verify's cost timed here"
+        if self.proposer == "prompt_lookup":  # no acceptance to expect: trees as large as their timed cost pays for
+            summary = f"plan: prompt lookup on the {self.engine} engine, trees sized by the verify's cost timed here"
         else:
             summary = (
                 f"plan: {self.proposer} on the {self.engine} engine, {len(self.tree) + 1 if self.tree else 1} nodes, "
@@ -323,9 +323,9 @@ def measure(model, engines=None, sizes=SIZES, repeats: int = REPEATS, context: i
     """-> ({engine: {(proposer, nodes): (propose_ms, verify_ms)}} as medians, the static trees' path order).
 
     Static trees come from the heads' accuracy table (grow_tree), dynamic and hybrid trees from the same sizes
-    (untrained heads: chains of those sizes, what prompt lookup verifies); every proposal is verified and accepted,
-    then the cache is set back, so all sizes see `context` tokens. Engines (for their plain steps), sizes and
-    proposers are interleaved within each repeat, so drifts in machine load hit them alike.
+    (untrained heads: chains of those sizes, as many tokens as prompt lookup verifies); every proposal is verified
+    and accepted, then the cache is set back, so all sizes see `context` tokens. Engines (for their plain steps),
+    sizes and proposers are interleaved within each repeat, so drifts in machine load hit them alike.
     """
     device, sampling = model.device, SamplingConfig()
     engines = engines or planned_engines(device)
@@ -335,7 +335,7 @@ def measure(model, engines=None, sizes=SIZES, repeats: int = REPEATS, context: i
     if model.heads_trained:
         sizes = [n for n in sizes if n == 1 or n - 1 <= len(order)]
         jobs = [("plain", 1)] + [(p, n) for n in sizes if n > 1 for p in PROPOSERS]
-    else:  # no trees to weigh: the chains prompt lookup verifies, whose length follows their cost (Plan.chain_ms)
+    else:  # no trees to weigh: prompt lookup's verifies, whose guesses follow their cost (Plan.chain_ms)
         sizes = [n for n in sizes if n <= LOOKUP_CHAIN + 2]
         jobs = [("plain", 1)] + [("prompt_lookup", n) for n in sizes if n > 1]
     states = {}  # per engine: the prefilled state every step starts from
@@ -397,7 +397,7 @@ def measure(model, engines=None, sizes=SIZES, repeats: int = REPEATS, context: i
 
 class _Chain:
     """The root and `nodes` - 1 copies of it as a chain: a prompt-lookup step's verify, timed (a random prompt
-    matches nothing to look up)."""
+    matches nothing to look up; a tree of as many nodes verifies as many tokens)."""
 
     def __init__(self, nodes: int, device):
         self.nodes, self.tree = nodes, build_buffers(TreeSpec(chain(nodes - 1)), nodes - 1).to(device)

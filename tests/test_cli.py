@@ -98,7 +98,7 @@ def test_calibrate_measures_and_writes_the_plan(tmp_path, capsys, monkeypatch, c
 
 def test_a_base_without_heads_chats_and_calibrates_with_prompt_lookup(tmp_path, capsys, monkeypatch, checkpoint):
     """--heads none: untrained heads on --base (MedusaModel.from_base), whose plan guesses with prompt lookup,
-    its chains sized by the verify's cost on the plan's engine; the chat's answer is the base's greedy answer."""
+    its trees sized by the verify's cost on the plan's engine; the chat's answer is the base's greedy answer."""
     from medusa.cli import calibrate
 
     monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "cache"))
@@ -106,7 +106,7 @@ def test_a_base_without_heads_chats_and_calibrates_with_prompt_lookup(tmp_path, 
     plan = calibrate.main(["--heads", "none", "--base", str(base_dir)])
     printed = capsys.readouterr().out
     assert plan["proposer"] == "prompt_lookup" and "no trained heads" in printed
-    assert f"plan: prompt lookup on the {plan['engine']} engine, chains sized by the verify's cost" in printed
+    assert f"plan: prompt lookup on the {plan['engine']} engine, trees sized by the verify's cost" in printed
     assert len(plan["latency_ms"][plan["engine"]]) > 2  # the chains' verifies, timed
     out = _chat(monkeypatch, capsys, ["--heads", "none", "--base", str(base_dir), "--max-new-tokens", "10"], ["hi"])
     model = MedusaModel.from_base(base_dir, plan="off")

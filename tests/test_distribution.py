@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -30,6 +31,8 @@ from transformers import (
 from medusa import MedusaModel
 from medusa.acceptance import ACCEPTANCE_RULES, Acceptance, rejection, speculative
 from medusa.ngram import copy_chain
+from medusa.prompt_lookup import PromptLookupProposer
+from medusa.proposers import PROPOSERS
 from medusa.sampling import SamplingConfig, select_token, target_probs
 from tests.conftest import make_heads
 
@@ -323,6 +326,23 @@ def test_copying_heads_tree_rejection_sampling_is_exact(target):
     counts = sample_counts(model, EXACT_SAMPLES, seed=3, prompt=prompt, **MEDUSA_SETTINGS)
     result = chi_square(counts, exact)
     report("medusa tree with copy guesses, rejection (exact)", result)
+    assert result["impossible"] == 0
+    assert result["p_value"] > SIGNIFICANCE, result
+
+
+@pytest.mark.slow
+def test_prompt_lookup_tree_rejection_sampling_is_exact(monkeypatch, target):
+    """Prompt lookup on one-token matches: every token came three times before, followed by three different tokens,
+    so every step guesses a tree with siblings (deterministic guesses: no q); sampling must stay exact."""
+    monkeypatch.setitem(PROPOSERS, "prompt_lookup", lambda model, tree: PromptLookupProposer(model.device, 1, 4))
+    model = MedusaModel(target, make_heads(num_heads=2, random=True, hidden=16, vocab=V))
+    prompt = torch.tensor([[*range(V), *(5 * i % V for i in range(V)), *((7 * i + 1) % V for i in range(V))]])
+    state = SimpleNamespace(tokens=prompt[0].tolist() + [4], root_token=torch.tensor(4))
+    assert PromptLookupProposer(torch.device("cpu"), 1, 4).propose(state).tree.parent.tolist()[:4] == [0, 0, 0, 0]
+    exact = exact_continuations(target, prompt, **MEDUSA_SETTINGS)
+    counts = sample_counts(model, EXACT_SAMPLES, seed=4, prompt=prompt, proposer="prompt_lookup", **MEDUSA_SETTINGS)
+    result = chi_square(counts, exact)
+    report("prompt lookup tree, rejection (exact)", result)
     assert result["impossible"] == 0
     assert result["p_value"] > SIGNIFICANCE, result
 

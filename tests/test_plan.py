@@ -98,9 +98,9 @@ def test_untrained_heads_leave_the_guessing_to_prompt_lookup_on_the_fastest_engi
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_base_without_trained_heads_decodes_exactly_with_planned_prompt_lookup(tmp_path, monkeypatch, family):
-    """from_base's plan: prompt lookup on the fastest engine, guarded, its chains sized by their timed cost; alone
+    """from_base's plan: prompt lookup on the fastest engine, guarded, its trees sized by their timed cost; alone
     and in a batch, every output is the base's own greedy output. Without a plan, lookup still guesses, its whole
-    10-token chains taken where the output repeats (planned, how long a chain gets depends on the timings)."""
+    10-guess lookups taken whole where the output repeats (planned, how many it guesses depends on the timings)."""
     monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "cache"))
     base_dir, _ = save_tiny_checkpoint(tmp_path, family)
     model = MedusaModel.from_base(base_dir, plan="auto")
@@ -118,7 +118,7 @@ def test_a_base_without_trained_heads_decodes_exactly_with_planned_prompt_lookup
     mask = torch.tensor([[1] * 10, [0] * 7 + [1] * 3])
     out = model.generate(ids, attention_mask=mask, max_new_tokens=40)
     assert [row[-40:].tolist() for row in out] == alone
-    # with no plan: the eager engine, still guessing with lookup (its chains 10 long: no timing decides them)
+    # with no plan: the eager engine, still guessing with lookup (10 guesses a step: no timing decides fewer)
     unplanned = MedusaModel.from_base(base_dir, plan="off")
     out = unplanned.generate(torch.tensor([prompts[0]]), max_new_tokens=40, return_dict_in_generate=True)
     deepest_heads = model.config.num_heads + 1  # only lookup's chain of 10 accepts more than the heads can guess

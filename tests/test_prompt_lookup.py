@@ -1,4 +1,5 @@
-"""Prompt lookup and the hybrid proposer: n-gram matching, grafting a chain onto a tree, greedy identity."""
+"""Prompt lookup and the hybrid proposer: n-gram matching, lookup trees and their size, grafting a chain onto a tree,
+greedy identity."""
 
 from types import SimpleNamespace
 
@@ -6,9 +7,9 @@ import pytest
 import torch
 
 from medusa import MedusaModel
-from medusa.ngram import ngram_continuation
+from medusa.ngram import ngram_continuation, ngram_matches
 from medusa.plan import Plan
-from medusa.prompt_lookup import PromptLookupProposer, graft_chain
+from medusa.prompt_lookup import PRIOR_RIGHT, PromptLookupProposer, graft_chain
 from medusa.tree import Candidates, TreeSpec, build_buffers
 from tests.conftest import FAMILIES, make_heads, make_tiny_model
 
@@ -60,7 +61,14 @@ def test_graft_chain_already_in_the_tree_changes_nothing():
     assert graft_chain(candidates, [5, 7]) is candidates
 
 
-def test_prompt_lookup_proposer_builds_a_chain():
+def test_ngram_matches_lists_every_earlier_occurrence_of_the_longest_suffix_seen():
+    tokens = torch.tensor([7, 1, 2, 3, 7, 1, 2, 5, 9, 1, 2, 7, 1, 2])
+    assert ngram_matches(tokens, max_ngram=3) == [3, 7]  # [7, 1, 2] twice; the bigram [1, 2]'s third is not counted
+    assert ngram_matches(tokens, max_ngram=2) == [3, 7, 11]
+    assert ngram_matches(torch.tensor([1, 2, 3]), max_ngram=3) == []
+
+
+def test_prompt_lookup_proposer_builds_a_chain_from_one_match():
     state = SimpleNamespace(tokens=[1, 2, 3, 4, 1, 2], root_token=torch.tensor(2))
     candidates = PromptLookupProposer(torch.device("cpu"), num_tokens=3).propose(state)
     assert candidates.tokens.tolist() == [2, 3, 4, 1]
@@ -71,34 +79,67 @@ def test_prompt_lookup_proposer_builds_a_chain():
     assert alone.tokens.tolist() == [3] and alone.tree.num_nodes == 1
 
 
+TWO_BRANCHES = [1, 2, 3, 4, 9, 1, 2, 5, 6, 8, 1, 2, 3, 4, 7, 1, 2]  # [7, 1, 2] is new; [1, 2] came 3 times
+
+
+def test_prompt_lookup_proposes_a_tree_over_every_earlier_match():
+    """[1, 2] was followed by 3 4 twice and by 5 6 once: both branches are guessed, the more frequent first; at equal
+    counts the more recent match ranks first."""
+    state = SimpleNamespace(tokens=TWO_BRANCHES, root_token=torch.tensor(2))
+    lookup = PromptLookupProposer(torch.device("cpu"), num_tokens=4)
+    candidates = lookup.propose(state)
+    assert candidates.tokens.tolist() == [2, 3, 5, 4, 6]
+    assert candidates.tree.parent.tolist() == [0, 0, 0, 1, 2]
+    chances = dict(lookup.ranked(state))
+    assert chances[(3,)] == pytest.approx(PRIOR_RIGHT * 2 / 3) and chances[(5,)] == pytest.approx(PRIOR_RIGHT / 3)
+    assert chances[(3, 4)] < chances[(3,)]  # a child never outranks its parent
+    tied = SimpleNamespace(tokens=[1, 2, 3, 8, 1, 2, 5, 9, 1, 2], root_token=torch.tensor(2))
+    assert PromptLookupProposer(torch.device("cpu"), num_tokens=2).propose(tied).tokens.tolist()[:3] == [2, 5, 3]
+
+
+def test_observe_counts_each_depth_along_the_branch_the_target_took():
+    state = SimpleNamespace(tokens=TWO_BRANCHES, root_token=torch.tensor(2))
+    lookup = PromptLookupProposer(torch.device("cpu"), num_tokens=4)
+    lookup.propose(state)  # 3 -> 4 and 5 -> 6
+    lookup.observe(state, [5, 6, 8])  # the second branch, whole: depths 1 and 2 right, nothing guessed at 3
+    assert (lookup._tries[1:4], lookup._right[1:4]) == ([1, 1, 0], [1, 1, 0])
+    lookup.propose(state)
+    lookup.observe(state, [3, 7])  # right at depth 1, wrong at 2
+    assert (lookup._tries[1:4], lookup._right[1:4]) == ([2, 2, 0], [2, 1, 0])
+    lookup.propose(state)
+    lookup.observe(state, [8])  # wrong at the first guess
+    assert (lookup._tries[1:4], lookup._right[1:4]) == ([3, 2, 0], [2, 1, 0])
+
+
 def _step(lookup, state, right: int) -> int:
-    """One step of `lookup` on `state` whose first `right` guesses the target takes -> how many it guessed."""
-    guessed = lookup.propose(state).tokens.numel() - 1
-    lookup.observe(state, [0] * (min(right, guessed) + 1))
-    return guessed
+    """One step of `lookup` on `state` (one match: a chain) whose first `right` guesses the target takes -> how many
+    it guessed."""
+    guesses = lookup.propose(state).tokens[1:].tolist()
+    lookup.observe(state, guesses[:right] + [0])
+    return len(guesses)
 
 
-def test_chains_are_as_long_as_their_expected_tokens_pay_for():
-    """With the verify's cost per chain length, a match is guessed as far as the expected tokens per ms grow: short
-    on a steep curve while guesses fail at their first token, long once whole chains are taken, and as long as
-    allowed where verifying more costs nothing more."""
-    state = SimpleNamespace(tokens=list(range(20)) * 2, root_token=torch.tensor(19))  # every continuation 10 long
+def test_lookups_are_as_large_as_their_expected_tokens_pay_for():
+    """With the verify's cost per number of guesses, a match is guessed as far as the expected tokens per ms grow:
+    short on a steep curve while guesses fail at their first token, long once whole chains are taken, and as long
+    as allowed where verifying more costs nothing more."""
+    state = SimpleNamespace(tokens=list(range(20)) * 2, root_token=torch.tensor(19))  # one match, 10 tokens after it
     steep = [20.0, 20.2, 21.2, 23.0, 24.5, 26.0, 27.8, 29.7, 30.9, 35.0, 37.9]  # SmolLM2 fp32 on a 2-core CPU
-    assert PromptLookupProposer(torch.device("cpu")).chain_length() == 10  # no costs known: transformers' 10
+    assert _step(PromptLookupProposer(torch.device("cpu")), state, right=0) == 10  # no costs known: transformers' 10
     missing = PromptLookupProposer(torch.device("cpu"), chain_ms=steep)
     first = _step(missing, state, right=0)
     for _ in range(8):
         _step(missing, state, right=0)
-    assert missing.chain_length() == 1 < first
+    assert _step(missing, state, right=0) == 1 < first
     copying = PromptLookupProposer(torch.device("cpu"), chain_ms=steep)
     for _ in range(8):
         _step(copying, state, right=10)
     # as long as pays here: the 9th and 10th guesses cost more than their expected tokens on this curve
-    assert copying.chain_length() == 8 and _step(copying, state, right=10) == 8
+    assert _step(copying, state, right=10) == 8
     flat = PromptLookupProposer(torch.device("cpu"), chain_ms=[20.0] * 11)
     for _ in range(8):
         _step(flat, state, right=0)
-    assert flat.chain_length() == 10  # a longer chain never costs more: every guess is free
+    assert _step(flat, state, right=0) == 10  # a larger tree never costs more: every guess is free
     with pytest.raises(ValueError, match="chain_ms needs 11"):
         PromptLookupProposer(torch.device("cpu"), chain_ms=steep[:5])
 
