@@ -1,8 +1,9 @@
 """N-gram matching against the tokens so far: prompt lookup's guess, and the heads' copy guess.
 
 Text repeats itself: names, code, quoted phrases, and a small model's own loops. What followed an earlier occurrence
-of the last few tokens is then often what comes next. Prompt lookup proposes that continuation on its own; heads
-with `copy_ngram` rank it first among their own guesses (see `copy_guesses`, `put_first`).
+of the last few tokens is then often what comes next. Prompt lookup proposes those continuations on their own (a tree
+over every earlier match, medusa.prompt_lookup); heads with `copy_ngram` rank the latest one first among their own
+guesses (see `copy_guesses`, `put_first`).
 """
 
 from __future__ import annotations

@@ -91,16 +91,16 @@ class PromptLookupProposer:
         """Every continuation path (tokens after the root) of the suffix's earlier occurrences, with the chance it is
         right, likeliest first (ties: the more recent occurrence first)."""
         history = state.tokens
-        weight: dict[tuple[int, ...], int] = {}  # a path is first counted after its prefix: parents come first
-        for start in reversed(ngram_matches(torch.tensor(history), self.max_ngram)[-MAX_MATCHES:]):
+        starts = ngram_matches(torch.tensor(history), self.max_ngram)[-MAX_MATCHES:]
+        weight: dict[tuple[int, ...], int] = {(): len(starts)}  # a path is counted after its prefix: parents first
+        for start in reversed(starts):
             follow = tuple(history[start : start + self.num_tokens])
             for depth in range(1, len(follow) + 1):
                 weight[follow[:depth]] = weight.get(follow[:depth], 0) + 1
         rates, chance = self.depth_rates(), {(): 1.0}
-        matches = sum(w for path, w in weight.items() if len(path) == 1)
         for path, w in weight.items():
-            parent = path[:-1]
-            chance[path] = chance[parent] * rates[len(path)] * w / (weight[parent] if parent else matches)
+            if path:
+                chance[path] = chance[path[:-1]] * rates[len(path)] * w / weight[path[:-1]]
         del chance[()]
         return sorted(chance.items(), key=lambda item: -item[1])  # stable
 

@@ -18,7 +18,7 @@ Methods (interleaved per question, after a warm-up):
   medusa          MedusaModel.generate, static tree (--tree or the heads' own)
   medusa_dynamic  per-step tree from the heads' probabilities (proposer "dynamic"), as many nodes as the static tree
   hybrid          static Medusa tree plus a prompt-lookup chain in one verify pass (proposer "hybrid")
-  lookup          this library's prompt lookup (proposer "prompt_lookup")
+  lookup          this library's prompt lookup: a tree over every earlier match (proposer "prompt_lookup")
   medusa_typical  Medusa static tree with typical acceptance (lossy; meant for --temperature > 0)
   draft           MedusaModel.from_draft_model(base, --draft): classic speculative decoding in this library's loop
                   (--draft early-exit:N drafts with the target's own first N layers; --gamma tokens per step)
