@@ -222,6 +222,34 @@ def test_ahead_of_time_packages_match_eager_and_load_in_a_new_engine(family, tmp
 
 
 @pytest.mark.slow
+def test_the_batch_package_runs_on_the_single_sequence_packages_weights(tmp_path, monkeypatch):
+    """Both packages hold the same frozen weights: once both are loaded, the batch package runs on the other's copy
+    (one in memory, not two) and its rows still equal each prompt decoded alone. Loading leaves no file extracted."""
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
+    base = make_tiny_model("llama")
+    engine = engine_for(base, "inductor")  # the engine's own settings: FAST_INDUCTOR's weights are oneDNN's, not shared
+    engine.warm_up(progress=False, batches=True)
+    assert engine.batch_package.weights_of is engine.package
+    single, batch = (package.runner.extract_constants_map(False) for package in (engine.package, engine.batch_package))
+    assert single and all(batch[name].data_ptr() == tensor.data_ptr() for name, tensor in single.items())
+    rows = torch.tensor([[5, 6, 7, 8, 9, 5, 6], [9, 8, 7, 6, 5, 4, 3]])
+    stats = []
+    monkeypatch.setattr(
+        medusa.runtime.aot, "run_rows", lambda *a, run=medusa.runtime.aot.run_rows: stats.append(1) or run(*a)
+    )
+    out = MedusaModel(base, make_heads(random=True)).generate(
+        rows, attention_mask=torch.ones_like(rows), max_new_tokens=20, engine="inductor"
+    )
+    for row, prompt in zip(out, rows):
+        reference = base.generate(
+            prompt[None], attention_mask=torch.ones(1, 7, dtype=torch.long), max_new_tokens=20, do_sample=False
+        )
+        assert row.tolist() == reference[0].tolist()
+    assert stats  # the batch package ran the steps
+    assert [path.name for path in (tmp_path / "aoti").iterdir() if not path.name.endswith((".pt2", ".lock"))] == []
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_package_compiled_without_weights_reads_the_models_own(family, tmp_path, monkeypatch):
     """A package compiled with OWN_WEIGHTS_OPTIONS (w8a8 on fbgemm, whose GEMMs pack what they are given) holds no
@@ -350,7 +378,7 @@ def test_an_unreadable_package_is_compiled_again(tmp_path, monkeypatch, caplog):
         "aoti_compile_and_package",
         lambda program, package_path, inductor_configs: open(package_path, "wb").close(),
     )
-    monkeypatch.setattr(torch._inductor, "aoti_load_package", lambda p: "runner" if compiled else 1 / 0)
+    monkeypatch.setattr(medusa.runtime.aot, "Package", lambda p: "runner" if compiled else 1 / 0)
     runner, _ = medusa.runtime.aot.load_or_compile(model, FAST_INDUCTOR, "weights", progress=False)
     assert runner == "runner" and compiled == [model]
     assert f"compiled package {path} is unreadable" in caplog.text
@@ -377,7 +405,7 @@ def test_processes_wanting_one_package_compile_it_once(tmp_path, monkeypatch):
         "aoti_compile_and_package",
         lambda program, package_path, inductor_configs: open(package_path, "wb").close(),
     )
-    monkeypatch.setattr(torch._inductor, "aoti_load_package", lambda p: "runner")
+    monkeypatch.setattr(medusa.runtime.aot, "Package", lambda p: "runner")
     results = {}
 
     def load(name):

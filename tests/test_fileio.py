@@ -222,8 +222,14 @@ def test_compiled_packages_past_the_limit_go_least_recently_used_first(tmp_path,
         packages[name] = path
     new = folder / "1024-new.pt2"
     new.write_bytes(b"x" * 400)
+    stale, loading = folder / ".1024-new.pt2.killed", folder / ".1024-new.pt2.loading"  # libraries extracted (Package)
+    for extracted in (stale, loading):
+        extracted.mkdir()
+        (extracted / "model.so").write_bytes(b"x")
+    os.utime(stale, (1, 1))
     monkeypatch.setenv("MEDUSA_AOT_CACHE_GB", str(1200 / 2**30))  # room for three packages of 400 bytes
     deleted = aot.prune(keep=new)
+    assert not stale.exists() and loading.exists()  # left by a killed process long ago; another loading now
     assert set(deleted) == {packages["used-an-hour-ago"], packages["used-a-day-ago"]}
     assert sorted(p.name for p in folder.glob("*.pt2")) == [
         "1024-new.pt2",

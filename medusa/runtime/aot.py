@@ -19,14 +19,18 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import sys
+import tempfile
 import threading
 import time
+import zipfile
 from pathlib import Path
 
 import torch
 import transformers
 from torch import nn
+from torch.utils import _pytree as pytree
 from transformers import StaticCache
 
 from medusa.fileio import atomic_file, one_at_a_time
@@ -56,8 +60,10 @@ ROW_INVARIANT_FORMAT = 4  # the same for what only w8a8 exports (attention.reduc
 # where they lie; 3, fbgemm's sums as a library op; 4, sibling projections on fbgemm fused
 # A package that holds no weights and reads the model's own tensors (`own_weights`): w8a8 on fbgemm, whose GEMMs are
 # calls out of the package that pack the weights they are given once (docs/engines.md).
-OWN_WEIGHTS_OPTIONS = {"freezing": False, "aot_inductor.package_constants_in_so": False}
+WEIGHTS_IN_PACKAGE = "aot_inductor.package_constants_in_so"
+OWN_WEIGHTS_OPTIONS = {"freezing": False, WEIGHTS_IN_PACKAGE: False}
 DEFAULT_CACHE_GB = 8  # a few models' packages (one for single sequences and one for batches each)
+STALE_EXTRACTION_S = 600  # a package's library is extracted, loaded and deleted within seconds
 MAX_QUERY = 256  # the most tokens one verify forward may take (a tree's nodes)
 MAX_BATCH = 64  # the most rows a batch's package takes at once (a larger batch runs on the eager runner)
 MAX_ROWS = 1 << 20  # the largest cache a package takes (a larger one runs on the eager runner)
@@ -211,17 +217,66 @@ def _export(model, one_token: bool = False, batched: bool = False):
     )
 
 
-def own_weights(runner, model) -> None:
+def own_weights(runner: Package, model) -> None:
     """Point a package compiled without its weights (OWN_WEIGHTS_OPTIONS) at `model`'s own parameters and buffers, by
     the names export gave them (VerifyStep's): nothing is copied, and the package follows in-place changes."""
     step = VerifyStep(model)
     named = dict(step.named_parameters(remove_duplicate=False))  # tied weights under each name
     named.update(step.named_buffers(remove_duplicate=False))
-    wanted = runner.get_constant_fqns()
-    missing = [name for name in wanted if name not in named]
+    wanted = runner.constant_names()
+    missing = [name for name in wanted.values() if name not in named]
     if missing:
         raise RuntimeError(f"the package reads {missing[:3]}, which the model does not have")
-    runner.load_constants({name: named[name] for name in wanted}, check_full_update=True, user_managed=True)
+    runner.runner.update_constant_buffer({own: named[name] for own, name in wanted.items()}, False, True, True)
+
+
+class Package:
+    """A loaded AOTInductor package (a CPU one), called as the module it was exported from. torch's container runner
+    runs its shared library, extracted from the package file into the cache and unlinked once loaded (torch's own
+    loader extracts into /tmp per process, and a killed process left hundreds of MB there); unlike that loader, the
+    runner can take another package's weights (`share_weights`)."""
+
+    def __init__(self, path: Path):
+        folder = tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent)
+        try:
+            with zipfile.ZipFile(path) as archive:
+                library = next(name for name in archive.namelist() if name.endswith(".so"))
+                for name, suffix in ((library, ".so"), (library[: -len(".so")] + ".json", ".json")):
+                    if name in archive.namelist():  # the json: its calls out to custom ops (fbgemm's), if any
+                        with open(os.path.join(folder, f"model{suffix}"), "wb") as out, archive.open(name) as data:
+                            shutil.copyfileobj(data, out, 1 << 24)
+            self.runner = torch._C._aoti.AOTIModelContainerRunnerCpu(os.path.join(folder, "model.so"), 1)
+        finally:  # the runner keeps its mapping of the library: the files go with the process, however it ends
+            shutil.rmtree(folder)
+        self._outputs = pytree.treespec_loads(self.runner.get_call_spec()[1])
+        self.weights_of: Package | None = None  # the package whose weights this one runs on (kept alive with it)
+
+    def __call__(self, *args):
+        inputs = [leaf for leaf in pytree.tree_leaves(args) if isinstance(leaf, torch.Tensor)]
+        return pytree.tree_unflatten(self.runner.run(inputs), self._outputs)
+
+    def constant_names(self) -> dict[str, str]:
+        """{the package's own name: the exported module's name} of every weight it reads."""
+        return self.runner.get_constant_names_to_original_fqns()
+
+    def share_weights(self, other: Package) -> bool:
+        """Run on `other`'s weights where they equal this package's in every name, shape, layout and value (two
+        packages of one model, frozen alike), and free this one's copy. Weights held as oneDNN's opaque tensors are
+        not compared, nor shared. -> whether they were shared."""
+        mine, theirs = self.runner.extract_constants_map(False), other.runner.extract_constants_map(False)
+        if mine.keys() != theirs.keys() or not all(
+            a.layout == b.layout == torch.strided
+            and (a.dtype, a.shape, a.stride()) == (b.dtype, b.shape, b.stride())
+            and torch.equal(a, b)
+            for a, b in ((mine[name], theirs[name]) for name in mine)
+        ):
+            return False
+        own = {name: key for key, name in self.constant_names().items()}
+        self.runner.update_constant_buffer({own[name]: tensor for name, tensor in theirs.items()}, True, True, True)
+        self.runner.swap_constant_buffer()
+        self.runner.free_inactive_constant_buffer()
+        self.weights_of = other
+        return True
 
 
 def _ticking(message: str):
@@ -254,7 +309,7 @@ def load_or_compile(
     path = package_path(model, options, weights, one_token, batched)
     export = lambda: _export(model, one_token, batched)  # noqa: E731
     runner, seconds = load_or_build(path, export, options, message, progress, cpu=model.device.type == "cpu")
-    if options.get("aot_inductor.package_constants_in_so", True) is False:
+    if options.get(WEIGHTS_IN_PACKAGE, True) is False:
         own_weights(runner, model)
     return runner, seconds
 
@@ -304,7 +359,7 @@ def _version(path: Path):
 def _load(path: Path):
     """The runner in the package at `path`; None when it is unreadable (a warning: it is compiled again)."""
     try:
-        runner = torch._inductor.aoti_load_package(str(path))
+        runner = Package(path)
     except Exception as err:  # noqa: BLE001 - any unreadable package is compiled again
         logger.warning("compiled package %s is unreadable (%s: %s); compiling it again", path, type(err).__name__, err)
         return None
@@ -338,6 +393,10 @@ def prune(keep: Path) -> list[Path]:
     version of torch, transformers, the weights or this format compiles new packages of hundreds of MB, and the
     old ones are never read again. -> the packages deleted."""
     limit, deleted = cache_limit_bytes(), []
+    for folder in keep.parent.glob(".*.pt2.*"):  # a library extracted by a process killed while loading it (Package)
+        with contextlib.suppress(OSError):
+            if folder.is_dir() and time.time() - folder.stat().st_mtime > STALE_EXTRACTION_S:
+                shutil.rmtree(folder)
     others = []
     for package in keep.parent.glob("*.pt2"):
         try:
@@ -378,7 +437,7 @@ def _compile(export, options: dict, path: Path, message: str, progress: bool, cp
     if progress:
         print(f"\r{message}: {seconds:.0f} s{' ' * 20}", file=sys.stderr)
     prune(keep=path)
-    return torch._inductor.aoti_load_package(str(path)), seconds
+    return Package(path), seconds
 
 
 def compile_package(program, path: Path, options: dict) -> None:

@@ -94,6 +94,7 @@ class InductorEngine(CompiledEngine):
             return
         try:
             self.batch_package, seconds = self._load_or_compile(progress, batched=True)
+            self._share_weights(self.batch_package)
             self.compile_seconds += seconds
         except Exception as err:  # noqa: BLE001 - a compiler failure must not stop generation: run uncompiled
             logger.warning(
@@ -127,6 +128,7 @@ class InductorEngine(CompiledEngine):
             return 0.0
         try:
             self.package, seconds = self._load_or_compile(progress)
+            self._share_weights(self.package)
             return seconds + self._compile_one_token(progress)
         except Exception as err:  # noqa: BLE001 - a compiler failure must not stop generation: run uncompiled
             logger.warning(
@@ -137,6 +139,20 @@ class InductorEngine(CompiledEngine):
             )
             self.ahead_of_time = False
             return 0.0
+
+    def _share_weights(self, package: aot.Package) -> None:
+        """Run `package` on the weights of another package of this engine already loaded where they are the same
+        (frozen alike: the single-sequence and the batch packages), so that memory holds one copy, not one each."""
+        if not static.inductor_cpu_options(self.model).get(aot.WEIGHTS_IN_PACKAGE, True):
+            return  # it reads the model's own weights: nothing to share
+        for other in (self.package, self.batch_package, self.one_token_package):
+            if other is None or other is package:
+                continue
+            try:
+                if package.share_weights(other):
+                    return
+            except Exception as err:  # noqa: BLE001 - memory only: the package runs on its own copy
+                logger.warning("a package keeps its own weights (%s: %s)", type(err).__name__, err)
 
     def _load_or_compile(self, progress: bool, batched: bool = False):
         """aot.load_or_compile of this engine's runner with its settings (`batched`: a batch's package). -> (runner,
@@ -163,6 +179,7 @@ class InductorEngine(CompiledEngine):
             self.one_token_package, seconds = aot.load_or_compile(
                 self.runner, options, self._weights, self.label, progress, one_token=True
             )
+            self._share_weights(self.one_token_package)
             return seconds
         except Exception as err:  # noqa: BLE001 - the main package still serves one-token steps
             logger.warning(

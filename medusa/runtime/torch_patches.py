@@ -65,7 +65,11 @@ INTERNALS = (
         "holding oneDNN-packed frozen weights and compiles again in every process",
         "pytorch/pytorch#117888 (mkldnn tensors bypass the FX graph cache)",
     ),
-    Internal("torch._inductor", "aoti_load_package", "loading those packages"),
+    Internal(
+        "torch._C._aoti",
+        "AOTIModelContainerRunnerCpu",
+        "running those packages (aot.Package): unlike torch's package loader, it hands a package's weights to another",
+    ),
     Internal(
         "torch._inductor.codegen.cpp_micro_gemm",
         "micro_gemm_configs",
