@@ -223,26 +223,27 @@ def own_weights(runner: Package, model) -> None:
     step = VerifyStep(model)
     named = dict(step.named_parameters(remove_duplicate=False))  # tied weights under each name
     named.update(step.named_buffers(remove_duplicate=False))
-    wanted = runner.constant_names()
-    missing = [name for name in wanted.values() if name not in named]
+    wanted = runner.constant_names().values()
+    missing = [name for name in wanted if name not in named]
     if missing:
         raise RuntimeError(f"the package reads {missing[:3]}, which the model does not have")
-    runner.runner.update_constant_buffer({own: named[name] for own, name in wanted.items()}, False, True, True)
+    runner.use_weights({name: named[name] for name in wanted})
 
 
 class Package:
     """A loaded AOTInductor package (a CPU one), called as the module it was exported from. torch's container runner
-    runs its shared library, extracted from the package file into the cache and unlinked once loaded (torch's own
-    loader extracts into /tmp per process, and a killed process left hundreds of MB there); unlike that loader, the
-    runner can take another package's weights (`share_weights`)."""
+    runs its shared library, extracted from the package file into a folder beside it and deleted once loaded (torch's
+    own loader extracts into /tmp per process, and a killed process left hundreds of MB there); unlike that loader,
+    the runner can run on weights it is given, another package's among them (`share_weights`)."""
 
     def __init__(self, path: Path):
         folder = tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent)
         try:
             with zipfile.ZipFile(path) as archive:
-                library = next(name for name in archive.namelist() if name.endswith(".so"))
+                names = archive.namelist()
+                library = next(name for name in names if name.endswith(".so"))
                 for name, suffix in ((library, ".so"), (library[: -len(".so")] + ".json", ".json")):
-                    if name in archive.namelist():  # the json: its calls out to custom ops (fbgemm's), if any
+                    if name in names:  # the json: its calls out to custom ops (fbgemm's), if any
                         with open(os.path.join(folder, f"model{suffix}"), "wb") as out, archive.open(name) as data:
                             shutil.copyfileobj(data, out, 1 << 24)
             self.runner = torch._C._aoti.AOTIModelContainerRunnerCpu(os.path.join(folder, "model.so"), 1)
@@ -271,12 +272,17 @@ class Package:
             for a, b in ((mine[name], theirs[name]) for name in mine)
         ):
             return False
-        own = {name: key for key, name in self.constant_names().items()}
-        self.runner.update_constant_buffer({own[name]: tensor for name, tensor in theirs.items()}, True, True, True)
-        self.runner.swap_constant_buffer()
-        self.runner.free_inactive_constant_buffer()
+        self.use_weights(theirs)
         self.weights_of = other
         return True
+
+    def use_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Run on `tensors` ({the exported module's name: tensor}, every weight the package reads; the caller keeps
+        them alive) and free the package's own copy, if it held one."""
+        own = {name: key for key, name in self.constant_names().items()}
+        self.runner.update_constant_buffer({own[name]: tensor for name, tensor in tensors.items()}, True, True, True)
+        self.runner.swap_constant_buffer()  # the weights given become the active ones: the package's own, inactive
+        self.runner.free_inactive_constant_buffer()
 
 
 def _ticking(message: str):
