@@ -60,8 +60,7 @@ ROW_INVARIANT_FORMAT = 4  # the same for what only w8a8 exports (attention.reduc
 # where they lie; 3, fbgemm's sums as a library op; 4, sibling projections on fbgemm fused
 # A package that holds no weights and reads the model's own tensors (`own_weights`): w8a8 on fbgemm, whose GEMMs are
 # calls out of the package that pack the weights they are given once (docs/engines.md).
-WEIGHTS_IN_PACKAGE = "aot_inductor.package_constants_in_so"
-OWN_WEIGHTS_OPTIONS = {"freezing": False, WEIGHTS_IN_PACKAGE: False}
+OWN_WEIGHTS_OPTIONS = {"freezing": False, "aot_inductor.package_constants_in_so": False}
 DEFAULT_CACHE_GB = 8  # a few models' packages (one for single sequences and one for batches each)
 STALE_EXTRACTION_S = 600  # a package's library is extracted, loaded and deleted within seconds
 MAX_QUERY = 256  # the most tokens one verify forward may take (a tree's nodes)
@@ -217,6 +216,11 @@ def _export(model, one_token: bool = False, batched: bool = False):
     )
 
 
+def holds_weights(options: dict) -> bool:
+    """Whether a package compiled with `options` holds its weights (else it reads the model's: OWN_WEIGHTS_OPTIONS)."""
+    return options.get("aot_inductor.package_constants_in_so", True) is not False
+
+
 def own_weights(runner: Package, model) -> None:
     """Point a package compiled without its weights (OWN_WEIGHTS_OPTIONS) at `model`'s own parameters and buffers, by
     the names export gave them (VerifyStep's): nothing is copied, and the package follows in-place changes."""
@@ -315,7 +319,7 @@ def load_or_compile(
     path = package_path(model, options, weights, one_token, batched)
     export = lambda: _export(model, one_token, batched)  # noqa: E731
     runner, seconds = load_or_build(path, export, options, message, progress, cpu=model.device.type == "cpu")
-    if options.get(WEIGHTS_IN_PACKAGE, True) is False:
+    if not holds_weights(options):
         own_weights(runner, model)
     return runner, seconds
 

@@ -143,7 +143,7 @@ class InductorEngine(CompiledEngine):
     def _share_weights(self, package: aot.Package) -> None:
         """Run `package` on the weights of another package of this engine already loaded where they are the same
         (frozen alike: the single-sequence and the batch packages), so that memory holds one copy, not one each."""
-        if not static.inductor_cpu_options(self.model).get(aot.WEIGHTS_IN_PACKAGE, True):
+        if not aot.holds_weights(static.inductor_cpu_options(self.model)):
             return  # it reads the model's own weights: nothing to share
         for other in (self.package, self.batch_package, self.one_token_package):
             if other is None or other is package:

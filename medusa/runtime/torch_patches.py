@@ -70,6 +70,7 @@ INTERNALS = (
         "AOTIModelContainerRunnerCpu",
         "running those packages (aot.Package): unlike torch's package loader, it hands a package's weights to another",
     ),
+    Internal("torch.utils._pytree", "treespec_loads", "aot.Package: a package's outputs, by its call spec"),
     Internal(
         "torch._inductor.codegen.cpp_micro_gemm",
         "micro_gemm_configs",
