@@ -3,6 +3,9 @@ the guesses and what the target takes of them follow from the answer alone. Each
 its speed over plain decoding under a verify cost curve ({tokens: ms}, from curve.py).
 
     PYTHONPATH=CHECKOUT python replay.py RAW_JSONL CURVE_JSON [BASE]   (BASE: the benchmark's --base, for its tokenizer)
+
+CHECKOUT: session 58's main (09066d8). From session 59 prompt lookup proposes trees, which this chain replay does not
+walk: ../cpu-lookup-trees-session59/replay.py replays those.
 """
 
 import json
