@@ -21,6 +21,13 @@ from tests.test_greedy import OracleProposer
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [12], [20, 21, 22, 23], [30, 31, 30, 31, 30, 31, 30]]
 
 
+class RowOneStopsAtSix(StoppingCriteria):
+    """Row 1 of PROMPTS (its prompt: [12]) stops after 6 new tokens."""
+
+    def __call__(self, ids, scores, **kwargs):
+        return torch.tensor([int(ids[0, 0]) == 12 and ids.shape[1] >= 7])
+
+
 def padded(prompts, pad=0):
     width = max(map(len, prompts))
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
@@ -102,10 +109,6 @@ def test_rows_left_when_others_finish_take_the_layout_of_their_number(family, mo
     observed = []
     monkeypatch.setattr(MedusaModel, "observe_batch", lambda self, layout, stats: observed.append(stats))
 
-    class RowOneStopsAtSix(StoppingCriteria):  # row 1 (its prompt: [12]) after 6 new tokens, the others at 20
-        def __call__(self, ids, scores, **kwargs):
-            return torch.tensor([int(ids[0, 0]) == 12 and ids.shape[1] >= 7])
-
     ids, mask = padded(PROMPTS)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=20, stopping_criteria=[RowOneStopsAtSix()])
     for row, prompt in enumerate(PROMPTS):
@@ -121,6 +124,28 @@ def test_rows_left_when_others_finish_take_the_layout_of_their_number(family, mo
     model.acceptance.add = lambda tau, accepted: counted.append(accepted)
     model.observe_batch(BatchLayout("eager", False, "dynamic", trees[4], 1.5), stats)
     assert len(counted[0]) == stats.verified_nodes.count(2)
+
+
+def test_rows_decoded_plainly_ask_for_no_layout_as_others_finish(monkeypatch):
+    """Rows the plan decodes plainly together have no tree to re-budget when others finish: the layout is asked for
+    once (asking again could time, in the middle of the call, a layout for an engine the plan had not timed)."""
+    from medusa.decode import BatchLayout
+
+    base = make_tiny_model("llama")
+    model = MedusaModel(base, make_heads(random=False), tokenizer=tiny_tokenizer(), projection_dtype=torch.float32)
+    asked = []
+    monkeypatch.setattr(
+        MedusaModel,
+        "batch_layout",
+        lambda self, lengths, *args: asked.append(len(lengths)) or BatchLayout("eager", False, "plain", None, None),
+    )
+
+    ids, mask = padded(PROMPTS)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=12, stopping_criteria=[RowOneStopsAtSix()])
+    for row, prompt in enumerate(PROMPTS):
+        single = alone(base, prompt, 6 if row == 1 else 12)[0, len(prompt) :].tolist()
+        assert out[row, ids.shape[1] : ids.shape[1] + len(single)].tolist() == single
+    assert asked == [len(PROMPTS)]
 
 
 @pytest.mark.parametrize("engine", ["eager", "inductor"])

@@ -249,6 +249,43 @@ def test_the_batch_package_runs_on_the_single_sequence_packages_weights(tmp_path
     assert [path.name for path in (tmp_path / "aoti").iterdir() if not path.name.endswith((".pt2", ".lock"))] == []
 
 
+def test_a_package_whose_constants_share_a_name_keeps_its_own_weights():
+    """inductor names the activation scales of every w8a8 GEMM it lowers alike (`x_scale`), and a package takes
+    weights by name: such a package keeps its own copy, and the runner is not asked to take any (torch's runtime
+    printed an error for the names it missed). Packages whose names are their own share, as before."""
+
+    class Runner:
+        def __init__(self, names: dict[str, str]):
+            self.names, self.updates = names, []
+
+        def get_constant_names_to_original_fqns(self):
+            return self.names
+
+        def extract_constants_map(self, use_inactive):
+            return {name: torch.ones(2) for name in self.names.values()}
+
+        def update_constant_buffer(self, *args):
+            self.updates.append(args)
+
+        def swap_constant_buffer(self):
+            pass
+
+        def free_inactive_constant_buffer(self):
+            pass
+
+    def package(names):
+        loaded = object.__new__(medusa.runtime.aot.Package)
+        loaded.runner = Runner(names)
+        return loaded
+
+    weights = {"w_0": "layers.0.weight", "w_1": "layers.1.weight"}
+    single, batch = package(weights), package(weights)
+    assert batch.share_weights(single) and batch.weights_of is single and len(batch.runner.updates) == 1
+    scales = {**weights, "x_scale_0": "x_scale", "x_scale_1": "x_scale"}
+    single, batch = package(scales), package(scales)
+    assert not batch.share_weights(single) and batch.runner.updates == []
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_package_compiled_without_weights_reads_the_models_own(family, tmp_path, monkeypatch):

@@ -267,7 +267,12 @@ class Package:
     def share_weights(self, other: Package) -> bool:
         """Run on `other`'s weights where they equal this package's in every name, shape, layout and value (two
         packages of one model, frozen alike), and free this one's copy. Weights held as oneDNN's opaque tensors are
-        not compared, nor shared. -> whether they were shared."""
+        not compared, nor shared; nor are a package's whose constants do not each have a name of their own (inductor
+        names the activation scales of a w8a8 GEMM it lowered alike, `x_scale`, and they can be handed over only by
+        name). -> whether they were shared."""
+        names = self.constant_names().values()
+        if len(set(names)) != len(names):
+            return False
         mine, theirs = self.runner.extract_constants_map(False), other.runner.extract_constants_map(False)
         if mine.keys() != theirs.keys() or not all(
             a.layout == b.layout == torch.strided
