@@ -684,6 +684,18 @@ def batch_choice(model, rows: int, progress: bool = True, engine: str | None = N
     return plan.batches[key]
 
 
+def calibrate_batches(model, most_rows: int, progress: bool = True) -> None:
+    """Time now every batch layout that continuous batching of up to `most_rows` rows may ask `model`'s plan for
+    (each bucket's, with no engine named and on each engine it weighs), rather than when a call first needs it: a
+    bucket takes about a minute on a 2-core CPU, and a server would hold every request behind it (`medusa serve`
+    calls this before it listens). Timed once per machine, kept with the plan; nothing without a plan."""
+    if getattr(model, "plan", None) is None or most_rows < 2:
+        return
+    for bucket in BATCH_BUCKETS[: BATCH_BUCKETS.index(batch_bucket(most_rows)) + 1]:
+        for engine in batch_choice(model, bucket, progress)["plain_ms"]:
+            batch_choice(model, bucket, progress, engine=engine)
+
+
 def _lay_out_batch(model, rows: int, progress: bool) -> dict:
     """What `lay_out` weighs for `rows` rows, timed for real: whole steps of plain decoding together on each engine
     the plan weighed (time_batch_step) at each of BATCH_WIDTHS cached tokens; on the fastest (at CONTEXT) every tree

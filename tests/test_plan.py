@@ -504,6 +504,29 @@ def test_a_batch_takes_the_tree_its_rows_can_afford(tmp_path, monkeypatch):
     assert medusa.plan.batch_choice(again, 2, engine=engine)["candidates"] and timed == [2, 16, 2, 2]
 
 
+def test_a_server_times_every_batch_layout_it_may_ask_for_before_any_request(monkeypatch):
+    """calibrate_batches asks the plan, for each bucket up to the one holding `most_rows`, for the layout with no
+    engine named and for the choice on each engine that layout weighs (what continuous batching asks as rows join
+    and leave); nothing for one row at a time or a model without a plan."""
+    asked = []
+
+    def batch_choice(model, rows, progress=True, engine=None):
+        asked.append((rows, engine))
+        return {"plain_ms": {"eager": {}, "inductor": {}}} if engine is None else {}
+
+    monkeypatch.setattr(medusa.plan, "batch_choice", batch_choice)
+    planned = SimpleNamespace(plan=object())
+    medusa.plan.calibrate_batches(planned, 3)
+    assert asked == [(rows, engine) for rows in (2, 4) for engine in (None, "eager", "inductor")]
+    asked.clear()
+    medusa.plan.calibrate_batches(planned, 64)  # beyond the largest bucket: every bucket
+    assert [rows for rows, engine in asked if engine is None] == list(medusa.plan.BATCH_BUCKETS)
+    asked.clear()
+    medusa.plan.calibrate_batches(planned, 1)
+    medusa.plan.calibrate_batches(SimpleNamespace(plan=None), 16)
+    assert asked == []
+
+
 def test_a_flat_batched_curve_keeps_the_largest_tree(tmp_path, monkeypatch):
     monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "cache"))
     base_dir, heads_dir = _tiny_with_accuracy(tmp_path)

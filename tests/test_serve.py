@@ -562,15 +562,19 @@ def test_the_command_loads_the_model_from_its_flags_and_serves_it(model, monkeyp
 
 
 def test_the_commands_max_batch_reaches_the_app_and_below_one_is_refused(model, monkeypatch, capsys):
+    import medusa.cli.serve
     import medusa.serve
 
     made = {}
     monkeypatch.setattr(MedusaModel, "from_pretrained", lambda path=None, **kwargs: model)
     monkeypatch.setattr(medusa.serve, "create_app", lambda model, **kwargs: made.update(kwargs))
+    calibrated = []
+    monkeypatch.setattr(medusa.cli.serve, "calibrate_batches", lambda model, rows: calibrated.append(rows))
     started = type("Server", (), {"run": lambda self: None, "started": True})
     monkeypatch.setattr(uvicorn, "Server", lambda config: started())
     medusa.cli.main(["serve", "--max-batch", "3"])
     assert made["max_batch"] == 3 and isinstance(made["worker"], medusa.serve.MainThreadWorker)
+    assert calibrated == [3]  # the plan's layouts for up to 3 rows timed before the server listens
     failed = type("Server", (), {"run": lambda self: None, "started": False})  # e.g. its port in use
     monkeypatch.setattr(uvicorn, "Server", lambda config: failed())
     with pytest.raises(SystemExit, match="the server did not start on 127.0.0.1:8000"):

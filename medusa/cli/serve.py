@@ -17,6 +17,7 @@ import sys
 import threading
 
 from medusa.cli import NO_HEADS_HELP, load_model
+from medusa.plan import calibrate_batches
 from medusa.precision import PRECISIONS
 from medusa.runtime import ENGINES
 
@@ -64,6 +65,7 @@ def main(argv=None) -> None:
 
     model = load_model(args.heads, base=args.base, dtype=args.dtype, device=args.device, engine=args.engine)
     model.engine().warm_up(batches=True)  # the batch package too: every request decodes in a batch, the first as well
+    calibrate_batches(model, args.max_batch)  # the plan's batch layouts, once per machine: not while requests wait
     name = args.model_name or args.base or model.config.base_model_name_or_path or "medusa"
     worker = MainThreadWorker()  # the model decodes on this thread, where it was loaded (medusa/serve.py says why)
     app = create_app(
