@@ -686,9 +686,9 @@ def batch_choice(model, rows: int, progress: bool = True, engine: str | None = N
 
 def calibrate_batches(model, most_rows: int, progress: bool = True) -> None:
     """Time now every batch layout that continuous batching of up to `most_rows` rows may ask `model`'s plan for
-    (each bucket's, with no engine named and on each engine it weighs), rather than when a call first needs it: a
-    bucket takes about a minute on a 2-core CPU, and a server would hold every request behind it (`medusa serve`
-    calls this before it listens). Timed once per machine, kept with the plan; nothing without a plan."""
+    (each bucket's, with no engine named and on each engine it weighs), rather than when a call first needs it and a
+    server holds every request behind that timing (`medusa serve` calls this before it listens; docs/serving.md says
+    how long it takes). Timed once per machine, kept with the plan; nothing without a plan."""
     if getattr(model, "plan", None) is None or most_rows < 2:
         return
     for bucket in BATCH_BUCKETS[: BATCH_BUCKETS.index(batch_bucket(most_rows)) + 1]:
