@@ -9,6 +9,7 @@ import medusa.propose
 import medusa.runtime.aot
 from medusa import MedusaModel
 from medusa.propose import Compiled, build_medusa_proposer, compile_proposal, eager_modules
+from medusa.runtime.prepack import Int8Linear, PackedLinear
 from medusa.tree import TreeSpec, build_buffers, chain
 from tests.conftest import HIDDEN, context_heads, make_tiny_model
 
@@ -76,6 +77,9 @@ def test_packages_are_compiled_once_and_loaded_after(tmp_path, monkeypatch):
     model.refresh_candidate_projection()
     compile_proposal(model.proposal_heads, model.candidate_projection, progress=False)
     assert len(compiled) == 2 * first
+    assert {type(m) for m in model.proposal_heads.modules()} & {Int8Linear, PackedLinear}  # they propose on these
+    compile_proposal(model.heads, model.candidate_projection, progress=False)  # the float heads: the same parameters
+    assert len(compiled) == 3 * first  # packages of their own, not the int8 copy's
 
 
 def test_a_compile_that_fails_leaves_the_eager_proposal_and_says_so(cache, monkeypatch, caplog):

@@ -3,6 +3,7 @@
 import pytest
 import torch
 from torch import nn
+from transformers import DynamicCache
 
 import medusa.hardware
 import medusa.runtime.aot
@@ -13,9 +14,9 @@ from medusa.decode import prefill
 from medusa.hardware import ISA_FLAGS, amx, cpu_flags, native_bf16
 from medusa.loading import base_fingerprint
 from medusa.runtime import CompiledEngine, EagerEngine, InductorEngine, engine_for, make_engine, prepacked_copy
-from medusa.runtime.prepack import FusedMember, FusedProjections, PackedLinear
+from medusa.runtime.prepack import FusedMember, FusedProjections, OneDNNLinear, PackedLinear
 from medusa.runtime.quantize import quantize_target
-from medusa.runtime.verify import bias_over_rows, tree_attention_mask
+from medusa.runtime.verify import bias_over_rows, run_prefill, tree_attention_mask
 from medusa.sampling import SamplingConfig
 from medusa.tree import Candidates, TreeSpec, build_buffers
 from tests.conftest import FAMILIES, make_heads, make_tiny_model, run_together
@@ -487,7 +488,35 @@ def test_the_inductor_engine_on_cpu_compiles_ahead_of_time():
     """The inductor engine on CPU compiles ahead of time: no torch.compile wrapper; the compiled engine never does."""
     engine = InductorEngine(make_tiny_model("qwen2"))
     assert not CompiledEngine(make_tiny_model("qwen2"), torch_compile=True).ahead_of_time
-    assert engine.ahead_of_time and engine.verify_runner is engine.runner and not engine.prepacked
+    assert engine.ahead_of_time and engine.verify_runner is engine.eager_runner and not engine.prepacked
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_inductor_engine_compiles_plain_linears_and_runs_prompts_on_onednn(family):
+    """On a CPU the package is compiled from nn.Linear layers (inductor lowers those to its GEMM templates), while a
+    prompt runs eagerly on oneDNN over the same weights, to what the plain layers give."""
+    model = make_tiny_model(family)
+    engine = InductorEngine(model)
+    assert all(type(m) is not OneDNNLinear for m in engine.runner.modules())
+    assert all(type(m) is not nn.Linear for m in engine.eager_runner.modules())
+    assert {id(p) for p in engine.eager_runner.parameters()} <= {id(p) for p in model.parameters()}
+    prompt = torch.randint(1, 90, (1, 23), generator=torch.Generator().manual_seed(3))
+    outputs = []
+    for runner in (engine.runner, engine.eager_runner):
+        out = run_prefill(runner, DynamicCache(config=model.config), prompt, (0, 1))
+        outputs.append((out.logits, out.hidden))
+    for plain, onednn in zip(*outputs):
+        torch.testing.assert_close(onednn, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_onednn_layers_equal_their_layer_and_follow_in_place_changes_to_its_weight():
+    linear = nn.Linear(8, 5)
+    onednn = OneDNNLinear(linear)
+    x = torch.randn(2, 3, 8)[:, 1:]  # not contiguous
+    torch.testing.assert_close(onednn(x), linear(x))
+    with torch.no_grad():
+        linear.weight.mul_(3.0)
+    torch.testing.assert_close(onednn(x), linear(x))
 
 
 def test_compiling_parses_each_text_once_and_puts_inductor_back(monkeypatch):

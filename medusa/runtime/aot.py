@@ -332,14 +332,16 @@ def load_or_compile(
 def compiled_module(module: nn.Module, example: tuple, dynamic_shapes, name: str, label: str, progress: bool = True):
     """The AOTInductor runner of a small CPU module's forward over `example`'s shapes (`dynamic_shapes` as
     torch.export takes them), its weights held in the package: loaded, or compiled once on this machine (seconds;
-    `label` names it meanwhile) into a package named `name` and keyed by every weight and by the example's inputs (a
-    package of another version's signature must not load). For what proposes (the heads' context layer)."""
+    `label` names it meanwhile) into a package named `name` and keyed by every weight, the kinds of layer that compute
+    with them (int8_copy's layers keep their int8 weights beside the float parameters they share) and the example's
+    inputs (a package of another version's signature must not load). For what proposes (the heads' context layer)."""
     inputs = [[list(x.shape), str(x.dtype)] for x in example]
     key = {
         "format": AOT_FORMAT,
         "module": name,
         "inputs": inputs,
         "weights": base_fingerprint(module),
+        "layers": sorted({type(m).__qualname__ for m in module.modules()}),
         **describe("cpu"),
     }
     path = keyed_package(name, key)

@@ -17,7 +17,7 @@ from medusa.loading import base_fingerprint
 from medusa.runtime import aot, static
 from medusa.runtime.attention import kv_dtype
 from medusa.runtime.kv_cache import RowsCache
-from medusa.runtime.prepack import attention_copy, plain_weights
+from medusa.runtime.prepack import attention_copy, onednn_copy, plain_weights
 from medusa.runtime.quantize import precision_of
 from medusa.runtime.static import CompiledEngine
 from medusa.runtime.verify import VerifyOutput, sliding_window, verify_inputs
@@ -47,10 +47,17 @@ class InductorEngine(CompiledEngine):
 
     def _runner_for(self, model):
         """On a CPU, a copy of the target (parameters shared) on medusa's attention (runtime.attention): what is
-        compiled and what runs the prefill; inductor packs the weights itself."""
+        compiled; inductor packs the weights itself."""
         if model.device.type == "cpu" and not self.prepacked:
             return attention_copy(model)
         return super()._runner_for(model)
+
+    def _eager_runner_for(self, runner):
+        """On a CPU, `runner` with its linears on oneDNN (prepack.onednn_copy, the weights shared): a prompt runs
+        eagerly, and aten's float32 GEMM is MKL's, which lags oneDNN's on AMD CPUs (docs/engines.md)."""
+        if runner.device.type == "cpu" and not self.prepacked:
+            return onednn_copy(runner)
+        return super()._eager_runner_for(runner)
 
     @torch.inference_mode()
     def verify(self, cache, candidates: Candidates, past_length: int, feature_layers=()) -> VerifyOutput:

@@ -6,7 +6,11 @@ small GEMV pays a fixed cost per call.
 
 What proposes (the heads, their context layer, the candidate projection) only ranks guesses that the target then
 verifies exactly, so on a CPU it runs on int8 weights instead (one scale per output row, on fbgemm's int8 GEMM:
-`Int8Weight`, `int8_copy`): a quarter of the bytes each step reads. Figures: docs/engines.md."""
+`Int8Weight`, `int8_copy`): a quarter of the bytes each step reads.
+
+What runs a prompt eagerly beside a compiled engine (`onednn_copy`) calls oneDNN on the weights as they are, unpacked:
+aten's float32 linear calls MKL, which on AMD CPUs runs its AVX2 kernel whatever the CPU has. Figures:
+docs/engines.md."""
 
 from __future__ import annotations
 
@@ -47,7 +51,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias=None) -> torch.Tensor:
-    """x (..., in) @ packed.T + bias -> (..., out_features)."""
+    """x (..., in) @ packed.T + bias -> (..., out_features); `packed`: `pack`'s tensor or a plain (out, in) weight."""
     rows = x.reshape(-1, x.shape[-1])  # (M, in)
     out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
     return out.reshape(*x.shape[:-1], out_features)
@@ -218,6 +222,18 @@ class PackedLinear(PreparedLinear):
         return packed_linear(x, self.packed, self.out_features, self.bias)
 
 
+class OneDNNLinear(nn.Module):
+    """nn.Linear computed by oneDNN on its own weight, not packed (nothing copied, so nothing to prepare again)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return packed_linear(x, self.weight, self.out_features, self.bias)
+
+
 class Int8Linear(PreparedLinear):
     """nn.Linear computed on int8 weights (Int8Weight): for what proposes, never for the target."""
 
@@ -321,6 +337,20 @@ def replace_children(model: nn.Module, replacement) -> nn.Module:
 def attention_copy(model: nn.Module) -> nn.Module:
     """A copy of `model` sharing every parameter and buffer, on `shared_gqa_sdpa` if it is on transformers' sdpa."""
     copied, _ = _copy_sharing(model, ())
+    use_shared_gqa_sdpa(copied)
+    return copied
+
+
+def onednn_copy(model: nn.Module) -> nn.Module:
+    """A copy of `model` sharing every parameter and buffer whose nn.Linear layers run on oneDNN (OneDNNLinear) where
+    `can_prepack` allows their weight, on `shared_gqa_sdpa` if it is on transformers' sdpa: for prompts, run eagerly."""
+    copied, _ = _copy_sharing(model, ())
+
+    def on_onednn(child: nn.Module) -> nn.Module | None:
+        plain = type(child) is nn.Linear and type(child.weight) in (torch.Tensor, nn.Parameter)
+        return OneDNNLinear(child) if plain and can_prepack(child.weight.device, child.weight.dtype) else None
+
+    replace_children(copied, on_onednn)
     use_shared_gqa_sdpa(copied)
     return copied
 

@@ -143,7 +143,8 @@ class CompiledEngine:
         )
         with engines_set_aside(model):
             self.runner = self._runner_for(model)
-        self.verify_runner = self.runner
+            self.eager_runner = self._eager_runner_for(self.runner)
+        self.verify_runner = self.eager_runner
         cuda = model.device.type == "cuda"
         self.verify_graphs = VERIFY_GRAPHS and cuda and self.torch_compile and not self.ahead_of_time
         self._graphed: dict[tuple, StepGraph] = {}  # (cache, feature layers) -> its verify's graphs, one per N
@@ -168,11 +169,16 @@ class CompiledEngine:
         return RowsCache(self.model.config, max_rows)
 
     def batch_forward(self, cache: RowsCache, ids, mask, positions, feature_layers=(), logits_to_keep=None):
-        return rows_forward(self.runner, cache, ids, mask, positions, feature_layers, logits_to_keep)
+        return rows_forward(self.eager_runner, cache, ids, mask, positions, feature_layers, logits_to_keep)
 
     def _runner_for(self, model):
-        """What runs the forward: a pre-packed copy where this engine packs, else the model itself."""
+        """What runs the forward (and what is compiled): a pre-packed copy where this engine packs, else the model."""
         return prepacked_copy(model) if self.prepacked else model
+
+    def _eager_runner_for(self, runner):
+        """What runs uncompiled beside what is compiled (a prompt, a batch's prompts, a step no graph takes): `runner`
+        here; the inductor engine's runs on oneDNN."""
+        return runner
 
     def _compile_config(self):
         """inductor's settings for this engine's compiles (which happen inside calls): set around each call, as
@@ -232,13 +238,13 @@ class CompiledEngine:
     @torch.inference_mode()
     def prefill(self, cache, input_ids: torch.Tensor, feature_layers=()) -> PrefillOutput:
         self._set_length(cache, 0)
-        return run_prefill(self.runner, cache, input_ids, feature_layers)
+        return run_prefill(self.eager_runner, cache, input_ids, feature_layers)
 
     @torch.inference_mode()
     def verify(self, cache, candidates: Candidates, past_length: int, feature_layers=()) -> VerifyOutput:
         """One forward over the N nodes, written at rows past_length .. past_length + N; the mask shows the past and
         the tree's ancestry (and, for torch.compile's fixed shapes, (1, 1, N, rows) hides the rows beyond)."""
-        graphed = self.verify_graphs and self.verify_runner is not self.runner
+        graphed = self.verify_graphs and self.verify_runner is not self.eager_runner
         rows = self._start_step(cache, candidates, past_length, set_length=not graphed)  # a graph sets it itself
         # prefix layers show attention past + N rows, as in the eager engine; fixed-size ones the whole allocation
         mask_rows = None if isinstance(cache.layers[0], PrefixStaticLayer) else rows
@@ -248,16 +254,16 @@ class CompiledEngine:
             with self._compile_config():
                 return verify(self.verify_runner, cache, candidates, past_length, feature_layers, mask_rows)
         except Exception as err:  # noqa: BLE001 - a compiler failure must not end generation: run uncompiled
-            if self.verify_runner is self.runner:
+            if self.verify_runner is self.eager_runner:
                 raise
             logger.warning(
                 "torch.compile failed (%s: %s); the compiled engine runs uncompiled from now on",
                 type(err).__name__,
                 err,
             )
-            self.verify_runner = self.runner
+            self.verify_runner = self.eager_runner
             self._set_length(cache, past_length)
-            return verify(self.runner, cache, candidates, past_length, feature_layers, mask_rows)
+            return verify(self.eager_runner, cache, candidates, past_length, feature_layers, mask_rows)
 
     def _graphed_verify(self, cache, candidates: Candidates, past_length: int, feature_layers: tuple) -> VerifyOutput:
         """verify as one CUDA graph replay (the first call of each node count captures it): the tokens, the tree and
