@@ -1,5 +1,6 @@
 """medusa: lossless speculative decoding for Hugging Face causal language models."""
 
+import medusa.quiet  # noqa: F401 - first: torchao's import-time warnings, before transformers imports it
 from medusa.config import MedusaConfig
 from medusa.decode import DecodeStats, GenerateOutput
 from medusa.heads import MedusaHeads, head_target_offset

@@ -14,7 +14,12 @@ Tiers, bottom to top (a module imports its own tier or lower ones):
 from __future__ import annotations
 
 import ast
+import logging
+import subprocess
+import sys
 from pathlib import Path
+
+from medusa.quiet import loggers_held_to_errors
 
 PACKAGE = Path(__file__).resolve().parent.parent / "medusa"
 SCRIPTS = PACKAGE.parent / "scripts"
@@ -35,6 +40,7 @@ TIERS = {
         "sequence",
         "questions",
         "llama_cpp",
+        "quiet",
     },
     "runtime": {"runtime"},
     "mid": {
@@ -305,3 +311,23 @@ def test_the_runtime_checks_can_fail():
     assert private_names("from transformers.cache_utils import _private\n")
     assert private_names("import torch\ntorch.ops.aten._weight_int8pack_mm(a, b, c)\n")
     assert not private_names("import torch\nx = torch.nn.functional.linear(a, b)\ny = a.__version__\n")
+
+
+def test_importing_medusa_and_what_loads_a_model_prints_nothing():
+    """torchao's import-time warnings (its wheel's extensions that cannot load here) and torch's about the enums it
+    registers are held back (medusa.quiet), and nothing else prints."""
+    code = "import medusa, transformers.modeling_utils"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert (result.stdout, result.stderr) == ("", "")
+
+
+def test_loggers_held_to_errors_get_their_levels_back():
+    logger = logging.getLogger("torchao")
+    before = logger.level
+    try:
+        logger.setLevel(logging.INFO)
+        with loggers_held_to_errors():
+            assert logger.level == logging.ERROR
+        assert logger.level == logging.INFO
+    finally:
+        logger.setLevel(before)
