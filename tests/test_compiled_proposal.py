@@ -1,6 +1,8 @@
 """What proposes, compiled ahead of time on a CPU (medusa.propose.compile_proposal): the same numbers as the eager
 modules, cached per machine, used by a call on an engine that compiles ahead of time, and never a reason to fail."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -67,7 +69,10 @@ def test_packages_are_compiled_once_and_loaded_after(tmp_path, monkeypatch):
     compiled = []
     real = medusa.runtime.aot._compile
     monkeypatch.setattr(medusa.runtime.aot, "_compile", lambda *a, **k: compiled.append(a[2]) or real(*a, **k))
-    assert compile_proposal(model.proposal_heads, model.candidate_projection, progress=False) is not None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert compile_proposal(model.proposal_heads, model.candidate_projection, progress=False) is not None
+    assert not [w for w in caught if issubclass(w.category, FutureWarning)]  # torch's own, about its internals
     first = len(compiled)
     assert first == 1 + model.config.num_heads and all(path.exists() for path in compiled)
     assert compile_proposal(model.proposal_heads, model.candidate_projection, progress=False) is not None

@@ -24,6 +24,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -457,6 +458,11 @@ def _compile(export, options: dict, path: Path, message: str, progress: bool, cp
     return Package(path), seconds
 
 
+# torch's deprecations raised inside its own code as inductor compiles (torch 2.13: copying the graph's treespecs):
+# nothing a user of medusa could change, printed at every first compile
+TORCH_INTERNAL_WARNINGS = ((FutureWarning, r"`isinstance\(treespec, LeafSpec\)` is deprecated"),)
+
+
 def compile_package(program, path: Path, options: dict) -> None:
     """AOTInductor-compile `program` into the package file `path`. max-autotune would time each GEMM shape's C++
     template against aten's kernel (seconds of compiling per shape on a small CPU), and the template won every
@@ -470,11 +476,14 @@ def compile_package(program, path: Path, options: dict) -> None:
         try:
             # a copy of the settings: AOTInductor adds its own keys to the dict given
             with (
+                warnings.catch_warnings(),
                 torch._inductor.config.patch(settings),
                 wrapper_compiled_beside_kernels(),
                 prefetching_micro_kernels(),
                 micro_kernels_without_amx() if without_amx else contextlib.nullcontext(),
             ):
+                for category, message in TORCH_INTERNAL_WARNINGS:
+                    warnings.filterwarnings("ignore", message, category)
                 torch._inductor.aoti_compile_and_package(
                     program, package_path=str(path), inductor_configs=dict(settings)
                 )
