@@ -255,12 +255,16 @@ class BatchDecoding:
         self.active = before + joined
         return rows
 
+    @property
+    def budgeted(self) -> list[_Row]:
+        """The active rows whose proposers take a node budget (dynamic trees)."""
+        return [row for row in self.active if hasattr(row.proposer, "budget")]
+
     def budget_trees(self, num_nodes: int) -> None:
         """The active rows that propose dynamic trees propose `num_nodes` nodes a step from now on (1: plainly), as
         the plan lays out a batch of their number (continuous batching: as rows join and leave)."""
-        for row in self.active:
-            if hasattr(row.proposer, "budget"):
-                row.proposer.budget(num_nodes)
+        for row in self.budgeted:
+            row.proposer.budget(num_nodes)
         self._fit([])
 
     def _fit(self, joining: list[_Row]) -> None:

@@ -452,7 +452,7 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         """The batch's rows that propose dynamic trees take the node budget the plan lays out for a batch of their
         number on its engine (more rows, fewer nodes each: a step verifies rows x nodes tokens)."""
         rows = batch.active
-        if not any(hasattr(row.proposer, "budget") for row in rows):
+        if not batch.budgeted:
             return  # rows that guess no dynamic tree (decoded plainly): no layout to ask for, nor to time first
         if len(rows) == 1 and self.plan is not None and self.plan.proposer == "dynamic":
             batch.budget_trees(len(self.plan.tree) + 1)  # one row: one sequence, the plan's own tree
