@@ -342,17 +342,14 @@ def attention_copy(model: nn.Module) -> nn.Module:
 
 
 def onednn_copy(model: nn.Module) -> nn.Module:
-    """A copy of `model` sharing every parameter and buffer whose nn.Linear layers run on oneDNN (OneDNNLinear) where
-    `can_prepack` allows their weight, on `shared_gqa_sdpa` if it is on transformers' sdpa: for prompts, run eagerly."""
-    copied, _ = _copy_sharing(model, ())
+    """`attention_copy` of `model` whose nn.Linear layers run on oneDNN (OneDNNLinear) where their weights are plain
+    and `can_prepack` allows them: for prompts, run eagerly."""
 
     def on_onednn(child: nn.Module) -> nn.Module | None:
-        plain = type(child) is nn.Linear and type(child.weight) in (torch.Tensor, nn.Parameter)
+        plain = type(child) is nn.Linear and plain_weights(child)
         return OneDNNLinear(child) if plain and can_prepack(child.weight.device, child.weight.dtype) else None
 
-    replace_children(copied, on_onednn)
-    use_shared_gqa_sdpa(copied)
-    return copied
+    return replace_children(attention_copy(model), on_onednn)
 
 
 def prepacked_copy(model: nn.Module, skip: tuple[str, ...] = (), fuse: bool = True) -> nn.Module:
