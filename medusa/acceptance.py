@@ -133,6 +133,8 @@ def speculative(candidates: Candidates, verified: VerifyOutput, sampling: Sampli
     """
     if not sampling.do_sample:
         return greedy(candidates, verified, sampling, generator)
+    if candidates.tree.num_nodes == 1:  # a step without guesses (medusa.guard's plain steps): a draw from p
+        return rejection(candidates, verified, sampling, generator)
     tree, tokens, q = candidates.tree, candidates.tokens, candidates.draft_probs
     if q is None:
         raise ValueError(

@@ -22,6 +22,9 @@ from transformers import AutoModel, DynamicCache, PretrainedConfig
 
 from medusa.draft import TargetAndDraft
 from medusa.dynamic_tree import DEFAULT_TOPK, Level, cut_tree, keep_best, surviving_parents
+from medusa.guard import GuardedProposer
+from medusa.plan import DRAFT_PROPOSER, Planned
+from medusa.propose import PlainProposer
 from medusa.runtime import int8_copy, with_cache
 from medusa.sampling import SamplingConfig, greedy_tokens, target_probs
 from medusa.tree import Candidates, TreeSpec, build_buffers, chain
@@ -222,8 +225,8 @@ class Eagle3Proposer:
     def propose(self, state) -> Candidates:
         if state.new_hidden is None:
             raise ValueError("an EAGLE-3 draft reads the target's features: the decode state must carry new_hidden")
-        unread = self._unread or [state.new_hidden]
-        features = torch.cat(unread)[-(state.length - self.seen) :, self.columns]
+        # the positions the last step committed (state.new_hidden), after those of steps without guesses (skip)
+        features = torch.cat([*self._unread, state.new_hidden])[-(state.length - self.seen) :, self.columns]
         self._unread = []
         extra = self._rows() - self.seen  # rows drafted last time
         if extra > 0:
@@ -276,14 +279,29 @@ class Eagle3Proposer:
         return cut_tree(root, levels, budget)
 
     def observe(self, state, accepted_tokens: list[int]) -> None:
+        pass
+
+    def skip(self, state) -> None:
+        """A step without guesses (medusa.guard): the positions it commits are read with the next proposal's."""
         self._unread.append(state.new_hidden)
 
+    def forget(self, rows: int) -> None:
+        """Read the last `rows` committed positions again at the next proposal (the plan times steady steps at one
+        decode state: medusa.plan)."""
+        self.seen = max(self.seen - rows, 0)
 
-class Eagle3Model(TargetAndDraft):
+
+class Eagle3Model(Planned, TargetAndDraft):
     """A target and an EAGLE-3 draft behind `MedusaModel`'s `generate` (build with `MedusaModel.from_draft_model`
     and an EAGLE-3 draft): a chain of `num_speculative_tokens` a step, or with `num_nodes` a dynamic tree that deep.
     Greedy output is the target's greedy output; `do_sample=True` samples exactly from its distribution (acceptance
-    "speculative" with the draft's q for a chain, "rejection" for a tree)."""
+    "speculative" with the draft's q for a chain, "rejection" for a tree).
+
+    With a plan (`calibrate`, medusa.plan) `generate` runs on the plan's engine and, unless `num_nodes` was given,
+    drafts the plan's tree size (or decodes plainly where no size pays here), guarded online (medusa.guard). The
+    plan weighs the tree sizes whose tokens per step were decoded on held-out prompts (`decoded_taus`, kept in the
+    draft's directory by `medusa accuracy --taus --eagle3 DIR --heads-dir`); without them it keeps the draft's own
+    proposal on the fastest engine, guarded."""
 
     def __init__(
         self,
@@ -297,7 +315,7 @@ class Eagle3Model(TargetAndDraft):
     ):
         super().__init__(target, draft.to(target.device), tokenizer, num_speculative_tokens)
         self.num_nodes, self.topk = num_nodes, topk
-        self.default_sampling_rule = "speculative" if num_nodes is None else "rejection"
+        self.decoded_taus: dict | None = None  # tokens per step of its trees on held-out prompts (medusa.plan)
         text = target.config.get_text_config()
         if draft.config.hidden_size != text.hidden_size:
             raise ValueError(
@@ -320,13 +338,41 @@ class Eagle3Model(TargetAndDraft):
         self.proposal_draft = int8_copy(self.draft) if int8 else self.draft
         self.feature_layers = list(draft.aux_layers)
 
-    def make_proposer(self, proposer: str | None, tree, sampling: SamplingConfig, generator, engine=None):
-        if proposer not in (None, "eagle3"):
-            raise ValueError(f"an EAGLE-3 model proposes with its draft, got proposer={proposer!r}: leave it unset")
+    @property
+    def default_sampling_rule(self) -> str:
+        """Exact for what proposes by default: a chain hands the draft's q to "speculative"; a tree's guesses are a
+        deterministic set, exact under "rejection"."""
+        return "speculative" if self._tree_size(None) is None else "rejection"
+
+    def _tree_size(self, tree) -> int | None:
+        """The nodes (root included) of the tree the draft grows for `tree` (see make_proposer); None: a chain."""
         if tree is not None:
-            raise ValueError("an EAGLE-3 draft proposes a chain here: set num_speculative_tokens instead of tree=")
+            return len(tree) + 1
+        if self.num_nodes is None and self.plan is not None and self.plan.proposer == DRAFT_PROPOSER and self.plan.tree:
+            return len(self.plan.tree) + 1
+        return self.num_nodes
+
+    def make_proposer(self, proposer: str | None, tree, sampling: SamplingConfig, generator, engine=None):
+        """The draft's proposal: a dynamic tree of `num_nodes` nodes, else the plan's size (guarded online), else a
+        chain of `num_speculative_tokens`. `proposer="plain"` decodes without guesses; `tree`, a list of rank paths,
+        asks for a dynamic tree of as many nodes as it has paths, plus the root (the draft picks the tokens; a plan's
+        trees are named so, as the heads' dynamic proposer takes its size from a tree)."""
+        if proposer not in (None, DRAFT_PROPOSER, "plain"):
+            raise ValueError(
+                f"an EAGLE-3 model proposes with its draft, got proposer={proposer!r}: leave it unset, or 'plain'"
+            )
+        if tree is not None and (not isinstance(tree, (list, tuple)) or not tree):
+            raise ValueError(
+                f"an EAGLE-3 draft grows its own trees: tree= takes a list of rank paths (their count sizes the tree), "
+                f"got {tree!r}; or set num_nodes in MedusaModel.from_draft_model"
+            )
+        chosen_by_plan = proposer is None and tree is None and self.plan is not None
+        if chosen_by_plan:
+            proposer = self.plan.proposer
+        if proposer == "plain":
+            return PlainProposer(self.device)
         hidden = self.draft.config.hidden_size
-        return Eagle3Proposer(
+        built = Eagle3Proposer(
             self.proposal_draft,
             self.target.get_input_embeddings(),
             slice(hidden, None),  # base_features puts the last hidden state first, then the aux layers
@@ -334,9 +380,12 @@ class Eagle3Model(TargetAndDraft):
             sampling,
             self.vocab_size,
             generator,
-            num_nodes=self.num_nodes,
+            num_nodes=self._tree_size(tree),
             topk=self.topk,
         )
+        if not chosen_by_plan:
+            return built
+        return GuardedProposer(built, self.plan.plain_ms, self.device, expected_step_ms=self.plan.step_ms)
 
 
 def unrolled_outputs(

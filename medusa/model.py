@@ -34,16 +34,17 @@ from medusa.loading import DEFAULT_BASE, BaseSource, resolve_dtype
 from medusa.plan import (
     ObservedAcceptance,
     Plan,
+    Planned,
     batch_choice,
     lay_out,
     load_accuracy,
-    load_or_calibrate,
+    load_draft_taus,
     save_accuracy,
 )
 from medusa.precision import load_target
 from medusa.propose import CandidateProjection, compile_proposal
 from medusa.proposers import get_proposer
-from medusa.runtime import ENGINES, int8_copy, releases_openmp_pool, runs_the_target
+from medusa.runtime import int8_copy, releases_openmp_pool
 from medusa.sampling import SamplingConfig
 from medusa.tree import TreeSpec, build_buffers, chain, load_tree
 
@@ -61,7 +62,7 @@ def _default_tree(num_heads: int) -> list[list[int]]:
     return TreeSpec([p for p in paths if len(p) <= num_heads], num_heads=num_heads).to_list()
 
 
-class MedusaModel(SpeculativeGenerator, nn.Module):
+class MedusaModel(Planned, SpeculativeGenerator, nn.Module):
     """`base` is any causal LM; `heads` read its last hidden state. The base is held, never subclassed."""
 
     def __init__(
@@ -108,10 +109,6 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         self.adapter: dict[str, bytes] | None = None  # Medusa-2: the adapter files loaded, saved again with the heads
 
     @property
-    def default_engine(self) -> str:
-        return self.engine_override or (self.plan.engine if self.plan else "eager")
-
-    @property
     def default_proposer(self) -> str:
         """What guesses when neither the call nor the plan names a proposer: the heads, or prompt lookup (which needs
         no training) where they are untrained."""
@@ -121,14 +118,6 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
     def best_plain_engine(self) -> str:
         """The engine of the best plain decoding at hand: the plan's fastest measured, else the compiled engine."""
         return self.plan.plain_engine if self.plan is not None else "compiled"
-
-    @runs_the_target
-    def calibrate(self, recalibrate: bool = True, progress: bool = True, compile: bool | None = None) -> Plan:
-        """Measure this machine and choose engine, tree and proposer (medusa.plan); cached, and used from now on.
-        `compile`: whether torch.compile's engine is an option (default: `$MEDUSA_COMPILE` != "0")."""
-        self.plan = None  # measure the proposers themselves, not the guard around them
-        self.plan = load_or_calibrate(self, recalibrate=recalibrate, progress=progress, compile=compile)
-        return self.plan
 
     def refresh_candidate_projection(self) -> None:
         """Rebuild what proposing uses (after changing the heads' weights, vocabulary subset or device): the
@@ -267,19 +256,6 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         )
         return model._planned(plan, engine, compile)
 
-    def _planned(self, plan: str | None, engine: str | None, compile: bool | None) -> MedusaModel:
-        """The constructors' `plan`, `engine` and `compile` (from_pretrained's docstring) applied -> self."""
-        if engine is not None and engine not in ENGINES:
-            raise ValueError(f"unknown engine {engine!r}: use one of {list(ENGINES)}")
-        self.engine_override = engine
-        plan = plan or os.environ.get("MEDUSA_PLAN", "auto")
-        if plan not in ("auto", "off"):
-            raise ValueError(f"plan must be 'auto' or 'off', got {plan!r}")
-        if plan == "auto":
-            self.calibrate(recalibrate=False, compile=compile)
-            self.engine()  # built (and compiled, for torch.compile's engine) at load, not in the first generate
-        return self
-
     @classmethod
     def _load(cls, path, *, base, dtype, device, tokenizer, tree, revision=None, device_map=None, **hub) -> MedusaModel:
         """from_pretrained without the plan; `hub`: token, cache_dir, local_files_only."""
@@ -328,6 +304,9 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         tokenizer=None,
         draft_tokenizer=None,
         num_nodes: int | None = None,
+        plan: str | None = None,
+        engine: str | None = None,
+        compile: bool | None = None,
         token: str | bool | None = None,
         cache_dir: str | os.PathLike | None = None,
         local_files_only: bool = False,
@@ -337,7 +316,9 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
         (target None: the embedded SmolLM2). Returns a `medusa.draft.DraftModel` with this class's `generate`.
         An EAGLE-3 draft (a directory in the speculators or EAGLE-3 layout, or a `medusa.eagle3.Eagle3Draft`) reads
         the target's hidden states: that returns a `medusa.eagle3.Eagle3Model`, which with `num_nodes` drafts a
-        dynamic tree of that many nodes (root included), `num_speculative_tokens` deep, instead of a chain.
+        dynamic tree of that many nodes (root included), `num_speculative_tokens` deep, instead of a chain; `plan`,
+        `engine` and `compile` are from_pretrained's (plan "auto" by default: the engine and, unless `num_nodes` is
+        given, the tree size, from the draft's decoded taus where its directory keeps them).
         `token`, `cache_dir` and `local_files_only` go to transformers with the models loaded by Hub id.
         """
         hub = {"token": token, "cache_dir": cache_dir, "local_files_only": local_files_only}
@@ -347,14 +328,23 @@ class MedusaModel(SpeculativeGenerator, nn.Module):
                     "an EAGLE-3 draft uses the target's tokenizer and embeddings: leave draft_tokenizer unset"
                 )
             target_model, tokenizer = load_target(target, dtype=dtype, device=device, tokenizer=tokenizer, **hub)
+            decoded = None
             if not isinstance(draft, Eagle3Draft):
+                decoded = load_draft_taus(draft)
                 draft, _ = load_eagle3(draft)
-            return Eagle3Model(
+            model = Eagle3Model(
                 target_model, draft.to(target_model.dtype), tokenizer, num_speculative_tokens, num_nodes=num_nodes
             )
+            model.decoded_taus = decoded
+            return model._planned(plan, engine, compile)
         if num_nodes is not None:
             raise ValueError(
                 "num_nodes applies to EAGLE-3 drafts: a draft model proposes a chain (num_speculative_tokens)"
+            )
+        if plan == "auto" or engine is not None or compile is not None:
+            raise ValueError(
+                "plan, engine and compile apply to EAGLE-3 drafts: a draft model runs on the engine generate(engine=) "
+                "names (default eager)"
             )
         return DraftModel.load(
             target,

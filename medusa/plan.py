@@ -36,7 +36,7 @@ from medusa.hardware import describe
 from medusa.loading import cache_root
 from medusa.prompt_lookup import NUM_TOKENS as LOOKUP_CHAIN
 from medusa.propose import ContextRead
-from medusa.runtime import ENGINES, compile_seconds, engine_for, precision_of
+from medusa.runtime import ENGINES, compile_seconds, engine_for, precision_of, runs_the_target
 from medusa.sampling import SamplingConfig
 from medusa.tree import Candidates, TreeSpec, build_buffers, chain
 from medusa.tree_builder import check_accuracy, expected_tau, grow_tree, sync, time_step
@@ -79,7 +79,8 @@ TAU_CARRY_OVER = 0.73
 HYBRID_TAU_GAIN = 1.17
 CONTEXT_ROWS = 2  # positions a heads' context layer reads per step while calibrating (a step commits tau of them)
 HYBRID_CHAIN = LOOKUP_CHAIN  # prompt lookup's longest chain: a hybrid step costed at its full length without taus
-PROPOSERS = ("medusa", "dynamic", "hybrid")  # the speculative proposers a plan weighs
+PROPOSERS = ("medusa", "dynamic", "hybrid")  # the speculative proposers a plan weighs for Medusa heads
+DRAFT_PROPOSER = "eagle3"  # what a plan weighs for a target paired with an EAGLE-3 draft (medusa.eagle3)
 # Batches (medusa.batch) verify rows x nodes tokens per forward, so the best tree shrinks as rows grow: a batch takes
 # the choice timed for the smallest of these sizes that holds it (the largest beyond), measured on its first use
 BATCH_BUCKETS = (2, 4, 8, 16)
@@ -263,15 +264,37 @@ def save_accuracy(directory, acc: list[list[float]], source: str = "", decoded: 
     atomic_write_text(Path(directory) / ACCURACY_NAME, json.dumps(data, indent=2))
 
 
+def load_draft_taus(directory) -> dict | None:
+    """A draft's decoded taus (check_decoded) from its directory (None where it has none): a draft has no accuracy
+    table, so ACCURACY_NAME holds them alone."""
+    path = Path(directory) / ACCURACY_NAME
+    if not path.is_file():
+        return None
+    try:
+        return check_decoded(json.loads(path.read_text())["decoded"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as err:
+        raise ValueError(
+            f"{path} holds no valid decoded taus ({err}): write them again with medusa accuracy --taus --eagle3 "
+            f"{directory} --heads-dir, or delete the file to plan without them"
+        ) from err
+
+
+def save_draft_taus(directory, decoded: dict) -> None:
+    atomic_write_text(Path(directory) / ACCURACY_NAME, json.dumps({"decoded": check_decoded(decoded)}, indent=2))
+
+
 def check_decoded(decoded: dict) -> dict:
     """Validate decoded taus: {"tau": {proposer: {nodes: tokens per step}}, "nodes": {proposer: {nodes: nodes verified
-    per step}}, "source": str}, proposers from PROPOSERS, node counts >= 2, values >= 1 -> the table, keys as JSON's."""
+    per step}}, "source": str}, proposers from PROPOSERS (or DRAFT_PROPOSER), node counts >= 2, values >= 1 -> the
+    table, keys as JSON's."""
     checked = dict(decoded)  # with node counts as strings (JSON's keys), values as floats
     for part in ("tau", "nodes"):
         checked[part] = {}
         for proposer, by_size in decoded[part].items():
-            if proposer not in PROPOSERS:
-                raise ValueError(f"decoded {part}: unknown proposer {proposer!r} (expected one of {PROPOSERS})")
+            if proposer not in (*PROPOSERS, DRAFT_PROPOSER):
+                raise ValueError(
+                    f"decoded {part}: unknown proposer {proposer!r} (expected one of {(*PROPOSERS, DRAFT_PROPOSER)})"
+                )
             for nodes, value in by_size.items():
                 if not (str(nodes).isdigit() and int(nodes) >= 2 and float(value) >= 1):
                     raise ValueError(f"decoded {part} of {proposer} at {nodes!r} nodes: {value!r} is not >= 1")
@@ -296,17 +319,33 @@ def heads_fingerprint(model) -> str:
     return hashlib.sha256((config + repr(sums)).encode()).hexdigest()[:16]
 
 
+def draft_fingerprint(model) -> str:
+    """As heads_fingerprint, for a target's draft (medusa.draft.TargetAndDraft) and how deep it drafts."""
+    sums = [float(t.double().sum()) for t in model.draft.state_dict().values()]
+    shape = [type(model.draft).__name__, model.num_speculative_tokens, getattr(model, "topk", None)]
+    return hashlib.sha256(repr((shape, sums)).encode()).hexdigest()[:16]
+
+
+def drafts(model) -> bool:
+    """Whether `model` pairs its target with a draft (medusa.draft.TargetAndDraft) rather than Medusa heads."""
+    return getattr(model, "draft", None) is not None
+
+
 def plan_key(model, engines: tuple[str, ...]) -> dict:
     base = model.base
+    if drafts(model):
+        proposal = "draft " + draft_fingerprint(model)
+    else:
+        proposal = heads_fingerprint(model) if model.heads_trained else "untrained"
     return {
         "version": PLAN_VERSION,
         "engines": list(engines),
         **describe(model.device),
         "base": str(base.config.name_or_path),
         "base_parameters": sum(p.numel() for p in base.parameters()),
-        "heads": heads_fingerprint(model) if model.heads_trained else "untrained",
+        "heads": proposal,
         "dtype": precision_of(base),
-        "has_accuracy": model.accuracy is not None,
+        "has_accuracy": getattr(model, "accuracy", None) is not None,
         "decoded_taus": hashlib.sha256(json.dumps(model.decoded_taus, sort_keys=True).encode()).hexdigest()[:16]
         if model.decoded_taus
         else None,
@@ -324,7 +363,8 @@ def measure(model, engines=None, sizes=SIZES, repeats: int = REPEATS, context: i
     """-> ({engine: {(proposer, nodes): (propose_ms, verify_ms)}} as medians, the static trees' path order).
 
     Static trees come from the heads' accuracy table (grow_tree), dynamic and hybrid trees from the same sizes
-    (untrained heads: chains of those sizes, as many tokens as prompt lookup verifies); every proposal is verified
+    (untrained heads: chains of those sizes, as many tokens as prompt lookup verifies); a draft's (DRAFT_PROPOSER)
+    trees of those sizes are its own, `order` a chain that only sizes them; every proposal is verified
     and accepted, then the cache is set back, so all sizes see `context` tokens. Engines (for their plain steps),
     sizes and proposers are interleaved within each repeat, so drifts in machine load hit them alike.
     """
@@ -332,12 +372,15 @@ def measure(model, engines=None, sizes=SIZES, repeats: int = REPEATS, context: i
     engines = engines or planned_engines(device)
     vocab = model.base.get_output_embeddings().weight.shape[0]
     prompt = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(0)).to(device)
-    order = grow_tree(model.accuracy, max(sizes)) if model.accuracy is not None else []
-    if model.heads_trained:
+    if drafts(model):
+        order = chain(max(sizes) - 1)
+        jobs = [("plain", 1)] + [(DRAFT_PROPOSER, n) for n in sizes if n > 1]
+    elif model.heads_trained:
+        order = grow_tree(model.accuracy, max(sizes)) if model.accuracy is not None else []
         sizes = [n for n in sizes if n == 1 or n - 1 <= len(order)]
         jobs = [("plain", 1)] + [(p, n) for n in sizes if n > 1 for p in PROPOSERS]
     else:  # no trees to weigh: prompt lookup's verifies, whose guesses follow their cost (Plan.chain_ms)
-        sizes = [n for n in sizes if n <= LOOKUP_CHAIN + 2]
+        order, sizes = [], [n for n in sizes if n <= LOOKUP_CHAIN + 2]
         jobs = [("plain", 1)] + [("prompt_lookup", n) for n in sizes if n > 1]
     states = {}  # per engine: the prefilled state every step starts from
     for name in engines:
@@ -370,6 +413,9 @@ def measure(model, engines=None, sizes=SIZES, repeats: int = REPEATS, context: i
         else model.make_proposer(p, [list(path) for path in order[: n - 1]] or None, sampling, None)
         for p, n in jobs
     }  # the same for every engine
+    for job in jobs:
+        if job[0] == DRAFT_PROPOSER:
+            proposers[job] = _Steady(proposers[job])
     results = {}
     total = len(engines) * (repeats + 1) * len(jobs)
     done, start = 0, time.perf_counter()
@@ -388,7 +434,7 @@ def measure(model, engines=None, sizes=SIZES, repeats: int = REPEATS, context: i
         results[name] = {job: tuple(statistics.median(s) for s in samples[job]) for job in jobs}
     if progress:
         print(file=sys.stderr)
-    read_ms = _context_read_ms(model, states[engines[0]], repeats + 1)
+    read_ms = 0.0 if drafts(model) else _context_read_ms(model, states[engines[0]], repeats + 1)
     for jobs_measured in results.values():
         for job, (propose_ms, verify_ms) in jobs_measured.items():
             if job[0] != "plain":
@@ -410,19 +456,39 @@ class _Chain:
         pass
 
 
+class _Steady:
+    """A draft's proposal as decoding makes it: each step it first reads the positions the last step committed. The
+    timed state never moves on, so before each proposal the draft forgets the last CONTEXT_ROWS positions it read
+    (medusa.eagle3.Eagle3Proposer.forget) and reads them again."""
+
+    def __init__(self, inner, rows: int = CONTEXT_ROWS):
+        self.inner, self.rows, self.max_nodes = inner, rows, inner.max_nodes
+
+    def propose(self, state) -> Candidates:
+        self.inner.forget(self.rows)
+        return self.inner.propose(state)
+
+    def observe(self, state, accepted_tokens) -> None:
+        pass
+
+
 @torch.inference_mode()
 def decode_options(
     model, prompts: list[list[int]], max_new_tokens: int = 128, sizes=SIZES, engine=None, progress: bool = True
 ) -> dict:
     """Decode each prompt (token ids) greedily with every option the plan weighs (PROPOSERS x `sizes`, trees grown
-    from the heads' accuracy table) -> decoded taus (check_decoded, "source" left to the caller): tokens committed per
-    verify step, and nodes verified per step (a hybrid's chain varies), pooled over the prompts. Greedy outputs are
-    the same whatever the option (up to near-ties below float32), so only the steps differ."""
-    if model.accuracy is None:
+    from the heads' accuracy table; a draft's own trees of `sizes` nodes) -> decoded taus (check_decoded, "source" left
+    to the caller): tokens committed per verify step, and nodes verified per step (a hybrid's chain varies), pooled
+    over the prompts. Greedy outputs are the same whatever the option (up to near-ties below float32), so only the
+    steps differ."""
+    if drafts(model):
+        proposers, order = (DRAFT_PROPOSER,), chain(max(sizes) - 1)
+    elif model.accuracy is None:
         raise ValueError("decoding the plan's options needs the heads' accuracy table: run medusa accuracy --heads-dir")
-    order = grow_tree(model.accuracy, max(sizes))
-    jobs = [(p, n) for n in sizes if 1 < n <= len(order) + 1 for p in PROPOSERS]
-    tau, nodes = {p: {} for p in PROPOSERS}, {p: {} for p in PROPOSERS}
+    else:
+        proposers, order = PROPOSERS, grow_tree(model.accuracy, max(sizes))
+    jobs = [(p, n) for n in sizes if 1 < n <= len(order) + 1 for p in proposers]
+    tau, nodes = {p: {} for p in proposers}, {p: {} for p in proposers}
     start = time.perf_counter()
     for done, (proposer, n) in enumerate(jobs):
         committed = verified = steps = 0
@@ -507,6 +573,8 @@ def choose(measured: dict, order, acc, decoded: dict | None = None) -> tuple[Opt
                 options.append(Option(engine, "plain", 1, 1.0, propose_ms + verify_ms))
                 continue
             tau = planned_tau(order, n, acc, proposer, decoded)
+            if tau is None:  # nothing to expect it to accept
+                continue
             step = propose_ms + verify_ms
             verified = decoded_value(decoded, "nodes", proposer, n)
             if proposer == "hybrid" and verified is not None:  # the tree and the chain it grafted on, on average
@@ -530,17 +598,19 @@ def interpolate(curve: dict[int, float], nodes: float) -> float:
     return curve[lower] + (nodes - lower) * (curve[upper] - curve[lower]) / (upper - lower)
 
 
-def planned_tau(order, nodes: int, acc, proposer: str, decoded: dict | None = None) -> float:
+def planned_tau(order, nodes: int, acc, proposer: str, decoded: dict | None = None) -> float | None:
     """Expected tokens per step of `proposer` over the first `nodes - 1` paths of `order`: as decoded on held-out
     prompts where `decoded` has it, or linearly between the sizes decoded around it (a batch's 3-node tree: the
     table's model, another workload's, put the shipped heads' at 1.76 where 2 and 4 nodes decoded 1.66 and 2.37),
     else the accuracy table's, discounted by TAU_CARRY_OVER, times what the proposer gains over a static tree of that
-    size."""
+    size; None without a table (a draft's trees beyond the sizes decoded)."""
     taus = decoded_curve(decoded, "tau", proposer)
     if nodes in taus:
         return taus[nodes]
     if taus and min(taus) < nodes < max(taus):
         return interpolate(taus, nodes)
+    if acc is None:
+        return None
     tau = 1 + TAU_CARRY_OVER * (expected_tau(order[: nodes - 1], acc) - 1)
     return tau * {"medusa": 1.0, "dynamic": DYNAMIC_TAU_GAIN, "hybrid": HYBRID_TAU_GAIN}[proposer]
 
@@ -563,20 +633,28 @@ def calibrate(
     engines = engines or planned_engines(model.device)
     start = time.perf_counter()
     compiled_before = compile_seconds(model.base)
-    acc = model.accuracy
-    timed = sizes if acc is not None or not model.heads_trained else (1,)  # untrained heads: lookup's chains
-    measured, order = measure(model, engines, timed, repeats, progress=progress)
-    plan = decide(measured, order, acc, model.decoded_taus, heads_trained=model.heads_trained)
+    if drafts(model):  # the sizes whose acceptance was decoded: nothing else can be weighed
+        taus = decoded_curve(model.decoded_taus, "tau", DRAFT_PROPOSER)
+        measured, order = measure(model, engines, [n for n in sizes if n == 1 or n in taus], repeats, progress=progress)
+        plan = decide(measured, order, None, model.decoded_taus, proposer=DRAFT_PROPOSER)
+    else:
+        acc = model.accuracy
+        timed = sizes if acc is not None or not model.heads_trained else (1,)  # untrained heads: lookup's chains
+        measured, order = measure(model, engines, timed, repeats, progress=progress)
+        plan = decide(measured, order, acc, model.decoded_taus, heads_trained=model.heads_trained)
     plan.compile_s = compile_seconds(model.base) - compiled_before
     plan.key, plan.calibration_s = key or plan_key(model, engines), time.perf_counter() - start - plan.compile_s
     return plan
 
 
-def decide(measured: dict, order, acc, decoded: dict | None = None, heads_trained: bool = True) -> Plan:
+def decide(
+    measured: dict, order, acc, decoded: dict | None = None, heads_trained: bool = True, proposer: str = "medusa"
+) -> Plan:
     """Measured step times ({engine: {(proposer, nodes): (propose_ms, verify_ms)}}), the static trees' path order,
     the accuracy table (None: unknown) and decoded taus -> the plan: the best option, or plain decoding unless one
-    beats it by MIN_GAIN. Without an accuracy table: the heads' own tree (`tree` []) on the fastest engine, guarded
-    online; untrained heads (`heads_trained` False) leave the guessing to prompt lookup there, guarded as well."""
+    beats it by MIN_GAIN. With neither a table nor decoded taus: `proposer` (the heads' own tree, a draft's own
+    proposal; `tree` []) on the fastest engine, guarded online; untrained heads (`heads_trained` False) leave the
+    guessing to prompt lookup there, guarded as well."""
     best, options, plain = choose(measured, order, acc, decoded)
     if not heads_trained:
         best = Option(plain.engine, "prompt_lookup", 0, 0.0, 0.0, speedup=1.0)
@@ -584,21 +662,30 @@ def decide(measured: dict, order, acc, decoded: dict | None = None, heads_traine
             "untrained heads guess nothing: prompt lookup (copies of the prompt and output so far) on the fastest "
             "engine, guarded online"
         )
-    elif acc is None:
-        best = Option(plain.engine, "medusa", 0, 0.0, 0.0, speedup=1.0)
-        reason = "the heads have no accuracy table to predict acceptance from: their own tree, guarded online"
+    elif acc is None and decoded is None:
+        best = Option(plain.engine, proposer, 0, 0.0, 0.0, speedup=1.0)
+        reason = (
+            "the heads have no accuracy table to predict acceptance from: their own tree, guarded online"
+            if proposer == "medusa"
+            else "the draft has no decoded taus to predict acceptance from (medusa accuracy --taus --eagle3 DIR "
+            "--heads-dir): its own proposal, guarded online"
+        )
     elif best.speedup < MIN_GAIN:
         best, reason = (
             plain,
             (
                 f"no speculative option is expected to beat plain decoding by {MIN_GAIN - 1:.0%} "
-                f"here (best {max(o.speedup for o in options if o.proposer != 'plain'):.2f}x)"
+                f"here (best {max((o.speedup for o in options if o.proposer != 'plain'), default=0):.2f}x)"
             ),
         )
     else:
         reason = f"the most expected tokens per second of {len(options)} options measured here"
     latency = {
-        e: {str(n): round(v[1], 3) for (p, n), v in jobs.items() if p in ("plain", "medusa", "prompt_lookup")}
+        e: {
+            str(n): round(v[1], 3)
+            for (p, n), v in jobs.items()
+            if p in ("plain", "medusa", "prompt_lookup", DRAFT_PROPOSER)
+        }
         for e, jobs in measured.items()
     }
     tree = [list(p) for p in order[: best.num_nodes - 1]] if best.proposer != "plain" else []
@@ -640,6 +727,40 @@ def load_or_calibrate(model, recalibrate: bool = False, progress: bool = True, c
 def _save(plan: Plan, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(asdict(plan), indent=1))
+
+
+class Planned:
+    """What a model whose `generate` follows a calibrated plan holds (MedusaModel, medusa.eagle3.Eagle3Model): `plan`
+    (None: the eager engine, the model's own proposal), `engine_override` (an engine named at load wins over the
+    plan), `calibrate`."""
+
+    plan: Plan | None = None
+    engine_override: str | None = None
+
+    @property
+    def default_engine(self) -> str:
+        return self.engine_override or (self.plan.engine if self.plan else "eager")
+
+    @runs_the_target
+    def calibrate(self, recalibrate: bool = True, progress: bool = True, compile: bool | None = None) -> Plan:
+        """Measure this machine and choose engine, proposal and its size (medusa.plan); cached, and used from now on.
+        `compile`: whether torch.compile's engine is an option (default: `$MEDUSA_COMPILE` != "0")."""
+        self.plan = None  # measure the proposers themselves, not the guard around them
+        self.plan = load_or_calibrate(self, recalibrate=recalibrate, progress=progress, compile=compile)
+        return self.plan
+
+    def _planned(self, plan: str | None, engine: str | None, compile: bool | None):
+        """The constructors' `plan`, `engine` and `compile` (from_pretrained's docstring) applied -> self."""
+        if engine is not None and engine not in ENGINES:
+            raise ValueError(f"unknown engine {engine!r}: use one of {list(ENGINES)}")
+        self.engine_override = engine
+        plan = plan or os.environ.get("MEDUSA_PLAN", "auto")
+        if plan not in ("auto", "off"):
+            raise ValueError(f"plan must be 'auto' or 'off', got {plan!r}")
+        if plan == "auto":
+            self.calibrate(recalibrate=False, compile=compile)
+            self.engine()  # built (and compiled, for torch.compile's engine) at load, not in the first generate
+        return self
 
 
 # ------------------------------------------------------------------------------------------------------ batches

@@ -110,7 +110,7 @@ def time_step(model, engine, proposer, state, sampling: SamplingConfig) -> tuple
     candidates = proposer.propose(state)
     sync(device)
     t1 = time.perf_counter()
-    verified = engine.verify(state.cache, candidates, state.length, model.config.feature_layers)
+    verified = engine.verify(state.cache, candidates, state.length, model.feature_layers)
     sync(device)
     t2 = time.perf_counter()
     greedy(candidates, verified, sampling)

@@ -110,12 +110,13 @@ def test_rejection_certain_and_impossible_children():
     assert seen == {4, 1}
 
 
-def test_rejection_root_only_tree_samples_from_p():
+@pytest.mark.parametrize("rule", [rejection, speculative])  # speculative: a guarded chain's plain steps (no q)
+def test_a_root_only_tree_samples_from_p(rule):
     logits = random_logits(1, 5, seed=2)
     candidates, verified = step([], [3], logits)
     generator = torch.Generator().manual_seed(0)
     counts = torch.bincount(
-        torch.tensor([rejection(candidates, verified, SAMPLE, generator).tokens[0] for _ in range(3000)]), minlength=5
+        torch.tensor([rule(candidates, verified, SAMPLE, generator).tokens[0] for _ in range(3000)]), minlength=5
     )
     assert chi_square(counts, target_probs(logits[0], SAMPLE))["p_value"] > SIGNIFICANCE
 

@@ -365,6 +365,27 @@ def test_benchmark_eagle3_row(tmp_path):
     assert "--eagle3 DIR" in skipped["settings"]["skipped"]["eagle3"]
 
 
+def test_benchmark_eagle3_planned_row_runs_the_drafts_own_plan(tmp_path, monkeypatch):
+    from medusa.eagle3_io import save_eagle3
+    from medusa.loading import load_base
+    from tests.test_eagle3 import random_draft
+
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "cache"))
+    base_dir, heads_dir = save_tiny_checkpoint(tmp_path)
+    target, _ = load_base(str(base_dir))
+    save_eagle3(random_draft(target), tmp_path / "eagle3", verifier=str(base_dir))
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps(QUESTIONS[3]) + "\n")
+    common = ["--questions", str(questions), "--base", str(base_dir), "--heads", str(heads_dir), "--threads", "1"]
+    common += ["--max-new-tokens", "10", "--methods", "baseline,eagle3_planned", "--eagle3", str(tmp_path / "eagle3")]
+    summary = benchmark.main(common + ["--plan", "auto", "--out", str(tmp_path / "run")])
+    assert summary["overall"]["eagle3_planned"]["identical"] is True
+    plan = summary["settings"]["eagle3_plan"]
+    assert plan["proposer"] == "eagle3" and "decoded taus" in plan["reason"]  # none written: its own chain, guarded
+    off = benchmark.main(common + ["--plan", "off", "--out", str(tmp_path / "off")])
+    assert "--plan auto" in off["settings"]["skipped"]["eagle3_planned"]
+
+
 def test_a_batched_benchmark_runs_the_questions_together_and_stays_exact(tmp_path, monkeypatch):
     """--batch-size 2: first turns two at a time; every row equals transformers' batched greedy output, the
     one-sequence methods are skipped by name, and tokens/s counts each batch's time once. Every method is warmed

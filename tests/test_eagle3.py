@@ -288,3 +288,85 @@ def test_a_drafted_tree_keeps_greedy_identity(family):
     out = model.generate(prompt, max_new_tokens=30, return_dict_in_generate=True)
     assert torch.equal(out.sequences, want)
     assert max(out.stats.proposed_lengths) <= 3
+
+
+DECODED = {"tau": {"eagle3": {"2": 1.9, "4": 3.6}}, "nodes": {"eagle3": {"2": 2.0, "4": 4.0}}, "source": "a test"}
+
+
+def test_the_plan_times_the_drafts_decoded_tree_sizes_and_keeps_them_apart_from_other_drafts(tmp_path, monkeypatch):
+    from medusa.plan import load_or_calibrate, plan_key
+
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
+    target = make_tiny_model("llama")
+    model = Eagle3Model(target, random_draft(target), num_speculative_tokens=3)
+    model.decoded_taus = DECODED
+    plan = model.calibrate(progress=False, compile=False)
+    timed = {(o["engine"], o["proposer"], o["num_nodes"]) for o in plan.options}
+    for engine in plan.latency_ms:
+        assert {(engine, "plain", 1), (engine, "eagle3", 2), (engine, "eagle3", 4)} <= timed
+    assert all(o["step_ms"] > 0 for o in plan.options)
+    assert plan.proposer == "plain" or (plan.proposer, len(plan.tree) + 1) in {("eagle3", 2), ("eagle3", 4)}
+    assert load_or_calibrate(model, progress=False, compile=False) == plan  # cached: read back, not measured again
+    key = plan_key(model, ("eager",))
+    with torch.no_grad():
+        model.draft.fc.weight.mul_(2)
+    assert plan_key(model, ("eager",))["heads"] != key["heads"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_planned_tree_guarded_online_keeps_greedy_identity_through_plain_steps(family):
+    """A plan whose plain step is unbeatable: each window of guesses loses, the guard decodes plainly for a while
+    (the draft reads those positions later: Eagle3Proposer.skip), then guesses again."""
+    from medusa.plan import Plan
+    from medusa.tree import chain
+
+    target = make_tiny_model(family)
+    model = Eagle3Model(target, random_draft(target), num_speculative_tokens=3)
+    model.plan = Plan(engine="eager", proposer="eagle3", tree=chain(3), expected_speedup=2.0, plain_ms=1e-6, reason="")
+    assert model.default_engine == "eager" and model.default_sampling_rule == "rejection"  # a tree's rule
+    prompt = torch.randint(1, VOCAB, (1, 7), generator=torch.Generator().manual_seed(2))
+    want = target.generate(prompt, max_new_tokens=90, do_sample=False, pad_token_id=0)
+    out = model.generate(prompt, max_new_tokens=90, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, want)
+    proposed = out.stats.proposed_lengths
+    first_plain = proposed.index(0)
+    assert max(proposed[:first_plain]) > 0 and max(proposed[first_plain:]) > 0  # guessing resumed after plain steps
+    assert max(out.stats.verified_nodes) == 4
+
+
+def test_decoded_taus_written_beside_a_draft_reach_its_plan(tmp_path, monkeypatch, capsys):
+    from medusa.cli.accuracy import main as accuracy
+    from medusa.cli.calibrate import main as calibrate
+    from medusa.eagle3_io import save_eagle3
+    from tests.conftest import save_tiny_checkpoint
+
+    base, _ = save_tiny_checkpoint(tmp_path, "llama")
+    target = make_tiny_model("llama")  # the saved base's shapes: what the draft is built for
+    save_eagle3(
+        random_draft(target),
+        tmp_path / "draft",
+        format="speculators",
+        verifier=str(base),
+        verifier_architectures=["LlamaForCausalLM"],
+        embed_tokens=target.get_input_embeddings().weight,
+    )
+    questions = tmp_path / "q.jsonl"
+    questions.write_text('{"question_id": 1, "category": "x", "turns": ["hello there"]}\n')
+    args = ["--taus", "--eagle3", str(tmp_path / "draft"), "--base", str(base), "--questions", str(questions)]
+    accuracy([*args, "--gamma", "2", "--max-new-tokens", "12", "--out", str(tmp_path / "taus.json"), "--heads-dir"])
+    model = MedusaModel.from_draft_model(str(base), str(tmp_path / "draft"), plan="off")
+    taus = model.decoded_taus["tau"]["eagle3"]
+    assert set(taus) == {"2", "4", "6", "8", "12", "16", "24"} and all(value >= 1 for value in taus.values())
+    assert "--eagle3" in model.decoded_taus["source"]
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "cache"))
+    plan = calibrate(["--eagle3", str(tmp_path / "draft"), "--base", str(base), "--no-compile"])
+    assert {str(o["num_nodes"]) for o in plan["options"] if o["proposer"] == "eagle3"} == set(taus)
+    with pytest.raises(SystemExit):
+        accuracy(["--eagle3", str(tmp_path / "draft"), "--out", str(tmp_path / "x.json")])  # scoring is for heads
+    assert "add --taus" in capsys.readouterr().err
+
+
+def test_plan_and_engine_are_refused_for_a_draft_model():
+    target, draft = make_tiny_model("llama"), make_tiny_model("llama")
+    with pytest.raises(ValueError, match="apply to EAGLE-3 drafts"):
+        MedusaModel.from_draft_model(target, draft, engine="compiled")

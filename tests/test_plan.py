@@ -33,6 +33,7 @@ from medusa.plan import (
 )
 from medusa.propose import PlainProposer
 from medusa.sampling import SamplingConfig
+from medusa.tree import chain
 from medusa.tree_builder import grow_tree
 from tests.conftest import FAMILIES, make_heads, make_tiny_model, save_tiny_checkpoint
 
@@ -94,6 +95,33 @@ def test_untrained_heads_leave_the_guessing_to_prompt_lookup_on_the_fastest_engi
     assert "untrained" in plan.reason
     with_table = decide(curve(lambda n: 10.0), grow_tree(STRONG, 12), STRONG, heads_trained=False)
     assert with_table.proposer == "prompt_lookup"  # whatever an accuracy table says of other heads
+
+
+def test_a_drafts_plan_weighs_the_tree_sizes_it_decoded_and_none_else():
+    jobs = {
+        ("plain", 1): (0.0, 10.0),
+        ("eagle3", 2): (1.0, 11.0),
+        ("eagle3", 4): (2.0, 12.0),
+        ("eagle3", 8): (3.0, 20.0),
+    }
+    decoded = {"tau": {"eagle3": {"2": 1.5, "4": 2.2, "8": 2.4}}, "nodes": {"eagle3": {"2": 2, "4": 4, "8": 8}}}
+    plan = decide({"compiled": jobs}, chain(7), None, decoded, proposer="eagle3")
+    # tokens per ms: plain 1/10, 2 nodes 1.5/12, 4 nodes 2.2/14, 8 nodes 2.4/23
+    assert (plan.engine, plan.proposer, plan.tree) == ("compiled", "eagle3", chain(3))
+    assert plan.expected_speedup == pytest.approx(2.2 / 14 * 10)
+    assert plan.latency_ms["compiled"] == {"1": 10.0, "2": 11.0, "4": 12.0, "8": 20.0}
+    beyond = {**jobs, ("eagle3", 12): (0.0, 21.0)}  # past the sizes decoded: nothing to expect of it
+    plan = decide({"compiled": beyond}, chain(11), None, decoded, proposer="eagle3")
+    assert plan.tree == chain(3) and 12 not in [o["num_nodes"] for o in plan.options]
+    slow = {("plain", 1): (0.0, 10.0), ("eagle3", 4): (2.0, 30.0)}
+    assert decide({"compiled": slow}, chain(3), None, decoded, proposer="eagle3").proposer == "plain"
+
+
+def test_a_draft_without_decoded_taus_keeps_its_own_proposal_on_the_fastest_engine():
+    measured = {"compiled": {("plain", 1): (0.0, 10.0)}, "eager": {("plain", 1): (0.0, 30.0)}}
+    plan = decide(measured, [], None, None, proposer="eagle3")
+    assert (plan.engine, plan.proposer, plan.tree) == ("compiled", "eagle3", [])
+    assert "decoded taus" in plan.reason
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -20,7 +20,8 @@ that followed the last few tokens' most recent earlier occurrence, medusa/ngram.
 times, grown from the heads' accuracy table) answers the questions greedily, and the tokens committed and nodes
 verified per step are recorded ({"decoded": {"tau", "nodes", "source"}, "settings"}); with `--heads-dir` they go
 beside the table, where the plan takes them over its accuracy model (medusa/plan.py). Use prompts held out from the
-heads' training and from the benchmarks you will report.
+heads' training and from the benchmarks you will report. `--taus --eagle3 DIR` decodes an EAGLE-3 draft's dynamic
+trees of each size instead (`--gamma` deep); with `--heads-dir` the taus go into DIR, where its plan reads them.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from medusa.heads import head_target_offset
 from medusa.heads_io import resolve_heads
 from medusa.loading import DTYPES
 from medusa.model import DEFAULT_HEADS_DIR
-from medusa.plan import ACCURACY_NAME, decode_options, save_accuracy
+from medusa.plan import ACCURACY_NAME, decode_options, save_accuracy, save_draft_taus
 from medusa.questions import load_questions, spread
 from medusa.runtime import ENGINES
 
@@ -135,14 +136,15 @@ def heads_directory(args) -> Path:
     return resolve_heads(args.heads) if args.heads else DEFAULT_HEADS_DIR
 
 
-def decode_taus(model: MedusaModel, questions: list[dict], args, started: float) -> None:
+def decode_taus(model, questions: list[dict], args, started: float) -> None:
     """--taus: each option the plan weighs decodes the questions' first turns (medusa.plan.decode_options)."""
-    if model.accuracy is None:
+    if not args.eagle3 and model.accuracy is None:
         sys.exit("error: --taus grows the plan's trees from the heads' accuracy table: write one first (--heads-dir)")
     items = first_turn_prompts(model, questions, args.max_new_tokens)
     decoded = decode_options(model, [x["prompt_ids"] for x in items], args.max_new_tokens, engine=args.engine)
+    draft = f" --eagle3 {args.eagle3} --gamma {args.gamma}" if args.eagle3 else ""
     decoded["source"] = (
-        f"medusa accuracy --taus --questions {args.questions} --limit {args.limit} --dtype {args.dtype}: "
+        f"medusa accuracy --taus{draft} --questions {args.questions} --limit {args.limit} --dtype {args.dtype}: "
         f"{len(items)} questions, {args.max_new_tokens} new tokens at most, greedy"
     )
     print(f"{'nodes':>5} " + " ".join(f"{p + ' tau':>12} {'nodes':>6}" for p in decoded["tau"]))
@@ -153,6 +155,7 @@ def decode_taus(model: MedusaModel, questions: list[dict], args, started: float)
         )
     settings = {
         "heads": args.heads or "default",
+        "eagle3": args.eagle3,
         "questions_file": args.questions,
         "limit": args.limit,
         "max_new_tokens": args.max_new_tokens,
@@ -164,9 +167,12 @@ def decode_taus(model: MedusaModel, questions: list[dict], args, started: float)
     }
     atomic_write_text(Path(args.out), json.dumps({"decoded": decoded, "settings": settings}, indent=2))
     print(f"{len(items)} questions -> {args.out}")
-    if args.heads_dir:
+    model.decoded_taus = decoded
+    if args.heads_dir and args.eagle3:
+        save_draft_taus(args.eagle3, decoded)
+        print(f"decoded taus -> {Path(args.eagle3) / ACCURACY_NAME}")
+    elif args.heads_dir:
         directory = heads_directory(args)
-        model.decoded_taus = decoded
         data = json.loads((directory / ACCURACY_NAME).read_text())
         save_accuracy(directory, model.accuracy, source=data.get("source", ""), decoded=decoded)
         print(f"decoded taus -> {directory / ACCURACY_NAME}")
@@ -211,6 +217,12 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--engine", choices=ENGINES, default="eager", help="the engine --taus decodes on (outputs are the same)"
     )
+    parser.add_argument(
+        "--eagle3",
+        help="with --taus: decode an EAGLE-3 draft's trees (a directory in the speculators or EAGLE-3 layout) "
+        "instead of the heads' options; with --heads-dir the taus go into that directory",
+    )
+    parser.add_argument("--gamma", type=int, default=5, help="with --eagle3: how deep its trees grow")
     args = parser.parse_args(argv)
     if args.questions is None:
         args.questions = str(bench_data_dir() / "spec_bench_question.jsonl")
@@ -220,7 +232,15 @@ def main(argv=None) -> None:
                 "or point $MEDUSA_BENCH_DATA at a folder holding spec_bench_question.jsonl"
             )
 
+    if args.eagle3 and not args.taus:
+        parser.error("--eagle3 decodes a draft's tokens per step: add --taus (per-head scoring is for Medusa heads)")
     started = time.time()
+    if args.eagle3:
+        model = MedusaModel.from_draft_model(
+            args.base, args.eagle3, dtype=args.dtype, device=args.device, num_speculative_tokens=args.gamma, plan="off"
+        )
+        decode_taus(model, spread(load_questions(args.questions), args.limit), args, started)
+        return
     model = MedusaModel.from_pretrained(args.heads, base=args.base, dtype=args.dtype, device=args.device, plan="off")
     if args.copy_ngram is not None:
         model.heads.config = dataclasses.replace(model.config, copy_ngram=args.copy_ngram)  # validated again

@@ -25,6 +25,9 @@ Methods (interleaved per question, after a warm-up):
   eagle3          an EAGLE-3 draft (--eagle3 DIR, speculators or EAGLE-3 layout) drafting --gamma tokens a step from
                   the target's hidden states (medusa.eagle3), or a dynamic tree of --eagle3-nodes nodes, in this
                   library's loop on --engine
+  eagle3_planned  the same draft with nothing named: the engine and tree size of its own calibrated plan (--plan
+                  auto; sizes weighed where the draft's directory keeps decoded taus: medusa accuracy --taus --eagle3),
+                  guarded online
   llama_cpp       llama.cpp's plain decoding (`llama-completion`) of the same weights in the GGUF type matching --dtype
                   (F32, BF16; made once from the base's GGUF with llama-quantize), same prompt text, greedy, same
                   threads; timed by llama.cpp's own prompt-eval + eval lines (prefill included, model load not)
@@ -100,6 +103,7 @@ METHODS = (
     "medusa_typical",
     "draft",
     "eagle3",
+    "eagle3_planned",
     "llama_cpp",
     "llama_cpp_lookup",
 )
@@ -303,8 +307,15 @@ def steps_from_calls(calls: list[list]) -> tuple[list[int], list[int]]:
 
 
 # ------------------------------------------------------------------------------------------------------ methods
-def build_methods(names: list[str], args, model, stop_ids: list[int]) -> tuple[dict, dict, object]:
-    """-> ({name: run(input_ids, max_new_tokens, seed) -> dict}, {name: why it is skipped}, the draft LM or None)."""
+def plan_summary(plan) -> dict:
+    """What settings.json records of a plan (medusa.plan.Plan)."""
+    keys = ("engine", "proposer", "tree", "expected_speedup", "plain_ms", "reason", "calibration_s")
+    return {k: getattr(plan, k) for k in keys}
+
+
+def build_methods(names: list[str], args, model, stop_ids: list[int]) -> tuple[dict, dict, object, object]:
+    """-> ({name: run(input_ids, max_new_tokens, seed) -> dict}, {name: why it is skipped}, the draft LM or None,
+    the EAGLE-3 draft's plan or None)."""
     base, tokenizer = model.base, model.tokenizer
     sampling = args.temperature > 0
     pad = base.generation_config.pad_token_id
@@ -316,10 +327,19 @@ def build_methods(names: list[str], args, model, stop_ids: list[int]) -> tuple[d
             base, args.draft, dtype=args.dtype, tokenizer=tokenizer, num_speculative_tokens=args.gamma
         )
         draft_hf = draft_model.draft
-    eagle3_model = None
+    eagle3_model = eagle3_planned = None
     if args.eagle3 and "eagle3" in names:
         eagle3_model = MedusaModel.from_draft_model(
-            base, args.eagle3, tokenizer=tokenizer, num_speculative_tokens=args.gamma, num_nodes=args.eagle3_nodes
+            base,
+            args.eagle3,
+            tokenizer=tokenizer,
+            num_speculative_tokens=args.gamma,
+            num_nodes=args.eagle3_nodes,
+            plan="off",
+        )
+    if args.eagle3 and "eagle3_planned" in names:
+        eagle3_planned = MedusaModel.from_draft_model(
+            base, args.eagle3, tokenizer=tokenizer, num_speculative_tokens=args.gamma, plan=args.plan
         )
 
     def hf(assistant_model=None, **options):
@@ -447,6 +467,13 @@ def build_methods(names: list[str], args, model, stop_ids: list[int]) -> tuple[d
                 skipped[name] = "needs --eagle3 DIR (an EAGLE-3 draft trained for this target: train/train.py, eagle3)"
             else:
                 runs[name] = ours(eagle3_model)
+        elif name == "eagle3_planned":
+            if eagle3_planned is None:
+                skipped[name] = "needs --eagle3 DIR (an EAGLE-3 draft trained for this target: train/train.py, eagle3)"
+            elif eagle3_planned.plan is None:
+                skipped[name] = "needs --plan auto"
+            else:
+                runs[name] = ours(eagle3_planned, engine=None)
         elif sized_method(name) is not None:
             proposer, nodes = sized_method(name)
             if model.accuracy is None:
@@ -458,7 +485,7 @@ def build_methods(names: list[str], args, model, stop_ids: list[int]) -> tuple[d
         else:
             proposer = {**SIZED, "lookup": "prompt_lookup", "plain": "plain"}[name]
             runs[name] = ours(model, proposer=proposer, tree=tree)
-    return runs, skipped, draft_hf
+    return runs, skipped, draft_hf, eagle3_planned.plan if eagle3_planned is not None else None
 
 
 def run_turn(run, recorders: dict, input_ids: torch.Tensor, max_new_tokens: int, seed: int, sync: bool) -> dict:
@@ -874,12 +901,7 @@ def main(argv=None) -> dict:
         }[model.best_plain_engine],
         "hardware": describe(model.device),
         "llama_cpp": llama_cpp.build_info() if set(PEERS) & set(args.methods) else None,
-        "plan": None
-        if model.plan is None
-        else {
-            k: getattr(model.plan, k)
-            for k in ("engine", "proposer", "tree", "expected_speedup", "plain_ms", "reason", "calibration_s")
-        },
+        "plan": None if model.plan is None else plan_summary(model.plan),
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature,
         "draft": args.draft,
@@ -912,7 +934,10 @@ def main(argv=None) -> dict:
     atomic_write_text(settings_path, json.dumps(settings, indent=2))
     records = load_raw(raw_path)
 
-    runs, skipped, draft_lm = build_methods(args.methods, args, model, stop_ids)
+    runs, skipped, draft_lm, eagle3_plan = build_methods(args.methods, args, model, stop_ids)
+    if eagle3_plan is not None:
+        settings["eagle3_plan"] = plan_summary(eagle3_plan)
+        atomic_write_text(settings_path, json.dumps(settings, indent=2))
     if args.batch_size > 1:  # these take one sequence: transformers' assisted / prompt lookup, llama.cpp's CLI
         for name in [m for m in runs if m in PEERS or m in ("prompt_lookup", "assisted")]:
             del runs[name]
@@ -926,8 +951,10 @@ def main(argv=None) -> dict:
     # below exist (compiled graphs do not run hooks added later, and would trace hooks added before; the loop counts
     # those forwards itself) and before any timing: a size compiled inside a timed turn would cost that turn minutes
     todo = [q for q in questions if any((q["question_id"], m) not in records for m in methods)]
-    planned = model.plan.engine if "planned" in methods and model.plan is not None else None
-    engines = {args.engine, model.best_plain_engine} | ({planned} if planned else set())
+    planned = {model.plan.engine} if "planned" in methods and model.plan is not None else set()
+    if "eagle3_planned" in methods:  # the draft's plan runs the same target on the engine it chose
+        planned.add(eagle3_plan.engine)
+    engines = {args.engine, model.best_plain_engine} | planned
     longest = longest_context(todo, tokenizer, args.max_new_tokens)
     for name in sorted(engines):
         model.engine(name).warm_up(max_length=longest, batches=args.batch_size > 1)
