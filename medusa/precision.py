@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 
 import torch
+from transformers import PreTrainedModel
 
 from medusa.hardware import native_bf16, vector_int4, w8a8_kernel
 from medusa.loading import DTYPES, load_base, resolve_dtype
@@ -85,10 +86,13 @@ def activation_dtype(dtype, device) -> torch.dtype:
 
 
 def load_target(source, *, dtype=None, device=None, **options):
-    """load_base at a precision (PRECISIONS, or a torch dtype): -> (model, tokenizer)."""
+    """load_base at a precision (PRECISIONS, or a torch dtype): -> (model, tokenizer). A loaded model keeps its own
+    precision unless `dtype` names one (converting it would change it under whatever else holds it)."""
     if isinstance(dtype, str) and dtype not in PRECISIONS and dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}: use one of {list(PRECISIONS)}")
-    model, tokenizer = load_base(source, dtype=activation_dtype(dtype, device), device=device, **options)
+    as_it_is = dtype is None and isinstance(source, PreTrainedModel)
+    activations = None if as_it_is else activation_dtype(dtype, device)
+    model, tokenizer = load_base(source, dtype=activations, device=device, **options)
     if dtype in QUANTIZED:
         quantize_target(model, dtype)
     return model, tokenizer

@@ -370,3 +370,15 @@ def test_plan_and_engine_are_refused_for_a_draft_model():
     target, draft = make_tiny_model("llama"), make_tiny_model("llama")
     with pytest.raises(ValueError, match="apply to EAGLE-3 drafts"):
         MedusaModel.from_draft_model(target, draft, engine="compiled")
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "draft model"])
+def test_a_loaded_target_keeps_its_precision(kind):
+    """A bf16 target handed over as a model stays bf16: it was converted to float32 in place, under the Medusa model
+    that shared it (whose engines then decoded garbage)."""
+    target = make_tiny_model("llama").to(torch.bfloat16)
+    draft = random_draft(target) if kind == "eagle3" else make_tiny_model("llama").to(torch.bfloat16)
+    model = MedusaModel.from_draft_model(target, draft, plan="off") if kind == "eagle3" else None
+    model = model or MedusaModel.from_draft_model(target, draft)
+    assert model.target is target and target.dtype == torch.bfloat16
+    assert MedusaModel.from_draft_model(target, draft, dtype="float32").target.dtype == torch.float32  # when asked
