@@ -22,7 +22,6 @@ from transformers import AutoModel, DynamicCache, PretrainedConfig
 
 from medusa.draft import TargetAndDraft
 from medusa.dynamic_tree import DEFAULT_TOPK, Level, cut_tree, keep_best, surviving_parents
-from medusa.guard import GuardedProposer
 from medusa.plan import DRAFT_PROPOSER, Planned
 from medusa.propose import PlainProposer
 from medusa.runtime import int8_copy, with_cache
@@ -385,7 +384,7 @@ class Eagle3Model(Planned, TargetAndDraft):
         )
         if not chosen_by_plan:
             return built
-        return GuardedProposer(built, self.plan.plain_ms, self.device, expected_step_ms=self.plan.step_ms)
+        return self.guarded(built)
 
 
 def unrolled_outputs(

@@ -16,7 +16,6 @@ from medusa.draft import DraftModel
 from medusa.eagle3 import Eagle3Draft, Eagle3Model
 from medusa.eagle3_io import is_eagle3, load_eagle3
 from medusa.fileio import write_directory
-from medusa.guard import GuardedProposer
 from medusa.hardware import native_bf16
 from medusa.heads import MedusaHeads
 from medusa.heads_io import (
@@ -494,7 +493,7 @@ class MedusaModel(Planned, SpeculativeGenerator, nn.Module):
         if not chosen_by_plan or proposer == "plain":  # an explicit proposer runs as asked
             return built
         # plain decoding where guessing stops paying, online (medusa.guard)
-        return GuardedProposer(built, self.plan.plain_ms, self.device, expected_step_ms=self.plan.step_ms)
+        return self.guarded(built)
 
 
 def _candidate_dtype(base) -> torch.dtype:

@@ -32,6 +32,7 @@ from medusa.acceptance import get_rule
 from medusa.batch import prefill_groups, time_batch_prefill, time_batch_step, time_batch_verify
 from medusa.decode import decode, prefill
 from medusa.fileio import atomic_write_text
+from medusa.guard import GuardedProposer
 from medusa.hardware import describe
 from medusa.loading import cache_root
 from medusa.prompt_lookup import NUM_TOKENS as LOOKUP_CHAIN
@@ -312,18 +313,21 @@ def decoded_value(decoded: dict | None, part: str, proposer: str, nodes: int) ->
     return decoded_curve(decoded, part, proposer).get(nodes)
 
 
+def weights_fingerprint(module, described: str) -> str:
+    """Changes when `described` (how the module is configured) or the module's weights do (a sum per tensor: cheap,
+    and enough to tell weights apart)."""
+    sums = [float(t.double().sum()) for t in module.state_dict().values()]
+    return hashlib.sha256((described + repr(sums)).encode()).hexdigest()[:16]
+
+
 def heads_fingerprint(model) -> str:
-    """Changes when the heads' config or weights do (a sum per tensor: cheap, and enough to tell heads apart)."""
-    config = json.dumps(asdict(model.config), sort_keys=True, default=str)
-    sums = [float(t.double().sum()) for t in model.heads.state_dict().values()]
-    return hashlib.sha256((config + repr(sums)).encode()).hexdigest()[:16]
+    return weights_fingerprint(model.heads, json.dumps(asdict(model.config), sort_keys=True, default=str))
 
 
 def draft_fingerprint(model) -> str:
-    """As heads_fingerprint, for a target's draft (medusa.draft.TargetAndDraft) and how deep it drafts."""
-    sums = [float(t.double().sum()) for t in model.draft.state_dict().values()]
+    """A target's draft (medusa.draft.TargetAndDraft) and how deep it drafts."""
     shape = [type(model.draft).__name__, model.num_speculative_tokens, getattr(model, "topk", None)]
-    return hashlib.sha256(repr((shape, sums)).encode()).hexdigest()[:16]
+    return weights_fingerprint(model.draft, repr(shape))
 
 
 def drafts(model) -> bool:
@@ -748,6 +752,11 @@ class Planned:
         self.plan = None  # measure the proposers themselves, not the guard around them
         self.plan = load_or_calibrate(self, recalibrate=recalibrate, progress=progress, compile=compile)
         return self.plan
+
+    def guarded(self, proposer) -> GuardedProposer:
+        """`proposer`, decoding plainly where its guesses stop paying (medusa.guard): judged against the plan's plain
+        and guessing steps."""
+        return GuardedProposer(proposer, self.plan.plain_ms, self.device, expected_step_ms=self.plan.step_ms)
 
     def _planned(self, plan: str | None, engine: str | None, compile: bool | None):
         """The constructors' `plan`, `engine` and `compile` (from_pretrained's docstring) applied -> self."""

@@ -200,6 +200,19 @@ def test_a_draft_model_decodes_a_batch_row_by_row_exactly():
     assert torch.equal(out, target.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False))
 
 
+@pytest.mark.parametrize("num_nodes", [None, 4])
+def test_an_eagle3_draft_decodes_a_batch_exactly(num_nodes):
+    """Each row's draft reads the positions its row committed, at its next proposal."""
+    from medusa.eagle3 import Eagle3Model
+    from tests.test_eagle3 import random_draft
+
+    target = make_tiny_model("llama")
+    model = Eagle3Model(target, random_draft(target), num_speculative_tokens=3, num_nodes=num_nodes)
+    ids, mask = padded(PROMPTS)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16)
+    assert torch.equal(out, target.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False))
+
+
 def test_batch_inputs_that_cannot_decode_exactly_are_refused_by_name():
     model = MedusaModel(make_tiny_model("llama"), make_heads(random=True), tokenizer=tiny_tokenizer())
     ids, mask = padded(PROMPTS)

@@ -235,16 +235,16 @@ def main(argv=None) -> None:
     if args.eagle3 and not args.taus:
         parser.error("--eagle3 decodes a draft's tokens per step: add --taus (per-head scoring is for Medusa heads)")
     started = time.time()
+    questions = spread(load_questions(args.questions), args.limit)
     if args.eagle3:
         model = MedusaModel.from_draft_model(
             args.base, args.eagle3, dtype=args.dtype, device=args.device, num_speculative_tokens=args.gamma, plan="off"
         )
-        decode_taus(model, spread(load_questions(args.questions), args.limit), args, started)
+        decode_taus(model, questions, args, started)
         return
     model = MedusaModel.from_pretrained(args.heads, base=args.base, dtype=args.dtype, device=args.device, plan="off")
     if args.copy_ngram is not None:
         model.heads.config = dataclasses.replace(model.config, copy_ngram=args.copy_ngram)  # validated again
-    questions = spread(load_questions(args.questions), args.limit)
     if args.taus:
         decode_taus(model, questions, args, started)
         return
