@@ -270,7 +270,8 @@ class DraftModel(TargetAndDraft):
             raise ValueError(
                 "no draft model given: pass draft=<Hub id, directory, .gguf file or model> sharing the "
                 f"target's tokenizer (e.g. a smaller model of the same family), '{EARLY_EXIT_PREFIX}N' "
-                "for the target's own first N layers, or 'int8' for the target with int8 weights"
+                "for the target's own first N layers, 'int8' for the target with int8 weights, or an EAGLE-3 draft "
+                "(the embedded SmolLM2's: 'embedded:smollm2-135m-instruct-eagle3')"
             )
         target_model, tokenizer = load_target(target, dtype=dtype, device=device, tokenizer=tokenizer, **hub)
         if isinstance(draft, str) and draft in QUANTIZED_DRAFTS:

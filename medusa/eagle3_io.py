@@ -25,15 +25,19 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
+from medusa.config import CONFIG_NAME as HEADS_CONFIG
 from medusa.eagle3 import Eagle3Draft
 from medusa.fileio import check_out_dir, write_directory
-from medusa.loading import load_base
+from medusa.hub import EMBEDDED_HEADS_ROOT, EMBEDDED_PREFIX, download, embedded_draft, is_repo_id
+from medusa.loading import DEFAULT_BASE, load_base
+from medusa.plan import ACCURACY_NAME
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose format this writes
 ORIGINAL_ARCHITECTURE = "LlamaForCausalLMEagle3"
 FORMATS = ("speculators", "eagle3")
+SHIPPED_DRAFT = "embedded:smollm2-135m-instruct-eagle3"  # trained for the embedded SmolLM2 (its card: README.md)
 
 
 def is_eagle3(directory: str | os.PathLike) -> bool:
@@ -48,6 +52,27 @@ def is_eagle3(directory: str | os.PathLike) -> bool:
     return isinstance(config, dict) and (
         config.get("speculators_model_type") == "eagle3" or ORIGINAL_ARCHITECTURE in config.get("architectures", [])
     )
+
+
+def resolve_draft(
+    reference, *, token: str | bool | None = None, cache_dir=None, local_files_only: bool = False
+) -> Path | None:
+    """The local directory of the EAGLE-3 draft that `reference` names (`embedded:<name>`, a directory or a Hub repo
+    id), or None where it names something else (a causal LM, for a draft model). A repo's config.json comes first:
+    its weights follow only when it declares an EAGLE-3 draft. `token`, `cache_dir` and `local_files_only` go to
+    huggingface_hub with a repo id."""
+    text = str(reference)
+    if text.startswith(EMBEDDED_PREFIX):
+        name = text.removeprefix(EMBEDDED_PREFIX)
+        if text == DEFAULT_BASE or (EMBEDDED_HEADS_ROOT / name / HEADS_CONFIG).is_file():
+            return None  # the embedded base, or shipped heads
+        return embedded_draft(name)
+    if not is_repo_id(text):
+        return Path(text) if is_eagle3(text) else None
+    hub = {"token": token, "cache_dir": cache_dir, "local_files_only": local_files_only}
+    if not is_eagle3(download(text, [CONFIG], **hub)):
+        return None
+    return download(text, [CONFIG, "*.safetensors", ACCURACY_NAME, "README.md"], **hub)
 
 
 def speculators_config(

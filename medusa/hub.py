@@ -11,9 +11,10 @@ from pathlib import Path
 
 from medusa.config import CONFIG_NAME
 
-# Heads shipped inside the package, named `embedded:<directory name>` (like the embedded base).
+# Heads and EAGLE-3 drafts shipped inside the package, named `embedded:<directory name>` (like the embedded base).
 EMBEDDED_PREFIX = "embedded:"
 EMBEDDED_HEADS_ROOT = Path(__file__).resolve().parent / "default_heads"
+DRAFT_CONFIG_NAME = "config.json"  # what a shipped draft's directory holds in place of CONFIG_NAME (medusa.eagle3_io)
 
 
 def is_repo_id(reference) -> bool:
@@ -63,11 +64,20 @@ def download(
 
 def embedded_heads(name: str, revision: str | None = None) -> Path:
     """The directory of the heads shipped as `embedded:<name>`; raises listing the shipped names."""
-    shipped = sorted(p.parent.name for p in EMBEDDED_HEADS_ROOT.glob(f"*/{CONFIG_NAME}"))
+    return _embedded(name, revision, CONFIG_NAME, "heads")
+
+
+def embedded_draft(name: str) -> Path:
+    """The directory of the EAGLE-3 draft shipped as `embedded:<name>`; raises listing the shipped names."""
+    return _embedded(name, None, DRAFT_CONFIG_NAME, "EAGLE-3 drafts")
+
+
+def _embedded(name: str, revision: str | None, config_name: str, what: str) -> Path:
+    shipped = sorted(p.parent.name for p in EMBEDDED_HEADS_ROOT.glob(f"*/{config_name}"))
     if revision is not None:
         raise ValueError(f"revision={revision!r} applies to a Hub repo id; embedded:{name} ships with the package")
     if name not in shipped:
-        raise FileNotFoundError(f"no embedded heads named {name!r}: the package ships {shipped}")
+        raise FileNotFoundError(f"no embedded {what} named {name!r}: the package ships {shipped}")
     return EMBEDDED_HEADS_ROOT / name
 
 

@@ -14,7 +14,7 @@ from medusa.custom_generate import write_hook
 from medusa.decode import BatchLayout, SpeculativeGenerator
 from medusa.draft import DraftModel
 from medusa.eagle3 import Eagle3Draft, Eagle3Model
-from medusa.eagle3_io import is_eagle3, load_eagle3
+from medusa.eagle3_io import load_eagle3, resolve_draft
 from medusa.fileio import write_directory
 from medusa.hardware import native_bf16
 from medusa.heads import MedusaHeads
@@ -313,7 +313,9 @@ class MedusaModel(Planned, SpeculativeGenerator, nn.Module):
         """Classic speculative decoding (Leviathan et al.): `draft`, a smaller causal LM with the target's tokenizer,
         proposes `num_speculative_tokens` tokens per step. target/draft: Hub id, directory, .gguf or loaded model
         (target None: the embedded SmolLM2). Returns a `medusa.draft.DraftModel` with this class's `generate`.
-        An EAGLE-3 draft (a directory in the speculators or EAGLE-3 layout, or a `medusa.eagle3.Eagle3Draft`) reads
+        An EAGLE-3 draft (a directory or Hub repo in the speculators or EAGLE-3 layout, `embedded:<name>` for one
+        shipped with the package, such as the embedded SmolLM2's `embedded:smollm2-135m-instruct-eagle3`, or a
+        `medusa.eagle3.Eagle3Draft`) reads
         the target's hidden states: that returns a `medusa.eagle3.Eagle3Model`, which with `num_nodes` drafts a
         dynamic tree of that many nodes (root included), `num_speculative_tokens` deep, instead of a chain; `plan`,
         `engine` and `compile` are from_pretrained's (plan "auto" by default: the engine and, unless `num_nodes` is
@@ -321,16 +323,17 @@ class MedusaModel(Planned, SpeculativeGenerator, nn.Module):
         `token`, `cache_dir` and `local_files_only` go to transformers with the models loaded by Hub id.
         """
         hub = {"token": token, "cache_dir": cache_dir, "local_files_only": local_files_only}
-        if isinstance(draft, Eagle3Draft) or (isinstance(draft, (str, os.PathLike)) and is_eagle3(draft)):
+        draft_dir = resolve_draft(draft, **hub) if isinstance(draft, (str, os.PathLike)) else None
+        if isinstance(draft, Eagle3Draft) or draft_dir is not None:
             if draft_tokenizer is not None:
                 raise ValueError(
                     "an EAGLE-3 draft uses the target's tokenizer and embeddings: leave draft_tokenizer unset"
                 )
             target_model, tokenizer = load_target(target, dtype=dtype, device=device, tokenizer=tokenizer, **hub)
             decoded = None
-            if not isinstance(draft, Eagle3Draft):
-                decoded = load_draft_taus(draft)
-                draft, _ = load_eagle3(draft)
+            if draft_dir is not None:
+                decoded = load_draft_taus(draft_dir)
+                draft, _ = load_eagle3(draft_dir)
             model = Eagle3Model(
                 target_model, draft.to(target_model.dtype), tokenizer, num_speculative_tokens, num_nodes=num_nodes
             )

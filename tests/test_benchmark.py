@@ -362,7 +362,7 @@ def test_benchmark_eagle3_row(tmp_path):
     assert tree["overall"]["eagle3"]["identical"] is True and tree["settings"]["eagle3_nodes"] == 6
     skipped = benchmark.main(common + ["--out", str(tmp_path / "without")])
     assert list(skipped["overall"]) == ["baseline"]
-    assert "--eagle3 DIR" in skipped["settings"]["skipped"]["eagle3"]
+    assert "--eagle3 DRAFT" in skipped["settings"]["skipped"]["eagle3"]
 
 
 def test_benchmark_eagle3_planned_row_runs_the_drafts_own_plan(tmp_path, monkeypatch):

@@ -382,3 +382,53 @@ def test_a_loaded_target_keeps_its_precision(kind):
     model = model or MedusaModel.from_draft_model(target, draft)
     assert model.target is target and target.dtype == torch.bfloat16
     assert MedusaModel.from_draft_model(target, draft, dtype="float32").target.dtype == torch.float32  # when asked
+
+
+def test_a_draft_is_named_by_the_package_a_directory_or_a_hub_id(tmp_path, monkeypatch):
+    """`embedded:<name>` finds a shipped draft and lists them for an unknown name; heads and the embedded base, the
+    draft-model names and a causal LM's repo resolve to no draft; a Hub repo fetches its config.json first and its
+    weights only when that declares an EAGLE-3 draft, which then loads as one."""
+    from medusa.eagle3_io import SHIPPED_DRAFT, is_eagle3, resolve_draft, save_eagle3
+    from medusa.hub import EMBEDDED_HEADS_ROOT
+    from tests.test_hub import serve
+
+    shipped = resolve_draft(SHIPPED_DRAFT)
+    assert shipped == EMBEDDED_HEADS_ROOT / "smollm2-135m-instruct-eagle3" and is_eagle3(shipped)
+    with pytest.raises(
+        FileNotFoundError, match=r"no embedded EAGLE-3 drafts named 'nope'.*smollm2-135m-instruct-eagle3"
+    ):
+        resolve_draft("embedded:nope")
+    for other in ("embedded:smollm2-135m-instruct", "embedded:smollm2-135m-instruct-medusa1", "int8", "early-exit:2"):
+        assert resolve_draft(other) is None, other
+
+    target = make_tiny_model("llama")
+    save_eagle3(random_draft(target), tmp_path / "source", embed_tokens=target.get_input_embeddings().weight)
+    (tmp_path / "snapshot").mkdir()
+    hub = serve(monkeypatch, tmp_path / "source", tmp_path / "snapshot")
+    model = MedusaModel.from_draft_model(target, "org/tiny-eagle3", plan="off")
+    assert isinstance(model, Eagle3Model) and [c["allow_patterns"] for c in hub.calls][0] == ["config.json"]
+    assert any("*.safetensors" in c["allow_patterns"] for c in hub.calls[1:])
+    prompt = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(4))
+    want = target.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(prompt, max_new_tokens=8), want)
+
+    make_tiny_model("llama").save_pretrained(tmp_path / "lm")  # a causal LM's repo: its config only
+    (tmp_path / "lm-snapshot").mkdir()
+    hub = serve(monkeypatch, tmp_path / "lm", tmp_path / "lm-snapshot")
+    assert resolve_draft("org/tiny-lm") is None
+    assert [c["allow_patterns"] for c in hub.calls] == [["config.json"]]
+
+
+def test_the_shipped_draft_is_for_the_embedded_target_and_keeps_its_decoded_taus():
+    from medusa.eagle3_io import SHIPPED_DRAFT, load_eagle3, resolve_draft
+    from medusa.loading import DEFAULT_BASE
+    from medusa.plan import DRAFT_PROPOSER, load_draft_taus
+
+    directory = resolve_draft(SHIPPED_DRAFT)
+    draft, config = load_eagle3(directory)
+    assert config["speculators_config"]["verifier"]["name_or_path"] == DEFAULT_BASE
+    assert draft.aux_layers == default_aux_layers(30) and draft.t2d.numel() == 49152 and draft.d2t.numel() == 8192
+    assert int(draft.t2d.sum()) == 8192 and bool((draft.target_ids[1:] > draft.target_ids[:-1]).all())
+    taus = load_draft_taus(directory)["tau"][DRAFT_PROPOSER]
+    assert list(taus) == ["2", "4", "6", "8", "12", "16", "24"] and taus["8"] > 1.5  # a trained draft's
+    assert "embedded:smollm2-135m-instruct-eagle3" in (directory / "README.md").read_text()

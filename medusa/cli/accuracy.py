@@ -37,6 +37,7 @@ import torch
 
 from medusa import MedusaModel
 from medusa.answers import answer_prompts, stop_and_pad_ids, tokenize_prompts
+from medusa.eagle3_io import resolve_draft
 from medusa.evaluation import (
     CONFIDENCE_EDGES,
     RankAccuracy,
@@ -169,8 +170,9 @@ def decode_taus(model, questions: list[dict], args, started: float) -> None:
     print(f"{len(items)} questions -> {args.out}")
     model.decoded_taus = decoded
     if args.heads_dir and args.eagle3:
-        save_draft_taus(args.eagle3, decoded)
-        print(f"decoded taus -> {Path(args.eagle3) / ACCURACY_NAME}")
+        draft_dir = resolve_draft(args.eagle3)
+        save_draft_taus(draft_dir, decoded)
+        print(f"decoded taus -> {draft_dir / ACCURACY_NAME}")
     elif args.heads_dir:
         directory = heads_directory(args)
         data = json.loads((directory / ACCURACY_NAME).read_text())
@@ -219,7 +221,8 @@ def main(argv=None) -> None:
     )
     parser.add_argument(
         "--eagle3",
-        help="with --taus: decode an EAGLE-3 draft's trees (a directory in the speculators or EAGLE-3 layout) "
+        help="with --taus: decode an EAGLE-3 draft's trees (a directory or Hub id in the speculators or EAGLE-3 "
+        "layout, or embedded:<name>) "
         "instead of the heads' options; with --heads-dir the taus go into that directory",
     )
     parser.add_argument("--gamma", type=int, default=5, help="with --eagle3: how deep its trees grow")

@@ -22,9 +22,9 @@ Methods (interleaved per question, after a warm-up):
   medusa_typical  Medusa static tree with typical acceptance (lossy; meant for --temperature > 0)
   draft           MedusaModel.from_draft_model(base, --draft): classic speculative decoding in this library's loop
                   (--draft early-exit:N drafts with the target's own first N layers; --gamma tokens per step)
-  eagle3          an EAGLE-3 draft (--eagle3 DIR, speculators or EAGLE-3 layout) drafting --gamma tokens a step from
-                  the target's hidden states (medusa.eagle3), or a dynamic tree of --eagle3-nodes nodes, in this
-                  library's loop on --engine
+  eagle3          an EAGLE-3 draft (--eagle3; on the embedded SmolLM2 its shipped draft) drafting --gamma tokens a
+                  step from the target's hidden states (medusa.eagle3), or a dynamic tree of --eagle3-nodes nodes, in
+                  this library's loop on --engine
   eagle3_planned  the same draft with nothing named: the engine and tree size of its own calibrated plan (--plan
                   auto; sizes weighed where the draft's directory keeps decoded taus: medusa accuracy --taus --eagle3),
                   guarded online
@@ -80,9 +80,10 @@ from medusa.batch import left_padded
 from medusa.cli import NO_HEADS, NO_HEADS_HELP, load_model
 from medusa.config import CONFIG_NAME
 from medusa.decode import DecodeStats
+from medusa.eagle3_io import SHIPPED_DRAFT
 from medusa.fileio import atomic_write_text
 from medusa.hardware import describe
-from medusa.loading import base_gguf
+from medusa.loading import DEFAULT_BASE, base_gguf
 from medusa.model import DEFAULT_HEADS_DIR
 from medusa.precision import PRECISIONS
 from medusa.questions import answer_message, encode_conversation, load_questions, per_group
@@ -203,7 +204,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         "early-exit:N for the target's own first N layers, or int8 for the target with int8 weights (torchao)",
     )
     parser.add_argument(
-        "--eagle3", default=None, help="EAGLE-3 draft directory for the 'eagle3' method (speculators or EAGLE-3 layout)"
+        "--eagle3",
+        default=None,
+        help="EAGLE-3 draft for the eagle3 methods: a directory or Hub id (speculators or EAGLE-3 layout) or "
+        f"embedded:<name> (default: {SHIPPED_DRAFT} on the embedded SmolLM2)",
     )
     parser.add_argument(
         "--eagle3-nodes",
@@ -464,12 +468,16 @@ def build_methods(names: list[str], args, model, stop_ids: list[int]) -> tuple[d
                 runs[name] = ours(draft_model)
         elif name == "eagle3":
             if eagle3_model is None:
-                skipped[name] = "needs --eagle3 DIR (an EAGLE-3 draft trained for this target: train/train.py, eagle3)"
+                skipped[name] = (
+                    "needs --eagle3 DRAFT (an EAGLE-3 draft trained for this target: train/train.py, eagle3)"
+                )
             else:
                 runs[name] = ours(eagle3_model)
         elif name == "eagle3_planned":
             if eagle3_planned is None:
-                skipped[name] = "needs --eagle3 DIR (an EAGLE-3 draft trained for this target: train/train.py, eagle3)"
+                skipped[name] = (
+                    "needs --eagle3 DRAFT (an EAGLE-3 draft trained for this target: train/train.py, eagle3)"
+                )
             elif eagle3_planned.plan is None:
                 skipped[name] = "needs --plan auto"
             else:
@@ -860,6 +868,8 @@ def main(argv=None) -> dict:
 
     model = load_model(args.heads, base=args.base, dtype=args.dtype, device=args.device, plan=args.plan)
     args.engine = args.engine or model.best_plain_engine
+    if args.eagle3 is None and str(args.base or model.config.base_model_name_or_path) == DEFAULT_BASE:
+        args.eagle3 = SHIPPED_DRAFT  # the embedded SmolLM2's draft, for the eagle3 methods
     tokenizer = model.tokenizer
     if tokenizer is None:
         raise ValueError("the benchmark needs the base model's tokenizer (chat template): load a base that has one")

@@ -30,7 +30,9 @@ def main(argv=None) -> dict:
     )
     parser.add_argument("--heads", default=None, help=f"heads directory (default: the shipped heads); {NO_HEADS_HELP}")
     parser.add_argument(
-        "--eagle3", default=None, help="an EAGLE-3 draft's directory: calibrate its plan instead of the heads'"
+        "--eagle3",
+        default=None,
+        help="an EAGLE-3 draft (directory, Hub id or embedded:<name>): calibrate its plan instead of the heads'",
     )
     parser.add_argument("--base", default=None, help="base model (default: the heads' base; with --eagle3: SmolLM2)")
     parser.add_argument("--dtype", default="float32")

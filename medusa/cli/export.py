@@ -1,7 +1,7 @@
 """Export Medusa heads or an EAGLE-3 draft for other engines.
 
     medusa export <heads-dir> <out-dir> --format medusa|vllm [--base BASE] [--base-name NAME] [--dtype fp16]
-    medusa export <eagle3-dir> <out-dir> --format speculators|eagle3 [--base BASE] [--base-name NAME] [--dtype bf16]
+    medusa export <eagle3-draft> <out-dir> --format speculators|eagle3 [--base BASE] [--base-name NAME] [--dtype bf16]
 
 --format medusa: the official Medusa layout: config.json + medusa_lm_head.safetensors (read by TGI) +
                  medusa_lm_head.pt (the same tensors, for the official medusa-llm package).
@@ -12,6 +12,7 @@ share the base lm_head need the base model (--base, else the one their config na
 --format speculators: an EAGLE-3 draft (medusa.eagle3) for `vllm serve` and the speculators package, with the target's
                  input embeddings copied in (from --base, else the verifier the draft names).
 --format eagle3: the same draft in EAGLE-3's original layout (midlayer.*), what optimum-intel converts for OpenVINO.
+<eagle3-draft> may be a directory, a Hub id or the shipped draft (embedded:smollm2-135m-instruct-eagle3).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import logging
 from pathlib import Path
 
 from medusa.eagle3_io import FORMATS as EAGLE3_FORMATS
-from medusa.eagle3_io import export_eagle3, is_eagle3
+from medusa.eagle3_io import export_eagle3, resolve_draft
 from medusa.heads_io import FORMATS, export_directory
 from medusa.loading import DTYPES
 
@@ -44,7 +45,11 @@ def main(argv=None) -> Path:
     parser.add_argument("--overwrite", action="store_true", help="replace the layout files in a non-empty out_dir")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
-    eagle3 = is_eagle3(args.heads_dir)
+    try:
+        draft_dir = resolve_draft(args.heads_dir)
+    except FileNotFoundError as err:
+        parser.exit(1, f"error: {err}\n")
+    eagle3 = draft_dir is not None
     if eagle3 != (args.format in EAGLE3_FORMATS):
         what = "an EAGLE-3 draft" if eagle3 else "Medusa heads"
         formats = EAGLE3_FORMATS if eagle3 else FORMATS
@@ -52,7 +57,7 @@ def main(argv=None) -> Path:
     export = export_eagle3 if eagle3 else export_directory
     try:
         out = export(
-            args.heads_dir,
+            draft_dir if eagle3 else args.heads_dir,
             args.out_dir,
             args.format,
             base=args.base,
