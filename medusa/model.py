@@ -303,6 +303,7 @@ class MedusaModel(Planned, SpeculativeGenerator, nn.Module):
         tokenizer=None,
         draft_tokenizer=None,
         num_nodes: int | None = None,
+        copy_ngram: int | None = None,
         plan: str | None = None,
         engine: str | None = None,
         compile: bool | None = None,
@@ -317,9 +318,11 @@ class MedusaModel(Planned, SpeculativeGenerator, nn.Module):
         shipped with the package, such as the embedded SmolLM2's `embedded:smollm2-135m-instruct-eagle3`, or a
         `medusa.eagle3.Eagle3Draft`) reads
         the target's hidden states: that returns a `medusa.eagle3.Eagle3Model`, which with `num_nodes` drafts a
-        dynamic tree of that many nodes (root included), `num_speculative_tokens` deep, instead of a chain; `plan`,
-        `engine` and `compile` are from_pretrained's (plan "auto" by default: the engine and, unless `num_nodes` is
-        given, the tree size, from the draft's decoded taus where its directory keeps them).
+        dynamic tree of that many nodes (root included), `num_speculative_tokens` deep, instead of a chain, whose
+        nodes also try the copy guess of the last `copy_ngram` tokens (default medusa.eagle3.COPY_NGRAM; 0: none);
+        `plan`, `engine` and `compile` are from_pretrained's (plan "auto" by default: the engine and, unless
+        `num_nodes` is given, the tree size, from the draft's decoded taus where its directory keeps them and they
+        were decoded with this `copy_ngram`).
         `token`, `cache_dir` and `local_files_only` go to transformers with the models loaded by Hub id.
         """
         hub = {"token": token, "cache_dir": cache_dir, "local_files_only": local_files_only}
@@ -334,14 +337,30 @@ class MedusaModel(Planned, SpeculativeGenerator, nn.Module):
             if draft_dir is not None:
                 decoded = load_draft_taus(draft_dir)
                 draft, _ = load_eagle3(draft_dir)
+            copy = {} if copy_ngram is None else {"copy_ngram": copy_ngram}
             model = Eagle3Model(
-                target_model, draft.to(target_model.dtype), tokenizer, num_speculative_tokens, num_nodes=num_nodes
+                target_model,
+                draft.to(target_model.dtype),
+                tokenizer,
+                num_speculative_tokens,
+                num_nodes=num_nodes,
+                **copy,
             )
+            if decoded is not None and decoded.get("copy_ngram", 0) != model.copy_ngram:
+                logger.warning(
+                    "%s's decoded taus were decoded with copy_ngram=%s, not %s: the plan weighs no tree sizes (write "
+                    "them again with medusa accuracy --taus --eagle3 DRAFT --heads-dir)",
+                    draft_dir,
+                    decoded.get("copy_ngram", 0),
+                    model.copy_ngram,
+                )
+                decoded = None
             model.decoded_taus = decoded
             return model._planned(plan, engine, compile)
-        if num_nodes is not None:
+        if num_nodes is not None or copy_ngram is not None:
             raise ValueError(
-                "num_nodes applies to EAGLE-3 drafts: a draft model proposes a chain (num_speculative_tokens)"
+                "num_nodes and copy_ngram apply to EAGLE-3 drafts: a draft model proposes a chain "
+                "(num_speculative_tokens)"
             )
         if plan == "auto" or engine is not None or compile is not None:
             raise ValueError(

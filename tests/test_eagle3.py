@@ -8,6 +8,7 @@ from transformers import DynamicCache
 
 from medusa import MedusaModel
 from medusa.eagle3 import (
+    COPY_NGRAM,
     Eagle3Draft,
     Eagle3Model,
     additive_mask,
@@ -244,7 +245,7 @@ def test_each_tree_node_expands_into_what_the_draft_says_along_its_path(family):
     embed = target.get_input_embeddings()
     prompt = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(5))
     state = prefill(target, prompt, SamplingConfig(), feature_layers=AUX)
-    model = Eagle3Model(target, draft, num_speculative_tokens=4, num_nodes=24, topk=3, int8=False)
+    model = Eagle3Model(target, draft, num_speculative_tokens=4, num_nodes=24, topk=3, int8=False, copy_ngram=0)
     candidates = model.make_proposer(None, None, SamplingConfig(), None).propose(state)
     tokens, parent = candidates.tokens.tolist(), candidates.tree.parent.tolist()
     depth = candidates.tree.depth.tolist()
@@ -277,6 +278,42 @@ def test_each_tree_node_expands_into_what_the_draft_says_along_its_path(family):
             # a node's children in the cut are the likeliest of its top-k (scores add the same parent score)
             top = set(draft.target_ids[path_logits(node).topk(len(children)).indices].tolist())
             assert children == top, (node, children, top)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@torch.inference_mode()
+def test_a_drafted_tree_tries_the_copy_chain_first_where_the_text_repeats(family):
+    """Where the last tokens occurred before, the tree holds what followed them (medusa.ngram.copy_chain) as the
+    root's first child and down its path, whatever the draft says; with copy_ngram=0 it holds the draft's own."""
+    from medusa.decode import prefill
+    from medusa.ngram import copy_chain
+
+    target = make_tiny_model(family)
+    draft = random_draft(target)
+    proposers = {
+        copy: Eagle3Model(target, draft, num_speculative_tokens=3, num_nodes=6, topk=3, int8=False, copy_ngram=copy)
+        for copy in (4, 0)
+    }
+    changed = 0
+    for seed in range(6):
+        prompt = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(seed))
+        # a tiny random model's greedy text soon repeats itself: decode some, then stand just before its last token
+        text = target.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0)
+        state = prefill(target, text[:, :-1], SamplingConfig(), feature_layers=AUX)
+        copies = copy_chain(torch.tensor(state.tokens), 4, 3)
+        if not copies:
+            continue
+        trees = {}
+        for copy, model in proposers.items():
+            candidates = model.make_proposer(None, None, SamplingConfig(), None).propose(state)
+            trees[copy] = (candidates.tokens.tolist(), candidates.tree.parent.tolist())
+        tokens, parent = trees[4]
+        node = 0
+        for token in copies:  # the copy chain is a path from the root, each step its node's first child
+            node = next(i for i in range(1, len(tokens)) if parent[i] == node)
+            assert tokens[node] == token, (seed, copies, tokens, parent)
+        changed += trees[0][0][1] != copies[0]
+    assert changed > 0  # the draft alone would have guessed otherwise
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -357,7 +394,10 @@ def test_decoded_taus_written_beside_a_draft_reach_its_plan(tmp_path, monkeypatc
     model = MedusaModel.from_draft_model(str(base), str(tmp_path / "draft"), plan="off")
     taus = model.decoded_taus["tau"]["eagle3"]
     assert set(taus) == {"2", "4", "6", "8", "12", "16", "24"} and all(value >= 1 for value in taus.values())
-    assert "--eagle3" in model.decoded_taus["source"]
+    assert "--eagle3" in model.decoded_taus["source"] and model.decoded_taus["copy_ngram"] == COPY_NGRAM
+    # taus decoded with another copy guess do not say what this one accepts: the plan goes without them
+    other = MedusaModel.from_draft_model(str(base), str(tmp_path / "draft"), plan="off", copy_ngram=0)
+    assert other.copy_ngram == 0 and other.decoded_taus is None
     monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "cache"))
     plan = calibrate(["--eagle3", str(tmp_path / "draft"), "--base", str(base), "--no-compile"])
     assert {str(o["num_nodes"]) for o in plan["options"] if o["proposer"] == "eagle3"} == set(taus)
@@ -370,6 +410,8 @@ def test_plan_and_engine_are_refused_for_a_draft_model():
     target, draft = make_tiny_model("llama"), make_tiny_model("llama")
     with pytest.raises(ValueError, match="apply to EAGLE-3 drafts"):
         MedusaModel.from_draft_model(target, draft, engine="compiled")
+    with pytest.raises(ValueError, match="copy_ngram apply to EAGLE-3 drafts"):
+        MedusaModel.from_draft_model(target, draft, copy_ngram=2)
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "draft model"])
@@ -429,6 +471,8 @@ def test_the_shipped_draft_is_for_the_embedded_target_and_keeps_its_decoded_taus
     assert config["speculators_config"]["verifier"]["name_or_path"] == DEFAULT_BASE
     assert draft.aux_layers == default_aux_layers(30) and draft.t2d.numel() == 49152 and draft.d2t.numel() == 8192
     assert int(draft.t2d.sum()) == 8192 and bool((draft.target_ids[1:] > draft.target_ids[:-1]).all())
-    taus = load_draft_taus(directory)["tau"][DRAFT_PROPOSER]
+    decoded = load_draft_taus(directory)
+    assert decoded["copy_ngram"] == COPY_NGRAM  # decoded as it proposes by default, or the plan would drop them
+    taus = decoded["tau"][DRAFT_PROPOSER]
     assert list(taus) == ["2", "4", "6", "8", "12", "16", "24"] and taus["8"] > 1.5  # a trained draft's
     assert "embedded:smollm2-135m-instruct-eagle3" in (directory / "README.md").read_text()

@@ -143,7 +143,10 @@ def decode_taus(model, questions: list[dict], args, started: float) -> None:
         sys.exit("error: --taus grows the plan's trees from the heads' accuracy table: write one first (--heads-dir)")
     items = first_turn_prompts(model, questions, args.max_new_tokens)
     decoded = decode_options(model, [x["prompt_ids"] for x in items], args.max_new_tokens, engine=args.engine)
-    draft = f" --eagle3 {args.eagle3} --gamma {args.gamma}" if args.eagle3 else ""
+    draft = ""
+    if args.eagle3:  # the taus hold for this setting only (from_draft_model checks it)
+        decoded["copy_ngram"] = model.copy_ngram
+        draft = f" --eagle3 {args.eagle3} --gamma {args.gamma} --copy-ngram {model.copy_ngram}"
     decoded["source"] = (
         f"medusa accuracy --taus{draft} --questions {args.questions} --limit {args.limit} --dtype {args.dtype}: "
         f"{len(items)} questions, {args.max_new_tokens} new tokens at most, greedy"
@@ -201,8 +204,9 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--copy-ngram",
         type=int,
-        help="override the heads' copy_ngram (0: score the network's own "
-        "guesses alone, without the copy guess ranked first)",
+        help="override the heads' copy_ngram (0: score the network's own guesses alone, without the copy guess ranked "
+        "first); with --eagle3, its trees' copy guess (default medusa.eagle3.COPY_NGRAM; the plan weighs the taus "
+        "only with the setting they were decoded with)",
     )
     parser.add_argument(
         "--heads-dir",
@@ -241,7 +245,13 @@ def main(argv=None) -> None:
     questions = spread(load_questions(args.questions), args.limit)
     if args.eagle3:
         model = MedusaModel.from_draft_model(
-            args.base, args.eagle3, dtype=args.dtype, device=args.device, num_speculative_tokens=args.gamma, plan="off"
+            args.base,
+            args.eagle3,
+            dtype=args.dtype,
+            device=args.device,
+            num_speculative_tokens=args.gamma,
+            copy_ngram=args.copy_ngram,
+            plan="off",
         )
         decode_taus(model, questions, args, started)
         return
