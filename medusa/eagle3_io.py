@@ -28,7 +28,7 @@ from transformers import AutoConfig
 from medusa.config import CONFIG_NAME as HEADS_CONFIG
 from medusa.eagle3 import Eagle3Draft
 from medusa.fileio import check_out_dir, write_directory
-from medusa.hub import EMBEDDED_HEADS_ROOT, EMBEDDED_PREFIX, download, embedded_draft, is_repo_id
+from medusa.hub import EMBEDDED_HEADS_ROOT, EMBEDDED_PREFIX, download, embedded, is_repo_id
 from medusa.loading import DEFAULT_BASE, load_base
 from medusa.plan import ACCURACY_NAME
 
@@ -66,7 +66,7 @@ def resolve_draft(
         name = text.removeprefix(EMBEDDED_PREFIX)
         if text == DEFAULT_BASE or (EMBEDDED_HEADS_ROOT / name / HEADS_CONFIG).is_file():
             return None  # the embedded base, or shipped heads
-        return embedded_draft(name)
+        return embedded(name, CONFIG, "EAGLE-3 drafts")
     if not is_repo_id(text):
         return Path(text) if is_eagle3(text) else None
     hub = {"token": token, "cache_dir": cache_dir, "local_files_only": local_files_only}

@@ -14,7 +14,6 @@ from medusa.config import CONFIG_NAME
 # Heads and EAGLE-3 drafts shipped inside the package, named `embedded:<directory name>` (like the embedded base).
 EMBEDDED_PREFIX = "embedded:"
 EMBEDDED_HEADS_ROOT = Path(__file__).resolve().parent / "default_heads"
-DRAFT_CONFIG_NAME = "config.json"  # what a shipped draft's directory holds in place of CONFIG_NAME (medusa.eagle3_io)
 
 
 def is_repo_id(reference) -> bool:
@@ -64,15 +63,12 @@ def download(
 
 def embedded_heads(name: str, revision: str | None = None) -> Path:
     """The directory of the heads shipped as `embedded:<name>`; raises listing the shipped names."""
-    return _embedded(name, revision, CONFIG_NAME, "heads")
+    return embedded(name, CONFIG_NAME, "heads", revision)
 
 
-def embedded_draft(name: str) -> Path:
-    """The directory of the EAGLE-3 draft shipped as `embedded:<name>`; raises listing the shipped names."""
-    return _embedded(name, None, DRAFT_CONFIG_NAME, "EAGLE-3 drafts")
-
-
-def _embedded(name: str, revision: str | None, config_name: str, what: str) -> Path:
+def embedded(name: str, config_name: str, what: str, revision: str | None = None) -> Path:
+    """The directory shipped as `embedded:<name>` holding `config_name` (heads' or a draft's); raises listing the
+    shipped `what`."""
     shipped = sorted(p.parent.name for p in EMBEDDED_HEADS_ROOT.glob(f"*/{config_name}"))
     if revision is not None:
         raise ValueError(f"revision={revision!r} applies to a Hub repo id; embedded:{name} ships with the package")
