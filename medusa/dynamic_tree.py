@@ -34,6 +34,24 @@ def copy_first(tokens: list[int], logp: list[float], guess: int, probability: fl
     return [guess, *others], [copy_logp] + [own[t] + math.log1p(-probability) for t in others]
 
 
+def rank_copies_first(
+    paths: list[tuple[int, ...]],
+    tokens: list[list[int]],
+    logp: list[list[float]],
+    copies: list[int],
+    depth: int,
+    every_path: bool = False,
+) -> None:
+    """In place, at tree depth `depth`: the copy guess `copies[depth]` (ngram.copy_chain) ranked first by `copy_first`
+    in the row of each path that follows the copy chain so far (ngram.copy_guesses' rule, on host lists), or of every
+    path with `every_path` (heads that read no path guess the same after each)."""
+    if depth >= len(copies):
+        return
+    for i, path in enumerate(paths):
+        if every_path or list(path) == copies[:depth]:
+            tokens[i], logp[i] = copy_first(tokens[i], logp[i], copies[depth])
+
+
 @dataclass
 class Level:
     """One depth of the search: the best children of the previous level's kept nodes, best first in one stable
@@ -174,12 +192,7 @@ class DynamicTreeProposer:
                 start += count
                 if not medusa.by_path:
                     row_logp, row_tokens = row_logp * len(beams[b]), row_tokens * len(beams[b])
-                # the copy guess, after the path that follows the copy chain (any path: root heads):
-                # ngram.copy_guesses' rule, on host lists
-                if d < len(copies[b]):
-                    for i, path in enumerate(paths[b]):
-                        if not medusa.by_path or list(path) == copies[b][:d]:
-                            row_tokens[i], row_logp[i] = copy_first(row_tokens[i], row_logp[i], copies[b][d])
+                rank_copies_first(paths[b], row_tokens, row_logp, copies[b], d, every_path=not medusa.by_path)
                 levels[b].append(keep_best(beams[b], row_logp, row_tokens, budget))
                 beams[b] = levels[b][-1].scores
                 paths[b] = [paths[b][p] + (t,) for p, t in zip(levels[b][-1].parents, levels[b][-1].tokens)]

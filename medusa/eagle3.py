@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AutoModel, DynamicCache, PretrainedConfig
 
 from medusa.draft import TargetAndDraft
-from medusa.dynamic_tree import DEFAULT_TOPK, Level, copy_first, cut_tree, keep_best, surviving_parents
+from medusa.dynamic_tree import DEFAULT_TOPK, Level, cut_tree, keep_best, rank_copies_first, surviving_parents
 from medusa.ngram import copy_chain
 from medusa.plan import DRAFT_PROPOSER, Planned
 from medusa.propose import PlainProposer
@@ -284,10 +284,7 @@ class Eagle3Proposer:
             logp = self.draft.logits(hidden).float().log_softmax(-1)
             top_logp, top_index = logp.topk(min(self.topk, budget, logp.shape[-1]), dim=-1)
             rows_logp, rows_tokens = top_logp.tolist(), self.draft.target_ids[top_index].tolist()
-            if depth < len(copies):  # the copy guess ranks first after the path that follows the copy chain
-                for i, path in enumerate(paths):
-                    if list(path) == copies[:depth]:
-                        rows_tokens[i], rows_logp[i] = copy_first(rows_tokens[i], rows_logp[i], copies[depth])
+            rank_copies_first(paths, rows_tokens, rows_logp, copies, depth)
             levels.append(keep_best(beam, rows_logp, rows_tokens, budget))
             beam = levels[-1].scores
             paths = [paths[p] + (t,) for p, t in zip(levels[-1].parents, levels[-1].tokens)]

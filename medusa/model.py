@@ -13,7 +13,7 @@ from medusa.config import CONFIG_NAME, MedusaConfig
 from medusa.custom_generate import write_hook
 from medusa.decode import BatchLayout, SpeculativeGenerator
 from medusa.draft import DraftModel
-from medusa.eagle3 import Eagle3Draft, Eagle3Model
+from medusa.eagle3 import COPY_NGRAM, Eagle3Draft, Eagle3Model
 from medusa.eagle3_io import load_eagle3, resolve_draft
 from medusa.fileio import write_directory
 from medusa.hardware import native_bf16
@@ -337,14 +337,13 @@ class MedusaModel(Planned, SpeculativeGenerator, nn.Module):
             if draft_dir is not None:
                 decoded = load_draft_taus(draft_dir)
                 draft, _ = load_eagle3(draft_dir)
-            copy = {} if copy_ngram is None else {"copy_ngram": copy_ngram}
             model = Eagle3Model(
                 target_model,
                 draft.to(target_model.dtype),
                 tokenizer,
                 num_speculative_tokens,
                 num_nodes=num_nodes,
-                **copy,
+                copy_ngram=COPY_NGRAM if copy_ngram is None else copy_ngram,
             )
             if decoded is not None and decoded.get("copy_ngram", 0) != model.copy_ngram:
                 logger.warning(

@@ -311,6 +311,9 @@ def steps_from_calls(calls: list[list]) -> tuple[list[int], list[int]]:
 
 
 # ------------------------------------------------------------------------------------------------------ methods
+NEEDS_DRAFT = "needs --eagle3 DRAFT (an EAGLE-3 draft trained for this target: train/train.py, eagle3)"
+
+
 def plan_summary(plan) -> dict:
     """What settings.json records of a plan (medusa.plan.Plan)."""
     keys = ("engine", "proposer", "tree", "expected_speedup", "plain_ms", "reason", "calibration_s")
@@ -468,16 +471,12 @@ def build_methods(names: list[str], args, model, stop_ids: list[int]) -> tuple[d
                 runs[name] = ours(draft_model)
         elif name == "eagle3":
             if eagle3_model is None:
-                skipped[name] = (
-                    "needs --eagle3 DRAFT (an EAGLE-3 draft trained for this target: train/train.py, eagle3)"
-                )
+                skipped[name] = NEEDS_DRAFT
             else:
                 runs[name] = ours(eagle3_model)
         elif name == "eagle3_planned":
             if eagle3_planned is None:
-                skipped[name] = (
-                    "needs --eagle3 DRAFT (an EAGLE-3 draft trained for this target: train/train.py, eagle3)"
-                )
+                skipped[name] = NEEDS_DRAFT
             elif eagle3_planned.plan is None:
                 skipped[name] = "needs --plan auto"
             else:
