@@ -4,7 +4,9 @@ and writes a draft that decodes exactly."""
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,7 +16,13 @@ from safetensors.torch import load_file
 from medusa import MedusaModel
 from medusa.eagle3 import Eagle3Model
 from medusa.eagle3_io import load_eagle3
+from medusa.train import eagle3 as eagle3_training
+from medusa.train import train as train_mod
+from medusa.train.batches import Conversation
+from medusa.train.config import TrainingConfig
+from medusa.train.trainer import precomputed_hidden
 from tests.test_train import (
+    RankAccelerator,
     _assert_same_weights,
     _launch_two,
     assert_killed_then_resumed_equals_uninterrupted,
@@ -59,6 +67,79 @@ def test_the_draft_learns_the_target_and_decodes_exactly(tmp_path, tiny_base, ti
     want = model.target.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0)
     out = model.generate(prompt, max_new_tokens=24)
     assert torch.equal(out, want)
+
+
+def test_bf16_mixed_precision_runs_target_and_draft_in_bf16_and_learns(tmp_path, tiny_base, tiny_data, monkeypatch):
+    """training.mixed_precision bf16 (what `auto` picks on an AVX512-BF16 CPU) reaches the draft: its layer runs
+    in bf16 autocast, its weights stay float32, and it learns as in float32."""
+    dtypes = []
+
+    def spy(*args, **kwargs):
+        outputs = unrolled_outputs(*args, **kwargs)
+        dtypes.append(outputs[0].dtype)
+        return outputs
+
+    unrolled_outputs = eagle3_training.unrolled_outputs
+    monkeypatch.setattr(eagle3_training, "unrolled_outputs", spy)
+    untrained = run(eagle3_sections(tmp_path / "a", tiny_base, tiny_data, max_steps=1, lr=1e-9, mixed_precision="no"))
+    assert set(dtypes) == {torch.float32}
+    dtypes.clear()
+    trained = run(eagle3_sections(tmp_path / "b", tiny_base, tiny_data, max_steps=60, mixed_precision="bf16"))
+    assert set(dtypes) == {torch.bfloat16}
+    before, after = untrained.eval_history[-1], trained.eval_history[-1]
+    assert after["eval/step0/top1"] > before["eval/step0/top1"] + 0.15, (before, after)
+    draft, _ = load_eagle3(trained.output_dir)
+    assert draft.fc.weight.dtype == torch.float32
+
+
+def test_cached_features_give_the_losses_of_the_target_run_online(tmp_path):
+    """eagle3.cache_features: the target's last hidden state and aux-layer features, computed once and read from
+    disk, score a conversation as running the target does (within the cache's bf16 rounding)."""
+    from tests.conftest import make_tiny_model
+
+    base = make_tiny_model("llama")
+    draft = eagle3_training.build_draft(
+        SimpleNamespace(eagle3=SimpleNamespace(aux_layers=[0, 1], draft_vocab_size=64)), base, torch.arange(64)
+    )
+    with torch.no_grad():  # outputs that depend on the features (a fresh draft's are near uniform)
+        draft.fc.weight.normal_(0, 0.5)
+        draft.lm_head.weight.normal_(0, 0.5)
+    rng = random.Random(0)
+    convs = [Conversation([rng.randrange(1, 96) for _ in range(n)], 5) for n in (30, 17, 41)]
+    tcfg = TrainingConfig(cache_dir=str(tmp_path), max_length=64, precompute_batch_tokens=64)
+    cache = precomputed_hidden(RankAccelerator(), tcfg, base, convs, [range(3)], "no", 64, draft.aux_layers, print)
+    assert len(list(tmp_path.glob("hidden-*.safetensors"))) == 1
+    for index, conv in enumerate(convs):
+        ids = torch.tensor([conv.ids])
+        cached = cache.batch([index])["hidden"]
+        assert cached.shape == (1, len(conv.ids), 3 * base.config.hidden_size)
+        online, online_stats = eagle3_training.step_losses(draft, base, ids, 2, 3, 0.8)
+        read, read_stats = eagle3_training.step_losses(draft, base, ids, 2, 3, 0.8, cached)
+        assert [count for count, _ in read_stats] == [count for count, _ in online_stats]
+        # the wrong positions' features (one over): what a misread cache would give
+        shifted, _ = eagle3_training.step_losses(draft, base, ids, 2, 3, 0.8, torch.roll(cached, 1, dims=1))
+        assert abs(float(read - online)) < abs(float(shifted - online)) / 20, (read, online, shifted)
+
+
+def test_a_draft_trained_on_cached_features_learns_and_reuses_the_cache(
+    tmp_path, tiny_base, tiny_data, capsys, monkeypatch
+):
+    raws = [eagle3_sections(tmp_path / run_dir, tiny_base, tiny_data, max_steps=60) for run_dir in ("a", "b")]
+    for raw in raws:
+        raw["eagle3"]["cache_features"] = True
+        raw["training"]["cache_dir"] = str(tmp_path / "cache")
+    untrained = run(eagle3_sections(tmp_path / "u", tiny_base, tiny_data, max_steps=1, lr=1e-9))
+    trained = run(raws[0])
+    before, after = untrained.eval_history[-1], trained.eval_history[-1]
+    assert after["eval/step0/top1"] > before["eval/step0/top1"] + 0.15, (before, after)
+    assert len(list((tmp_path / "cache").glob("hidden-*.safetensors"))) == 1
+    capsys.readouterr()
+    raws[1]["training"]["max_steps"] = 2
+    run(raws[1])
+    assert "reusing precomputed hidden states" in capsys.readouterr().out
+    monkeypatch.setattr(train_mod, "resolve_shard", lambda *args: True)  # as over several processes
+    with pytest.raises(ValueError, match="eagle3.cache_features"):
+        run(raws[1])
 
 
 def test_resume_equals_uninterrupted(tmp_path, tiny_base, tiny_data):

@@ -340,6 +340,10 @@ class Eagle3Config:
     # also score prompt positions against the target's distribution there (prompt-only data, data.answer false,
     # becomes usable); answers alone otherwise
     prompt_tokens: bool = False
+    # the target's features at aux_layers and its last hidden state computed once over the data and kept under
+    # training.cache_dir (bf16, (1 + len(aux_layers)) x hidden size per token: 4.6 kB for SmolLM2), instead of a target
+    # forward per conversation every epoch; online (false) holds nothing on disk, as large data on a GPU wants
+    cache_features: bool = False
 
     def __post_init__(self):
         if self.ttt_steps < 1:

@@ -4,10 +4,11 @@
     accelerate launch train/train.py --config configs/smollm2-135m-eagle3.yaml [--resume]
 
 Each micro-step runs the target over one conversation (its hidden states at the aux layers and its distribution at
-every position: online, nothing cached on disk), unrolls the draft `eagle3.ttt_steps` steps over its own outputs
-(medusa.eagle3.unrolled_outputs) and scores step j against the target's distribution over the draft vocabulary at
-the position it predicts, weighted eagle3.step_decay**j (EAGLE-3's loss). Answer positions only; positions whose
-target choice lies outside the draft vocabulary are not scored (the draft cannot name it). The output directory is a
+every position: online; with eagle3.cache_features computed once and read from disk), unrolls the draft
+`eagle3.ttt_steps` steps over its own outputs (medusa.eagle3.unrolled_outputs) and scores step j against the
+target's distribution over the draft vocabulary at the position it predicts, weighted eagle3.step_decay**j
+(EAGLE-3's loss). Answer positions only (every position with eagle3.prompt_tokens); positions whose target choice
+lies outside the draft vocabulary are not scored (the draft cannot name it). The output directory is a
 speculators-format draft (medusa.eagle3_io), loadable with `MedusaModel.from_draft_model(target, directory)`.
 """
 
@@ -34,7 +35,7 @@ from medusa.train.batches import data_fingerprint, load_conversations, split_eva
 from medusa.train.config import Config
 from medusa.train.data import frequent_tokens
 from medusa.train.sharding import full_trainable_state, shard_trainer
-from medusa.train.trainer import load_frozen_base
+from medusa.train.trainer import load_frozen_base, precomputed_hidden
 
 
 def build_draft(cfg: Config, base, vocabulary: torch.Tensor) -> Eagle3Draft:
@@ -51,14 +52,20 @@ def build_draft(cfg: Config, base, vocabulary: torch.Tensor) -> Eagle3Draft:
     return draft
 
 
-def step_losses(draft, base, ids: torch.Tensor, first_scored: int, steps: int, decay: float):
+def step_losses(draft, base, ids: torch.Tensor, first_scored: int, steps: int, decay: float, cached=None):
     """One conversation (1, T) -> (weighted loss, per-step [scored positions, top-1 agreements]). Predictions of
-    tokens before `first_scored` are not scored. With draft.gradient_checkpointing each step's (T, V_draft) scoring
-    is recomputed in backward instead of kept."""
+    tokens before `first_scored` are not scored. `cached` (1, T, (1 + A) H): the target's last hidden state and its
+    A aux layers' features there (eagle3.cache_features), read instead of running the target. With
+    draft.gradient_checkpointing each step's (T, V_draft) scoring is recomputed in backward instead of kept."""
     with torch.no_grad():
-        out = base(ids, output_hidden_states=True)
-        features = torch.cat([out.hidden_states[layer] for layer in draft.aux_layers], dim=-1).float()
-        target_logits = out.logits[0].float()  # (T, V): position t predicts token t + 1
+        if cached is None:
+            out = base(ids, output_hidden_states=True)
+            features = torch.cat([out.hidden_states[layer] for layer in draft.aux_layers], dim=-1).float()
+            target_logits = out.logits[0].float()  # (T, V): position t predicts token t + 1
+        else:
+            lm_head, hidden_size = base.get_output_embeddings(), cached.shape[-1] // (1 + len(draft.aux_layers))
+            features = cached[..., hidden_size:].float()
+            target_logits = lm_head(cached[0, :, :hidden_size].to(lm_head.weight.dtype)).float()
         chosen = target_logits.argmax(-1)
         target_p = target_logits[:, draft.target_ids].softmax(-1)  # (T, V_draft)
         in_vocabulary = draft.t2d[chosen]
@@ -97,23 +104,31 @@ class Eagle3Trainer(nn.Module):
         super().__init__()
         self.base, self.draft = base, draft
 
-    def forward(self, ids: torch.Tensor, first_scored: int, steps: int, decay: float):
-        return step_losses(self.draft, self.base, ids, first_scored, steps, decay)
+    def forward(self, ids: torch.Tensor, first_scored: int, steps: int, decay: float, cached=None):
+        return step_losses(self.draft, self.base, ids, first_scored, steps, decay, cached)
 
 
 def train_eagle3(
     cfg: Config, *, resume: bool = False, stop_after_steps: int | None = None, launched_fsdp: bool = False
 ):
-    from accelerate import Accelerator
+    from accelerate import Accelerator, PartialState
     from accelerate.utils import set_seed
     from transformers import get_scheduler
 
-    from medusa.train.train import TrainResult, check_distributed_type, resolve_shard
+    from medusa.train.train import TrainResult, check_distributed_type, resolve_mixed_precision, resolve_shard
 
-    accelerator = Accelerator(project_config=checkpoints.project_configuration(cfg.training))
+    # bf16 autocast (`auto` where the hardware has it) runs the frozen target and the draft in bf16 with float32
+    # master weights: about half the time of float32 per conversation on an AVX512-BF16 CPU (docs/training.md)
+    mixed = resolve_mixed_precision(cfg.training.mixed_precision, PartialState().device)
+    accelerator = Accelerator(mixed_precision=mixed, project_config=checkpoints.project_configuration(cfg.training))
     check_distributed_type(accelerator)
     shard = resolve_shard(cfg, accelerator, launched_fsdp)
     tcfg, ecfg = cfg.training, cfg.eagle3
+    if shard and ecfg.cache_features:
+        raise ValueError(
+            "eagle3.cache_features computes the target's features once on one device, training.shard fsdp shards a "
+            "target too large for one: set eagle3.cache_features false to shard (the features are then read online)"
+        )
     main = accelerator.is_main_process
     set_seed(tcfg.seed)
     ckpt_root = checkpoints.checkpoint_root(tcfg)
@@ -125,9 +140,11 @@ def train_eagle3(
     with accelerator.main_process_first():  # sharded: loaded on the CPU, each process moves its shards only
         base = load_frozen_base(cfg.model, torch.device("cpu") if shard else accelerator.device)
     vocab_size = base.get_output_embeddings().weight.shape[0]
-    convs = []
+    convs, parts = [], []  # parts: each data directory's index range (each has its own feature cache)
     for data_dir in [cfg.data.out_dir, *cfg.data.extra_dirs]:
-        convs += load_conversations(data_dir, tcfg.max_length, vocab_size, prompt_only=ecfg.prompt_tokens)
+        loaded = load_conversations(data_dir, tcfg.max_length, vocab_size, prompt_only=ecfg.prompt_tokens)
+        parts.append(range(len(convs), len(convs) + len(loaded)))
+        convs += loaded
     train_idx, eval_idx = split_eval(convs, tcfg.eval_conversations)
     vocabulary = (
         frequent_tokens((convs[i].ids[convs[i].response_start :] for i in train_idx), ecfg.draft_vocab_size, vocab_size)
@@ -136,6 +153,10 @@ def train_eagle3(
     )
     draft = build_draft(cfg, base, vocabulary)
     draft.gradient_checkpointing = tcfg.gradient_checkpointing
+    cache = None
+    if ecfg.cache_features:  # whole conversations (lookback max_length): every position may be scored
+        log = tqdm.write if main else lambda message: None
+        cache = precomputed_hidden(accelerator, tcfg, base, convs, parts, mixed, tcfg.max_length, draft.aux_layers, log)
     trainer = Eagle3Trainer(base, draft)
     if shard:
         shard_trainer(trainer, accelerator.device)
@@ -178,17 +199,20 @@ def train_eagle3(
     unwrapped = accelerator.unwrap_model(trainer)  # (sharded: the trainer itself, whose forward gathers)
 
     def conversation(index: int, evaluating: bool = False):
-        """(ids (1, T), the first position scored): held-out conversations score their answers only."""
+        """(ids (1, T), the first position scored, the cached features or None): held-out conversations score their
+        answers only."""
         conv = convs[index]
         first = 2 if ecfg.prompt_tokens and not evaluating else conv.response_start
-        return torch.tensor([conv.ids], device=accelerator.device), first
+        cached = None if cache is None else cache.batch([index])["hidden"].to(accelerator.device)
+        return torch.tensor([conv.ids], device=accelerator.device), first, cached
 
     def evaluate() -> dict:
         unwrapped.draft.eval()
         totals = [[0, 0] for _ in range(ecfg.ttt_steps)]
-        with torch.no_grad():
+        with torch.no_grad(), accelerator.autocast():
             for index in eval_idx:  # every process evaluates them all (sharded, each forward is collective)
-                _, stats = unwrapped(*conversation(index, True), ecfg.ttt_steps, ecfg.step_decay)
+                ids, first, cached = conversation(index, True)
+                _, stats = unwrapped(ids, first, ecfg.ttt_steps, ecfg.step_decay, cached)
                 for total, (count, agree) in zip(totals, stats):
                     total[0] += count
                     total[1] += agree
@@ -207,8 +231,10 @@ def train_eagle3(
             if shard:  # FSDP2: reduce-scatter the gradients at the last micro-step only
                 trainer.set_requires_gradient_sync(last)
             index = epoch_order[(within + micro) % len(epoch_order)]
-            with nullcontext() if shard or last else accelerator.no_sync(trainer):
-                loss, _ = trainer(*conversation(index), ecfg.ttt_steps, ecfg.step_decay)
+            # sharded, the trainer is not accelerate's: autocast as prepare would
+            with accelerator.autocast() if shard else nullcontext() if last else accelerator.no_sync(trainer):
+                ids, first, cached = conversation(index)
+                loss, _ = trainer(ids, first, ecfg.ttt_steps, ecfg.step_decay, cached)
                 accelerator.backward(loss / tcfg.grad_accum)
         if tcfg.max_grad_norm:
             accelerator.clip_grad_norm_(trainer.parameters(), tcfg.max_grad_norm)

@@ -197,6 +197,37 @@ def param_groups(trainer: HeadTrainer, cfg: TrainingConfig) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
+def precomputed_hidden(
+    accelerator, cfg: TrainingConfig, base: nn.Module, convs, parts, mixed: str, lookback: int, feature_layers, log
+) -> HiddenCache:
+    """The frozen base's features (medusa.runtime.verify.base_features: the last hidden state, then `feature_layers`'
+    residual streams) over each conversation from `lookback` positions before its response, computed once and kept
+    under `cfg.cache_dir`: one file per data directory (`parts`: index ranges of `convs`), keyed by its data, the
+    base, the precision and what is read, so adding a directory computes only its own file."""
+    base_key = {
+        "format": CACHE_FORMAT,
+        "base": base_fingerprint(base),
+        "dtype": str(base.dtype),
+        "mixed_precision": mixed,
+        "max_length": cfg.max_length,
+        "lookback": lookback,
+    }
+    if feature_layers:  # (only then: the keys of existing caches stay valid)
+        base_key["feature_layers"] = list(feature_layers)
+    caches = []
+    for part in parts:
+        part_convs = [convs[i] for i in part]
+        key_info = {**base_key, "data": data_fingerprint(part_convs)}
+        key = hashlib.blake2b(json.dumps(key_info, sort_keys=True).encode(), digest_size=16).hexdigest()
+        path = Path(cfg.cache_dir) / f"hidden-{key}.safetensors"
+        caches.append(
+            build_hidden_cache(
+                accelerator, base, part_convs, lookback, path, key, cfg.precompute_batch_tokens, log, feature_layers
+            )
+        )
+    return HiddenCache.concat(caches)
+
+
 def build_trainer(
     accelerator,
     cfg: TrainingConfig,
@@ -219,36 +250,9 @@ def build_trainer(
     options = {"compute_dtype": compute_dtype, "embed_tokens": base.get_input_embeddings()}
     if cfg.precompute_hidden:
         # (with prompt_tokens the training conversations score from position 0, so their spans are whole anyway)
-        lookback = cache_lookback(heads.config)
-        base_key = {
-            "format": CACHE_FORMAT,
-            "base": base_fingerprint(base),
-            "dtype": str(base.dtype),
-            "mixed_precision": mixed,
-            "max_length": cfg.max_length,
-            "lookback": lookback,
-        }
-        if heads.config.feature_layers:  # (only then: the keys of existing caches stay valid)
-            base_key["feature_layers"] = heads.config.feature_layers
-        caches = []
-        for part in parts:
-            part_convs = [convs[i] for i in part]
-            key_info = {**base_key, "data": data_fingerprint(part_convs)}
-            key = hashlib.blake2b(json.dumps(key_info, sort_keys=True).encode(), digest_size=16).hexdigest()
-            caches.append(
-                build_hidden_cache(
-                    accelerator,
-                    base,
-                    part_convs,
-                    lookback,
-                    Path(cfg.cache_dir) / f"hidden-{key}.safetensors",
-                    key,
-                    cfg.precompute_batch_tokens,
-                    log,
-                    heads.config.feature_layers,
-                )
-            )
-        cache = HiddenCache.concat(caches)
+        cache = precomputed_hidden(
+            accelerator, cfg, base, convs, parts, mixed, cache_lookback(heads.config), heads.config.feature_layers, log
+        )
 
         def fetch(rows):
             return {k: v.to(accelerator.device) for k, v in cache.batch(rows).items()}
