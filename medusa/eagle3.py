@@ -32,8 +32,8 @@ from medusa.tree import Candidates, TreeSpec, build_buffers, chain
 ATTENTION_INPUTS = ("q_proj", "k_proj", "v_proj")  # read [embedding, hidden]: twice the hidden size
 LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 # A drafted tree also tries the heads' copy guess (medusa.ngram: what followed the most recent earlier occurrence of
-# the last 4..2 tokens) first where there is one: the shipped draft's tokens per step at 6 nodes, 1.57 -> 2.29 on
-# held-out self-instruct prompts and 1.54 -> 1.88 on Spec-Bench (docs/benchmarks/cpu-eagle3-shipped-session63)
+# the last 4..2 tokens) first where there is one: a draft's tokens per step at 6 nodes on held-out self-instruct
+# prompts 1.57 -> 2.29 (session 62's: docs/benchmarks/cpu-eagle3-shipped-session63), 1.85 -> 2.51 (session 64's)
 COPY_NGRAM = 4
 
 
