@@ -21,6 +21,7 @@ from medusa.train import train as train_mod
 from medusa.train.batches import Conversation
 from medusa.train.config import TrainingConfig
 from medusa.train.trainer import precomputed_hidden
+from tests.conftest import make_tiny_model
 from tests.test_train import (
     RankAccelerator,
     _assert_same_weights,
@@ -72,14 +73,13 @@ def test_the_draft_learns_the_target_and_decodes_exactly(tmp_path, tiny_base, ti
 def test_bf16_mixed_precision_runs_target_and_draft_in_bf16_and_learns(tmp_path, tiny_base, tiny_data, monkeypatch):
     """training.mixed_precision bf16 (what `auto` picks on an AVX512-BF16 CPU) reaches the draft: its layer runs
     in bf16 autocast, its weights stay float32, and it learns as in float32."""
-    dtypes = []
+    dtypes, unrolled_outputs = [], eagle3_training.unrolled_outputs
 
-    def spy(*args, **kwargs):
+    def spy(*args, **kwargs):  # the dtype of the draft layer's outputs in training
         outputs = unrolled_outputs(*args, **kwargs)
         dtypes.append(outputs[0].dtype)
         return outputs
 
-    unrolled_outputs = eagle3_training.unrolled_outputs
     monkeypatch.setattr(eagle3_training, "unrolled_outputs", spy)
     untrained = run(eagle3_sections(tmp_path / "a", tiny_base, tiny_data, max_steps=1, lr=1e-9, mixed_precision="no"))
     assert set(dtypes) == {torch.float32}
@@ -95,8 +95,6 @@ def test_bf16_mixed_precision_runs_target_and_draft_in_bf16_and_learns(tmp_path,
 def test_cached_features_give_the_losses_of_the_target_run_online(tmp_path):
     """eagle3.cache_features: the target's last hidden state and aux-layer features, computed once and read from
     disk, score a conversation as running the target does (within the cache's bf16 rounding)."""
-    from tests.conftest import make_tiny_model
-
     base = make_tiny_model("llama")
     draft = eagle3_training.build_draft(
         SimpleNamespace(eagle3=SimpleNamespace(aux_layers=[0, 1], draft_vocab_size=64)), base, torch.arange(64)
