@@ -86,6 +86,19 @@ def load_conversations(
     return convs
 
 
+def load_directories(
+    data_dirs: list[str | Path], max_length: int, vocab_size: int, prompt_only: bool = False
+) -> tuple[list[Conversation], list[range]]:
+    """`load_conversations` of each directory, in order -> (all of them, each directory's index range): each
+    directory has its own hidden-state cache file."""
+    convs, parts = [], []
+    for data_dir in data_dirs:
+        loaded = load_conversations(data_dir, max_length, vocab_size, prompt_only=prompt_only)
+        parts.append(range(len(convs), len(convs) + len(loaded)))
+        convs += loaded
+    return convs, parts
+
+
 def _conversation_hash(conv: Conversation) -> bytes:
     return hashlib.blake2b(
         torch.tensor(conv.ids).numpy().tobytes() + conv.response_start.to_bytes(8, "little"), digest_size=16

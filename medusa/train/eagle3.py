@@ -31,7 +31,7 @@ from medusa.eagle3 import Eagle3Draft, default_aux_layers, unrolled_outputs
 from medusa.eagle3_io import save_eagle3
 from medusa.loading import DEFAULT_BASE
 from medusa.train import checkpoints
-from medusa.train.batches import data_fingerprint, load_conversations, split_eval
+from medusa.train.batches import data_fingerprint, load_directories, split_eval
 from medusa.train.config import Config
 from medusa.train.data import frequent_tokens
 from medusa.train.sharding import full_trainable_state, shard_trainer
@@ -140,11 +140,9 @@ def train_eagle3(
     with accelerator.main_process_first():  # sharded: loaded on the CPU, each process moves its shards only
         base = load_frozen_base(cfg.model, torch.device("cpu") if shard else accelerator.device)
     vocab_size = base.get_output_embeddings().weight.shape[0]
-    convs, parts = [], []  # parts: each data directory's index range (each has its own feature cache)
-    for data_dir in [cfg.data.out_dir, *cfg.data.extra_dirs]:
-        loaded = load_conversations(data_dir, tcfg.max_length, vocab_size, prompt_only=ecfg.prompt_tokens)
-        parts.append(range(len(convs), len(convs) + len(loaded)))
-        convs += loaded
+    convs, parts = load_directories(
+        [cfg.data.out_dir, *cfg.data.extra_dirs], tcfg.max_length, vocab_size, prompt_only=ecfg.prompt_tokens
+    )
     train_idx, eval_idx = split_eval(convs, tcfg.eval_conversations)
     vocabulary = (
         frequent_tokens((convs[i].ids[convs[i].response_start :] for i in train_idx), ecfg.draft_vocab_size, vocab_size)

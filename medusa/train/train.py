@@ -36,7 +36,7 @@ from medusa.train.batches import (
     Conversation,
     StepPlan,
     data_fingerprint,
-    load_conversations,
+    load_directories,
     loss_positions,
     pack,
     split_eval,
@@ -111,11 +111,7 @@ def train(cfg: Config, *, resume: bool = False, stop_after_steps: int | None = N
     lm_head = base.get_output_embeddings()
     hidden_size, vocab_size = base.config.get_text_config().hidden_size, lm_head.weight.shape[0]
     data_dirs = [cfg.data.out_dir, *cfg.data.extra_dirs]
-    convs, parts = [], []  # parts: each data directory's index range (each has its own hidden-state cache)
-    for data_dir in data_dirs:
-        loaded = load_conversations(data_dir, tcfg.max_length, vocab_size, prompt_only=tcfg.prompt_tokens)
-        parts.append(range(len(convs), len(convs) + len(loaded)))
-        convs += loaded
+    convs, parts = load_directories(data_dirs, tcfg.max_length, vocab_size, prompt_only=tcfg.prompt_tokens)
     train_idx, eval_idx = split_eval(convs, tcfg.eval_conversations)
     data_key = data_fingerprint(convs)
 
