@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from medusa import MedusaModel
 from medusa.eagle3 import Eagle3Model
-from medusa.eagle3_io import load_eagle3
+from medusa.eagle3_io import load_eagle3, save_eagle3
 from medusa.train import eagle3 as eagle3_training
 from medusa.train import train as train_mod
 from medusa.train.batches import Conversation
@@ -68,6 +68,38 @@ def test_the_draft_learns_the_target_and_decodes_exactly(tmp_path, tiny_base, ti
     want = model.target.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0)
     out = model.generate(prompt, max_new_tokens=24)
     assert torch.equal(out, want)
+
+
+def test_init_from_continues_a_trained_draft_with_its_weights_and_vocabulary(tmp_path, tiny_base, tiny_data):
+    untrained = run(eagle3_sections(tmp_path / "u", tiny_base, tiny_data, max_steps=1, lr=1e-9))
+    trained = run(eagle3_sections(tmp_path / "a", tiny_base, tiny_data, max_steps=60))
+
+    def continued(init_from, run_dir, **eagle3):
+        raw = eagle3_sections(tmp_path / run_dir, tiny_base, tiny_data, max_steps=1, lr=1e-9, save_dtype="float32")
+        raw["eagle3"].update(init_from=str(init_from), **eagle3)
+        return run(raw)
+
+    # nearly no step: the eval is the trained draft's (its weights, saved bf16), far above a fresh one's
+    again = continued(trained.output_dir, "b")
+    before, after = trained.eval_history[-1]["eval/step0/top1"], again.eval_history[-1]["eval/step0/top1"]
+    assert after == pytest.approx(before, abs=0.05) and after > untrained.eval_history[-1]["eval/step0/top1"] + 0.15
+
+    # the vocabulary is the draft's own, not the one the data would give
+    draft, _ = load_eagle3(trained.output_dir)
+    own = torch.arange(32, 96)  # (the tiny vocabulary has 96 ids)
+    draft.set_vocabulary(own)
+    save_eagle3(draft, tmp_path / "own-vocabulary")
+    kept, _ = load_eagle3(continued(tmp_path / "own-vocabulary", "c").output_dir)
+    assert torch.equal(kept.target_ids, own)
+    continued_head = load_file(str(tmp_path / "c" / "draft" / "model.safetensors"))["lm_head.weight"]
+    torch.testing.assert_close(continued_head, draft.lm_head.weight.detach().float(), atol=1e-6, rtol=0)
+
+    with pytest.raises(ValueError, match="draft_vocab_size 64 where this run has 32"):
+        continued(trained.output_dir, "d", draft_vocab_size=32)
+    with pytest.raises(ValueError, match="aux_layers"):
+        continued(trained.output_dir, "e", aux_layers=[0])
+    with pytest.raises(ValueError, match="names no EAGLE-3 draft"):
+        continued(tiny_base, "f")
 
 
 def test_bf16_mixed_precision_runs_target_and_draft_in_bf16_and_learns(tmp_path, tiny_base, tiny_data, monkeypatch):

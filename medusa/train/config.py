@@ -344,6 +344,9 @@ class Eagle3Config:
     # training.cache_dir (bf16, (1 + len(aux_layers)) x hidden size per token: 4.6 kB for SmolLM2), instead of a target
     # forward per conversation every epoch; online (false) holds nothing on disk, as large data on a GPU wants
     cache_features: bool = False
+    # start from this draft's weights and vocabulary (a directory in either layout, `embedded:<name>` or a Hub repo)
+    # instead of fresh ones: more data or more steps for a trained draft; its layers and vocabulary size must agree
+    init_from: str | None = None
 
     def __post_init__(self):
         if self.ttt_steps < 1:

@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 from medusa.eagle3 import Eagle3Draft, default_aux_layers, unrolled_outputs
-from medusa.eagle3_io import save_eagle3
+from medusa.eagle3_io import load_eagle3, resolve_draft, save_eagle3
 from medusa.loading import DEFAULT_BASE
 from medusa.train import checkpoints
 from medusa.train.batches import data_fingerprint, load_directories, split_eval
@@ -49,6 +49,47 @@ def build_draft(cfg: Config, base, vocabulary: torch.Tensor) -> Eagle3Draft:
         draft.lm_head.weight.copy_(base.get_output_embeddings().weight[draft.target_ids])
         final_norm = base.get_decoder().norm
         draft.norm.load_state_dict(final_norm.state_dict())
+    return draft
+
+
+def continued_draft(cfg: Config, base) -> Eagle3Draft:
+    """The draft `eagle3.init_from` names, as the float32 draft this section builds for `base`: its weights and its
+    vocabulary (a vocabulary taken from new data would reorder the rows its lm_head learned)."""
+    reference = cfg.eagle3.init_from
+    source = resolve_draft(reference)
+    if source is None:
+        raise ValueError(
+            f"eagle3.init_from {reference!r} names no EAGLE-3 draft: give a directory with its config.json and "
+            "model.safetensors (speculators or EAGLE-3 layout, as training writes), embedded:<name> or a Hub repo"
+        )
+    found, _ = load_eagle3(source)
+    target_vocab = base.get_output_embeddings().weight.shape[0]
+    wanted_aux = cfg.eagle3.aux_layers or default_aux_layers(base.config.get_text_config().num_hidden_layers)
+    problems = [
+        f"{name} {theirs} where this run has {ours}"
+        for name, theirs, ours in (
+            ("draft_vocab_size", found.d2t.numel(), cfg.eagle3.draft_vocab_size),
+            ("target vocabulary", found.t2d.numel(), target_vocab),
+            ("aux_layers", found.aux_layers, wanted_aux),
+        )
+        if theirs != ours
+    ]
+    if not problems:
+        draft = build_draft(cfg, base, found.target_ids)
+        ours, theirs = draft.state_dict(), found.state_dict()
+        problems = [f"no {name}" for name in ours if name not in theirs]
+        problems += [f"an extra {name}" for name in theirs if name not in ours]
+        problems += [
+            f"{name} of shape {tuple(tensor.shape)} where this target's draft has {tuple(ours[name].shape)}"
+            for name, tensor in theirs.items()
+            if name in ours and tensor.shape != ours[name].shape
+        ]
+    if problems:
+        raise ValueError(
+            f"eagle3.init_from {reference} does not fit this run: {'; '.join(problems[:4])}. Set the eagle3 section "
+            "to the draft's values, or start from a draft trained for this target"
+        )
+    draft.load_state_dict(theirs)  # (copied into the float32 weights)
     return draft
 
 
@@ -144,12 +185,13 @@ def train_eagle3(
         [cfg.data.out_dir, *cfg.data.extra_dirs], tcfg.max_length, vocab_size, prompt_only=ecfg.prompt_tokens
     )
     train_idx, eval_idx = split_eval(convs, tcfg.eval_conversations)
-    vocabulary = (
-        frequent_tokens((convs[i].ids[convs[i].response_start :] for i in train_idx), ecfg.draft_vocab_size, vocab_size)
-        .sort()
-        .values
-    )
-    draft = build_draft(cfg, base, vocabulary)
+    if ecfg.init_from:
+        draft = continued_draft(cfg, base)
+        vocabulary = draft.target_ids
+    else:
+        answers = (convs[i].ids[convs[i].response_start :] for i in train_idx)
+        vocabulary = frequent_tokens(answers, ecfg.draft_vocab_size, vocab_size).sort().values
+        draft = build_draft(cfg, base, vocabulary)
     draft.gradient_checkpointing = tcfg.gradient_checkpointing
     cache = None
     if ecfg.cache_features:  # whole conversations (lookback max_length): every position may be scored
