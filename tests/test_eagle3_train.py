@@ -81,6 +81,7 @@ def test_init_from_continues_a_trained_draft_with_its_weights_and_vocabulary(tmp
 
     # nearly no step: the eval is the trained draft's (its weights, saved bf16), far above a fresh one's
     again = continued(trained.output_dir, "b")
+    assert f"starting from the draft {trained.output_dir}" in (again.output_dir / "README.md").read_text()
     before, after = trained.eval_history[-1]["eval/step0/top1"], again.eval_history[-1]["eval/step0/top1"]
     assert after == pytest.approx(before, abs=0.05) and after > untrained.eval_history[-1]["eval/step0/top1"] + 0.15
 

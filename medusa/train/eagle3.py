@@ -337,11 +337,12 @@ def whole_draft(trainer: Eagle3Trainer, vocabulary: torch.Tensor) -> Eagle3Draft
 
 def model_card(cfg: Config, draft: Eagle3Draft, final: dict, conversations: int, tokens: int, steps: int) -> str:
     accuracy = " / ".join(f"{final[f'eval/step{j}/top1']:.3f}" for j in range(cfg.eagle3.ttt_steps))
+    started = f", starting from the draft {cfg.eagle3.init_from}" if cfg.eagle3.init_from else ""
     return (
         f"# EAGLE-3 draft for {cfg.model.base or 'SmolLM2-135M-Instruct (embedded)'}\n\n"
         f"Trained by medusa's train/train.py (training-time test, {cfg.eagle3.ttt_steps} steps) on {conversations} "
         f"self-distilled conversations ({tokens} answer tokens; data: {cfg.data.out_dir}, {cfg.data.extra_dirs}), "
-        f"{steps} optimizer steps.\n\nHeld-out top-1 agreement with the target per draft step: {accuracy}.\n\n"
+        f"{steps} optimizer steps{started}.\n\nHeld-out top-1 agreement with the target per draft step: {accuracy}.\n\n"
         f"Reads the target's layers {draft.aux_layers} (transformers' hidden_states index); draft vocabulary "
         f"{cfg.eagle3.draft_vocab_size} tokens. Load: `MedusaModel.from_draft_model(target, this_directory)`; "
         'serve: `vllm serve <target> --speculative-config \'{"model": "<this directory>", "method": "eagle3"}\'`.\n'
