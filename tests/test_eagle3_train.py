@@ -14,7 +14,7 @@ import yaml
 from safetensors.torch import load_file
 
 from medusa import MedusaModel
-from medusa.eagle3 import Eagle3Model
+from medusa.eagle3 import Eagle3Draft, Eagle3Model
 from medusa.eagle3_io import load_eagle3, save_eagle3
 from medusa.train import eagle3 as eagle3_training
 from medusa.train import train as train_mod
@@ -101,6 +101,11 @@ def test_init_from_continues_a_trained_draft_with_its_weights_and_vocabulary(tmp
         continued(trained.output_dir, "e", aux_layers=[0])
     with pytest.raises(ValueError, match="names no EAGLE-3 draft"):
         continued(tiny_base, "f")
+    # a draft of another family (qwen2's attention has biases) with the same sizes and layers
+    other_family = Eagle3Draft(make_tiny_model("qwen2").config, [0, 1], 64, draft.t2d.numel())
+    save_eagle3(other_family, tmp_path / "qwen2-draft")
+    with pytest.raises(ValueError, match=r"does not fit this run: (?s:.*)q_proj\.bias"):
+        continued(tmp_path / "qwen2-draft", "g")
 
 
 def test_bf16_mixed_precision_runs_target_and_draft_in_bf16_and_learns(tmp_path, tiny_base, tiny_data, monkeypatch):

@@ -74,22 +74,18 @@ def continued_draft(cfg: Config, base) -> Eagle3Draft:
         )
         if theirs != ours
     ]
-    if not problems:
-        draft = build_draft(cfg, base, found.target_ids)
-        ours, theirs = draft.state_dict(), found.state_dict()
-        problems = [f"no {name}" for name in ours if name not in theirs]
-        problems += [f"an extra {name}" for name in theirs if name not in ours]
-        problems += [
-            f"{name} of shape {tuple(tensor.shape)} where this target's draft has {tuple(ours[name].shape)}"
-            for name, tensor in theirs.items()
-            if name in ours and tensor.shape != ours[name].shape
-        ]
     if problems:
         raise ValueError(
-            f"eagle3.init_from {reference} does not fit this run: {'; '.join(problems[:4])}. Set the eagle3 section "
-            "to the draft's values, or start from a draft trained for this target"
+            f"eagle3.init_from {reference} does not fit this run: {'; '.join(problems)}. Set the eagle3 section to "
+            "the draft's values, or start from a draft trained for this target"
         )
-    draft.load_state_dict(theirs)  # (copied into the float32 weights)
+    draft = build_draft(cfg, base, found.target_ids)
+    try:
+        draft.load_state_dict(found.state_dict())  # (copied into the float32 weights)
+    except RuntimeError as err:  # another layer family or size: torch names each missing, extra or reshaped tensor
+        raise ValueError(
+            f"eagle3.init_from {reference} does not fit this run: {err}\nStart from a draft trained for this target"
+        ) from err
     return draft
 
 
