@@ -14,6 +14,7 @@ speculators format that vLLM loads (medusa.eagle3_io).
 from __future__ import annotations
 
 import copy
+import logging
 
 import torch
 from torch import nn
@@ -24,8 +25,8 @@ from medusa.draft import TargetAndDraft
 from medusa.dynamic_tree import DEFAULT_TOPK, Level, cut_tree, keep_best, rank_copies_first, surviving_parents
 from medusa.ngram import copy_chain
 from medusa.plan import DRAFT_PROPOSER, Planned
-from medusa.propose import PlainProposer
-from medusa.runtime import int8_copy, with_cache
+from medusa.propose import Compiled, PlainProposer
+from medusa.runtime import compiled_module, int8_copy, with_cache
 from medusa.sampling import SamplingConfig, greedy_tokens, target_probs
 from medusa.tree import Candidates, TreeSpec, build_buffers, chain
 
@@ -35,6 +36,9 @@ LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"
 # the last 4..2 tokens) first where there is one: a draft's tokens per step at 6 nodes on held-out self-instruct
 # prompts 1.57 -> 2.29 (session 62's: docs/benchmarks/cpu-eagle3-shipped-session63), 1.85 -> 2.51 (session 64's)
 COPY_NGRAM = 4
+MAX_STEP_ROWS = 64  # the most rows a compiled draft step takes at once (a tree level's nodes, newly committed rows)
+
+logger = logging.getLogger(__name__)
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -168,6 +172,64 @@ def unrolled_visibility(length: int, step: int, device=None) -> torch.Tensor:
     return torch.cat([causal] + [diagonal] * step, dim=1)
 
 
+class DraftStep(nn.Module):
+    """The draft over T new rows after the P rows its KV cache holds, the cache handed in and the new rows' keys and
+    values handed back: a function of its inputs, so that it compiles ahead of time (`compile_draft_step`).
+
+    hidden, embeds (T, H); positions (T,); past_visible (T, P) and new_visible (T, T) bool, the rows each query sees;
+    keys, values (P, kv_heads, head_dim) -> (output (T, H): the next step's hidden state; draft logits (T, V_draft),
+    or the last row's alone (1, V_draft) without `every_row`, as a prompt's feed needs; the new rows' keys and values
+    (T, kv_heads, head_dim))."""
+
+    def __init__(self, draft: Eagle3Draft, every_row: bool = True):
+        super().__init__()
+        self.draft, self.every_row = draft, every_row
+
+    def forward(self, hidden, embeds, positions, past_visible, new_visible, keys, values):
+        cache = DynamicCache()
+        cache.update(keys.transpose(0, 1)[None], values.transpose(0, 1)[None], 0)
+        mask = additive_mask(torch.cat([past_visible, new_visible], dim=1), hidden.dtype)
+        output = self.draft(hidden[None], embeds[None], positions[None], mask, cache)[0]
+        past, rows = keys.shape[0], cache.layers[0]
+        new_keys, new_values = (x[0, :, past:].transpose(0, 1) for x in (rows.keys, rows.values))
+        logits = self.draft.logits(output if self.every_row else output[-1:])
+        return output, logits, new_keys, new_values
+
+
+def kv_shape(draft: Eagle3Draft) -> tuple[int, int]:
+    """(kv_heads, head_dim) of the draft's attention."""
+    return draft.config.num_key_value_heads, draft.layers[0].self_attn.head_dim
+
+
+def compile_draft_step(draft: Eagle3Draft, progress: bool = True) -> Compiled | None:
+    """`DraftStep` compiled ahead of time on a CPU (runtime.compiled_module: once on this machine and draft, seconds;
+    loaded from the cache after) for 1..MAX_STEP_ROWS new rows after at least one cached row: eagerly, a draft step's
+    few dozen small operations cost more in calls than in arithmetic. None where compiling fails (a warning says why;
+    the draft then runs eagerly, computing the same)."""
+    step = DraftStep(draft).eval()
+    dtype, size = draft.fc.weight.dtype, draft.config.hidden_size
+    rows, past = 2, 3  # neither 0 nor 1, which export would specialise on
+    kv = (past, *kv_shape(draft))
+    example = (
+        torch.zeros(rows, size, dtype=dtype),
+        torch.zeros(rows, size, dtype=dtype),
+        torch.arange(past, past + rows),
+        torch.ones(rows, past, dtype=torch.bool),
+        torch.eye(rows, dtype=torch.bool),
+        torch.zeros(kv, dtype=dtype),
+        torch.zeros(kv, dtype=dtype),
+    )
+    new = torch.export.Dim("rows", min=1, max=MAX_STEP_ROWS)
+    cached = torch.export.Dim("past", min=1, max=max(draft.config.max_position_embeddings, 2 * MAX_STEP_ROWS))
+    shapes = ({0: new}, {0: new}, {0: new}, {0: new, 1: cached}, {0: new, 1: new}, {0: cached}, {0: cached})
+    try:
+        runner = compiled_module(step, example, shapes, "eagle3-step", "the EAGLE-3 draft", progress)
+    except Exception as err:  # noqa: BLE001 - any failure leaves the eager step, which computes the same
+        logger.warning("the EAGLE-3 draft could not be compiled (%s: %s); it runs eagerly", type(err).__name__, err)
+        return None
+    return Compiled(runner, step, MAX_STEP_ROWS)
+
+
 class Eagle3Proposer:
     """Drafts with an Eagle3Draft after the target's root token: a chain of `depth` tokens, or with `num_nodes` a tree
     of that many nodes (root included) at most `depth` deep, EAGLE-2's search: each level runs the draft once over the
@@ -180,7 +242,7 @@ class Eagle3Proposer:
     `state.new_hidden`, columns `feature_columns`), dropping the rows it drafted then. A chain draws from the draft's
     q shaped by `sampling` (argmax when greedy) and hands q to the acceptance rule, so the "speculative" rule keeps
     sampling exact; a tree is a deterministic set of guesses, exact under the "rejection" rule. Greedy output is the
-    target's whatever the draft says.
+    target's whatever the draft says. `compiled`: `compile_draft_step`'s, used wherever it takes the rows.
     """
 
     def __init__(
@@ -195,6 +257,7 @@ class Eagle3Proposer:
         num_nodes: int | None = None,
         topk: int = DEFAULT_TOPK,
         copy_ngram: int = 0,
+        compiled: Compiled | None = None,
     ):
         if num_nodes is not None and (num_nodes < 2 or topk < 1):
             raise ValueError(f"an EAGLE-3 tree needs num_nodes >= 2 and topk >= 1, got {num_nodes} and {topk}")
@@ -203,21 +266,37 @@ class Eagle3Proposer:
         self.num_nodes, self.topk, self.copy_ngram = num_nodes, topk, copy_ngram
         self.max_nodes = depth + 1 if num_nodes is None else num_nodes
         self.tree = build_buffers(TreeSpec(chain(depth)), depth).to(draft.d2t.device)
-        self.cache = DynamicCache()
+        self.compiled_step = compiled
+        self.eager_steps = {every_row: DraftStep(draft, every_row) for every_row in (True, False)}
+        # the draft's KV cache, (keys, values) x capacity x (kv_heads, head_dim): its first `rows` rows are filled
+        self.kv = torch.zeros(2, 0, *kv_shape(draft), dtype=draft.fc.weight.dtype, device=draft.d2t.device)
+        self.rows = 0
         self.seen = 0  # committed positions whose rows (from the target's features) the cache holds
         self._unread: list[torch.Tensor] = []  # features of positions committed since, oldest first
 
-    def _rows(self) -> int:
-        return self.cache.get_seq_length()
-
-    def _run(self, hidden: torch.Tensor, tokens: torch.Tensor, first_position: int) -> torch.Tensor:
-        """Feed (n, H) hidden states and the (n,) tokens after them at positions first_position.. -> (n, H)."""
-        n, past = hidden.shape[0], self._rows()
-        visible = torch.ones((n, past + n), dtype=torch.bool, device=hidden.device).tril(past)
-        positions = torch.arange(first_position, first_position + n, device=hidden.device)[None]
-        embeds = self.embed_tokens(tokens)[None]
-        mask = additive_mask(visible, hidden.dtype)
-        return self.draft(hidden[None], embeds, positions, mask, self.cache)[0]
+    def _step(
+        self, hidden, tokens, positions, past_visible, new_visible, every_row: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the draft over (T, H) hidden states and the (T,) tokens after them at `positions`, seeing the cached
+        rows `past_visible` (T, rows) and each other's `new_visible` (T, T); their rows join the cache. -> (outputs
+        (T, H), draft logits (T, V_draft); without `every_row` at least the last row's)."""
+        count = hidden.shape[0]
+        if self.compiled_step is not None and self.rows and count <= MAX_STEP_ROWS:
+            step = self.compiled_step
+        else:  # a prompt (no rows cached yet) or more rows than the package takes
+            step = self.eager_steps[every_row]
+        keys, values = self.kv[0, : self.rows], self.kv[1, : self.rows]
+        output, logits, new_keys, new_values = step(
+            hidden, self.embed_tokens(tokens), positions, past_visible, new_visible, keys, values
+        )
+        if self.rows + count > self.kv.shape[1]:  # grow by doubling: a copy now and then, not every step
+            grown = self.kv.new_zeros(2, 2 * (self.rows + count), *self.kv.shape[2:])
+            grown[:, : self.rows] = self.kv[:, : self.rows]
+            self.kv = grown
+        self.kv[0, self.rows : self.rows + count] = new_keys
+        self.kv[1, self.rows : self.rows + count] = new_values
+        self.rows += count
+        return output, logits
 
     def _draw(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(V_draft,) draft logits -> (target token id, q over the target's vocabulary or None when greedy)."""
@@ -235,21 +314,34 @@ class Eagle3Proposer:
         # the positions the last step committed (state.new_hidden), after those of steps without guesses (skip)
         features = torch.cat([*self._unread, state.new_hidden])[-(state.length - self.seen) :, self.columns]
         self._unread = []
-        extra = self._rows() - self.seen  # rows drafted last time
-        if extra > 0:
-            self.cache.crop(-extra)
+        self.rows = self.seen  # the rows drafted last time go
         following = torch.tensor(state.tokens[self.seen + 1 : state.length + 1], device=features.device)
-        hidden = self._run(self.draft.fuse(features), following, self.seen)[-1:]
+        count, device = following.numel(), features.device
+        hidden, logits = self._step(
+            self.draft.fuse(features),
+            following,
+            torch.arange(self.seen, self.seen + count, device=device),
+            torch.ones((count, self.rows), dtype=torch.bool, device=device),
+            torch.ones((count, count), dtype=torch.bool, device=device).tril(),
+            every_row=False,
+        )
+        hidden, logits = hidden[-1:], logits[-1:]
         self.seen = state.length
         if self.num_nodes is not None:
-            return self._tree(state, hidden)
+            return self._tree(state, hidden, logits)
         tokens, probs = [], []
         for step in range(self.depth):
-            token, q = self._draw(self.draft.logits(hidden[-1]))
+            token, q = self._draw(logits[-1])
             tokens.append(token)
             probs.append(q)
             if step + 1 < self.depth:
-                hidden = self._run(hidden, token.view(1), state.length + step)
+                hidden, logits = self._step(
+                    hidden,
+                    token.view(1),
+                    torch.tensor([state.length + step], device=device),
+                    torch.ones((1, self.rows), dtype=torch.bool, device=device),
+                    torch.ones((1, 1), dtype=torch.bool, device=device),
+                )
         drafted = torch.stack(tokens)
         draft_probs = None
         if self.sampling.do_sample:
@@ -260,13 +352,15 @@ class Eagle3Proposer:
             draft_probs=draft_probs,
         )
 
-    def _tree(self, state, hidden: torch.Tensor) -> Candidates:
-        """The dynamic tree from the root's output `hidden` (1, H) (see the class docstring)."""
-        root, budget = state.root_token.view(1).to(hidden.device), self.num_nodes - 1
+    def _tree(self, state, hidden: torch.Tensor, logits: torch.Tensor) -> Candidates:
+        """The dynamic tree from the root's output `hidden` (1, H) and its draft `logits` (see the class docstring)."""
+        device = hidden.device
+        root, budget = state.root_token.view(1).to(device), self.num_nodes - 1
         beam = [0.0]  # the kept nodes' path scores; the root: log 1
         paths: list[tuple[int, ...]] = [()]  # the kept nodes' tokens after the root
         copies = copy_chain(torch.tensor(state.tokens), self.copy_ngram, self.depth) if self.copy_ngram else []
-        sees = torch.zeros((1, 0), dtype=torch.bool, device=hidden.device)  # which drafted rows each kept node sees
+        sees = torch.zeros((1, 0), dtype=torch.bool, device=device)  # which drafted rows each kept node sees
+        committed = torch.ones((budget, self.seen), dtype=torch.bool, device=device)
         levels: list[Level] = []
         for depth in range(self.depth):
             if depth:  # run the level's nodes that can still have a child in the cut
@@ -274,14 +368,16 @@ class Eagle3Proposer:
                 if count == 0:
                     break
                 beam, paths = beam[:count], paths[:count]
-                parents = torch.tensor(levels[-1].parents[:count]).to(hidden.device)
-                sees = torch.cat([sees[parents], torch.eye(count, dtype=torch.bool, device=hidden.device)], dim=1)
-                committed = torch.ones((count, self.seen), dtype=torch.bool, device=hidden.device)
-                mask = additive_mask(torch.cat([committed, sees], dim=1), hidden.dtype)
-                positions = torch.full((1, count), state.length + depth - 1, device=hidden.device)
-                embeds = self.embed_tokens(torch.tensor(levels[-1].tokens[:count]).to(hidden.device))[None]
-                hidden = self.draft(hidden[parents][None], embeds, positions, mask, self.cache)[0]
-            logp = self.draft.logits(hidden).float().log_softmax(-1)
+                parents = torch.tensor(levels[-1].parents[:count], device=device)
+                hidden, logits = self._step(
+                    hidden[parents],
+                    torch.tensor(levels[-1].tokens[:count], device=device),
+                    torch.full((count,), state.length + depth - 1, device=device),
+                    torch.cat([committed[:count], sees[parents]], dim=1),
+                    torch.eye(count, dtype=torch.bool, device=device),
+                )
+                sees = torch.cat([sees[parents], torch.eye(count, dtype=torch.bool, device=device)], dim=1)
+            logp = logits.float().log_softmax(-1)
             top_logp, top_index = logp.topk(min(self.topk, budget, logp.shape[-1]), dim=-1)
             rows_logp, rows_tokens = top_logp.tolist(), self.draft.target_ids[top_index].tolist()
             rank_copies_first(paths, rows_tokens, rows_logp, copies, depth)
@@ -355,6 +451,14 @@ class Eagle3Model(Planned, TargetAndDraft):
         int8 = target.device.type == "cpu" if int8 is None else int8
         self.proposal_draft = int8_copy(self.draft) if int8 else self.draft
         self.feature_layers = list(draft.aux_layers)
+        self.compiled_step: Compiled | None | bool = None  # prepare_proposal's; False where there is none
+
+    def prepare_proposal(self, engine) -> None:
+        """Where `engine` compiles the target ahead of time (the inductor engine on a CPU), compile the draft's step
+        too (seconds, once on this machine and draft; loaded after): every later call drafts with it."""
+        if getattr(engine, "ahead_of_time", False) and self.compiled_step is None:
+            on_cpu = self.device.type == "cpu"
+            self.compiled_step = on_cpu and compile_draft_step(self.proposal_draft) or False
 
     @property
     def default_sampling_rule(self) -> str:
@@ -389,6 +493,7 @@ class Eagle3Model(Planned, TargetAndDraft):
             proposer = self.plan.proposer
         if proposer == "plain":
             return PlainProposer(self.device)
+        self.prepare_proposal(engine)
         hidden = self.draft.config.hidden_size
         built = Eagle3Proposer(
             self.proposal_draft,
@@ -401,6 +506,7 @@ class Eagle3Model(Planned, TargetAndDraft):
             num_nodes=self._tree_size(tree),
             topk=self.topk,
             copy_ngram=self.copy_ngram,
+            compiled=self.compiled_step or None,
         )
         if not chosen_by_plan:
             return built

@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 # in a heads directory: {"acc_given_prefix": [[...], ...], "source": ..., optionally "decoded": (check_decoded)}
 ACCURACY_NAME = "medusa_accuracy.json"
-PLAN_VERSION = 21  # 3: the inductor engine is an option; 4: the dynamic tree skips heads that cannot matter (cheaper);
+PLAN_VERSION = 22  # 3: the inductor engine is an option; 4: the dynamic tree skips heads that cannot matter (cheaper);
 # 5: the inductor engine runs ahead-of-time packages on CPU; 6: a context layer's read of each step's positions costed;
 # 7: pre-packed weights laid out for 8 rows (cheaper heads, context reads and pre-packed verifies); 8: proposing on
 # int8 weights on a CPU (cheaper heads and context reads); 9: more repeats, a verify curve that never falls, near-ties
@@ -60,7 +60,8 @@ PLAN_VERSION = 21  # 3: the inductor engine is an option; 4: the dynamic tree sk
 # GEMM, compiled ahead of time with the inductor engine (a cheaper proposal); 18: fp32 GEMMs on AVX-512 in 16 x 16
 # register blocks (flatter verifies from 3 nodes); 19: fp32 GEMMs ask for their weights ahead (flatter verifies from 2
 # nodes, on AVX2 too), int8 ones without AMX too; 20: int8 and int4 one-token steps on AMX CPUs without AMX kernels (a
-# cheaper plain step); 21: bf16 without AMX on inductor's template, its weights asked for ahead (cheaper steps)
+# cheaper plain step); 21: bf16 without AMX on inductor's template, its weights asked for ahead (cheaper steps); 22: an
+# EAGLE-3 draft's step compiled ahead of time with the inductor engine (a cheaper proposal)
 SIZES = (1, 2, 4, 6, 8, 12, 16, 24)  # tree nodes timed, root included (1 = plain decoding)
 SLOW_ENGINE = 1.25  # an engine whose plain step is this much slower than the fastest one's is not timed further
 MIN_GAIN = 1.05  # a speculative option must beat plain decoding by this much to be chosen

@@ -87,25 +87,26 @@ def test_greedy_output_is_the_targets_greedy_output(family, depth):
 
 def test_a_draft_that_guesses_right_is_always_accepted():
     """An oracle in place of the draft's output layer: it names the token of the target's greedy continuation at the
-    position the proposer drafts for (the rows its cache holds, plus one). Every chain is then accepted whole; a
-    proposer that fed the draft the wrong tokens or positions would not line up with it."""
+    position each row drafts for (the row's position, as the proposer hands it to the draft, plus two). Every chain is
+    then accepted whole; a proposer that fed the draft the wrong positions would not line up with it."""
     target = make_tiny_model("llama")
     draft = random_draft(target, draft_vocab=VOCAB)
     prompt = torch.randint(1, VOCAB, (1, 7), generator=torch.Generator().manual_seed(2))
     sequence = target.generate(prompt, max_new_tokens=40, do_sample=False, pad_token_id=0)[0]
     model = Eagle3Model(target, draft, num_speculative_tokens=3)
-    proposers, make_proposer = [], model.make_proposer
+    positions, forward = [], model.proposal_draft.forward
 
-    def capture(*args, **kwargs):
-        proposers.append(make_proposer(*args, **kwargs))
-        return proposers[-1]
+    def recording(hidden, token_embeds, position_ids, *args, **kwargs):
+        positions[:] = position_ids[0].tolist()
+        return forward(hidden, token_embeds, position_ids, *args, **kwargs)
 
-    def oracle(hidden):
-        logits = torch.full((VOCAB,), -1e9)
-        logits[sequence[proposers[-1].cache.get_seq_length() + 1]] = 0.0
+    def oracle(hidden):  # the rows of the last run, or its last row alone
+        logits = torch.full((hidden.shape[0], VOCAB), -1e9)
+        for row, position in enumerate(positions[-hidden.shape[0] :]):
+            logits[row, sequence[position + 2]] = 0.0
         return logits
 
-    model.make_proposer, model.proposal_draft.logits = capture, oracle
+    model.proposal_draft.forward, model.proposal_draft.logits = recording, oracle
     out = model.generate(prompt, max_new_tokens=33, return_dict_in_generate=True)
     assert torch.equal(out.sequences[0], sequence[: 7 + 33])
     assert out.stats.accepted_lengths == [4] * 8  # 1 (prefill) + 8 steps of 4 = 33 tokens
