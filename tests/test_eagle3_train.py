@@ -12,13 +12,14 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from medusa import MedusaModel
 from medusa.eagle3 import Eagle3Draft, Eagle3Model
 from medusa.eagle3_io import load_eagle3, save_eagle3
 from medusa.train import eagle3 as eagle3_training
 from medusa.train import train as train_mod
-from medusa.train.batches import Conversation
+from medusa.train.batches import Conversation, load_directories, split_eval
 from medusa.train.config import TrainingConfig
 from medusa.train.trainer import precomputed_hidden
 from tests.conftest import make_tiny_model
@@ -95,7 +96,23 @@ def test_init_from_continues_a_trained_draft_with_its_weights_and_vocabulary(tmp
     continued_head = load_file(str(tmp_path / "c" / "draft" / "model.safetensors"))["lm_head.weight"]
     torch.testing.assert_close(continued_head, draft.lm_head.weight.detach().float(), atol=1e-6, rtol=0)
 
-    with pytest.raises(ValueError, match="draft_vocab_size 64 where this run has 32"):
+    # a larger vocabulary keeps the learned rows at their tokens and adds the data's most frequent missing tokens,
+    # their rows the target's own (a fresh draft's start)
+    grown, _ = load_eagle3(continued(tmp_path / "own-vocabulary", "grown", draft_vocab_size=80).output_dir)
+    ids, added = grown.target_ids, sorted(set(grown.target_ids.tolist()) - set(own.tolist()))
+    assert ids.numel() == 80 and set(own.tolist()) <= set(ids.tolist()) and len(added) == 16
+    grown_head = load_file(str(tmp_path / "grown" / "draft" / "model.safetensors"))["lm_head.weight"]
+    rows = torch.searchsorted(ids, own)
+    torch.testing.assert_close(grown_head[rows], draft.lm_head.weight.detach().float(), atol=1e-6, rtol=0)
+    target_rows = AutoModelForCausalLM.from_pretrained(tiny_base).get_output_embeddings().weight.detach()[added]
+    torch.testing.assert_close(grown_head[torch.searchsorted(ids, torch.tensor(added))], target_rows, atol=1e-6, rtol=0)
+    convs, _ = load_directories([tiny_data], 1024, 96)
+    answers = [token for i in split_eval(convs, 4)[0] for token in convs[i].ids[convs[i].response_start :]]
+    counts = torch.bincount(torch.tensor(answers), minlength=96)
+    left_out = set(range(96)) - set(own.tolist()) - set(added)
+    assert max(int(counts[t]) for t in left_out) <= min(int(counts[t]) for t in added)  # the most frequent ones
+
+    with pytest.raises(ValueError, match=r"draft_vocab_size 64 where this run has 32 \(a vocabulary grows"):
         continued(trained.output_dir, "d", draft_vocab_size=32)
     with pytest.raises(ValueError, match="aux_layers"):
         continued(trained.output_dir, "e", aux_layers=[0])

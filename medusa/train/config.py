@@ -345,7 +345,8 @@ class Eagle3Config:
     # forward per conversation every epoch; online (false) holds nothing on disk, as large data on a GPU wants
     cache_features: bool = False
     # start from this draft's weights and vocabulary (a directory in either layout, `embedded:<name>` or a Hub repo)
-    # instead of fresh ones: more data or more steps for a trained draft; its layers and vocabulary size must agree
+    # instead of fresh ones: more data or more steps for a trained draft; its layers must agree, and a larger
+    # draft_vocab_size grows its vocabulary by the data's most frequent tokens it lacks (never shrinks it)
     init_from: str | None = None
 
     def __post_init__(self):

@@ -18,6 +18,7 @@ import json
 import math
 import random
 import time
+from collections.abc import Iterable
 from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
@@ -52,9 +53,11 @@ def build_draft(cfg: Config, base, vocabulary: torch.Tensor) -> Eagle3Draft:
     return draft
 
 
-def continued_draft(cfg: Config, base) -> Eagle3Draft:
+def continued_draft(cfg: Config, base, answers: Iterable[list[int]]) -> Eagle3Draft:
     """The draft `eagle3.init_from` names, as the float32 draft this section builds for `base`: its weights and its
-    vocabulary (a vocabulary taken from new data would reorder the rows its lm_head learned)."""
+    vocabulary (a vocabulary taken from new data would reorder the rows its lm_head learned). A larger
+    `draft_vocab_size` grows the vocabulary by the most frequent tokens of `answers` it lacks, their lm_head rows the
+    target's own, as a fresh draft's start."""
     reference = cfg.eagle3.init_from
     source = resolve_draft(reference)
     if source is None:
@@ -65,23 +68,35 @@ def continued_draft(cfg: Config, base) -> Eagle3Draft:
     found, _ = load_eagle3(source)
     target_vocab = base.get_output_embeddings().weight.shape[0]
     wanted_aux = cfg.eagle3.aux_layers or default_aux_layers(base.config.get_text_config().num_hidden_layers)
+    size, held = cfg.eagle3.draft_vocab_size, found.d2t.numel()
     problems = [
         f"{name} {theirs} where this run has {ours}"
         for name, theirs, ours in (
-            ("draft_vocab_size", found.d2t.numel(), cfg.eagle3.draft_vocab_size),
             ("target vocabulary", found.t2d.numel(), target_vocab),
             ("aux_layers", found.aux_layers, wanted_aux),
         )
         if theirs != ours
     ]
+    if size < held:
+        problems.insert(0, f"draft_vocab_size {held} where this run has {size} (a vocabulary grows, never shrinks)")
     if problems:
         raise ValueError(
             f"eagle3.init_from {reference} does not fit this run: {'; '.join(problems)}. Set the eagle3 section to "
             "the draft's values, or start from a draft trained for this target"
         )
-    draft = build_draft(cfg, base, found.target_ids)
+    vocabulary, state = found.target_ids, found.state_dict()
+    if size > held:
+        by_frequency = frequent_tokens(answers, target_vocab, target_vocab).tolist()
+        kept = set(vocabulary.tolist())
+        added = [token for token in by_frequency if token not in kept][: size - held]
+        vocabulary = torch.cat([vocabulary, torch.tensor(added, dtype=torch.long)]).sort().values
+    draft = build_draft(cfg, base, vocabulary)
+    if size > held:  # the learned rows move to their tokens' places; the added rows stay the target's
+        head = draft.lm_head.weight.detach().clone()
+        head[torch.searchsorted(vocabulary, found.target_ids)] = state["lm_head.weight"].to(head.dtype)
+        state.update({"lm_head.weight": head, "d2t": draft.d2t, "t2d": draft.t2d})
     try:
-        draft.load_state_dict(found.state_dict())  # (copied into the float32 weights)
+        draft.load_state_dict(state)  # (copied into the float32 weights)
     except RuntimeError as err:  # another layer family or size: torch names each missing, extra or reshaped tensor
         raise ValueError(
             f"eagle3.init_from {reference} does not fit this run: {err}\nStart from a draft trained for this target"
@@ -181,11 +196,11 @@ def train_eagle3(
         [cfg.data.out_dir, *cfg.data.extra_dirs], tcfg.max_length, vocab_size, prompt_only=ecfg.prompt_tokens
     )
     train_idx, eval_idx = split_eval(convs, tcfg.eval_conversations)
+    answers = (convs[i].ids[convs[i].response_start :] for i in train_idx)
     if ecfg.init_from:
-        draft = continued_draft(cfg, base)
+        draft = continued_draft(cfg, base, answers)
         vocabulary = draft.target_ids
     else:
-        answers = (convs[i].ids[convs[i].response_start :] for i in train_idx)
         vocabulary = frequent_tokens(answers, ecfg.draft_vocab_size, vocab_size).sort().values
         draft = build_draft(cfg, base, vocabulary)
     draft.gradient_checkpointing = tcfg.gradient_checkpointing
