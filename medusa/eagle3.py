@@ -369,14 +369,15 @@ class Eagle3Proposer:
                     break
                 beam, paths = beam[:count], paths[:count]
                 parents = torch.tensor(levels[-1].parents[:count], device=device)
+                ancestors, itself = sees[parents], torch.eye(count, dtype=torch.bool, device=device)
                 hidden, logits = self._step(
                     hidden[parents],
                     torch.tensor(levels[-1].tokens[:count], device=device),
                     torch.full((count,), state.length + depth - 1, device=device),
-                    torch.cat([committed[:count], sees[parents]], dim=1),
-                    torch.eye(count, dtype=torch.bool, device=device),
+                    torch.cat([committed[:count], ancestors], dim=1),
+                    itself,
                 )
-                sees = torch.cat([sees[parents], torch.eye(count, dtype=torch.bool, device=device)], dim=1)
+                sees = torch.cat([ancestors, itself], dim=1)
             logp = logits.float().log_softmax(-1)
             top_logp, top_index = logp.topk(min(self.topk, budget, logp.shape[-1]), dim=-1)
             rows_logp, rows_tokens = top_logp.tolist(), self.draft.target_ids[top_index].tolist()
