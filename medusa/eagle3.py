@@ -37,6 +37,9 @@ LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"
 # prompts 1.57 -> 2.29 (session 62's: docs/benchmarks/cpu-eagle3-shipped-session63), 1.85 -> 2.51 (session 64's)
 COPY_NGRAM = 4
 MAX_STEP_ROWS = 64  # the most rows a compiled draft step takes at once (a tree level's nodes, newly committed rows)
+# the compiled step's package name: a new one wherever DraftStep's outputs change, so that no older package loads
+# (packages are keyed by weights and inputs, not by what the code returns; 2: log-probabilities, not logits)
+STEP_PACKAGE = "eagle3-step-2"
 
 logger = logging.getLogger(__name__)
 
@@ -177,9 +180,10 @@ class DraftStep(nn.Module):
     values handed back: a function of its inputs, so that it compiles ahead of time (`compile_draft_step`).
 
     hidden, embeds (T, H); positions (T,); past_visible (T, P) and new_visible (T, T) bool, the rows each query sees;
-    keys, values (P, kv_heads, head_dim) -> (output (T, H): the next step's hidden state; draft logits (T, V_draft),
-    or the last row's alone (1, V_draft) without `every_row`, as a prompt's feed needs; the new rows' keys and values
-    (T, kv_heads, head_dim))."""
+    keys, values (P, kv_heads, head_dim) -> (output (T, H): the next step's hidden state; the draft's float32
+    log-probabilities (T, V_draft), or the last row's alone (1, V_draft) without `every_row`, as a prompt's feed needs
+    (normalised here, where it costs no call of its own: sampling and ranking read them as logits); the new rows' keys
+    and values (T, kv_heads, head_dim))."""
 
     def __init__(self, draft: Eagle3Draft, every_row: bool = True):
         super().__init__()
@@ -193,7 +197,7 @@ class DraftStep(nn.Module):
         past, rows = keys.shape[0], cache.layers[0]
         new_keys, new_values = (x[0, :, past:].transpose(0, 1) for x in (rows.keys, rows.values))
         logits = self.draft.logits(output if self.every_row else output[-1:])
-        return output, logits, new_keys, new_values
+        return output, logits.float().log_softmax(-1), new_keys, new_values
 
 
 def kv_shape(draft: Eagle3Draft) -> tuple[int, int]:
@@ -223,7 +227,7 @@ def compile_draft_step(draft: Eagle3Draft, progress: bool = True) -> Compiled | 
     cached = torch.export.Dim("past", min=1, max=max(draft.config.max_position_embeddings, 2 * MAX_STEP_ROWS))
     shapes = ({0: new}, {0: new}, {0: new}, {0: new, 1: cached}, {0: new, 1: new}, {0: cached}, {0: cached})
     try:
-        runner = compiled_module(step, example, shapes, "eagle3-step", "the EAGLE-3 draft", progress)
+        runner = compiled_module(step, example, shapes, STEP_PACKAGE, "the EAGLE-3 draft", progress)
     except Exception as err:  # noqa: BLE001 - any failure leaves the eager step, which computes the same
         logger.warning("the EAGLE-3 draft could not be compiled (%s: %s); it runs eagerly", type(err).__name__, err)
         return None
@@ -266,6 +270,7 @@ class Eagle3Proposer:
         self.num_nodes, self.topk, self.copy_ngram = num_nodes, topk, copy_ngram
         self.max_nodes = depth + 1 if num_nodes is None else num_nodes
         self.tree = build_buffers(TreeSpec(chain(depth)), depth).to(draft.d2t.device)
+        self.target_ids = draft.target_ids  # once: each level maps its draft tokens through it
         self.compiled_step = compiled
         self.eager_steps = {every_row: DraftStep(draft, every_row) for every_row in (True, False)}
         # the draft's KV cache, (keys, values) x capacity x (kv_heads, head_dim): its first `rows` rows are filled
@@ -279,7 +284,7 @@ class Eagle3Proposer:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the draft over (T, H) hidden states and the (T,) tokens after them at `positions`, seeing the cached
         rows `past_visible` (T, rows) and each other's `new_visible` (T, T); their rows join the cache. -> (outputs
-        (T, H), draft logits (T, V_draft); without `every_row` at least the last row's)."""
+        (T, H), the draft's float32 log-probabilities (T, V_draft); without `every_row` at least the last row's)."""
         count = hidden.shape[0]
         if self.compiled_step is not None and self.rows and count <= MAX_STEP_ROWS:
             step = self.compiled_step
@@ -301,9 +306,9 @@ class Eagle3Proposer:
     def _draw(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(V_draft,) draft logits -> (target token id, q over the target's vocabulary or None when greedy)."""
         if not self.sampling.do_sample:
-            return self.draft.target_ids[greedy_tokens(logits)], None
+            return self.target_ids[greedy_tokens(logits)], None
         full = logits.new_full((self.vocab_size,), float("-inf"), dtype=torch.float32)
-        full[self.draft.target_ids] = logits.float()
+        full[self.target_ids] = logits.float()
         q = target_probs(full, self.sampling)
         return torch.multinomial(q, 1, generator=self.generator)[0], q
 
@@ -378,9 +383,8 @@ class Eagle3Proposer:
                     itself,
                 )
                 sees = torch.cat([ancestors, itself], dim=1)
-            logp = logits.float().log_softmax(-1)
-            top_logp, top_index = logp.topk(min(self.topk, budget, logp.shape[-1]), dim=-1)
-            rows_logp, rows_tokens = top_logp.tolist(), self.draft.target_ids[top_index].tolist()
+            top_logp, top_index = logits.topk(min(self.topk, budget, logits.shape[-1]), dim=-1)  # log-probabilities
+            rows_logp, rows_tokens = top_logp.tolist(), self.target_ids[top_index].tolist()
             rank_copies_first(paths, rows_tokens, rows_logp, copies, depth)
             levels.append(keep_best(beam, rows_logp, rows_tokens, budget))
             beam = levels[-1].scores

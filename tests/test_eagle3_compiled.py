@@ -53,11 +53,14 @@ def test_the_compiled_step_computes_what_the_eager_step_computes(family, int8):
             torch.randn(kv, generator=generator),
         )
         expected = eager(*inputs)
+        # the step hands back log-probabilities (what ranking a tree reads), not the output layer's logits
+        torch.testing.assert_close(expected[1].exp().sum(-1), torch.ones(rows))
         for got, wanted in zip(compiled(*inputs), expected, strict=True):
             torch.testing.assert_close(got, wanted, rtol=1e-4, atol=1e-4)
-        # a prompt's feed asks for the last row's logits alone (int8 activations are rounded with one scale for the
-        # rows of a call, so they are the logits of that row alone)
-        torch.testing.assert_close(last_row(*inputs)[1], model.proposal_draft.logits(expected[0][-1:]))
+        # a prompt's feed asks for the last row's alone (int8 activations are rounded with one scale for the rows of
+        # a call, so they are the log-probabilities of that row alone)
+        alone = model.proposal_draft.logits(expected[0][-1:]).float().log_softmax(-1)
+        torch.testing.assert_close(last_row(*inputs)[1], alone)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
