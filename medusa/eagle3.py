@@ -291,7 +291,7 @@ class Eagle3Proposer:
         else:  # a prompt (no rows cached yet) or more rows than the package takes
             step = self.eager_steps[every_row]
         keys, values = self.kv[0, : self.rows], self.kv[1, : self.rows]
-        output, logits, new_keys, new_values = step(
+        output, log_probs, new_keys, new_values = step(
             hidden, self.embed_tokens(tokens), positions, past_visible, new_visible, keys, values
         )
         if self.rows + count > self.kv.shape[1]:  # grow by doubling: a copy now and then, not every step
@@ -301,14 +301,15 @@ class Eagle3Proposer:
         self.kv[0, self.rows : self.rows + count] = new_keys
         self.kv[1, self.rows : self.rows + count] = new_values
         self.rows += count
-        return output, logits
+        return output, log_probs
 
-    def _draw(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(V_draft,) draft logits -> (target token id, q over the target's vocabulary or None when greedy)."""
+    def _draw(self, log_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(V_draft,) draft log-probabilities -> (target token id, q over the target's vocabulary or None when
+        greedy)."""
         if not self.sampling.do_sample:
-            return self.target_ids[greedy_tokens(logits)], None
-        full = logits.new_full((self.vocab_size,), float("-inf"), dtype=torch.float32)
-        full[self.target_ids] = logits.float()
+            return self.target_ids[greedy_tokens(log_probs)], None
+        full = log_probs.new_full((self.vocab_size,), float("-inf"), dtype=torch.float32)
+        full[self.target_ids] = log_probs
         q = target_probs(full, self.sampling)
         return torch.multinomial(q, 1, generator=self.generator)[0], q
 
@@ -322,7 +323,7 @@ class Eagle3Proposer:
         self.rows = self.seen  # the rows drafted last time go
         following = torch.tensor(state.tokens[self.seen + 1 : state.length + 1], device=features.device)
         count, device = following.numel(), features.device
-        hidden, logits = self._step(
+        hidden, log_probs = self._step(
             self.draft.fuse(features),
             following,
             torch.arange(self.seen, self.seen + count, device=device),
@@ -330,17 +331,17 @@ class Eagle3Proposer:
             torch.ones((count, count), dtype=torch.bool, device=device).tril(),
             every_row=False,
         )
-        hidden, logits = hidden[-1:], logits[-1:]
+        hidden, log_probs = hidden[-1:], log_probs[-1:]
         self.seen = state.length
         if self.num_nodes is not None:
-            return self._tree(state, hidden, logits)
+            return self._tree(state, hidden, log_probs)
         tokens, probs = [], []
         for step in range(self.depth):
-            token, q = self._draw(logits[-1])
+            token, q = self._draw(log_probs[-1])
             tokens.append(token)
             probs.append(q)
             if step + 1 < self.depth:
-                hidden, logits = self._step(
+                hidden, log_probs = self._step(
                     hidden,
                     token.view(1),
                     torch.tensor([state.length + step], device=device),
@@ -357,8 +358,8 @@ class Eagle3Proposer:
             draft_probs=draft_probs,
         )
 
-    def _tree(self, state, hidden: torch.Tensor, logits: torch.Tensor) -> Candidates:
-        """The dynamic tree from the root's output `hidden` (1, H) and its draft `logits` (see the class docstring)."""
+    def _tree(self, state, hidden: torch.Tensor, log_probs: torch.Tensor) -> Candidates:
+        """The dynamic tree from the root's output `hidden` (1, H) and its draft `log_probs` (the class docstring)."""
         device = hidden.device
         root, budget = state.root_token.view(1).to(device), self.num_nodes - 1
         beam = [0.0]  # the kept nodes' path scores; the root: log 1
@@ -375,7 +376,7 @@ class Eagle3Proposer:
                 beam, paths = beam[:count], paths[:count]
                 parents = torch.tensor(levels[-1].parents[:count], device=device)
                 ancestors, itself = sees[parents], torch.eye(count, dtype=torch.bool, device=device)
-                hidden, logits = self._step(
+                hidden, log_probs = self._step(
                     hidden[parents],
                     torch.tensor(levels[-1].tokens[:count], device=device),
                     torch.full((count,), state.length + depth - 1, device=device),
@@ -383,7 +384,7 @@ class Eagle3Proposer:
                     itself,
                 )
                 sees = torch.cat([ancestors, itself], dim=1)
-            top_logp, top_index = logits.topk(min(self.topk, budget, logits.shape[-1]), dim=-1)  # log-probabilities
+            top_logp, top_index = log_probs.topk(min(self.topk, budget, log_probs.shape[-1]), dim=-1)
             rows_logp, rows_tokens = top_logp.tolist(), self.target_ids[top_index].tolist()
             rank_copies_first(paths, rows_tokens, rows_logp, copies, depth)
             levels.append(keep_best(beam, rows_logp, rows_tokens, budget))
