@@ -37,9 +37,6 @@ LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"
 # prompts 1.57 -> 2.29 (session 62's: docs/benchmarks/cpu-eagle3-shipped-session63), 1.85 -> 2.51 (session 64's)
 COPY_NGRAM = 4
 MAX_STEP_ROWS = 64  # the most rows a compiled draft step takes at once (a tree level's nodes, newly committed rows)
-# the compiled step's package name: a new one wherever DraftStep's outputs change, so that no older package loads
-# (packages are keyed by weights and inputs, not by what the code returns; 2: log-probabilities, not logits)
-STEP_PACKAGE = "eagle3-step-2"
 
 logger = logging.getLogger(__name__)
 
@@ -227,7 +224,7 @@ def compile_draft_step(draft: Eagle3Draft, progress: bool = True) -> Compiled | 
     cached = torch.export.Dim("past", min=1, max=max(draft.config.max_position_embeddings, 2 * MAX_STEP_ROWS))
     shapes = ({0: new}, {0: new}, {0: new}, {0: new, 1: cached}, {0: new, 1: new}, {0: cached}, {0: cached})
     try:
-        runner = compiled_module(step, example, shapes, STEP_PACKAGE, "the EAGLE-3 draft", progress)
+        runner = compiled_module(step, example, shapes, "eagle3-step", "the EAGLE-3 draft", progress)
     except Exception as err:  # noqa: BLE001 - any failure leaves the eager step, which computes the same
         logger.warning("the EAGLE-3 draft could not be compiled (%s: %s); it runs eagerly", type(err).__name__, err)
         return None

@@ -87,6 +87,53 @@ def test_packages_are_compiled_once_and_loaded_after(tmp_path, monkeypatch):
     assert len(compiled) == 3 * first  # packages of their own, not the int8 copy's
 
 
+class _Scores(torch.nn.Module):
+    """One class whose forward returns one of two things by an attribute: a change of code that leaves the weights,
+    the layers and the inputs as they were (DraftStep's logits -> log-probabilities, session 67)."""
+
+    def __init__(self, normalised: bool):
+        super().__init__()
+        self.normalised = normalised
+        self.linear = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        scores = self.linear(x)
+        return scores.log_softmax(-1) if self.normalised else scores
+
+
+def test_a_module_whose_code_computes_something_else_gets_a_package_of_its_own(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
+    compiled = []
+    real = medusa.runtime.aot._compile
+    monkeypatch.setattr(medusa.runtime.aot, "_compile", lambda *a, **k: compiled.append(a[2]) or real(*a, **k))
+    exported = []
+    real_export = torch.export.export
+    monkeypatch.setattr(torch.export, "export", lambda *a, **k: exported.append(a[0]) or real_export(*a, **k))
+    torch.manual_seed(0)
+    raw, normalised = _Scores(False), _Scores(True)
+    normalised.load_state_dict(raw.state_dict())
+    x = torch.randn(2, 4)
+    shapes = ({0: torch.export.Dim("rows", min=1, max=8)},)
+
+    def run(module):
+        return medusa.runtime.aot.compiled_module(module, (x,), shapes, "scores", "scores", progress=False)(x)
+
+    torch.testing.assert_close(run(raw), raw(x).detach())
+    torch.testing.assert_close(run(normalised), normalised(x).detach())  # not the raw scores' package
+    assert len(compiled) == 2 and compiled[0] != compiled[1]
+    torch.testing.assert_close(run(raw), raw(x).detach())
+    assert len(compiled) == 2 and len(exported) == 2  # the same code again: loaded, its program's digest remembered
+    raw.linear.weight.data.mul_(2)  # other weights, the same program: a package of its own, its digest remembered
+    torch.testing.assert_close(run(raw), raw(x).detach())
+    assert len(compiled) == 3 and len(exported) == 3
+    unfiled = type("Unfiled", (_Scores,), {"__module__": "a_notebook_cell"})(True)  # code no file holds
+    unfiled.load_state_dict(normalised.state_dict())
+    assert medusa.runtime.aot.source_digest(unfiled) is None
+    for _ in range(2):  # nothing to key a remembered digest by: exported at each load, its package loaded
+        torch.testing.assert_close(run(unfiled), normalised(x).detach())
+    assert len(compiled) == 4 and len(exported) == 5
+
+
 def test_a_compile_that_fails_leaves_the_eager_proposal_and_says_so(cache, monkeypatch, caplog):
     def broken(*args, **kwargs):
         raise RuntimeError("no compiler here")

@@ -15,7 +15,9 @@ one package serves heads that read any of them (`feature_layers`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -34,7 +36,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from transformers import StaticCache
 
-from medusa.fileio import atomic_file, one_at_a_time
+from medusa.fileio import atomic_file, atomic_write_text, one_at_a_time
 from medusa.hardware import amx_held_back, describe
 from medusa.loading import base_fingerprint, cache_root
 from medusa.runtime.attention import ROW_INVARIANT_SDPA, kv_dtype
@@ -333,21 +335,89 @@ def load_or_compile(
 def compiled_module(module: nn.Module, example: tuple, dynamic_shapes, name: str, label: str, progress: bool = True):
     """The AOTInductor runner of a small CPU module's forward over `example`'s shapes (`dynamic_shapes` as
     torch.export takes them), its weights held in the package: loaded, or compiled once on this machine (seconds;
-    `label` names it meanwhile) into a package named `name` and keyed by every weight, the kinds of layer that compute
-    with them (int8_copy's layers keep their int8 weights beside the float parameters they share) and the example's
-    inputs (a package of another version's signature must not load). For what proposes (the heads' context layer)."""
-    inputs = [[list(x.shape), str(x.dtype)] for x in example]
+    `label` names it meanwhile) into a package named `name`. For what proposes (the heads' context read and path
+    heads, the EAGLE-3 draft's step). The package is keyed by every weight, the kinds of layer that compute with them
+    (int8_copy's layers keep their int8 weights beside the float parameters they share), the example's inputs and what
+    the exported forward computes (`program_digest`): a change of code that changes what the module computes or
+    returns compiles a package of its own, with no version for anyone to remember to bump."""
+    module.eval()  # as it is exported (before its settings are read)
     key = {
         "format": AOT_FORMAT,
         "module": name,
-        "inputs": inputs,
+        "inputs": [[list(x.shape), str(x.dtype)] for x in example],
         "weights": base_fingerprint(module),
         "layers": sorted({type(m).__qualname__ for m in module.modules()}),
+        "transformers": transformers.__version__,
         **describe("cpu"),
     }
-    path = keyed_package(name, key)
-    export = lambda: torch.export.export(module.eval(), example, dynamic_shapes=dynamic_shapes, strict=False)  # noqa: E731
-    return load_or_build(path, export, MODULE_OPTIONS, f"compiling {label} ahead of time", progress, cpu=True)[0]
+
+    def export():
+        with torch.inference_mode(False), torch.no_grad():
+            return torch.export.export(module, example, dynamic_shapes=dynamic_shapes, strict=False)
+
+    # exporting costs a few tenths of a second a module, at every load: the digest is kept beside the packages under
+    # what the program is made from (the code, the layers' settings), and exported again only when that changes
+    code = source_digest(module)
+    memo = keyed_package(name, {**key, "code": code, "settings": settings(module)}).with_suffix(".program")
+    program = None
+    try:
+        digest = memo.read_text() if code is not None else None
+    except OSError:
+        digest = None
+    if digest is None:
+        program = export()
+        digest = program_digest(program)
+        if code is not None:
+            atomic_write_text(memo, digest)
+    path = keyed_package(name, {**key, "program": digest})
+    build = (lambda: program) if program is not None else export
+    return load_or_build(path, build, MODULE_OPTIONS, f"compiling {label} ahead of time", progress, cpu=True)[0]
+
+
+def program_digest(program: torch.export.ExportedProgram) -> str:
+    """A digest of what an exported program computes: its graph's code, without the comments that name source files
+    and lines, and the ranges of its dynamic sizes."""
+    code = "\n".join(line for line in program.graph_module.code.splitlines() if not line.strip().startswith("#"))
+    ranges = sorted(f"{symbol}: {bounds}" for symbol, bounds in program.range_constraints.items())
+    return hashlib.sha256("\n".join([code, *ranges]).encode()).hexdigest()
+
+
+def source_digest(module: nn.Module) -> str | None:
+    """A digest of the Python code `module` runs as far as files tell: medusa's own and the files defining its layers'
+    classes (another package's code beyond those is keyed by its version). None where a class has no file to read
+    (defined in a notebook, say)."""
+    medusa_root = Path(__file__).resolve().parents[1]
+    try:
+        files = {Path(inspect.getfile(type(layer))).resolve() for layer in module.modules()}
+    except (TypeError, OSError):
+        return None
+    if not all(file.is_file() for file in files):
+        return None
+    return _files_digest(tuple(sorted(files | set(medusa_root.rglob("*.py")))))
+
+
+@functools.lru_cache(maxsize=8)
+def _files_digest(files: tuple[Path, ...]) -> str:
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(str(file).encode() + b"\0" + file.read_bytes())
+    return digest.hexdigest()
+
+
+def settings(module: nn.Module) -> dict:
+    """Every layer's attributes that can steer its forward without being a weight: numbers, strings, flags, configs,
+    and the shapes of tensors held outside its parameters (as DraftStep's `every_row` picks what it returns)."""
+    found = {}
+    for prefix, layer in module.named_modules():
+        for attribute, value in vars(layer).items():
+            if attribute.startswith("_"):
+                continue
+            if isinstance(value, transformers.PretrainedConfig):
+                value = value.to_dict()
+            elif isinstance(value, torch.Tensor):
+                value = [list(value.shape), str(value.dtype)]
+            found[f"{prefix}.{attribute}"] = json.loads(json.dumps(value, default=lambda _: None))
+    return found
 
 
 def load_or_build(path: Path, export, options: dict, message: str, progress: bool, cpu: bool):
