@@ -37,7 +37,15 @@ from medusa.hardware import describe
 from medusa.loading import cache_root
 from medusa.prompt_lookup import NUM_TOKENS as LOOKUP_CHAIN
 from medusa.propose import ContextRead
-from medusa.runtime import ENGINES, compile_seconds, engine_for, precision_of, runs_the_target
+from medusa.runtime import (
+    ENGINES,
+    ONE_TOKEN_STEPS_OF,
+    compile_seconds,
+    engine_for,
+    onednn_trees_may_pay,
+    precision_of,
+    runs_the_target,
+)
 from medusa.sampling import SamplingConfig
 from medusa.tree import Candidates, TreeSpec, build_buffers, chain
 from medusa.tree_builder import check_accuracy, expected_tau, grow_tree, sync, time_step
@@ -153,12 +161,16 @@ class ObservedAcceptance:
             self.accepted, self.expected = self.accepted * scale, self.expected * scale
 
 
-def planned_engines(device, compile: bool | None = None) -> tuple[str, ...]:
+def planned_engines(device, compile: bool | None = None, base=None) -> tuple[str, ...]:
     """The engines a plan times. `compile` (default: `$MEDUSA_COMPILE` != "0") lets it time `inductor`, whose
     torch.compile takes minutes on a small CPU in every new process (torch keeps only its C++ kernels on disk for
-    it: see medusa.runtime). On a GPU the compiled engine is torch.compile already, so `inductor` adds nothing."""
+    it: see medusa.runtime). On a GPU the compiled engine is torch.compile already, so `inductor` adds nothing.
+    `inductor_onednn` only where it may pay for `base` (runtime.onednn_trees_may_pay): its package of trees is
+    compiled once more per machine, and elsewhere it is `inductor` again."""
     compile = os.environ.get("MEDUSA_COMPILE") != "0" if compile is None else compile
-    skip = {"inductor"} if torch.device(device).type == "cuda" or not compile else set()
+    skip = {"inductor", "inductor_onednn"} if torch.device(device).type == "cuda" or not compile else set()
+    if base is None or not onednn_trees_may_pay(base):
+        skip.add("inductor_onednn")
     return tuple(e for e in ENGINES if e not in skip)
 
 
@@ -220,6 +232,9 @@ class Plan:
     def plain_engine(self) -> str:
         """The engine of the fastest plain decoding measured: the yardstick `expected_speedup` is over."""
         plain = [o for o in self.options if o["proposer"] == "plain"]
+        engines = {o["engine"] for o in plain}
+        # an engine whose one-token steps are another's engine's package is that engine for plain decoding
+        plain = [o for o in plain if ONE_TOKEN_STEPS_OF.get(o["engine"]) not in engines]
         return min(plain, key=lambda o: o["step_ms"])["engine"] if plain else self.engine
 
     def describe(self) -> str:
@@ -374,7 +389,7 @@ def measure(model, engines=None, sizes=SIZES, repeats: int = REPEATS, context: i
     sizes and proposers are interleaved within each repeat, so drifts in machine load hit them alike.
     """
     device, sampling = model.device, SamplingConfig()
-    engines = engines or planned_engines(device)
+    engines = engines or planned_engines(device, base=model.base)
     vocab = model.base.get_output_embeddings().weight.shape[0]
     prompt = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(0)).to(device)
     if drafts(model):
@@ -635,7 +650,7 @@ def calibrate(
 ) -> Plan:
     """Measure on this machine and choose (nothing is read from or written to the cache). `key`: the model's
     plan_key when the caller has it already (it sums every heads tensor). `engines`: default planned_engines."""
-    engines = engines or planned_engines(model.device)
+    engines = engines or planned_engines(model.device, base=model.base)
     start = time.perf_counter()
     compiled_before = compile_seconds(model.base)
     if drafts(model):  # the sizes whose acceptance was decoded: nothing else can be weighed
@@ -709,7 +724,7 @@ def decide(
 def load_or_calibrate(model, recalibrate: bool = False, progress: bool = True, compile: bool | None = None) -> Plan:
     """The cached plan for this machine, model and heads; calibrated (and cached) when there is none or it is
     unreadable (a corrupt file is replaced, with a warning)."""
-    engines = planned_engines(model.device, compile)
+    engines = planned_engines(model.device, compile, model.base)
     key = plan_key(model, engines)
     path = plan_path(key)
     if path.is_file() and not recalibrate:
@@ -877,7 +892,7 @@ def _lay_out_batch(model, rows: int, progress: bool) -> dict:
 
 def _batch_engines(model) -> tuple[str, ...]:
     """The engines a batch layout times: those the plan weighed."""
-    return tuple(model.plan.key.get("engines") or planned_engines(model.device))
+    return tuple(model.plan.key.get("engines") or planned_engines(model.device, base=model.base))
 
 
 def _step_ms_at(by_width: dict, width: int) -> float:

@@ -25,7 +25,7 @@ import os
 import torch
 from transformers import PreTrainedModel
 
-from medusa.hardware import native_bf16, vector_int4, w8a8_kernel
+from medusa.hardware import amx, native_bf16, vector_int4, w8a8_kernel
 from medusa.loading import DTYPES, load_base, resolve_dtype
 from medusa.runtime import QUANTIZED, quantize_target
 
@@ -39,6 +39,14 @@ def int8_runs_well(device) -> bool:
     where aten's int8 kernel and inductor's template cost what float32 costs a row, and int8 ran behind llama.cpp's
     Q8_0, w8a8 and float32's plan alike (docs/engines.md, "The proposal on fbgemm")."""
     return torch.device(device).type != "cpu" or torch.backends.cpu.get_cpu_capability() != "AVX2"
+
+
+def fastest_quantized_cpu() -> str:
+    """The quantised precision that decodes fastest on this CPU with the shipped heads: weight-only int8 where AMX's
+    tile units multiply it, w8a8 (fbgemm's int8 sums, flat from one query row to many) everywhere else, where
+    inductor's int8 template widens the weights and a tree's rows cost nearly what separate steps do (measured on
+    each CPU kind: docs/engines.md, "Zen 4")."""
+    return "int8" if amx("cpu") else "w8a8"
 
 
 def _weight_only_choice(device) -> str:

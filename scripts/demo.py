@@ -4,7 +4,7 @@ outputs match, at two precisions:
 
 - float32, the exact one: transformers' plain `generate`, plain decoding on the plan's fastest plain engine, and the
   plan (identical to transformers, token for token);
-- the fastest precision this machine runs well (int8 weights on a CPU, w8a8 under AVX2, bf16 on a GPU): plain
+- the fastest precision this machine runs well (w8a8 on a CPU, int8 weights where it has AMX, bf16 on a GPU): plain
   decoding on our engine and the plan at that precision (identical to that plain decoding, or parting at a near-tie).
 Each next to llama.cpp at the same precision (F32, Q8_0/BF16) when its binaries are present
 (../shared/peers/build_llama_cpp.sh; $LLAMA_CPP_BIN). It ends saying which to pick.
@@ -24,7 +24,7 @@ import torch
 from medusa import MedusaModel, llama_cpp
 from medusa.loading import base_gguf
 from medusa.plan import planned_engines
-from medusa.precision import int8_runs_well
+from medusa.precision import fastest_quantized_cpu
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -62,7 +62,9 @@ def load_planned(args, dtype: str) -> MedusaModel:
         f"in {time.perf_counter() - start:.1f} s"
     )
     if args.plan == "auto":
-        for name in planned_engines(model.device):  # built first: compiling is the engine's, once per machine
+        for name in planned_engines(
+            model.device, base=model.base
+        ):  # built first: compiling is the engine's, once per machine
             built = model.engine(name)
             if built.compile_seconds:
                 print(f"compiled the {name} engine in {built.compile_seconds:.1f} s (once on this machine)")
@@ -165,7 +167,7 @@ def main() -> None:
     parser.add_argument(
         "--fast-dtype",
         default="auto",
-        help="the second run's precision: auto (int8 on a CPU, w8a8 under AVX2, bfloat16 on a GPU), int8, w8a8 "
+        help="the second run's precision: auto (w8a8 on a CPU, int8 where it has AMX, bfloat16 on a GPU), int8, w8a8 "
         "(int8 activations too), bfloat16, or none",
     )
     parser.add_argument("--prompts", type=int, default=len(PROMPTS))
@@ -176,7 +178,7 @@ def main() -> None:
     exact = run_precision(args, load_planned(args, args.dtype), args.dtype, with_transformers=True)
     fast_dtype = args.fast_dtype
     if fast_dtype == "auto":
-        fast_dtype = "bfloat16" if torch.cuda.is_available() else "int8" if int8_runs_well("cpu") else "w8a8"
+        fast_dtype = "bfloat16" if torch.cuda.is_available() else fastest_quantized_cpu()
     results = [exact]
     if fast_dtype != "none" and fast_dtype != args.dtype:
         results.append(run_precision(args, load_planned(args, fast_dtype), fast_dtype, with_transformers=False))

@@ -317,6 +317,26 @@ def test_a_package_compiled_without_weights_reads_the_models_own(family, tmp_pat
     assert engine.ahead_of_time and engine.package is not None and engine.one_token_package is None
 
 
+def _bf16_step_and_tree_match_eager(engine_name: str):
+    """A tiny bf16 llama's one-token step and tree verify on `engine_name` match eager's within bf16 rounding (another
+    GEMM sums in another order). -> the engine."""
+    model = make_tiny_model("llama", dtype=torch.bfloat16)
+    torch.manual_seed(3)
+    prompt = torch.randint(1, 90, (1, 7))
+    tree = build_buffers(TreeSpec(HAND_TREE, 3), 3)
+    engine = make_engine(engine_name, model)
+    close = dict(atol=3e-2, rtol=3e-2)
+    for candidates in (
+        Candidates(tokens=torch.randint(1, 90, (1,)), tree=build_buffers(TreeSpec([], 3), 3)),
+        Candidates(tokens=torch.randint(1, 90, (tree.num_nodes,)), tree=tree),
+    ):
+        _, eager = _verify(EagerEngine(model), model, prompt, candidates)
+        _, ours = _verify(engine, model, prompt, candidates)
+        torch.testing.assert_close(ours.logits, eager.logits, **close)
+        torch.testing.assert_close(ours.hidden, eager.hidden, **close)
+    return engine
+
+
 @pytest.mark.slow
 def test_a_bf16_package_without_amx_runs_the_prefetching_template_and_matches_eager(tmp_path, monkeypatch):
     """bf16 where AMX is absent (or held back, as here on a CPU with it): every GEMM of the package, one-token steps
@@ -335,22 +355,36 @@ def test_a_bf16_package_without_amx_runs_the_prefetching_template_and_matches_ea
         return micro_gemm
 
     monkeypatch.setattr(cpp_gemm_template, "create_micro_gemm", recording)
-    model = make_tiny_model("llama", dtype=torch.bfloat16)
-    torch.manual_seed(3)
-    prompt = torch.randint(1, 90, (1, 7))
-    tree = build_buffers(TreeSpec(HAND_TREE, 3), 3)
-    engine = make_engine("inductor", model)
-    close = dict(atol=3e-2, rtol=3e-2)  # bf16: another GEMM sums in another order
-    for candidates in (
-        Candidates(tokens=torch.randint(1, 90, (1,)), tree=build_buffers(TreeSpec([], 3), 3)),
-        Candidates(tokens=torch.randint(1, 90, (tree.num_nodes,)), tree=tree),
-    ):
-        _, eager = _verify(EagerEngine(model), model, prompt, candidates)
-        _, ours = _verify(engine, model, prompt, candidates)
-        torch.testing.assert_close(ours.logits, eager.logits, **close)
-        torch.testing.assert_close(ours.hidden, eager.hidden, **close)
+    engine = _bf16_step_and_tree_match_eager("inductor")
     assert engine.ahead_of_time and engine.package is not None and engine.one_token_package is None
     assert picked and set(picked) == {"PrefetchingCppMicroGemmFP32Vec"}
+
+
+@pytest.mark.slow
+def test_bf16_trees_on_the_onednn_engine_run_a_package_without_the_template_and_match_eager(tmp_path, monkeypatch):
+    """`inductor_onednn`: a one-token step runs the template's package, a tree a package of its own whose GEMMs are
+    aten's (oneDNN's for bf16: no micro-kernel of inductor's template in it); both match eager within bf16
+    rounding."""
+    import torch._inductor.compile_fx  # noqa: F401 - inductor's codegen modules in their import order
+    from torch._inductor.codegen import cpp_gemm_template
+
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
+    picked, create = [], cpp_gemm_template.create_micro_gemm
+    monkeypatch.setattr(cpp_gemm_template, "create_micro_gemm", lambda *a, **k: picked.append(1) or create(*a, **k))
+    templates_by_backends, compile_package = {}, medusa.runtime.aot.compile_package
+
+    def recording(program, path, options):
+        picked.clear()
+        compile_package(program, path, options)
+        templates_by_backends[options[medusa.runtime.aot.GEMM_BACKENDS]] = len(picked)
+
+    monkeypatch.setattr(medusa.runtime.aot, "compile_package", recording)
+    ran, run = [], medusa.runtime.aot.run
+    monkeypatch.setattr(medusa.runtime.aot, "run", lambda runner, *a, **k: ran.append(runner) or run(runner, *a, **k))
+    engine = _bf16_step_and_tree_match_eager("inductor_onednn")
+    assert engine.trees_package is not None and ran == [engine.package, engine.trees_package]
+    assert templates_by_backends["ATEN"] == 0 < templates_by_backends["CPP,ATEN"]
+    assert len(list((tmp_path / "aoti").glob("verify-*.pt2"))) == 2
 
 
 @pytest.mark.slow

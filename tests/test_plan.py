@@ -462,12 +462,36 @@ def test_planned_engines_leave_out_what_adds_nothing_or_is_switched_off(monkeypa
     assert medusa.plan.planned_engines("cpu") == ("eager", "compiled")
 
 
+def test_trees_on_onednn_are_timed_for_bf16_targets_on_a_cpu_with_native_bf16_and_no_amx(monkeypatch):
+    """Only there can the engine whose trees run oneDNN's GEMMs win (inductor's template widens bf16 to fp32 and
+    pays each row's arithmetic); elsewhere its package would be compiled for nothing."""
+    import medusa.runtime.inductor as inductor
+
+    monkeypatch.delenv("MEDUSA_COMPILE", raising=False)
+    monkeypatch.setattr(inductor, "native_bf16", lambda device: True)
+    monkeypatch.setattr(inductor, "amx", lambda device: False)
+    bf16, fp32 = make_tiny_model("llama", dtype=torch.bfloat16), make_tiny_model("llama")
+    assert medusa.plan.planned_engines("cpu", base=bf16) == ("eager", "compiled", "inductor", "inductor_onednn")
+    assert "inductor_onednn" not in medusa.plan.planned_engines("cpu", base=fp32)
+    assert "inductor_onednn" not in medusa.plan.planned_engines("cpu", compile=False, base=bf16)
+    monkeypatch.setattr(inductor, "amx", lambda device: True)  # the template multiplies on AMX's tiles
+    assert "inductor_onednn" not in medusa.plan.planned_engines("cpu", base=bf16)
+    monkeypatch.setattr(inductor, "amx", lambda device: False)
+    monkeypatch.setattr(inductor, "native_bf16", lambda device: False)  # bf16 emulated: refused anyway
+    assert "inductor_onednn" not in medusa.plan.planned_engines("cpu", base=bf16)
+
+
 def test_the_plain_yardstick_is_the_fastest_plain_engine():
     """A plan on a faster plain engine than the one it speculates on reports that engine as the yardstick."""
     measured = curve(lambda n: 10.0 + n, engines=("compiled",))
     measured["inductor"] = {job: (p, v / 2) for job, (p, v) in measured["compiled"].items()}
     plan = decide(measured, grow_tree(STRONG, 12), STRONG)
     assert plan.plain_engine == "inductor" and plan.plain_ms == pytest.approx(5.5)
+    # trees on oneDNN: its one-token steps are inductor's package, so a plain step timed a little faster there by
+    # chance still names inductor
+    measured["inductor_onednn"] = {job: (p, v / 2 - 0.1) for job, (p, v) in measured["compiled"].items()}
+    plan = decide(measured, grow_tree(STRONG, 12), STRONG)
+    assert plan.engine == "inductor_onednn" and plan.plain_engine == "inductor"
 
 
 def test_a_near_tie_goes_to_the_most_expected_tokens_per_step():

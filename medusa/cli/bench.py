@@ -907,6 +907,8 @@ def main(argv=None) -> dict:
                 else "linear weights pre-packed for oneDNN"
             ),
             "inductor": "StaticCache, torch.compile (inductor: frozen weights, C++ GEMM templates on CPU)",
+            "inductor_onednn": "StaticCache, torch.compile (inductor: frozen weights, C++ GEMM templates on CPU; "
+            "trees on oneDNN)",
         }[model.best_plain_engine],
         "hardware": describe(model.device),
         "llama_cpp": llama_cpp.build_info() if set(PEERS) & set(args.methods) else None,

@@ -8,6 +8,7 @@ Engines, each a class of its own:
 - `compiled`: transformers' StaticCache over a copy of the target with pre-packed weights on a CPU; torch.compile with
   CUDA graphs on a GPU.
 - `inductor`: the compiled engine with the verify forward compiled by inductor (ahead of time on a CPU).
+- `inductor_onednn`: the inductor engine whose trees run a package with oneDNN's GEMMs (bf16 without AMX on a CPU).
 What a step costs on each, where it was measured: docs/engines.md.
 """
 
@@ -20,7 +21,7 @@ import torch
 from medusa.runtime.aot import compiled_module
 from medusa.runtime.eager import EagerEngine
 from medusa.runtime.graphs import StepGraph, upload_ids
-from medusa.runtime.inductor import InductorEngine
+from medusa.runtime.inductor import InductorEngine, InductorOneDNNEngine, onednn_trees_may_pay
 from medusa.runtime.kv_cache import RowsCache
 from medusa.runtime.prepack import (
     Int8Weight,
@@ -40,15 +41,25 @@ from medusa.runtime.torch_patches import meta_nonzero_takes_all
 from medusa.runtime.verify import PrefillOutput, VerifyOutput, base_features, layer_masks, verify, with_cache
 from medusa.tree import Candidates
 
-ENGINES = ("eager", "compiled", "inductor")
-_ENGINE_CLASSES = {"eager": EagerEngine, "compiled": CompiledEngine, "inductor": InductorEngine}
+ENGINES = ("eager", "compiled", "inductor", "inductor_onednn")
+# an engine whose one-token steps run another's package: plain decoding on it is that engine's (the plan's yardstick
+# names the other)
+ONE_TOKEN_STEPS_OF = {"inductor_onednn": "inductor"}
+_ENGINE_CLASSES = {
+    "eager": EagerEngine,
+    "compiled": CompiledEngine,
+    "inductor": InductorEngine,
+    "inductor_onednn": InductorOneDNNEngine,
+}
 
 __all__ = [
     "ENGINES",
+    "ONE_TOKEN_STEPS_OF",
     "CompiledEngine",
     "EagerEngine",
     "Engine",
     "InductorEngine",
+    "InductorOneDNNEngine",
     "Int8Weight",
     "QUANTIZED",
     "PrefillOutput",
@@ -68,6 +79,7 @@ __all__ = [
     "layer_masks",
     "make_engine",
     "meta_nonzero_takes_all",
+    "onednn_trees_may_pay",
     "pack",
     "packed_linear",
     "precision_of",

@@ -12,7 +12,7 @@ import logging
 import torch
 from transformers import StaticCache
 
-from medusa.hardware import amx
+from medusa.hardware import amx, native_bf16
 from medusa.loading import base_fingerprint
 from medusa.runtime import aot, static
 from medusa.runtime.attention import kv_dtype
@@ -69,9 +69,12 @@ class InductorEngine(CompiledEngine):
         self._start_step(cache, candidates, past_length)
         # the package attends over the rows written: the mask is as wide as them
         tokens, position_ids, mask = verify_inputs(candidates, past_length, self.model.dtype, past_length + n)
-        if n == 1:
-            package = self.one_token_package or package
+        package = self._package_for(n)
         return VerifyOutput(*aot.run(package, cache, tokens, position_ids, mask, past_length, feature_layers))
+
+    def _package_for(self, tokens: int):
+        """The loaded package that runs a step of `tokens` query tokens."""
+        return (self.one_token_package if tokens == 1 else None) or self.package
 
     def warm_up(self, progress: bool = True, max_length: int | None = None, batches: bool = False) -> float:
         """As the compiled engine's; `batches`: also load (or compile) the batch package, so that the first batch
@@ -196,3 +199,56 @@ class InductorEngine(CompiledEngine):
             )
             self.one_token_without_amx = False
             return 0.0
+
+
+def onednn_trees_may_pay(model) -> bool:
+    """Whether `InductorOneDNNEngine` is worth timing for `model`: a bf16 target compiled ahead of time on a CPU with
+    native bf16 dot products (avx512_bf16) but no AMX, where inductor's template widens the weights to fp32 and a
+    tree's rows each cost what arithmetic at fp32's pace costs."""
+    return (
+        model.device.type == "cpu"
+        and plain_weights(model)
+        and precision_of(model) == "bfloat16"
+        and native_bf16(model.device)
+        and not amx(model.device)
+    )
+
+
+class InductorOneDNNEngine(InductorEngine):
+    """The inductor engine whose steps of more than one token run a package of their own with every GEMM on aten's
+    kernels, which for bf16 are oneDNN's (its weights packed when the package is frozen): on a CPU with avx512_bf16
+    and no AMX, oneDNN's bf16 dot products keep a tree's cost nearly flat in its rows, where inductor's template
+    widens the weights to fp32 and pays each row's arithmetic at fp32's pace. One-token steps (plain decoding, a
+    step that guesses nothing) keep the template's package, the faster there. Which wins is the machine's: the plan
+    times this engine beside `inductor` where it may pay (`onednn_trees_may_pay`); docs/engines.md, "bf16 trees on
+    oneDNN"."""
+
+    name = "inductor_onednn"
+
+    def __init__(self, model, prepack: bool | None = None):
+        self.trees_package = None  # the oneDNN package's runner
+        super().__init__(model, prepack)
+
+    def _package_for(self, tokens: int):
+        return (self.trees_package if tokens > 1 else None) or super()._package_for(tokens)
+
+    def _compile_graphs(self, cache: StaticCache, progress: bool) -> float:
+        """The template's package (for one-token steps), then the trees' (compiled once on this machine, minutes;
+        a failure leaves trees to the template's package, with a warning)."""
+        seconds = super()._compile_graphs(cache, progress)
+        if not self.ahead_of_time or self.trees_package is not None:
+            return seconds
+        options = {**static.inductor_cpu_options(self.model), aot.GEMM_BACKENDS: "ATEN"}
+        try:
+            with self._compile_config():
+                self.trees_package, more = aot.load_or_compile(
+                    self.runner, options, self._weights, f"{self.label} (trees on oneDNN)", progress
+                )
+            return seconds + more
+        except Exception as err:  # noqa: BLE001 - the template's package still serves trees
+            logger.warning(
+                "compiling the trees' oneDNN package failed (%s: %s); trees run the template's package",
+                type(err).__name__,
+                err,
+            )
+            return seconds
