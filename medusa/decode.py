@@ -350,8 +350,9 @@ class SpeculativeGenerator:
         (`.sequences`, `.stats`: steps, tau, acceptance; `.scores` / `.logits` with `output_scores` /
         `output_logits`). `generator` seeds the draws.
         `proposer="plain"` decodes one token a step on the same engine (no guesses); `engine` picks how the target
-        runs: "eager" (the exact reference), "compiled" (static cache, pre-packed weights) or "inductor" (static
-        cache, torch.compile; compiled when the engine is built, minutes in each new process); see medusa.runtime.
+        runs: "eager" (the exact reference), "compiled" (static cache, pre-packed weights), "inductor" (static
+        cache, torch.compile; compiled when the engine is built, minutes in each new process) or "inductor_onednn"
+        (the same, a tree's GEMMs on oneDNN); see medusa.runtime.
         As in transformers, the prompt may come as `inputs`, and `tokenizer` (default: the model's) reads
         `stop_strings` and the end-of-sequence token.
         """

@@ -233,7 +233,7 @@ class Plan:
         """The engine of the fastest plain decoding measured: the yardstick `expected_speedup` is over."""
         plain = [o for o in self.options if o["proposer"] == "plain"]
         engines = {o["engine"] for o in plain}
-        # an engine whose one-token steps are another's engine's package is that engine for plain decoding
+        # an engine whose one-token steps run another engine's package is that engine for plain decoding
         plain = [o for o in plain if ONE_TOKEN_STEPS_OF.get(o["engine"]) not in engines]
         return min(plain, key=lambda o: o["step_ms"])["engine"] if plain else self.engine
 

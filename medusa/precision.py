@@ -44,8 +44,8 @@ def int8_runs_well(device) -> bool:
 def fastest_quantized_cpu() -> str:
     """The quantised precision that decodes fastest on this CPU with the shipped heads: weight-only int8 where AMX's
     tile units multiply it, w8a8 (fbgemm's int8 sums, flat from one query row to many) everywhere else, where
-    inductor's int8 template widens the weights and a tree's rows cost nearly what separate steps do (measured on
-    each CPU kind: docs/engines.md, "Zen 4")."""
+    inductor's int8 template widens the weights and a tree's rows cost nearly what separate steps do (planned on
+    each CPU kind measured: docs/benchmarks/cpu-zen4-session68)."""
     return "int8" if amx("cpu") else "w8a8"
 
 

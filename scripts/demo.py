@@ -62,9 +62,8 @@ def load_planned(args, dtype: str) -> MedusaModel:
         f"in {time.perf_counter() - start:.1f} s"
     )
     if args.plan == "auto":
-        for name in planned_engines(
-            model.device, base=model.base
-        ):  # built first: compiling is the engine's, once per machine
+        engines = planned_engines(model.device, base=model.base)
+        for name in engines:  # built first: compiling is the engine's, once per machine
             built = model.engine(name)
             if built.compile_seconds:
                 print(f"compiled the {name} engine in {built.compile_seconds:.1f} s (once on this machine)")

@@ -1,7 +1,8 @@
 """Where a decoding step's time goes: medusa vs plain `generate`, per phase, for one or more trees.
 
     python scripts/profile_step.py [--heads untrained|DIR] [--trees '[[0]]' smollm2-135m-cpu] [--max-new-tokens 64]
-        [--engine eager|compiled|inductor] [--proposers medusa dynamic plain] [--base X.gguf] [--device cuda]
+        [--engine eager|compiled|inductor|inductor_onednn] [--proposers medusa dynamic plain] [--base X.gguf]
+        [--device cuda]
 
 Runs plain greedy `generate` (transformers, eager) and each proposer over each tree on the chosen engine, interleaved
 on a few prompts (after a warm-up, which compiles the engine). Outputs must be identical on the eager engine; other
