@@ -161,6 +161,13 @@ class ObservedAcceptance:
             self.accepted, self.expected = self.accepted * scale, self.expected * scale
 
 
+def own_one_token_steps(engines) -> set[str]:
+    """The engines among `engines` that plain decoding is measured on: not one whose one-token steps run another's
+    package timed beside it (`inductor_onednn`'s are `inductor`'s), so that the yardstick, its engine and its step
+    time, is one engine's whichever of the two timed its plain step faster."""
+    return {name for name in engines if ONE_TOKEN_STEPS_OF.get(name) not in engines}
+
+
 def planned_engines(device, compile: bool | None = None, base=None) -> tuple[str, ...]:
     """The engines a plan times. `compile` (default: `$MEDUSA_COMPILE` != "0") lets it time `inductor`, whose
     torch.compile takes minutes on a small CPU in every new process (torch keeps only its C++ kernels on disk for
@@ -232,9 +239,8 @@ class Plan:
     def plain_engine(self) -> str:
         """The engine of the fastest plain decoding measured: the yardstick `expected_speedup` is over."""
         plain = [o for o in self.options if o["proposer"] == "plain"]
-        engines = {o["engine"] for o in plain}
-        # an engine whose one-token steps run another engine's package is that engine for plain decoding
-        plain = [o for o in plain if ONE_TOKEN_STEPS_OF.get(o["engine"]) not in engines]
+        own = own_one_token_steps({o["engine"] for o in plain})
+        plain = [o for o in plain if o["engine"] in own]
         return min(plain, key=lambda o: o["step_ms"])["engine"] if plain else self.engine
 
     def describe(self) -> str:
@@ -603,7 +609,8 @@ def choose(measured: dict, order, acc, decoded: dict | None = None) -> tuple[Opt
                 larger = [m for (p, m) in jobs if p == "medusa" and m >= n + HYBRID_CHAIN]
                 step = propose_ms + (fitted[min(larger)] if larger else verify_ms * 2)
             options.append(Option(engine, proposer, n, tau, step))
-    plain = max((o for o in options if o.proposer == "plain"), key=lambda o: o.tokens_per_s)
+    own = own_one_token_steps({o.engine for o in options})
+    plain = max((o for o in options if o.proposer == "plain" and o.engine in own), key=lambda o: o.tokens_per_s)
     return _fastest(options, plain), options, plain
 
 

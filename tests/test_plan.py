@@ -492,6 +492,7 @@ def test_the_plain_yardstick_is_the_fastest_plain_engine():
     measured["inductor_onednn"] = {job: (p, v / 2 - 0.1) for job, (p, v) in measured["compiled"].items()}
     plan = decide(measured, grow_tree(STRONG, 12), STRONG)
     assert plan.engine == "inductor_onednn" and plan.plain_engine == "inductor"
+    assert plan.plain_ms == pytest.approx(5.5)  # the guard's yardstick is inductor's step too
 
 
 def test_a_near_tie_goes_to_the_most_expected_tokens_per_step():
