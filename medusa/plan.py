@@ -111,9 +111,10 @@ BATCH_WIDTHS = (CONTEXT, 3 * CONTEXT)
 # writing a step's rows in place (cheaper batched steps); 5, every tree expected to pay timed as whole steps, not
 # the best three by the verify's expectation (which ranked the 3-node tree last of five at 2 fp32 rows, where its
 # whole steps decoded fastest: docs/benchmarks/cpu-batch2-session56), and a tree of a size not decoded expected
-# between the sizes decoded (planned_tau); 6, prompts on oneDNN on the inductor engine (cheaper prefills on AMD CPUs).
-# An older layout, or choice on a named engine, is timed again
-BATCH_LAYOUT_VERSION = 6
+# between the sizes decoded (planned_tau); 6, prompts on oneDNN on the inductor engine (cheaper prefills on AMD CPUs);
+# 7, the inductor_onednn engine's batches on a package of their own with every GEMM on oneDNN (on the template's
+# before). An older layout, or choice on a named engine, is timed again
+BATCH_LAYOUT_VERSION = 7
 # A batch's trees are expected to accept what they did on held-out prompts (decoded_taus); another workload accepts
 # less of their guesses (Spec-Bench's first turns: 74-80% of the guessed part, tau - 1, at 2-8 nodes,
 # docs/benchmarks/cpu-batch-trees-session49). Batches decoded together record what their rows accepted

@@ -24,7 +24,7 @@ import torch
 
 from medusa import MedusaModel
 from medusa.evaluation import bench_data_dir
-from medusa.plan import batch_choice
+from medusa.plan import batch_choice, calibrate_batches
 from medusa.questions import load_questions, spread
 from medusa.runtime import ENGINES, batch_engine
 
@@ -85,6 +85,8 @@ def main() -> None:
     decode_all("plain", 2)  # warm-up
     layouts = {}
     if model.plan is not None:  # the plan's choice per batch size is timed on its first use: not inside the timings
+        # (every bucket on every engine: a batch whose rows finish asks for a smaller one on its engine)
+        calibrate_batches(model, max(args.sizes))
         for size in args.sizes:
             if size > 1:
                 model.batch_layout([256] * size, args.max_new_tokens, engine, None, None)

@@ -387,6 +387,62 @@ def test_bf16_trees_on_the_onednn_engine_run_a_package_without_the_template_and_
     assert len(list((tmp_path / "aoti").glob("verify-*.pt2"))) == 2
 
 
+def _batch_step(engine, model, rows: int = 3, context: int = 7, n: int = 3, sliced: bool = False):
+    """A batch of `rows` prompts of `context` tokens prefilled on `engine`, then one step of `n` tokens each (a
+    chain; `sliced`: its inputs slices of the whole sequences', not tensors of their own) -> that step's (logits
+    (rows, n, V), hidden)."""
+    torch.manual_seed(5)
+    ids = torch.randint(1, 90, (rows, context + n))
+    causal = torch.ones((context + n, context + n), dtype=torch.bool).tril()
+    mask = torch.where(causal, 0.0, torch.finfo(model.dtype).min).to(model.dtype)[None, None].repeat(rows, 1, 1, 1)
+    positions = torch.arange(context + n)[None].repeat(rows, 1)
+    with torch.inference_mode():
+        cache = engine.new_rows_cache(context + n + 1)
+        cache.start(rows)
+        engine.batch_forward(
+            cache, ids[:, :context], mask[:, :, :context, :context], positions[:, :context], logits_to_keep=1
+        )
+        cache.advance(context)
+        step = ids[:, context:], mask[:, :, context:], positions[:, context:]
+        return engine.batch_forward(cache, *(x if sliced else x.clone() for x in step))
+
+
+@pytest.mark.slow
+def test_a_bf16_batch_on_the_onednn_engine_runs_a_package_of_aten_gemms_and_matches_eager(tmp_path, monkeypatch):
+    """`inductor_onednn`'s batches (several rows' tokens a step, as a tree's) run a package of their own whose GEMMs
+    are all aten's (oneDNN's for bf16: no micro-kernel of inductor's template); its rows match eager's within bf16
+    rounding, and are the same where the step's inputs are slices of longer tensors (a package reads its inputs with
+    the strides it was compiled for). The inductor engine's batch package keeps the template."""
+    import torch._inductor.compile_fx  # noqa: F401 - inductor's codegen modules in their import order
+    from torch._inductor.codegen import cpp_gemm_template
+
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
+    picked, create = [], cpp_gemm_template.create_micro_gemm
+    monkeypatch.setattr(cpp_gemm_template, "create_micro_gemm", lambda *a, **k: picked.append(1) or create(*a, **k))
+    compiled, compile_package = [], medusa.runtime.aot.compile_package
+
+    def recording(program, path, options):
+        picked.clear()
+        compile_package(program, path, options)
+        compiled.append((options[medusa.runtime.aot.GEMM_BACKENDS], len(picked)))
+
+    monkeypatch.setattr(medusa.runtime.aot, "compile_package", recording)
+    ran, run_rows = [], medusa.runtime.aot.run_rows
+    monkeypatch.setattr(medusa.runtime.aot, "run_rows", lambda runner, *a: ran.append(runner) or run_rows(runner, *a))
+    model = make_tiny_model("llama", dtype=torch.bfloat16)
+    engine = make_engine("inductor_onednn", model)
+    logits, hidden = _batch_step(engine, model)
+    eager_logits, eager_hidden = _batch_step(EagerEngine(model), model)
+    assert ran == [engine.batch_package] and compiled == [("ATEN", 0)]
+    assert torch.equal(_batch_step(engine, model, sliced=True)[0], logits)
+    close = dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(logits, eager_logits, **close)
+    torch.testing.assert_close(hidden, eager_hidden, **close)
+    template = make_engine("inductor", model)
+    template.new_rows_cache(16, progress=False)
+    assert compiled[1][0] == "CPP,ATEN" and compiled[1][1] > 0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["int8", "int4"])
 def test_weight_only_one_token_steps_on_amx_run_a_package_compiled_without_amx(precision, tmp_path, monkeypatch):

@@ -564,12 +564,19 @@ def compile_package(program, path: Path, options: dict) -> None:
             logger.info("a GEMM has no C++ template; compiling again with aten's kernels among the choices")
 
 
+def contiguous(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The inputs as a package reads them: with the strides it was compiled for (contiguous ones), unchecked, so a
+    slice of a larger tensor (a step's columns of a longer mask, say) would be read wrongly, silently."""
+    return tuple(tensor.contiguous() for tensor in tensors)
+
+
 def run(runner, cache: StaticCache, input_ids, position_ids, mask, past_length: int, feature_layers=()):
     """One verify forward through a loaded package, the cache's rows past_length .. + N written in place ->
     (logits (N, V), what the heads read (N, F): base_features)."""
     keys = [layer.keys for layer in cache.layers]
     values = [layer.values for layer in cache.layers]
     length = torch.tensor(past_length, device=input_ids.device)
+    input_ids, position_ids, mask = contiguous(input_ids, position_ids, mask)
     logits, hidden = runner(input_ids, position_ids, mask, length, keys, values)
     return logits, base_features(tuple(hidden), feature_layers)[0]
 
@@ -581,5 +588,6 @@ def run_rows(runner, cache, ids, position_ids, mask, feature_layers=()):
     keys = [layer.keys for layer in cache.cache.layers]
     values = [layer.values for layer in cache.cache.layers]
     starts = torch.tensor(cache.lengths, device=ids.device)
+    ids, position_ids, mask = contiguous(ids, position_ids, mask)
     logits, hidden = runner(ids, position_ids, mask, starts, keys, values)
     return logits, base_features(tuple(hidden), feature_layers)

@@ -165,18 +165,16 @@ class InductorEngine(CompiledEngine):
                 logger.warning("a package keeps its own weights (%s: %s)", type(err).__name__, err)
 
     def _load_or_compile(self, progress: bool, batched: bool = False):
-        """aot.load_or_compile of this engine's runner with its settings (`batched`: a batch's package). -> (runner,
-        seconds spent compiling)."""
+        """aot.load_or_compile of this engine's runner with its settings (`batched`: a batch's package, with
+        `_batch_options`). -> (runner, seconds spent compiling)."""
         self._weights = self._weights or base_fingerprint(self.model)
+        options = self._batch_options() if batched else static.inductor_cpu_options(self.model)
         with self._compile_config():  # as for torch.compile: the GEMM template choice reads the global
-            return aot.load_or_compile(
-                self.runner,
-                static.inductor_cpu_options(self.model),
-                self._weights,
-                self.label,
-                progress,
-                batched=batched,
-            )
+            return aot.load_or_compile(self.runner, options, self._weights, self.label, progress, batched=batched)
+
+    def _batch_options(self) -> dict:
+        """inductor's settings for a batch's package: the single sequence's."""
+        return static.inductor_cpu_options(self.model)
 
     def _compile_one_token(self, progress: bool) -> float:
         """Load (or compile) the one-token package where this engine runs one (`one_token_without_amx`): the
@@ -231,6 +229,10 @@ class InductorOneDNNEngine(InductorEngine):
 
     def _package_for(self, tokens: int):
         return (self.trees_package if tokens > 1 else None) or super()._package_for(tokens)
+
+    def _batch_options(self) -> dict:
+        """A batch's steps are several rows' tokens at once, a tree's case: every GEMM on oneDNN too."""
+        return {**super()._batch_options(), aot.GEMM_BACKENDS: "ATEN"}
 
     def _compile_graphs(self, cache: StaticCache, progress: bool) -> float:
         """The template's package (for one-token steps), then the trees' (compiled once on this machine, minutes;
