@@ -230,9 +230,13 @@ class InductorOneDNNEngine(InductorEngine):
     def _package_for(self, tokens: int):
         return (self.trees_package if tokens > 1 else None) or super()._package_for(tokens)
 
+    def _aten_options(self) -> dict:
+        """The engine's settings with every GEMM on aten's kernels: its trees' package's and its batches'."""
+        return {**static.inductor_cpu_options(self.model), aot.GEMM_BACKENDS: "ATEN"}
+
     def _batch_options(self) -> dict:
-        """A batch's steps are several rows' tokens at once, a tree's case: every GEMM on oneDNN too."""
-        return {**super()._batch_options(), aot.GEMM_BACKENDS: "ATEN"}
+        """A batch's steps are several rows' tokens at once, a tree's case: the trees' settings."""
+        return self._aten_options()
 
     def _compile_graphs(self, cache: StaticCache, progress: bool) -> float:
         """The template's package (for one-token steps), then the trees' (compiled once on this machine, minutes;
@@ -240,7 +244,7 @@ class InductorOneDNNEngine(InductorEngine):
         seconds = super()._compile_graphs(cache, progress)
         if not self.ahead_of_time or self.trees_package is not None:
             return seconds
-        options = {**static.inductor_cpu_options(self.model), aot.GEMM_BACKENDS: "ATEN"}
+        options = self._aten_options()
         try:
             with self._compile_config():
                 self.trees_package, more = aot.load_or_compile(
