@@ -42,6 +42,7 @@ from medusa.runtime import (
     ONE_TOKEN_STEPS_OF,
     compile_seconds,
     engine_for,
+    onednn_batches_may_pay,
     onednn_trees_may_pay,
     precision_of,
     runs_the_target,
@@ -899,8 +900,12 @@ def _lay_out_batch(model, rows: int, progress: bool) -> dict:
 
 
 def _batch_engines(model) -> tuple[str, ...]:
-    """The engines a batch layout times: those the plan weighed."""
-    return tuple(model.plan.key.get("engines") or planned_engines(model.device, base=model.base))
+    """The engines a batch layout times: those the plan weighed, and `inductor_onednn` beside `inductor` where its
+    batch package may pay though its trees do not (runtime.onednn_batches_may_pay: float32 targets)."""
+    engines = tuple(model.plan.key.get("engines") or planned_engines(model.device, base=model.base))
+    if "inductor" in engines and "inductor_onednn" not in engines and onednn_batches_may_pay(model.base):
+        engines += ("inductor_onednn",)
+    return engines
 
 
 def _step_ms_at(by_width: dict, width: int) -> float:

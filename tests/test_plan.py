@@ -481,6 +481,30 @@ def test_trees_on_onednn_are_timed_for_bf16_targets_on_a_cpu_with_native_bf16_an
     assert "inductor_onednn" not in medusa.plan.planned_engines("cpu", base=bf16)
 
 
+def test_float32_batches_are_timed_on_aten_gemms_beside_the_template_where_the_plan_compiles():
+    """A float32 batch of many rows is a GEMM of many rows, where aten's float32 GEMM may outrun inductor's template:
+    its layouts time `inductor_onednn` too, though the plan's single sequences do not; never where the plan compiles
+    nothing, nor for weights that are not plain (an int8 target's)."""
+    from types import SimpleNamespace
+
+    from medusa.runtime import quantize_target
+
+    fp32 = make_tiny_model("llama")
+    layout = lambda engines, base: SimpleNamespace(  # noqa: E731
+        plan=SimpleNamespace(key={"engines": engines}), device=base.device, base=base
+    )
+    assert "inductor_onednn" not in medusa.plan.planned_engines("cpu", base=fp32)
+    assert medusa.plan._batch_engines(layout(["eager", "compiled", "inductor"], fp32)) == (
+        "eager",
+        "compiled",
+        "inductor",
+        "inductor_onednn",
+    )
+    assert medusa.plan._batch_engines(layout(["eager", "compiled"], fp32)) == ("eager", "compiled")
+    int8 = quantize_target(make_tiny_model("llama"), "int8")
+    assert "inductor_onednn" not in medusa.plan._batch_engines(layout(["eager", "compiled", "inductor"], int8))
+
+
 def test_the_plain_yardstick_is_the_fastest_plain_engine():
     """A plan on a faster plain engine than the one it speculates on reports that engine as the yardstick."""
     measured = curve(lambda n: 10.0 + n, engines=("compiled",))

@@ -21,7 +21,12 @@ import torch
 from medusa.runtime.aot import compiled_module
 from medusa.runtime.eager import EagerEngine
 from medusa.runtime.graphs import StepGraph, upload_ids
-from medusa.runtime.inductor import InductorEngine, InductorOneDNNEngine, onednn_trees_may_pay
+from medusa.runtime.inductor import (
+    InductorEngine,
+    InductorOneDNNEngine,
+    onednn_batches_may_pay,
+    onednn_trees_may_pay,
+)
 from medusa.runtime.kv_cache import RowsCache
 from medusa.runtime.prepack import (
     Int8Weight,
@@ -79,6 +84,7 @@ __all__ = [
     "layer_masks",
     "make_engine",
     "meta_nonzero_takes_all",
+    "onednn_batches_may_pay",
     "onednn_trees_may_pay",
     "pack",
     "packed_linear",

@@ -212,6 +212,16 @@ def onednn_trees_may_pay(model) -> bool:
     )
 
 
+def onednn_batches_may_pay(model) -> bool:
+    """Whether a batch is worth timing on `InductorOneDNNEngine`, whose batch package runs every GEMM on aten's
+    kernels: where its trees may pay (bf16), and for a float32 target compiled ahead of time on a CPU, where a batch
+    of many rows is a GEMM of many rows and aten's float32 GEMM (MKL's, oneDNN's) outruns inductor's template and the
+    compiled engine's eager batch (docs/engines.md, "float32 batches on aten's GEMMs")."""
+    return onednn_trees_may_pay(model) or (
+        model.device.type == "cpu" and plain_weights(model) and precision_of(model) == "float32"
+    )
+
+
 class InductorOneDNNEngine(InductorEngine):
     """The inductor engine whose steps of more than one token run a package of their own with every GEMM on aten's
     kernels, which for bf16 are oneDNN's (its weights packed when the package is frozen): on a CPU with avx512_bf16
