@@ -667,7 +667,7 @@ def test_warm_up_for_batches_loads_the_batch_package(monkeypatch):
     first batch (or a server's first request) does not pay for loading it."""
     loaded = []
 
-    def load(self, progress, batched=False):
+    def load(self, progress, options, label="", batched=False):
         loaded.append(batched)
         return "runner", 0.0
 

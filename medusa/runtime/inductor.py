@@ -103,7 +103,7 @@ class InductorEngine(CompiledEngine):
         if not self.batch_ahead_of_time or self.batch_package is not None:
             return
         try:
-            self.batch_package, seconds = self._load_or_compile(progress, batched=True)
+            self.batch_package, seconds = self._load_or_compile(progress, self._batch_options(), batched=True)
             self._share_weights(self.batch_package)
             self.compile_seconds += seconds
         except Exception as err:  # noqa: BLE001 - a compiler failure must not stop generation: run uncompiled
@@ -137,7 +137,7 @@ class InductorEngine(CompiledEngine):
         if self.package is not None:
             return 0.0
         try:
-            self.package, seconds = self._load_or_compile(progress)
+            self.package, seconds = self._load_or_compile(progress, static.inductor_cpu_options(self.model))
             self._share_weights(self.package)
             return seconds + self._compile_one_token(progress)
         except Exception as err:  # noqa: BLE001 - a compiler failure must not stop generation: run uncompiled
@@ -164,13 +164,13 @@ class InductorEngine(CompiledEngine):
             except Exception as err:  # noqa: BLE001 - memory only: the package runs on its own copy
                 logger.warning("a package keeps its own weights (%s: %s)", type(err).__name__, err)
 
-    def _load_or_compile(self, progress: bool, batched: bool = False):
-        """aot.load_or_compile of this engine's runner with its settings (`batched`: a batch's package, with
-        `_batch_options`). -> (runner, seconds spent compiling)."""
+    def _load_or_compile(self, progress: bool, options: dict, label: str = "", **kind):
+        """aot.load_or_compile of this engine's runner with `options` (`kind`: one_token=True or batched=True for
+        those packages; `label` names it while it compiles, the engine's label by default). -> (runner, seconds
+        spent compiling)."""
         self._weights = self._weights or base_fingerprint(self.model)
-        options = self._batch_options() if batched else static.inductor_cpu_options(self.model)
         with self._compile_config():  # as for torch.compile: the GEMM template choice reads the global
-            return aot.load_or_compile(self.runner, options, self._weights, self.label, progress, batched=batched)
+            return aot.load_or_compile(self.runner, options, self._weights, label or self.label, progress, **kind)
 
     def _batch_options(self) -> dict:
         """inductor's settings for a batch's package: the single sequence's."""
@@ -184,9 +184,7 @@ class InductorEngine(CompiledEngine):
             return 0.0
         options = {**static.inductor_cpu_options(self.model), aot.WITHOUT_AMX: True}
         try:
-            self.one_token_package, seconds = aot.load_or_compile(
-                self.runner, options, self._weights, self.label, progress, one_token=True
-            )
+            self.one_token_package, seconds = self._load_or_compile(progress, options, one_token=True)
             self._share_weights(self.one_token_package)
             return seconds
         except Exception as err:  # noqa: BLE001 - the main package still serves one-token steps
@@ -254,12 +252,9 @@ class InductorOneDNNEngine(InductorEngine):
         seconds = super()._compile_graphs(cache, progress)
         if not self.ahead_of_time or self.trees_package is not None:
             return seconds
-        options = self._aten_options()
         try:
-            with self._compile_config():
-                self.trees_package, more = aot.load_or_compile(
-                    self.runner, options, self._weights, f"{self.label} (trees on oneDNN)", progress
-                )
+            label = f"{self.label} (trees on oneDNN)"
+            self.trees_package, more = self._load_or_compile(progress, self._aten_options(), label)
             return seconds + more
         except Exception as err:  # noqa: BLE001 - the template's package still serves trees
             logger.warning(
