@@ -279,6 +279,11 @@ class SpeculativeGenerator:
         plan = getattr(self, "plan", None)
         if isinstance(lookup, PromptLookupProposer) and plan is not None:  # its trees sized by what they cost here
             lookup.chain_ms = plan.chain_ms(target.name, lookup.num_tokens)
+        planned = plan is not None and proposer is None and tree is None and lookup is not built
+        sized = plan.at_context(input_ids.shape[-1] + settings.max_new_tokens // 2) if planned else None
+        if sized is not None and target.name == plan.engine:  # the plan's own trees, guarded
+            nodes, built.expected_step_ms, built.plain_ms = sized  # the guard judges by this context's steps
+            lookup.budget(nodes)  # a long context: the tree that pays there (medusa.plan.LONG_CONTEXT)
         return decode(
             self.base,
             built,

@@ -55,7 +55,7 @@ logger = logging.getLogger(__name__)
 
 # in a heads directory: {"acc_given_prefix": [[...], ...], "source": ..., optionally "decoded": (check_decoded)}
 ACCURACY_NAME = "medusa_accuracy.json"
-PLAN_VERSION = 22  # 3: the inductor engine is an option; 4: the dynamic tree skips heads that cannot matter (cheaper);
+PLAN_VERSION = 23  # 3: the inductor engine is an option; 4: the dynamic tree skips heads that cannot matter (cheaper);
 # 5: the inductor engine runs ahead-of-time packages on CPU; 6: a context layer's read of each step's positions costed;
 # 7: pre-packed weights laid out for 8 rows (cheaper heads, context reads and pre-packed verifies); 8: proposing on
 # int8 weights on a CPU (cheaper heads and context reads); 9: more repeats, a verify curve that never falls, near-ties
@@ -70,7 +70,8 @@ PLAN_VERSION = 22  # 3: the inductor engine is an option; 4: the dynamic tree sk
 # register blocks (flatter verifies from 3 nodes); 19: fp32 GEMMs ask for their weights ahead (flatter verifies from 2
 # nodes, on AVX2 too), int8 ones without AMX too; 20: int8 and int4 one-token steps on AMX CPUs without AMX kernels (a
 # cheaper plain step); 21: bf16 without AMX on inductor's template, its weights asked for ahead (cheaper steps); 22: an
-# EAGLE-3 draft's step compiled ahead of time with the inductor engine (a cheaper proposal)
+# EAGLE-3 draft's step compiled ahead of time with the inductor engine (a cheaper proposal); 23: a dynamic tree's
+# verifies timed at LONG_CONTEXT too (a long call takes the tree that pays at its context)
 SIZES = (1, 2, 4, 6, 8, 12, 16, 24)  # tree nodes timed, root included (1 = plain decoding)
 SLOW_ENGINE = 1.25  # an engine whose plain step is this much slower than the fastest one's is not timed further
 MIN_GAIN = 1.05  # a speculative option must beat plain decoding by this much to be chosen
@@ -80,6 +81,12 @@ MIN_GAIN = 1.05  # a speculative option must beat plain decoding by this much to
 TIE_MARGIN = 0.03
 REPEATS = 10  # timed rounds per option (medians), after one warm-up round
 CONTEXT = 256  # tokens in the cache while timing: a typical chat prompt
+# A plan of dynamic trees also times their verifies at this many cached tokens (where the model's positions reach
+# it): each query row attends over every cached key, so a tree's verify grows with the context faster than a
+# one-token step's (4,000 cached tokens: a 4-token verify 1.6-2.0x a one-token step, against 1.06-1.56x at 256;
+# docs/benchmarks/cpu-zen4-long-context-session71), and a call decoding at a longer context than CONTEXT takes the tree
+# size that pays there (Plan.at_context), which may be none
+LONG_CONTEXT = 2048
 # tau of the proposers the accuracy model does not cover, relative to a static tree of the same size, as measured on
 # Spec-Bench (limit 10, shipped heads): dynamic 2.86 vs 2.74 (medusa); hybrid 3.21, at up to HYBRID_CHAIN more nodes.
 DYNAMIC_TAU_GAIN = 1.04
@@ -200,6 +207,8 @@ class Plan:
     compile_s: float = 0.0  # spent compiling the engines timed (torch.compile), before timing them
     # batch_key (a bucket and an engine) -> its choice (batch_choice), once measured
     batches: dict = field(default_factory=dict)
+    long_context: int = 0  # cached tokens of long_latency_ms's timings (0: none taken)
+    long_latency_ms: dict = field(default_factory=dict)  # {query length: median verify ms} on `engine` there
 
     @property
     def chosen_option(self) -> dict | None:
@@ -223,6 +232,39 @@ class Plan:
         """The tokens a step of the chosen option is expected to commit (1 for plain decoding)."""
         option = self.chosen_option
         return option["tau"] if option and self.proposer != "plain" else 1.0
+
+    def at_context(self, context: int) -> tuple[int, float, float] | None:
+        """For a call whose decoding attends over about `context` cached tokens: (the nodes of the dynamic tree that
+        pays best there, root included, 1 for none; its expected step ms; plain decoding's) -> what the call's
+        proposer and guard take. Each verify's growth beyond CONTEXT is interpolated between the timings at CONTEXT
+        and at `long_context` (extrapolated beyond it); the plan's own size is kept unless another is expected
+        faster by TIE_MARGIN, and plain decoding wins unless a tree beats it by MIN_GAIN, as when the plan chose.
+        None: no change (the context is no longer than CONTEXT, the plan is not of dynamic trees, or its long
+        timings were not taken)."""
+        if self.proposer != "dynamic" or not self.long_latency_ms or context <= CONTEXT:
+            return None
+        short = {int(n): ms for n, ms in self.latency_ms.get(self.engine, {}).items()}
+        long = {int(n): ms for n, ms in self.long_latency_ms.items()}
+        share = (context - CONTEXT) / (self.long_context - CONTEXT)
+
+        def grown(nodes: int) -> float:
+            return share * max(0.0, interpolate(long, nodes) - interpolate(short, nodes))
+
+        steps = {1: self.plain_ms + grown(1)}
+        taus = {1: 1.0}
+        for o in self.options:
+            if (o["engine"], o["proposer"]) == (self.engine, self.proposer):
+                steps[o["num_nodes"]] = o["step_ms"] + grown(o["num_nodes"])
+                taus[o["num_nodes"]] = o["tau"]
+        rate = {n: taus[n] / steps[n] for n in steps}
+        trees = [n for n in rate if n > 1]
+        best = max(trees, key=rate.get, default=1)
+        chosen = len(self.tree) + 1
+        if best == 1 or rate[best] < rate[1] * MIN_GAIN:
+            best = 1
+        elif chosen in rate and rate[chosen] >= rate[1] * MIN_GAIN and rate[best] <= rate[chosen] * (1 + TIE_MARGIN):
+            best = chosen
+        return best, steps[best], steps[1]
 
     def chain_ms(self, engine: str, guesses: int) -> list[float] | None:
         """The verify's ms on `engine` for the root and 0 .. `guesses` guessed tokens, from the query lengths timed
@@ -261,6 +303,11 @@ class Plan:
             lines.append(
                 f"{o['engine']:<9} {o['proposer']:<8} {o['num_nodes']:>5} {o['tau']:>8.2f} "
                 f"{o['step_ms']:>8.1f} {o['speedup']:>11.2f}x"
+            )
+        if self.long_latency_ms:  # what sizes a long call's tree (at_context)
+            timed = ", ".join(f"{n}: {ms:.1f}" for n, ms in self.long_latency_ms.items())
+            lines.append(
+                f"verify ms at {self.long_context} cached tokens, by nodes (sizes a long call's tree): {timed}"
             )
         return "\n".join(lines)
 
@@ -387,14 +434,23 @@ def plan_path(key: dict) -> Path:
 
 # ------------------------------------------------------------------------------------------------------ measuring
 @torch.inference_mode()
-def measure(model, engines=None, sizes=SIZES, repeats: int = REPEATS, context: int = CONTEXT, progress: bool = True):
+def measure(
+    model,
+    engines=None,
+    sizes=SIZES,
+    repeats: int = REPEATS,
+    context: int = CONTEXT,
+    progress: bool = True,
+    proposers: tuple[str, ...] = PROPOSERS,
+):
     """-> ({engine: {(proposer, nodes): (propose_ms, verify_ms)}} as medians, the static trees' path order).
 
     Static trees come from the heads' accuracy table (grow_tree), dynamic and hybrid trees from the same sizes
     (untrained heads: chains of those sizes, as many tokens as prompt lookup verifies); a draft's (DRAFT_PROPOSER)
     trees of those sizes are its own, `order` a chain that only sizes them; every proposal is verified
     and accepted, then the cache is set back, so all sizes see `context` tokens. Engines (for their plain steps),
-    sizes and proposers are interleaved within each repeat, so drifts in machine load hit them alike.
+    sizes and proposers are interleaved within each repeat, so drifts in machine load hit them alike. `proposers`:
+    those of trained heads to time (every one the plan weighs by default).
     """
     device, sampling = model.device, SamplingConfig()
     engines = engines or planned_engines(device, base=model.base)
@@ -406,7 +462,7 @@ def measure(model, engines=None, sizes=SIZES, repeats: int = REPEATS, context: i
     elif model.heads_trained:
         order = grow_tree(model.accuracy, max(sizes)) if model.accuracy is not None else []
         sizes = [n for n in sizes if n == 1 or n - 1 <= len(order)]
-        jobs = [("plain", 1)] + [(p, n) for n in sizes if n > 1 for p in PROPOSERS]
+        jobs = [("plain", 1)] + [(p, n) for n in sizes if n > 1 for p in proposers]
     else:  # no trees to weigh: prompt lookup's verifies, whose guesses follow their cost (Plan.chain_ms)
         order, sizes = [], [n for n in sizes if n <= LOOKUP_CHAIN + 2]
         jobs = [("plain", 1)] + [("prompt_lookup", n) for n in sizes if n > 1]
@@ -654,12 +710,20 @@ def _fastest(options: list[Option], plain: Option) -> Option:
     return max(tied, key=lambda o: (o.tau, o.speedup)) if tied else best
 
 
+def long_context(model) -> int | None:
+    """LONG_CONTEXT where the model's positions reach past it with room for a tree (None: they do not)."""
+    positions = getattr(model.base.config.get_text_config(), "max_position_embeddings", None) or 0
+    return LONG_CONTEXT if positions >= LONG_CONTEXT + max(SIZES) + HYBRID_CHAIN + 1 else None
+
+
 def calibrate(
-    model, engines=None, sizes=SIZES, repeats: int = REPEATS, progress: bool = True, key: dict | None = None
+    model, engines=None, sizes=None, repeats: int = REPEATS, progress: bool = True, key: dict | None = None
 ) -> Plan:
     """Measure on this machine and choose (nothing is read from or written to the cache). `key`: the model's
-    plan_key when the caller has it already (it sums every heads tensor). `engines`: default planned_engines."""
+    plan_key when the caller has it already (it sums every heads tensor). `engines`: default planned_engines;
+    `sizes`: the tree sizes timed, SIZES by default."""
     engines = engines or planned_engines(model.device, base=model.base)
+    sizes = sizes or SIZES  # read when called (a test times fewer)
     start = time.perf_counter()
     compiled_before = compile_seconds(model.base)
     if drafts(model):  # the sizes whose acceptance was decoded: nothing else can be weighed
@@ -671,6 +735,11 @@ def calibrate(
         timed = sizes if acc is not None or not model.heads_trained else (1,)  # untrained heads: lookup's chains
         measured, order = measure(model, engines, timed, repeats, progress=progress)
         plan = decide(measured, order, acc, model.decoded_taus, heads_trained=model.heads_trained)
+        long = long_context(model)
+        if plan.proposer == "dynamic" and long:  # what its trees cost where a call's context is long
+            at_long, _ = measure(model, [plan.engine], timed, repeats, long, progress, proposers=("dynamic",))
+            curve = verify_curve(at_long[plan.engine])
+            plan.long_context, plan.long_latency_ms = long, {str(n): round(ms, 3) for n, ms in curve.items()}
     plan.compile_s = compile_seconds(model.base) - compiled_before
     plan.key, plan.calibration_s = key or plan_key(model, engines), time.perf_counter() - start - plan.compile_s
     return plan

@@ -1,12 +1,13 @@
 """What a prompt and a verify step cost on one engine at one precision: the target alone, no heads.
 
     python scripts/step_cost.py [--dtype float32|bfloat16|int8|int4] [--engine inductor] [--prompt 64 769]
-        [--context 200] [--rows 512 1024 2048] [--queries 1 2 4 8] [--repeats 30]
+        [--context 200] [--rows 512 1024 2048] [--queries 1 2 4 8] [--repeats 30] [--base PATH]
 
 Prints the median milliseconds of a prefill over each prompt length, then of a verify forward over each number of
 query tokens (a chain) after `--context` cached tokens, in caches of each size (the inductor engine compiles one
 package per size, once per machine). Compare two versions of the library by running this from a worktree of each,
-one after the other, on an otherwise idle machine.
+one after the other, on an otherwise idle machine. `--base`: another target (a Hub id, directory or GGUF file, as
+`MedusaModel.from_base` takes it) instead of the embedded SmolLM2.
 """
 
 from __future__ import annotations
@@ -42,11 +43,15 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[512, 1024, 2048])
     parser.add_argument("--queries", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--base", default=None, help="another target (default: the embedded SmolLM2)")
     args = parser.parse_args()
-    model = MedusaModel.from_pretrained(dtype=args.dtype, plan="off")
+    if args.base:
+        model = MedusaModel.from_base(args.base, dtype=args.dtype, plan="off")
+    else:
+        model = MedusaModel.from_pretrained(dtype=args.dtype, plan="off")
     engine = model.engine(args.engine)
     tokens = lambda n: torch.randint(100, 20000, (1, n), generator=torch.Generator().manual_seed(n))  # noqa: E731
-    label = f"{args.dtype} {args.engine}"
+    label = f"{args.base + ' ' if args.base else ''}{args.dtype} {args.engine}"
     with torch.inference_mode():
         for length in args.prompt:
             cache = engine.new_cache(length + 128, progress=False)

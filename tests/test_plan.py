@@ -1,5 +1,6 @@
 """The calibrated plan: choices from synthetic latency curves, the cache and its key, overrides, the online guard."""
 
+import dataclasses
 import json
 import logging
 from types import SimpleNamespace
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 import medusa.decode
+import medusa.dynamic_tree
 import medusa.guard
 import medusa.model
 import medusa.plan
@@ -20,6 +22,8 @@ from medusa.plan import (
     ACCEPTANCE_PRIOR,
     ACCURACY_NAME,
     BATCH_LAYOUT_VERSION,
+    CONTEXT,
+    LONG_CONTEXT,
     MIN_GAIN,
     TIE_MARGIN,
     ObservedAcceptance,
@@ -27,6 +31,7 @@ from medusa.plan import (
     _step_ms_at,
     decide,
     load_accuracy,
+    long_context,
     plan_path,
     save_accuracy,
     verify_curve,
@@ -287,6 +292,84 @@ def test_planned_generate_is_exact_and_arguments_override_the_plan(tmp_path, mon
     assert torch.equal(out.sequences, reference) and max(out.stats.proposed_lengths) == 2
     with pytest.raises(ValueError, match="plan must be"):
         MedusaModel.from_pretrained(heads_dir, base=base_dir, plan="yes")
+
+
+def _long_plan(long_ms: dict) -> Plan:
+    """A plan of 6-node dynamic trees on the eager engine, timed at CONTEXT and at LONG_CONTEXT (`long_ms`)."""
+    short_ms = {1: 10.0, 2: 10.3, 4: 10.8, 6: 12.0}
+    taus = {2: 1.6, 4: 2.3, 6: 2.6}
+    options = [dict(engine="eager", proposer="plain", num_nodes=1, tau=1.0, step_ms=10.0, speedup=1.0)] + [
+        dict(engine="eager", proposer="dynamic", num_nodes=n, tau=t, step_ms=short_ms[n] + 0.5, speedup=0.0)
+        for n, t in taus.items()
+    ]
+    return Plan(
+        engine="eager",
+        proposer="dynamic",
+        tree=[[0], [1], [0, 0], [0, 1], [0, 0, 0]],
+        expected_speedup=2.6 / 12.5 * 10,
+        plain_ms=10.0,
+        reason="test",
+        options=options,
+        latency_ms={"eager": {str(n): ms for n, ms in short_ms.items()}},
+        long_context=LONG_CONTEXT,
+        long_latency_ms={str(n): ms for n, ms in long_ms.items()},
+    )
+
+
+def test_a_long_call_takes_the_tree_that_pays_at_its_context():
+    """Each query row attends over every cached key, so trees grow dearer with the context than a plain step: past
+    CONTEXT a call takes the size expected fastest at its own context, interpolating the two timings."""
+    plan = _long_plan({1: 15.0, 2: 18.0, 4: 30.0, 6: 45.0})
+    assert plan.at_context(CONTEXT) is None  # the plan's own choice, timed there
+    assert f"{LONG_CONTEXT} cached tokens" in plan.describe()
+    nodes, step_ms, plain_ms = plan.at_context(LONG_CONTEXT)
+    assert nodes == 2 and plain_ms == pytest.approx(15.0) and step_ms == pytest.approx(10.8 + 7.7)
+    assert plan.at_context((CONTEXT + LONG_CONTEXT) // 2)[0] == 4
+    assert plan.at_context(2 * LONG_CONTEXT)[0] == 2  # extrapolated beyond the long timing
+    assert _long_plan({1: 15.0, 2: 30.0, 4: 60.0, 6: 90.0}).at_context(LONG_CONTEXT)[0] == 1  # no tree pays: plain
+    flat = _long_plan({1: 11.0, 2: 11.3, 4: 11.8, 6: 13.0})  # attention costs nothing here: the plan's own tree
+    assert flat.at_context(LONG_CONTEXT)[0] == 6
+    assert dataclasses.replace(plan, long_latency_ms={}).at_context(LONG_CONTEXT) is None  # not timed: no change
+    assert dataclasses.replace(plan, proposer="medusa").at_context(LONG_CONTEXT) is None  # a static tree keeps its own
+
+
+def test_a_long_prompt_decodes_the_plans_tree_for_its_context_exactly(monkeypatch):
+    """generate sizes the plan's dynamic tree by the call's context (prompt and half the new tokens), and hands the
+    guard the steps expected there; an explicit tree or proposer is left as asked. Greedy output stays plain's."""
+    model = MedusaModel(make_tiny_model("llama"), make_heads(random=True, condition_on_path=True))
+    model.plan = _long_plan({1: 15.0, 2: 18.0, 4: 30.0, 6: 45.0})  # 4 nodes pay best at ~400 cached tokens
+    budgets, yardsticks = [], []
+    budget = medusa.dynamic_tree.DynamicTreeProposer.budget
+    monkeypatch.setattr(
+        medusa.dynamic_tree.DynamicTreeProposer, "budget", lambda self, n: budgets.append(n) or budget(self, n)
+    )
+    propose = GuardedProposer.propose
+    monkeypatch.setattr(
+        GuardedProposer,
+        "propose",
+        lambda self, s: yardsticks.append((self.plain_ms, self.expected_step_ms)) or propose(self, s),
+    )
+    short = torch.tensor([[3, 4, 5, 6, 3, 4]])
+    long = torch.randint(3, 60, (1, 396), generator=torch.Generator().manual_seed(0))
+    for prompt in (short, long):
+        reference = model.base.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8)
+        yardsticks.clear()
+        assert torch.equal(model.generate(prompt, max_new_tokens=8, do_sample=False), reference)
+    assert budgets == [4]  # the long prompt alone: 400 cached tokens
+    share = (400 - CONTEXT) / (LONG_CONTEXT - CONTEXT)
+    plain_ms, step_ms = yardsticks[0]
+    assert plain_ms == pytest.approx(10.0 + 5.0 * share) and step_ms == pytest.approx(11.3 + 19.2 * share)
+    budgets.clear()
+    model.generate(long, max_new_tokens=8, tree=[[0], [0, 0]])
+    model.generate(long, max_new_tokens=8, proposer="dynamic")
+    assert budgets == []
+
+
+def test_long_timings_are_taken_where_the_positions_reach():
+    model = SimpleNamespace(base=make_tiny_model("llama"))  # 512 positions
+    assert long_context(model) is None
+    model.base.config.max_position_embeddings = 8192
+    assert long_context(model) == LONG_CONTEXT
 
 
 def _guarded(plain_ms, family="llama", context=False):

@@ -97,7 +97,8 @@ def test_stops_at_eos_like_generate(shipped):
 def test_compiled_engine_and_a_calibrated_plan_on_the_real_model(shipped, plain_greedy, tmp_path, monkeypatch):
     """The compiled engine (StaticCache, pre-packed weights) keeps every shipped-heads output equal to transformers'
     eager greedy generate, for plain decoding, the dynamic tree and the hybrid; a (short) calibration on this machine
-    yields a plan whose default generate is equal too, and it is cached and read back."""
+    yields a plan whose default generate is equal too (a long prompt's as well, its tree sized for its context), and
+    it is cached and read back."""
     import medusa.plan
 
     monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
@@ -106,8 +107,13 @@ def test_compiled_engine_and_a_calibrated_plan_on_the_real_model(shipped, plain_
     plan = medusa.plan.load_or_calibrate(shipped, progress=False)
     assert plan.latency_ms and plan.options and plan.plain_ms > 0
     assert medusa.plan.load_or_calibrate(shipped, progress=False).options == plan.options  # cached
+    if plan.proposer == "dynamic":  # its trees timed at a long context too, each size
+        assert plan.long_context == medusa.plan.LONG_CONTEXT and set(plan.long_latency_ms) == {"1", "4", "8"}
+    assert set(plan.latency_ms[plan.engine]) == {"1", "4", "8"}  # the sizes this test times, no more
     try:
         shipped.plan = plan
+        long_text = " ".join(PROMPTS * 40)  # about 2,300 tokens: the tree sized for that context, still exact
+        assert torch.equal(shipped.generate(_chat(shipped, long_text), max_new_tokens=32), plain_greedy(long_text, 32))
         for text in PROMPTS[:3]:
             ids, reference = _chat(shipped, text), plain_greedy(text, 96)
             for kwargs in (
