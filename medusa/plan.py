@@ -235,10 +235,11 @@ class Plan:
 
     def at_context(self, context: int) -> tuple[int, float, float] | None:
         """For a call whose decoding attends over about `context` cached tokens: (the nodes of the dynamic tree that
-        pays best there, root included, 1 for none; its expected step ms; plain decoding's) -> what the call's
-        proposer and guard take. Each verify's growth beyond CONTEXT is interpolated between the timings at CONTEXT
-        and at `long_context` (extrapolated beyond it); the plan's own size is kept unless another is expected
-        faster by TIE_MARGIN, and plain decoding wins unless a tree beats it by MIN_GAIN, as when the plan chose.
+        pays best there, root included, 1 for none, never more than the plan's own; its expected step ms; plain
+        decoding's) -> what the call's proposer and guard take. Each verify's growth beyond CONTEXT is interpolated
+        between the timings at CONTEXT and at `long_context` (extrapolated beyond it); the plan's own size is kept
+        unless another is expected faster by TIE_MARGIN, and plain decoding wins unless a tree beats it by MIN_GAIN,
+        as when the plan chose.
         None: no change (the context is no longer than CONTEXT, the plan is not of dynamic trees, or its long
         timings were not taken)."""
         if self.proposer != "dynamic" or not self.long_latency_ms or context <= CONTEXT:
@@ -257,9 +258,9 @@ class Plan:
                 steps[o["num_nodes"]] = o["step_ms"] + grown(o["num_nodes"])
                 taus[o["num_nodes"]] = o["tau"]
         rate = {n: taus[n] / steps[n] for n in steps}
-        trees = [n for n in rate if n > 1]
-        best = max(trees, key=rate.get, default=1)
         chosen = len(self.tree) + 1
+        trees = [n for n in rate if 1 < n <= chosen]  # no larger: the call's cache and guard are sized by its tree
+        best = max(trees, key=rate.get, default=1)
         if best == 1 or rate[best] < rate[1] * MIN_GAIN:
             best = 1
         elif chosen in rate and rate[chosen] >= rate[1] * MIN_GAIN and rate[best] <= rate[chosen] * (1 + TIE_MARGIN):

@@ -329,6 +329,9 @@ def test_a_long_call_takes_the_tree_that_pays_at_its_context():
     assert _long_plan({1: 15.0, 2: 30.0, 4: 60.0, 6: 90.0}).at_context(LONG_CONTEXT)[0] == 1  # no tree pays: plain
     flat = _long_plan({1: 11.0, 2: 11.3, 4: 11.8, 6: 13.0})  # attention costs nothing here: the plan's own tree
     assert flat.at_context(LONG_CONTEXT)[0] == 6
+    # 6 nodes would pay best here, but a call's cache and guard are sized by the plan's own tree (4): never more
+    smaller = dataclasses.replace(_long_plan({1: 11.0, 2: 11.3, 4: 20.0, 6: 13.0}), tree=[[0], [1], [0, 0]])
+    assert smaller.at_context(LONG_CONTEXT)[0] == 2
     assert dataclasses.replace(plan, long_latency_ms={}).at_context(LONG_CONTEXT) is None  # not timed: no change
     assert dataclasses.replace(plan, proposer="medusa").at_context(LONG_CONTEXT) is None  # a static tree keeps its own
 
