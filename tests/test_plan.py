@@ -571,8 +571,6 @@ def test_float32_batches_are_timed_on_aten_gemms_beside_the_template_where_the_p
     """A float32 batch of many rows is a GEMM of many rows, where aten's float32 GEMM may outrun inductor's template:
     its layouts time `inductor_onednn` too, though the plan's single sequences do not; never where the plan compiles
     nothing, nor for weights that are not plain (an int8 target's)."""
-    from types import SimpleNamespace
-
     from medusa.runtime import quantize_target
 
     fp32 = make_tiny_model("llama")
