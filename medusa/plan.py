@@ -55,7 +55,7 @@ logger = logging.getLogger(__name__)
 
 # in a heads directory: {"acc_given_prefix": [[...], ...], "source": ..., optionally "decoded": (check_decoded)}
 ACCURACY_NAME = "medusa_accuracy.json"
-PLAN_VERSION = 23  # 3: the inductor engine is an option; 4: the dynamic tree skips heads that cannot matter (cheaper);
+PLAN_VERSION = 24  # 3: the inductor engine is an option; 4: the dynamic tree skips heads that cannot matter (cheaper);
 # 5: the inductor engine runs ahead-of-time packages on CPU; 6: a context layer's read of each step's positions costed;
 # 7: pre-packed weights laid out for 8 rows (cheaper heads, context reads and pre-packed verifies); 8: proposing on
 # int8 weights on a CPU (cheaper heads and context reads); 9: more repeats, a verify curve that never falls, near-ties
@@ -71,7 +71,8 @@ PLAN_VERSION = 23  # 3: the inductor engine is an option; 4: the dynamic tree sk
 # nodes, on AVX2 too), int8 ones without AMX too; 20: int8 and int4 one-token steps on AMX CPUs without AMX kernels (a
 # cheaper plain step); 21: bf16 without AMX on inductor's template, its weights asked for ahead (cheaper steps); 22: an
 # EAGLE-3 draft's step compiled ahead of time with the inductor engine (a cheaper proposal); 23: a dynamic tree's
-# verifies timed at LONG_CONTEXT too (a long call takes the tree that pays at its context)
+# verifies timed at LONG_CONTEXT too (a long call takes the tree that pays at its context); 24: a long call's growth
+# measured from the same fitted curve at CONTEXT (short_latency_ms), not the static tree's raw medians
 SIZES = (1, 2, 4, 6, 8, 12, 16, 24)  # tree nodes timed, root included (1 = plain decoding)
 SLOW_ENGINE = 1.25  # an engine whose plain step is this much slower than the fastest one's is not timed further
 MIN_GAIN = 1.05  # a speculative option must beat plain decoding by this much to be chosen
@@ -208,7 +209,9 @@ class Plan:
     # batch_key (a bucket and an engine) -> its choice (batch_choice), once measured
     batches: dict = field(default_factory=dict)
     long_context: int = 0  # cached tokens of long_latency_ms's timings (0: none taken)
-    long_latency_ms: dict = field(default_factory=dict)  # {query length: median verify ms} on `engine` there
+    long_latency_ms: dict = field(default_factory=dict)  # {query length: fitted verify ms} on `engine` there
+    # the same fit at CONTEXT (plain steps and dynamic trees, verify_curve): what a long call's growth is measured from
+    short_latency_ms: dict = field(default_factory=dict)
 
     @property
     def chosen_option(self) -> dict | None:
@@ -237,14 +240,14 @@ class Plan:
         """For a call whose decoding attends over about `context` cached tokens: (the nodes of the dynamic tree that
         pays best there, root included, 1 for none, never more than the plan's own; its expected step ms; plain
         decoding's) -> what the call's proposer and guard take. Each verify's growth beyond CONTEXT is interpolated
-        between the timings at CONTEXT and at `long_context` (extrapolated beyond it); the plan's own size is kept
-        unless another is expected faster by TIE_MARGIN, and plain decoding wins unless a tree beats it by MIN_GAIN,
-        as when the plan chose.
+        between the same fitted curve at CONTEXT and at `long_context` (extrapolated beyond it); the plan's own size
+        is kept unless another is expected faster by TIE_MARGIN, and plain decoding wins unless a tree beats it by
+        MIN_GAIN, as when the plan chose.
         None: no change (the context is no longer than CONTEXT, the plan is not of dynamic trees, or its long
         timings were not taken)."""
-        if self.proposer != "dynamic" or not self.long_latency_ms or context <= CONTEXT:
+        if self.proposer != "dynamic" or not (self.long_latency_ms and self.short_latency_ms) or context <= CONTEXT:
             return None
-        short = {int(n): ms for n, ms in self.latency_ms.get(self.engine, {}).items()}
+        short = {int(n): ms for n, ms in self.short_latency_ms.items()}
         long = {int(n): ms for n, ms in self.long_latency_ms.items()}
         share = (context - CONTEXT) / (self.long_context - CONTEXT)
 
@@ -306,10 +309,11 @@ class Plan:
                 f"{o['step_ms']:>8.1f} {o['speedup']:>11.2f}x"
             )
         if self.long_latency_ms:  # what sizes a long call's tree (at_context)
-            timed = ", ".join(f"{n}: {ms:.1f}" for n, ms in self.long_latency_ms.items())
-            lines.append(
-                f"verify ms at {self.long_context} cached tokens, by nodes (sizes a long call's tree): {timed}"
-            )
+            for context, curve in ((CONTEXT, self.short_latency_ms), (self.long_context, self.long_latency_ms)):
+                timed = ", ".join(f"{n}: {ms:.1f}" for n, ms in curve.items())
+                lines.append(
+                    f"verify ms at {context} cached tokens, by nodes, fitted (sizes a long call's tree): {timed}"
+                )
         return "\n".join(lines)
 
 
@@ -739,8 +743,10 @@ def calibrate(
         long = long_context(model)
         if plan.proposer == "dynamic" and long:  # what its trees cost where a call's context is long
             at_long, _ = measure(model, [plan.engine], timed, repeats, long, progress, proposers=("dynamic",))
-            curve = verify_curve(at_long[plan.engine])
-            plan.long_context, plan.long_latency_ms = long, {str(n): round(ms, 3) for n, ms in curve.items()}
+            at_short = {job: ms for job, ms in measured[plan.engine].items() if job[0] in ("plain", "dynamic")}
+            fitted = lambda jobs: {str(n): round(ms, 3) for n, ms in verify_curve(jobs).items()}  # noqa: E731
+            plan.long_context, plan.long_latency_ms = long, fitted(at_long[plan.engine])
+            plan.short_latency_ms = fitted(at_short)  # like with like: the same jobs, fitted alike
     plan.compile_s = compile_seconds(model.base) - compiled_before
     plan.key, plan.calibration_s = key or plan_key(model, engines), time.perf_counter() - start - plan.compile_s
     return plan

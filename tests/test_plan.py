@@ -310,9 +310,11 @@ def _long_plan(long_ms: dict) -> Plan:
         plain_ms=10.0,
         reason="test",
         options=options,
-        latency_ms={"eager": {str(n): ms for n, ms in short_ms.items()}},
+        # the static tree's raw medians (noise put 2 nodes above 4): not what a long call's growth is measured from
+        latency_ms={"eager": {"1": 10.0, "2": 12.5, "4": 10.8, "6": 12.0}},
         long_context=LONG_CONTEXT,
         long_latency_ms={str(n): ms for n, ms in long_ms.items()},
+        short_latency_ms={str(n): ms for n, ms in short_ms.items()},
     )
 
 
@@ -321,7 +323,7 @@ def test_a_long_call_takes_the_tree_that_pays_at_its_context():
     CONTEXT a call takes the size expected fastest at its own context, interpolating the two timings."""
     plan = _long_plan({1: 15.0, 2: 18.0, 4: 30.0, 6: 45.0})
     assert plan.at_context(CONTEXT) is None  # the plan's own choice, timed there
-    assert f"{LONG_CONTEXT} cached tokens" in plan.describe()
+    assert f"{LONG_CONTEXT} cached tokens" in plan.describe() and f"{CONTEXT} cached tokens" in plan.describe()
     nodes, step_ms, plain_ms = plan.at_context(LONG_CONTEXT)
     assert nodes == 2 and plain_ms == pytest.approx(15.0) and step_ms == pytest.approx(10.8 + 7.7)
     assert plan.at_context((CONTEXT + LONG_CONTEXT) // 2)[0] == 4
@@ -333,6 +335,7 @@ def test_a_long_call_takes_the_tree_that_pays_at_its_context():
     smaller = dataclasses.replace(_long_plan({1: 11.0, 2: 11.3, 4: 20.0, 6: 13.0}), tree=[[0], [1], [0, 0]])
     assert smaller.at_context(LONG_CONTEXT)[0] == 2
     assert dataclasses.replace(plan, long_latency_ms={}).at_context(LONG_CONTEXT) is None  # not timed: no change
+    assert dataclasses.replace(plan, short_latency_ms={}).at_context(LONG_CONTEXT) is None
     assert dataclasses.replace(plan, proposer="medusa").at_context(LONG_CONTEXT) is None  # a static tree keeps its own
 
 
@@ -366,6 +369,33 @@ def test_a_long_prompt_decodes_the_plans_tree_for_its_context_exactly(monkeypatc
     model.generate(long, max_new_tokens=8, tree=[[0], [0, 0]])
     model.generate(long, max_new_tokens=8, proposer="dynamic")
     assert budgets == []
+
+
+def test_a_long_calls_growth_is_measured_from_like_timings(monkeypatch):
+    """calibrate keeps the fitted verify curve of plain steps and dynamic trees at both contexts (the same jobs, the
+    same fit), not the static tree's raw medians on one side: noise that put a size's median out of order at CONTEXT
+    must not read as growth."""
+    model = SimpleNamespace(
+        base=make_tiny_model("llama"), device=torch.device("cpu"), accuracy=[[0.9] * 4] * 3, decoded_taus=None
+    )
+    model.base.config.max_position_embeddings = 8192
+    model.heads_trained = True
+    short = {("plain", 1): (0.0, 10.0), ("medusa", 2): (0.5, 13.0), ("medusa", 4): (0.5, 11.0)}
+    short |= {("dynamic", 2): (0.5, 11.2), ("dynamic", 4): (0.5, 11.0), ("hybrid", 2): (0.6, 30.0)}
+    long = {("plain", 1): (0.0, 14.0), ("dynamic", 2): (0.5, 16.0), ("dynamic", 4): (0.5, 19.0)}
+    contexts = []
+
+    def measure(model, engines, sizes, repeats, context=CONTEXT, progress=True, proposers=None):
+        contexts.append(context)
+        return {"eager": dict(short if context == CONTEXT else long)}, [[0], [0, 0], [0, 0, 0]]
+
+    monkeypatch.setattr(medusa.plan, "measure", measure)
+    monkeypatch.setattr(medusa.plan, "decide", lambda *a, **k: _long_plan({1: 1.0}))  # a plan of dynamic trees
+    plan = medusa.plan.calibrate(model, engines=("eager",), sizes=(1, 2, 4), progress=False, key={"test": 1})
+    assert contexts == [CONTEXT, LONG_CONTEXT]
+    # 2 and 4 nodes' dynamic medians out of order: pooled, as the long side's fit pools its own
+    assert plan.short_latency_ms == {"1": 10.0, "2": 11.1, "4": 11.1}
+    assert plan.long_latency_ms == {"1": 14.0, "2": 16.0, "4": 19.0}
 
 
 def test_long_timings_are_taken_where_the_positions_reach():

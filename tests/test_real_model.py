@@ -109,6 +109,7 @@ def test_compiled_engine_and_a_calibrated_plan_on_the_real_model(shipped, plain_
     assert medusa.plan.load_or_calibrate(shipped, progress=False).options == plan.options  # cached
     if plan.proposer == "dynamic":  # its trees timed at a long context too, each size
         assert plan.long_context == medusa.plan.LONG_CONTEXT and set(plan.long_latency_ms) == {"1", "4", "8"}
+        assert set(plan.short_latency_ms) == {"1", "4", "8"}  # the same fit at CONTEXT, what growth is measured from
     assert set(plan.latency_ms[plan.engine]) == {"1", "4", "8"}  # the sizes this test times, no more
     try:
         shipped.plan = plan
