@@ -4,6 +4,8 @@ and a draft model. The tiny models' window (8) is far shorter than their sequenc
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -14,9 +16,10 @@ from medusa import MedusaModel
 from medusa.batch import left_padded
 from medusa.decode import prefill
 from medusa.runtime import engine_for
-from medusa.runtime.verify import layer_masks, sliding_window
+from medusa.runtime.static import CompiledEngine
+from medusa.runtime.verify import WINDOW_BLOCK, layer_masks, sliding_layers, sliding_window
 from medusa.sampling import SamplingConfig
-from medusa.tree import Candidates, TreeSpec, build_buffers
+from medusa.tree import Candidates, TreeSpec, build_buffers, chain
 from tests.conftest import SLIDING_CONFIGS, VOCAB, WINDOW, make_heads, make_tiny_model, tiny_tokenizer
 from tests.test_engine import FAST_INDUCTOR
 from tests.test_tree import HAND_TREE
@@ -114,10 +117,13 @@ def test_a_draft_model_past_the_window_keeps_greedy_identity():
 @pytest.mark.slow
 @pytest.mark.parametrize("family", SLIDING)
 def test_the_inductor_package_verifies_past_the_window(family, tmp_path, monkeypatch):
-    """The package compiled ahead of time makes the sliding layers' masks itself (from the tree's mask and positions);
-    a batch runs eagerly on the same engine."""
+    """The package's sliding layers read only the rows from where their window starts (rounded down to WINDOW_BLOCK,
+    4 here so that the tiny window's steps start past row 0): greedy output stays plain's, and rows before the window
+    are never read (NaN there changes nothing, where a read of them would turn the logits NaN). A batch runs eagerly
+    on the same engine."""
     monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
     monkeypatch.setattr(medusa.runtime.static, "INDUCTOR_CPU_OPTIONS", FAST_INDUCTOR)
+    monkeypatch.setattr(importlib.import_module("medusa.runtime.verify"), "WINDOW_BLOCK", 4)  # (the module)
     base = make_tiny_model(family, sliding=True)
     model = medusa_of(base)
     ran, run = [], medusa.runtime.aot.run
@@ -128,6 +134,18 @@ def test_the_inductor_package_verifies_past_the_window(family, tmp_path, monkeyp
     engine = engine_for(base, "inductor")
     assert engine.package is not None and len(ran) > 0  # the steps ran in the package
     assert not engine.batch_ahead_of_time
+    cache, past = engine.new_cache(64), len(prompt)
+    engine.prefill(cache, torch.tensor([prompt]))
+    candidates = Candidates(tokens=torch.tensor([3, 5, 7]), tree=build_buffers(TreeSpec(chain(2)), 2))
+    read = engine.verify(cache, candidates, past)
+    first = (past - WINDOW + 1) // 4 * 4  # where the sliding layers' read starts
+    assert first > 0
+    with torch.inference_mode():  # (the cache's tensors are inference tensors)
+        for layer, sliding in zip(cache.layers, sliding_layers(base.config)):
+            if sliding:
+                layer.keys[:, :, :first], layer.values[:, :, :first] = torch.nan, torch.nan
+    assert torch.equal(engine.verify(cache, candidates, past).logits, read.logits)
+    assert torch.isnan(CompiledEngine.verify(engine, cache, candidates, past).logits).all()  # a whole read: NaN
     prompts = [prompt_of(5, seed=5), prompt]
     ids, mask = left_padded(prompts, 0)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, proposer="dynamic", engine="inductor")
@@ -177,3 +195,25 @@ def test_every_node_of_a_tree_past_the_window_gets_the_models_own_logits(family,
         with torch.no_grad():
             expected = base(ids).logits[0, -1]
         torch.testing.assert_close(verified.logits[node], expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 8])
+def test_a_window_read_from_a_block_boundary_attends_as_a_read_of_every_row(rows):
+    """Why WINDOW_BLOCK: torch's flash kernel over keys that start on a multiple of it computes, bit for bit, what it
+    computes over every key under the same mask (the rows before weigh exactly 0), where a start elsewhere rounds
+    otherwise; the sliding layers' read keeps fp32 decoding what it was."""
+    torch.manual_seed(0)
+    keys, window = 2100, 512
+    query = torch.randn(1, 4, rows, 64)
+    key, value = torch.randn(1, 1, keys, 64), torch.randn(1, 1, keys, 64)
+    positions = keys - rows + torch.arange(rows)
+    hidden = (positions[:, None] - torch.arange(keys)[None] >= window) | (torch.arange(keys)[None] > positions[:, None])
+    mask = torch.zeros(rows, keys).masked_fill(hidden, torch.finfo(torch.float32).min)[None, None]
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    whole = sdpa(query, key, value, attn_mask=mask, enable_gqa=True)
+    first = positions[0].item() - window + 1
+    aligned = first // WINDOW_BLOCK * WINDOW_BLOCK
+    assert 0 < aligned < first
+    part = lambda at: sdpa(query, key[:, :, at:], value[:, :, at:], attn_mask=mask[..., at:], enable_gqa=True)  # noqa: E731
+    assert torch.equal(part(aligned), whole)
+    assert not torch.equal(part(first), whole)  # what the rounding down keeps away

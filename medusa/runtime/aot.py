@@ -53,7 +53,7 @@ from medusa.runtime.torch_patches import (
     probe_vector_isas_meanwhile,
     wrapper_compiled_beside_kernels,
 )
-from medusa.runtime.verify import base_features, layer_masks, sliding_window, with_cache
+from medusa.runtime.verify import WINDOW_BLOCK, base_features, sliding_layers, sliding_window, with_cache
 
 logger = logging.getLogger(__name__)
 
@@ -79,14 +79,15 @@ MODULE_OPTIONS = {"freezing": False}
 
 
 class WrittenRowsLayer(KeptDtypeLayer):
-    """transformers' static layer over given tensors that hands attention only their first `visible` rows (the rows
-    written, this step's included): a step costs the context it reads, not the cache's allocation. New rows are
-    written in the given tensors' dtype (runtime.attention.kv_dtype); with `starts` (B,), each batch row's at its own
-    start (a batch's rows keep their own lengths: kv_cache.RowsCache), else after the rows already written."""
+    """transformers' static layer over given tensors that hands attention only their rows `first` .. `visible` (the
+    rows written, this step's included; a sliding layer's from where its window starts: verify.window_mask): a step
+    costs the context it reads, not the cache's allocation. New rows are written in the given tensors' dtype
+    (runtime.attention.kv_dtype); with `starts` (B,), each batch row's at its own start (a batch's rows keep their
+    own lengths: kv_cache.RowsCache), else after the rows already written."""
 
-    def __init__(self, max_cache_len: int, visible: int, starts: torch.Tensor | None = None):
+    def __init__(self, max_cache_len: int, visible: int, starts: torch.Tensor | None = None, first: int = 0):
         super().__init__(max_cache_len=max_cache_len)
-        self.visible, self.starts = visible, starts
+        self.visible, self.starts, self.first = visible, starts, first
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if self.starts is None:
@@ -94,7 +95,7 @@ class WrittenRowsLayer(KeptDtypeLayer):
         else:
             self.write_at(self.starts, *self.kept(key_states, value_states))
             keys, values = self.keys, self.values
-        return keys[:, :, : self.visible], values[:, :, : self.visible]
+        return keys[:, :, self.first : self.visible], values[:, :, self.first : self.visible]
 
 
 def takes(rows: int, past_length: int, query: int) -> bool:
@@ -104,13 +105,17 @@ def takes(rows: int, past_length: int, query: int) -> bool:
 
 
 def _cache_over(
-    config, keys: list[torch.Tensor], values: list[torch.Tensor], length: torch.Tensor, visible: int
+    config, keys: list[torch.Tensor], values: list[torch.Tensor], length: torch.Tensor, visible: int, window_first=0
 ) -> StaticCache:
     """A transformers StaticCache whose layers are the given tensors (written in place by the forward), `length`
-    rows already written (a 0-d tensor; (B,): each batch row's), attention shown the first `visible` rows."""
+    rows already written (a 0-d tensor; (B,): each batch row's), attention shown the first `visible` rows (a sliding
+    layer's from `window_first` on)."""
     starts = length if length.dim() else None
     cache = StaticCache(config=config, max_cache_len=keys[0].shape[2])
-    cache.layers = [WrittenRowsLayer(keys[0].shape[2], visible, starts) for _ in cache.layers]
+    cache.layers = [
+        WrittenRowsLayer(keys[0].shape[2], visible, starts, window_first if sliding else 0)
+        for sliding in sliding_layers(config)
+    ]
     for layer, k, v in zip(cache.layers, keys, values):
         layer.keys, layer.values = k, v
         if starts is None:
@@ -124,18 +129,23 @@ def _cache_over(
 class VerifyStep(nn.Module):
     """What is exported: one forward of the target over N tokens with a (1, 1, N, past + N) mask, into a static cache
     given as per-layer tensors, attending over the rows written -> (logits (N, V), hidden states (layers + 1, 1, N,
-    H)); a sliding-window model's masks per layer type are made from that mask (verify.layer_masks). `batched`: B rows
-    of N tokens each, (B, 1, N, visible) mask, `length` (B,) each row's start -> (logits (B, N, V), hidden states
-    (layers + 1, B, N, H))."""
+    H)); a sliding-window model's sliding layers read only the last `window_mask.shape[-1]` of those rows, under that
+    mask (verify.window_mask), its other layers the whole mask. `batched`: B rows of N tokens each, (B, 1, N, visible)
+    mask, `length` (B,) each row's start -> (logits (B, N, V), hidden states (layers + 1, B, N, H))."""
 
     def __init__(self, model, batched: bool = False):
         super().__init__()
         self.model, self.batched = model, batched
 
-    def forward(self, input_ids, position_ids, mask, length, keys: list[torch.Tensor], values: list[torch.Tensor]):
-        cache = _cache_over(self.model.config, keys, values, length, mask.shape[-1])
-        if not self.batched:  # (a sliding-window model's batches run eagerly: InductorEngine.batch_ahead_of_time)
-            mask = layer_masks(self.model.config, mask, position_ids)
+    def forward(
+        self, input_ids, position_ids, mask, length, keys: list[torch.Tensor], values: list[torch.Tensor], window=None
+    ):
+        visible = mask.shape[-1]
+        first = 0 if window is None else visible - window.shape[-1]
+        cache = _cache_over(self.model.config, keys, values, length, visible, first)
+        if window is not None:  # (a sliding-window model's batches run eagerly: InductorEngine.batch_ahead_of_time)
+            has_types = getattr(self.model.config.get_text_config(), "layer_types", None)
+            mask = {"full_attention": mask, "sliding_attention": window} if has_types else window
         out = self.model(
             input_ids=input_ids,
             position_ids=position_ids,
@@ -158,7 +168,10 @@ def package_path(model, options: dict, weights: str, one_token: bool = False, ba
         "transformers": transformers.__version__,
         **describe(model.device),
         **({"one_token": True} if one_token else {}),  # the main packages keep the names they had
-        **({"sliding_window": window} if (window := sliding_window(model.config)) else {}),
+        # a sliding-window model's sliding layers read from their window's first row on (verify.window_mask)
+        **(
+            {"sliding_window": window, "window_block": WINDOW_BLOCK} if (window := sliding_window(model.config)) else {}
+        ),
         **({"batched": True} if batched else {}),
         **(
             {"fp32_register_blocks": FP32_REGISTER_BLOCKS, "fp32_prefetch_rows": FP32_PREFETCH_ROWS}
@@ -214,9 +227,11 @@ def _export(model, one_token: bool = False, batched: bool = False):
     else:
         layers = [{2: cache_rows}] * config.num_hidden_layers
         shapes = ({1: query}, {1: query}, {2: query, 3: visible}, None)
-    return torch.export.export(
-        VerifyStep(model, batched).eval(), example, dynamic_shapes=(*shapes, layers, layers), strict=False
-    )
+    shapes = (*shapes, layers, layers)
+    if sliding_window(model.config) is not None and not batched:  # its sliding layers' mask over the rows they read
+        example += (torch.zeros((1, 1, n, past + n - 1), dtype=model.dtype, device=model.device),)
+        shapes += ({2: query, 3: torch.export.Dim("window_rows", min=1, max=MAX_ROWS - 1)},)
+    return torch.export.export(VerifyStep(model, batched).eval(), example, dynamic_shapes=shapes, strict=False)
 
 
 def holds_weights(options: dict) -> bool:
@@ -570,14 +585,16 @@ def contiguous(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(tensor.contiguous() for tensor in tensors)
 
 
-def run(runner, cache: StaticCache, input_ids, position_ids, mask, past_length: int, feature_layers=()):
+def run(runner, cache: StaticCache, input_ids, position_ids, mask, past_length: int, feature_layers=(), window=None):
     """One verify forward through a loaded package, the cache's rows past_length .. + N written in place ->
-    (logits (N, V), what the heads read (N, F): base_features)."""
+    (logits (N, V), what the heads read (N, F): base_features). `window`: a sliding-window model's
+    verify.window_mask."""
     keys = [layer.keys for layer in cache.layers]
     values = [layer.values for layer in cache.layers]
     length = torch.tensor(past_length, device=input_ids.device)
     input_ids, position_ids, mask = contiguous(input_ids, position_ids, mask)
-    logits, hidden = runner(input_ids, position_ids, mask, length, keys, values)
+    windows = () if window is None else (window.contiguous(),)
+    logits, hidden = runner(input_ids, position_ids, mask, length, keys, values, *windows)
     return logits, base_features(tuple(hidden), feature_layers)[0]
 
 

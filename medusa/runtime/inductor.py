@@ -20,7 +20,7 @@ from medusa.runtime.kv_cache import RowsCache
 from medusa.runtime.prepack import attention_copy, onednn_copy, plain_weights
 from medusa.runtime.quantize import precision_of
 from medusa.runtime.static import CompiledEngine
-from medusa.runtime.verify import VerifyOutput, sliding_window, verify_inputs
+from medusa.runtime.verify import VerifyOutput, sliding_window, verify_inputs, window_mask
 from medusa.tree import Candidates
 
 logger = logging.getLogger(__name__)
@@ -69,8 +69,9 @@ class InductorEngine(CompiledEngine):
         self._start_step(cache, candidates, past_length)
         # the package attends over the rows written: the mask is as wide as them
         tokens, position_ids, mask = verify_inputs(candidates, past_length, self.model.dtype, past_length + n)
+        window = window_mask(self.model.config, mask, position_ids, past_length)  # None: no sliding layers
         package = self._package_for(n)
-        return VerifyOutput(*aot.run(package, cache, tokens, position_ids, mask, past_length, feature_layers))
+        return VerifyOutput(*aot.run(package, cache, tokens, position_ids, mask, past_length, feature_layers, window))
 
     def _package_for(self, tokens: int):
         """The loaded package that runs a step of `tokens` query tokens."""

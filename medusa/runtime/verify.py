@@ -37,6 +37,36 @@ def sliding_window(config) -> int | None:
     return window
 
 
+# Where a sliding layer's read of the cache starts is rounded down to a multiple of this many rows: torch's CPU flash
+# kernel sums the keys in blocks of 512 from the first it is given, so a read starting on a block boundary sums every
+# visible key in the blocks, hence the roundings, that a read of the whole cache under the same mask does (the rows
+# before the window weigh exactly 0 there); checked bit for bit by tests/test_sliding_window.py
+WINDOW_BLOCK = 512
+
+
+def sliding_layers(config) -> list[bool]:
+    """Per layer, whether it attends over a sliding window (sliding_window's two ways)."""
+    text = config.get_text_config()
+    if sliding_window(config) is None:
+        return [False] * text.num_hidden_layers
+    layer_types = getattr(text, "layer_types", None)
+    return [kind == "sliding_attention" for kind in layer_types] if layer_types else [True] * text.num_hidden_layers
+
+
+def window_mask(config, mask: torch.Tensor, positions: torch.Tensor, past_length: int) -> torch.Tensor | None:
+    """For a sliding-window model, the mask of its sliding layers over only the rows they read in a step of queries
+    at `positions` (1, N) after `past_length` cached rows under `mask` (1, 1, N, K): from the first row the earliest
+    query's window reaches, rounded down to WINDOW_BLOCK, to K. None for other models. A step then reads a window's
+    rows, not the whole context, where llama.cpp's sliding-window cache keeps a window's rows only."""
+    window = sliding_window(config)
+    if window is None:
+        return None
+    masks = layer_masks(config, mask, positions)
+    sliding = masks["sliding_attention"] if isinstance(masks, dict) else masks
+    first = max(0, past_length - window + 1) // WINDOW_BLOCK * WINDOW_BLOCK
+    return sliding[..., first:]
+
+
 def needs_window_masks(model) -> bool:
     """Whether a forward of `model` needs masks from medusa even where transformers would make them (a prompt, one
     token): a sliding-window model on medusa's attention, for which transformers makes none."""
