@@ -129,9 +129,9 @@ def _cache_over(
 class VerifyStep(nn.Module):
     """What is exported: one forward of the target over N tokens with a (1, 1, N, past + N) mask, into a static cache
     given as per-layer tensors, attending over the rows written -> (logits (N, V), hidden states (layers + 1, 1, N,
-    H)); a sliding-window model's sliding layers read only the last `window_mask.shape[-1]` of those rows, under that
-    mask (verify.window_mask), its other layers the whole mask. `batched`: B rows of N tokens each, (B, 1, N, visible)
-    mask, `length` (B,) each row's start -> (logits (B, N, V), hidden states (layers + 1, B, N, H))."""
+    H)); a sliding-window model's sliding layers read only the last `window.shape[-1]` of those rows, under `window`
+    (verify.window_mask), its other layers every row under `mask`. `batched`: B rows of N tokens each, (B, 1, N,
+    visible) mask, `length` (B,) each row's start -> (logits (B, N, V), hidden states (layers + 1, B, N, H))."""
 
     def __init__(self, model, batched: bool = False):
         super().__init__()
@@ -143,7 +143,7 @@ class VerifyStep(nn.Module):
         visible = mask.shape[-1]
         first = 0 if window is None else visible - window.shape[-1]
         cache = _cache_over(self.model.config, keys, values, length, visible, first)
-        if window is not None:  # (a sliding-window model's batches run eagerly: InductorEngine.batch_ahead_of_time)
+        if window is not None:  # a sliding-window model (its batches run eagerly: InductorEngine.batch_ahead_of_time)
             has_types = getattr(self.model.config.get_text_config(), "layer_types", None)
             mask = {"full_attention": mask, "sliding_attention": window} if has_types else window
         out = self.model(
