@@ -53,7 +53,14 @@ from medusa.runtime.torch_patches import (
     probe_vector_isas_meanwhile,
     wrapper_compiled_beside_kernels,
 )
-from medusa.runtime.verify import WINDOW_BLOCK, base_features, sliding_layers, sliding_window, with_cache
+from medusa.runtime.verify import (
+    WINDOW_BLOCK,
+    base_features,
+    by_layer_type,
+    sliding_layers,
+    sliding_window,
+    with_cache,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -144,8 +151,7 @@ class VerifyStep(nn.Module):
         first = 0 if window is None else visible - window.shape[-1]
         cache = _cache_over(self.model.config, keys, values, length, visible, first)
         if window is not None:  # a sliding-window model (its batches run eagerly: InductorEngine.batch_ahead_of_time)
-            has_types = getattr(self.model.config.get_text_config(), "layer_types", None)
-            mask = {"full_attention": mask, "sliding_attention": window} if has_types else window
+            mask = by_layer_type(self.model.config, mask, window)
         out = self.model(
             input_ids=input_ids,
             position_ids=position_ids,

@@ -61,10 +61,8 @@ def window_mask(config, mask: torch.Tensor, positions: torch.Tensor, past_length
     window = sliding_window(config)
     if window is None:
         return None
-    masks = layer_masks(config, mask, positions)
-    sliding = masks["sliding_attention"] if isinstance(masks, dict) else masks
     first = max(0, past_length - window + 1) // WINDOW_BLOCK * WINDOW_BLOCK
-    return sliding[..., first:]
+    return _windowed(mask, positions, window)[..., first:]
 
 
 def needs_window_masks(model) -> bool:
@@ -84,13 +82,24 @@ def layer_masks(config, mask, positions: torch.Tensor, offsets: list[int] | None
     window = sliding_window(config)
     if window is None or mask is None or isinstance(mask, dict):
         return mask
+    return by_layer_type(config, mask, _windowed(mask, positions, window, offsets))
+
+
+def _windowed(mask, positions: torch.Tensor, window: int, offsets: list[int] | None = None) -> torch.Tensor:
+    """`mask` (B, 1, N, K) also hiding the rows at or beyond `window` positions before each query (layer_masks)."""
     keys = torch.arange(mask.shape[-1], device=mask.device)[None]  # (1, K) each row's position, or (B, K)
     if offsets is not None:
         keys = keys - torch.tensor(offsets, device=mask.device)[:, None]
     far = positions[:, None, :, None] - keys[:, None, None, :] >= window  # (B, 1, N, K)
-    sliding = mask.masked_fill(far, torch.finfo(mask.dtype).min)
+    return mask.masked_fill(far, torch.finfo(mask.dtype).min)
+
+
+def by_layer_type(config, full, sliding):
+    """A sliding-window model's masks as its forward takes them: a dict by layer type where the model has types
+    (transformers reads a 4D mask as every layer's; a dict skips its own masks), else the sliding one alone (every
+    layer slides)."""
     if getattr(config.get_text_config(), "layer_types", None):
-        return {"full_attention": mask, "sliding_attention": sliding}
+        return {"full_attention": full, "sliding_attention": sliding}
     return sliding
 
 
