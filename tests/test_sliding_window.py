@@ -16,8 +16,17 @@ from medusa import MedusaModel
 from medusa.batch import left_padded
 from medusa.decode import prefill
 from medusa.runtime import engine_for
-from medusa.runtime.static import CompiledEngine
-from medusa.runtime.verify import WINDOW_BLOCK, layer_masks, sliding_layers, sliding_window
+from medusa.runtime.quantize import quantize_target
+from medusa.runtime.static import CompiledEngine, GuardedStaticLayer, PrefixStaticLayer
+from medusa.runtime.verify import (
+    PREFILL_CHUNK,
+    WINDOW_BLOCK,
+    layer_masks,
+    prefill_chunks,
+    run_prefill,
+    sliding_layers,
+    sliding_window,
+)
 from medusa.sampling import SamplingConfig
 from medusa.tree import Candidates, TreeSpec, build_buffers, chain
 from tests.conftest import SLIDING_CONFIGS, VOCAB, WINDOW, make_heads, make_tiny_model, tiny_tokenizer
@@ -217,3 +226,52 @@ def test_a_window_read_from_a_block_boundary_attends_as_a_read_of_every_row(rows
     part = lambda at: sdpa(query, key[:, :, at:], value[:, :, at:], attn_mask=mask[..., at:], enable_gqa=True)  # noqa: E731
     assert torch.equal(part(aligned), whole)
     assert not torch.equal(part(first), whole)  # what the rounding down keeps away
+
+
+def test_a_prompt_is_cut_every_chunk_and_a_few_last_rows_join_the_chunk_before():
+    chunk = PREFILL_CHUNK
+    assert prefill_chunks(chunk) == [(0, chunk)]
+    assert prefill_chunks(2 * chunk + 100) == [(0, chunk), (chunk, 2 * chunk), (2 * chunk, 2 * chunk + 100)]
+    assert prefill_chunks(2 * chunk + 1) == [(0, chunk), (chunk, 2 * chunk + 1)]  # one row alone would be a GEMV
+    assert prefill_chunks(chunk + chunk // 8) == [(0, chunk), (chunk, chunk + chunk // 8)]
+
+
+@pytest.mark.parametrize("family", SLIDING)
+@pytest.mark.parametrize("length", [3 * PREFILL_CHUNK + 76, 3 * PREFILL_CHUNK + 6])
+@pytest.mark.parametrize("reads", ["written rows", "whole allocation"])
+@pytest.mark.parametrize("precision", ["float32", "bfloat16", "w8a8"])
+def test_a_long_prompt_prefills_in_chunks_bit_for_bit_as_in_one_forward(family, length, reads, precision, monkeypatch):
+    """A sliding-window model's prompt longer than a chunk runs in chunks (a last few rows joined to the chunk before):
+    logits, what heads read and every cache row equal one forward's over the whole prompt bit for bit, in a cache
+    whose layers show attention the rows written (the compiled engine's) or the whole allocation (a compiled cache's);
+    the sliding layers read only their window's key blocks (rows before it turned NaN once written change nothing,
+    where a read of them would turn everything NaN). At each precision: w8a8 attends row-invariantly up to
+    ROW_INVARIANT_ROWS rows, which a last chunk of a few rows would take."""
+    base = make_tiny_model(family, dtype=torch.float32 if precision == "float32" else torch.bfloat16, sliding=True)
+    if precision == "w8a8":
+        quantize_target(base, "w8a8")
+    engine = engine_for(base, "compiled")
+    prompt = torch.randint(1, VOCAB, (1, length), generator=torch.Generator().manual_seed(length))
+    layers = PrefixStaticLayer if reads == "written rows" else GuardedStaticLayer
+    cache = engine._static_cache(layers, 4 * PREFILL_CHUNK)
+    whole = run_prefill(engine.eager_runner, cache, prompt, (0,))
+    rows = [layer.keys[:, :, :length].clone() for layer in cache.layers]
+    verify_module = importlib.import_module("medusa.runtime.verify")
+    reads, reading_rows = [], verify_module.reading_rows
+
+    def poisoned(view_of, firsts, visible):  # a chunk's read: the sliding layers' rows before it made NaN first
+        reads.append(firsts)
+        with torch.inference_mode():
+            for layer, first in zip(view_of.layers, firsts):
+                layer.keys[:, :, :first], layer.values[:, :, :first] = torch.nan, torch.nan
+        return reading_rows(view_of, firsts, visible)
+
+    monkeypatch.setattr(verify_module, "reading_rows", poisoned)
+    chunked = engine.prefill(cache, prompt, (0,))
+    assert len(reads) == len(prefill_chunks(length)) == 4 - (length % PREFILL_CHUNK < PREFILL_CHUNK // 8)
+    last = reads[-1]
+    assert [first > 0 for first in last] == sliding_layers(base.config)  # the last chunk reads windows only
+    assert torch.equal(chunked.logits, whole.logits) and torch.equal(chunked.hidden, whole.hidden)
+    for layer, expected, first in zip(cache.layers, rows, last):
+        assert torch.equal(layer.keys[:, :, first:length], expected[:, :, first:])
+    assert cache.get_seq_length() == length

@@ -1,8 +1,9 @@
 """Keep the accepted path's KV rows after a tree verification; drop the rest. A batch's cache, whose rows keep their
-own lengths (medusa.batch)."""
+own lengths (medusa.batch). A cache as one chunk of a prompt sees it (`reading_rows`)."""
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import torch
@@ -45,6 +46,30 @@ def commit(cache, past_length: int, accepted_nodes: torch.Tensor) -> None:
         layer.keys, layer.values = layer.keys[:, :, :keep], layer.values[:, :, :keep]
         if hasattr(layer, "cumulative_length"):
             layer.cumulative_length = keep
+
+
+class RowsReadLayer:
+    """A cache layer as one forward sees it: `update` writes as `layer` does (after the rows it holds) and hands
+    attention only the rows `first` .. `visible` of what the layer gives; everything else is the layer's."""
+
+    def __init__(self, layer, first: int, visible: int):
+        self.layer, self.first, self.visible = layer, first, visible
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        keys, values = self.layer.update(key_states, value_states, *args, **kwargs)
+        return keys[:, :, self.first : self.visible], values[:, :, self.first : self.visible]
+
+    def __getattr__(self, name: str):
+        return getattr(self.layer, name)
+
+
+def reading_rows(cache, firsts: list[int], visible: int):
+    """`cache` (written through, in place) whose layer i hands attention only its rows firsts[i] .. `visible`: a
+    prompt's chunk reads the keys up to its own end, a sliding layer only from where its window starts
+    (runtime.verify.prefill_in_chunks)."""
+    view = copy.copy(cache)
+    view.layers = [RowsReadLayer(layer, first, visible) for layer, first in zip(cache.layers, firsts)]
+    return view
 
 
 class KeptDtypeLayer(StaticLayer):

@@ -29,6 +29,8 @@ from medusa.runtime.verify import (
     VerifyOutput,
     bias_over_rows,
     forward_nodes,
+    prefill_in_chunks,
+    prefills_in_chunks,
     rows_forward,
     run_prefill,
     verify,
@@ -238,6 +240,8 @@ class CompiledEngine:
     @torch.inference_mode()
     def prefill(self, cache, input_ids: torch.Tensor, feature_layers=()) -> PrefillOutput:
         self._set_length(cache, 0)
+        if prefills_in_chunks(self.eager_runner, input_ids.shape[1]):  # a sliding-window model's long prompt
+            return prefill_in_chunks(self.eager_runner, cache, input_ids, feature_layers)
         return run_prefill(self.eager_runner, cache, input_ids, feature_layers)
 
     @torch.inference_mode()

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from medusa.runtime.attention import on_medusa_attention
+from medusa.runtime.kv_cache import reading_rows
 from medusa.tree import Candidates
 
 
@@ -37,11 +38,17 @@ def sliding_window(config) -> int | None:
     return window
 
 
-# Where a sliding layer's read of the cache starts is rounded down to a multiple of this many rows: torch's CPU flash
-# kernel sums the keys in blocks of 512 from the first it is given, so a read starting on a block boundary sums every
-# visible key in the blocks, hence the roundings, that a read of the whole cache under the same mask does (the rows
-# before the window weigh exactly 0 there); checked bit for bit by tests/test_sliding_window.py
+# Where a sliding layer's read of the cache starts is rounded down to a multiple of this many rows, and where a prompt's
+# chunk's read ends rounded up to one: torch's CPU flash kernel sums the keys in blocks of 512 from the first it is
+# given, so a read of whole blocks sums every visible key in the blocks, hence the roundings, that a read of the whole
+# cache under the same mask does (the rows outside weigh exactly 0 there); checked bit for bit by
+# tests/test_sliding_window.py
 WINDOW_BLOCK = 512
+# A sliding-window model's prompt runs on a CPU in forwards of this many query rows (prefill_in_chunks): one forward
+# over the whole prompt computes every query against every key, where a chunk reads only the keys up to its end, its
+# sliding layers only their window's. Bit for bit the one forward's rows (each row's sums run over the same key blocks;
+# CPU GEMMs of 2 or more rows give each row as alone), so chunking stays where that was checked: CPU kernels.
+PREFILL_CHUNK = 512
 
 
 def sliding_layers(config) -> list[bool]:
@@ -145,13 +152,59 @@ def prefill_masks(model, cache, length: int):
     window, a prompt's causal masks (layer_masks) over the rows `cache` shows attention."""
     if not needs_window_masks(model):
         return None
-    device = model.device
+    mask = bias_over_rows(causal_bias(length, model.dtype, model.device), 0, cache.get_mask_sizes(length, 0)[0])
+    return layer_masks(model.config, mask, torch.arange(length, device=model.device)[None])
+
+
+def causal_bias(length: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """(length, length) additive mask: each row sees itself and the rows before it."""
     causal = torch.ones((length, length), dtype=torch.bool, device=device).tril()
-    bias = torch.zeros((length, length), dtype=model.dtype, device=device).masked_fill(
-        ~causal, torch.finfo(model.dtype).min
-    )
-    mask = bias_over_rows(bias, 0, cache.get_mask_sizes(length, 0)[0])
-    return layer_masks(model.config, mask, torch.arange(length, device=device)[None])
+    return torch.zeros((length, length), dtype=dtype, device=device).masked_fill(~causal, torch.finfo(dtype).min)
+
+
+def prefills_in_chunks(model, length: int) -> bool:
+    """Whether a prompt of `length` tokens runs on `model` (an engine's copy of the target, over a static cache) in
+    chunks (prefill_in_chunks): a sliding-window model on medusa's attention on a CPU, a prompt longer than a chunk."""
+    return model.device.type == "cpu" and needs_window_masks(model) and length > PREFILL_CHUNK
+
+
+def prefill_chunks(length: int) -> list[tuple[int, int]]:
+    """Where a prompt of `length` tokens is cut: (start, end) every PREFILL_CHUNK rows, a last chunk of fewer than
+    PREFILL_CHUNK // 8 rows joined to the one before it (a forward of a few rows takes kernels of its own: one row a
+    GEMV, a w8a8 target's up to attention.ROW_INVARIANT_ROWS its row-invariant attention, which round otherwise)."""
+    ends = list(range(PREFILL_CHUNK, length, PREFILL_CHUNK)) + [length]
+    if len(ends) > 1 and length - ends[-2] < PREFILL_CHUNK // 8:
+        del ends[-2]
+    return list(zip([0, *ends[:-1]], ends))
+
+
+@torch.inference_mode()
+def prefill_in_chunks(model, cache, input_ids: torch.Tensor, feature_layers=()) -> PrefillOutput:
+    """run_prefill's result over the prompt (1, T) in forwards of a chunk each (prefill_chunks), written into `cache`
+    (a static one, empty) as that one forward writes it. A chunk's queries attend over the keys up to its end, read up
+    to a multiple of WINDOW_BLOCK rows (never past what the one forward read) and its sliding layers from where their
+    window starts (window_mask), so every sum runs over the key blocks the one forward's did, bit for bit."""
+    length, config, device = input_ids.shape[1], model.config, model.device
+    whole = cache.get_mask_sizes(length, 0)[0]  # the rows one forward over the prompt would read
+    sliding = sliding_layers(config)
+    features = []
+    for start, end in prefill_chunks(length):
+        visible = min(whole, -(-end // WINDOW_BLOCK) * WINDOW_BLOCK)
+        mask = bias_over_rows(causal_bias(end - start, model.dtype, device), start, visible)
+        positions = torch.arange(start, end, device=device)[None]
+        window = window_mask(config, mask, positions, start)
+        first = visible - window.shape[-1]  # where the sliding layers' read starts
+        out = model(
+            input_ids=input_ids[:, start:end],
+            position_ids=positions,
+            attention_mask=by_layer_type(config, mask, window),
+            **with_cache(model, reading_rows(cache, [first if each else 0 for each in sliding], visible)),
+            use_cache=True,
+            output_hidden_states=True,
+            logits_to_keep=1,
+        )
+        features.append(base_features(out.hidden_states, feature_layers)[0])
+    return PrefillOutput(out.logits[0, -1], torch.cat(features))
 
 
 @dataclass(frozen=True)
