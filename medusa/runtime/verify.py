@@ -47,7 +47,9 @@ WINDOW_BLOCK = 512
 # A sliding-window model's prompt runs on a CPU in forwards of this many query rows (prefill_in_chunks): one forward
 # over the whole prompt computes every query against every key, where a chunk reads only the keys up to its end, its
 # sliding layers only their window's. Bit for bit the one forward's rows (each row's sums run over the same key blocks;
-# CPU GEMMs of 2 or more rows give each row as alone), so chunking stays where that was checked: CPU kernels.
+# CPU GEMMs of 2 or more rows give each row as alone), so chunking stays where that was checked: CPU kernels. A multiple
+# of WINDOW_BLOCK: every chunk but the last ends on a block boundary, so its read is the rows written (a cache that
+# shows attention only those) or whole blocks.
 PREFILL_CHUNK = 512
 
 
