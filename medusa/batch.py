@@ -31,6 +31,10 @@ from medusa.sequence import DecodeState, DecodeStats, GenerateOutput, take_new
 # Rows prefill together while padding them to their group's longest prompt adds at most this share of their own
 # tokens (prefill_groups): padding costs as much as a token, a forward of its own costs a pass over the weights
 PREFILL_SLACK = 1.25
+# A prompt of at least this many tokens prefills alone, as one sequence's does (Engine.prefill_row): its products are
+# compute-bound already, so rows together save nothing, where one sequence's prefill attends causally (a batch's
+# explicit mask makes attention cover every key) and runs a sliding-window model's prompt in chunks (docs/engines.md)
+ALONE_FROM = 512
 
 
 def left_padded(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -281,16 +285,32 @@ class BatchDecoding:
         if need > cache.max_rows:
             larger = self.engine.new_rows_cache(need)
             larger.start(len(cache.lengths))
-            larger.place(list(range(len(cache.lengths))), cache, 0)
+            larger.place(list(range(len(cache.lengths))), cache.cache.layers, max(cache.lengths), 0)
             larger.lengths[:] = cache.lengths
             self.cache = larger
 
     def _prefill(self, group: list[_Row], cache, slots: list[int], end: int) -> None:
-        """One forward over the prompts of `group`, left-padded to the longest of them, into cache rows `slots` so that
-        each prompt ends at position `end` (directly where the group is the whole batch and fills its width, else
-        through a scratch cache placed there); each row's state."""
-        device, dtype = self.device, self.dtype
+        """The prompts of `group` into cache rows `slots`, each ending at position `end`: a lone prompt as one
+        sequence's prefill runs it (bit for bit what decoding it alone starts from), rows together in one forward
+        (_prefill_together); each row's state."""
         longest = max(row.prompt.shape[1] for row in group)
+        if len(group) == 1:
+            out = self.engine.prefill_row(cache, slots[0], end - longest, group[0].prompt, self.feature_layers)
+            logits, features = out.logits[None, None], out.hidden[None]
+        else:
+            logits, features = self._prefill_together(group, cache, slots, end, longest)
+        for i, row in enumerate(group):
+            root = select_token(logits[i, -1], row.sampling, self.generator)
+            hidden = features[i, longest - row.prompt.shape[1] :]
+            row.pad = end - row.prompt.shape[1]
+            row.state = DecodeState(None, row.prompt.shape[1], root, hidden[-1], row.prompt_ids + [int(root)], hidden)
+
+    def _prefill_together(self, group: list[_Row], cache, slots: list[int], end: int, longest: int):
+        """One forward over the prompts of `group`, left-padded to `longest`, into cache rows `slots` so that each
+        prompt ends at position `end` (directly where the group is the whole batch and fills its width, else through a
+        scratch cache placed there) -> the logits after each prompt (B, 1, V), what heads read at each position (B,
+        longest, F)."""
+        device, dtype = self.device, self.dtype
         whole = len(group) == len(cache.lengths) and longest == end  # (the batch's cache was started for every row)
         target = cache if whole else cache.scratch(longest + 1)
         if not whole:
@@ -308,17 +328,10 @@ class BatchDecoding:
         # each prompt's token t lies at column t + its padding (a sliding window counts positions)
         mask = layer_masks(self.engine.model.config, mask, positions, [longest - row.prompt.shape[1] for row in group])
         # the next token's logits only: the prompts' own would cost a (B, T, V) projection
-        logits, features = self.engine.batch_forward(
-            target, ids, mask, positions, self.feature_layers, logits_to_keep=1
-        )
+        out = self.engine.batch_forward(target, ids, mask, positions, self.feature_layers, logits_to_keep=1)
         if not whole:
-            target.advance(longest)
-            cache.place(slots, target, end - longest)
-        for i, row in enumerate(group):
-            root = select_token(logits[i, -1], row.sampling, self.generator)
-            hidden = features[i, longest - row.prompt.shape[1] :]
-            row.pad = end - row.prompt.shape[1]
-            row.state = DecodeState(None, row.prompt.shape[1], root, hidden[-1], row.prompt_ids + [int(root)], hidden)
+            cache.place(slots, target.cache.layers, longest, end - longest)
+        return out
 
     def _emit(self, row: _Row, tokens: list[int]) -> bool:
         kept, done = take_new(tokens, row.prompt_ids, row.new, row.max_new_tokens, self.stop_ids, row.stop_when)
@@ -392,12 +405,13 @@ def prefill_groups(lengths: list[int]) -> list[list[int]]:
     """Which rows of prompts of `lengths` tokens prefill in one forward (row indices, in order): rows of like
     lengths, padded to the longest of their group, while the group's padded tokens stay within PREFILL_SLACK of its
     own (a batch's rows padded to its longest prompt would pay that prompt in every row; a forward per row pays its
-    fixed cost once per row)."""
+    fixed cost once per row); a prompt of ALONE_FROM tokens or more alone."""
     groups: list[list[int]] = []
     for b in sorted(range(len(lengths)), key=lambda b: -lengths[b]):
         group = groups[-1] if groups else []
         tokens = sum(lengths[i] for i in group) + lengths[b]
-        if group and (len(group) + 1) * lengths[group[0]] <= PREFILL_SLACK * tokens:
+        together = group and lengths[group[0]] < ALONE_FROM
+        if together and (len(group) + 1) * lengths[group[0]] <= PREFILL_SLACK * tokens:
             group.append(b)
         else:
             groups.append([b])

@@ -1010,8 +1010,11 @@ def lay_out(
 
     alone_prefill = layout["alone_prefill_ms_per_token"] * sum(lengths)
     alone_width = sum(lengths) / rows + new // 2  # each row attends over its own prompt: the mean width costs the sum
-    padded_prompts = sum(len(group) * max(lengths[b] for b in group) for group in prefill_groups(lengths))
-    together_prefill = layout["prefill_ms_per_token"] * padded_prompts
+    together_prefill = sum(  # a lone row prefills as one sequence does
+        (layout["alone_prefill_ms_per_token"] if len(group) == 1 else layout["prefill_ms_per_token"] * len(group))
+        * max(lengths[b] for b in group)
+        for group in prefill_groups(lengths)
+    )
     engine = layout["engine"]
     rates = {
         "plain one at a time": rate(alone_prefill, tokens, _step_ms_at(layout["alone_plain_ms"], alone_width)),

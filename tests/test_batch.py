@@ -11,11 +11,20 @@ import medusa.propose
 import medusa.runtime.aot
 from medusa import MedusaModel
 from medusa.acceptance import get_rule
-from medusa.batch import PREFILL_SLACK, decode_batch, left_padded, prefill_groups, split_padded, time_batch_step
-from medusa.propose import CandidateProjection
+from medusa.batch import (
+    ALONE_FROM,
+    PREFILL_SLACK,
+    BatchDecoding,
+    decode_batch,
+    left_padded,
+    prefill_groups,
+    split_padded,
+    time_batch_step,
+)
+from medusa.propose import CandidateProjection, PlainProposer
 from medusa.runtime import can_prepack, engine_for
 from medusa.sampling import SamplingConfig
-from tests.conftest import FAMILIES, make_heads, make_tiny_model, tiny_tokenizer
+from tests.conftest import FAMILIES, VOCAB, make_heads, make_tiny_model, tiny_tokenizer
 from tests.test_greedy import OracleProposer
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [12], [20, 21, 22, 23], [30, 31, 30, 31, 30, 31, 30]]
@@ -370,6 +379,8 @@ def test_rows_of_like_lengths_prefill_together_and_a_long_one_alone():
     assert prefill_groups([100, 100, 100]) == [[0, 1, 2]]
     assert prefill_groups([779, 40, 65, 60]) == [[0], [1, 2, 3]]
     assert prefill_groups([13, 1, 4, 7]) == [[0], [3], [2], [1]]
+    assert prefill_groups([ALONE_FROM, ALONE_FROM, 40, 40]) == [[0], [1], [2, 3]]  # long prompts prefill alone
+    assert prefill_groups([ALONE_FROM - 1] * 2) == [[0, 1]]
     lengths = torch.randint(1, 900, (64,), generator=torch.Generator().manual_seed(0)).tolist()
     groups = prefill_groups(lengths)
     assert sorted(b for group in groups for b in group) == list(range(64)) and len(groups) < 64
@@ -379,23 +390,28 @@ def test_rows_of_like_lengths_prefill_together_and_a_long_one_alone():
 
 @pytest.mark.parametrize("engine", ["eager", "compiled"])
 def test_a_batch_prefilled_in_groups_decodes_each_row_as_alone(engine, monkeypatch):
-    """Rows of 13 and 12 tokens prefill in one forward, the 3-token row in its own, each placed into the batch's
-    cache at the end of its padding; the tree steps after read them there: every row is its prompt decoded alone."""
+    """Rows of 13 and 12 tokens prefill in one forward, the 3-token row alone, each placed into the batch's cache at
+    the end of its padding; the tree steps after read them there: every row is its prompt decoded alone."""
     base = make_tiny_model("llama")
     model = MedusaModel(base, make_heads(random=False), tokenizer=tiny_tokenizer(), projection_dtype=torch.float32)
     prompts = [list(range(5, 18)), list(range(20, 32)), [40, 41, 42]]
     target, prefilled = model.engine(engine), []
-    forward = target.batch_forward
+    forward, prefill_row = target.batch_forward, target.prefill_row
 
     def counted(cache, ids, *args, logits_to_keep=None, **kwargs):
         if logits_to_keep is not None:
-            prefilled.append(ids.shape)
+            prefilled.append(("together", *ids.shape))
         return forward(cache, ids, *args, logits_to_keep=logits_to_keep, **kwargs)
 
+    def counted_alone(cache, row, at, input_ids, *args):
+        prefilled.append(("alone", *input_ids.shape))
+        return prefill_row(cache, row, at, input_ids, *args)
+
     monkeypatch.setattr(target, "batch_forward", counted)
+    monkeypatch.setattr(target, "prefill_row", counted_alone)
     ids, mask = padded(prompts)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=16, engine=engine, return_dict_in_generate=True)
-    assert sorted(prefilled) == [torch.Size([1, 3]), torch.Size([2, 13])]
+    assert sorted(prefilled) == [("alone", 1, 3), ("together", 2, 13)]
     for row, prompt in enumerate(prompts):
         assert out.sequences[row, ids.shape[1] :].tolist() == alone(base, prompt, 16)[0, len(prompt) :].tolist()
     assert max(out.stats.accepted_lengths) > 1  # guesses were accepted: tree steps read the placed rows
@@ -467,3 +483,55 @@ def test_left_padded_prompts_are_what_split_padded_reads_back():
     ids, mask = left_padded(prompts, 0)
     assert ids.tolist() == [[5, 6, 7], [0, 0, 8], [0, 9, 10]] and mask.tolist() == [[1, 1, 1], [0, 0, 1], [0, 1, 1]]
     assert [row[0].tolist() for row in split_padded(ids, mask)] == prompts
+
+
+@pytest.mark.parametrize(
+    "family, sliding", [*((family, False) for family in FAMILIES), ("gemma3", True), ("mistral", True)]
+)
+@pytest.mark.parametrize("engine", ["eager", "compiled"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_long_prompt_in_a_batch_prefills_as_it_would_alone_bit_for_bit(family, sliding, engine, dtype, monkeypatch):
+    """Prompts of ALONE_FROM tokens or more prefill alone (`Engine.prefill_row`), as one sequence's prefill runs them
+    (attending causally; a sliding-window model's in chunks): the batch's cache rows of such a row, the features the
+    heads read and its first token are bit for bit what decoding the prompt alone starts from, placed after its
+    padding; the short rows prefill together. fp32: every row then decodes as it would alone."""
+    base = make_tiny_model(family, dtype=dtype, sliding=sliding)
+    target, alone_prefills = engine_for(base, engine), []
+    prefill_row = target.prefill_row
+
+    def counted(cache, row, at, input_ids, *args):
+        alone_prefills.append(input_ids.shape[1])
+        return prefill_row(cache, row, at, input_ids, *args)
+
+    monkeypatch.setattr(target, "prefill_row", counted)
+    lengths = [ALONE_FROM + 100, 20, ALONE_FROM + 40, 18]
+    prompts = [torch.randint(1, VOCAB, (1, n), generator=torch.Generator().manual_seed(n)) for n in lengths]
+    batch = BatchDecoding(
+        target,
+        lambda: PlainProposer(torch.device("cpu")),
+        get_rule("greedy"),
+        prompts,
+        max_new_tokens=12,
+        sampling=SamplingConfig(),
+        stop_ids=set(),
+        feature_layers=(0,),
+        pad_token_id=0,
+    )
+    assert alone_prefills == [ALONE_FROM + 100, ALONE_FROM + 40]
+    width = max(lengths)
+    for row in (0, 2):
+        prompt = prompts[row]
+        alone_cache = target.new_cache(prompt.shape[1] + 1)
+        reference = target.prefill(alone_cache, prompt, (0,))
+        state, pad = batch.rows[row].state, width - prompt.shape[1]
+        assert int(state.root_token) == int(reference.logits.argmax())
+        assert torch.equal(state.new_hidden, reference.hidden)
+        for layer, theirs in zip(batch.cache.cache.layers, alone_cache.layers):
+            for rows, expected in ((layer.keys, theirs.keys), (layer.values, theirs.values)):
+                assert torch.equal(rows[row, :, pad:width], expected[0, :, : prompt.shape[1]])
+    if dtype == torch.float32:
+        while batch.active:
+            batch.step()
+        for row, prompt in enumerate(prompts):
+            expected = alone(base, prompt[0].tolist(), 12)[0, prompt.shape[1] :].tolist()
+            assert batch.rows[row].new == expected

@@ -786,6 +786,26 @@ def _at(width: int, rows: int) -> tuple[list[int], int]:
     return [width - 1] * rows, 2
 
 
+def test_a_batch_layout_prices_a_row_that_prefills_alone_as_one_sequences_prefill():
+    """A batch's prompt of batch.ALONE_FROM tokens or more prefills alone, as one sequence's does: lay_out prices it at
+    one sequence's prefill per token, the short rows' group at the batch's."""
+    flat = {"256": 10.0, "768": 10.0}
+    layout = dict(
+        engine="compiled",
+        alone_engine="inductor",
+        alone_plain_engine="inductor",
+        prefill_ms_per_token=1.0,
+        alone_prefill_ms_per_token=3.0,
+        plain_ms={"compiled": flat},
+        alone_plain_ms=flat,
+        alone_step_ms=flat,
+        alone_tau=1.0,
+        trees=[],
+    )
+    rates = medusa.plan.lay_out(layout, [600, 10, 10, 10], 2, plain=True)[4]
+    assert rates["plain together on compiled"] == pytest.approx(1000 * 8 / (3.0 * 600 + 1.0 * 3 * 10 + 2 * 10.0))
+
+
 def test_a_batch_decodes_its_rows_one_at_a_time_where_that_is_faster(tmp_path, monkeypatch):
     """With no engine named, the plan weighs decoding a batch together on each batch engine (at the batch's width:
     every row attends over its longest prompt) against decoding its rows one at a time as it decodes one sequence;

@@ -130,6 +130,10 @@ class Engine(Protocol):
     def new_rows_cache(self, max_rows: int) -> RowsCache:
         """A batch's KV cache (medusa.batch) for up to `max_rows` rows per sequence."""
 
+    def prefill_row(self, cache: RowsCache, row: int, at: int, input_ids, feature_layers=()) -> PrefillOutput:
+        """One prompt (1, T) prefilled as `prefill` runs it for one sequence, into a cache of its own, its rows then
+        placed at batch row `row` of `cache`, positions at .. at + T (medusa.batch: a row that prefills alone)."""
+
     def batch_forward(self, cache: RowsCache, ids, mask, positions, feature_layers=(), logits_to_keep=None):
         """A batch's forward over (B, n) tokens at their positions under `mask` (B, 1, n, width), each row's written
         at its own length in `cache` -> (logits (B, n or logits_to_keep, V), what heads read (B, n, F))."""

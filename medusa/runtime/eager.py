@@ -41,6 +41,12 @@ class EagerEngine:
     def prefill(self, cache, input_ids: torch.Tensor, feature_layers=()) -> PrefillOutput:
         return run_prefill(self.model, cache, input_ids, feature_layers)
 
+    def prefill_row(self, cache: RowsCache, row: int, at: int, input_ids, feature_layers=()) -> PrefillOutput:
+        own = self.new_cache(input_ids.shape[1])
+        out = self.prefill(own, input_ids, feature_layers)
+        cache.place([row], own.layers, input_ids.shape[1], at)
+        return out
+
     def verify(self, cache, candidates: Candidates, past_length: int, feature_layers=()) -> VerifyOutput:
         return verify(self.model, cache, candidates, past_length, feature_layers)
 

@@ -174,18 +174,20 @@ class RowsCache:
         return RowsCache(self.config, max_rows, self.kept_dtype)
 
     @torch.inference_mode()
-    def place(self, rows: list[int], source: RowsCache, at: int) -> None:
-        """Batch rows `rows` take `source`'s rows, in order: its first max(source.lengths) positions, written at `at`
-        onward (the rest of the row, before `at`, is padding the batch's masks hide). Allocates this cache's layers,
-        for every row of the batch (`start`), where nothing was written yet."""
-        n = max(source.lengths)
-        index = torch.tensor(rows, device=source.cache.layers[0].keys.device)
-        for layer, theirs in zip(self.cache.layers, source.cache.layers):
+    def place(self, rows: list[int], layers, length: int, at: int) -> None:
+        """Batch rows `rows` take the first `length` positions of `layers`' rows, in order (another cache's layers: a
+        batch's, or one sequence's), written at `at` onward (the rest of the row, before `at`, is padding the batch's
+        masks hide). Allocates this cache's layers, for every row of the batch (`start`), in the dtype they keep,
+        where nothing was written yet."""
+        index = torch.tensor(rows, device=layers[0].keys.device)
+        for layer, theirs in zip(self.cache.layers, layers):
             if not layer.is_initialized:
                 batch = (len(self.lengths), -1, -1, -1)  # (only shapes, dtype and device are read)
-                layer.lazy_initialization(theirs.keys[:1].expand(batch), theirs.values[:1].expand(batch))
-            layer.keys[index, :, at : at + n] = theirs.keys[:, :, :n]
-            layer.values[index, :, at : at + n] = theirs.values[:, :, :n]
+                layer.lazy_initialization(
+                    *layer.kept(theirs.keys[:1, :, :1].expand(batch), theirs.values[:1, :, :1].expand(batch))
+                )
+            layer.keys[index, :, at : at + length] = theirs.keys[:, :, :length]
+            layer.values[index, :, at : at + length] = theirs.values[:, :, :length]
 
     def add_rows(self, count: int) -> None:
         """`count` empty rows after the batch's (rows joining a running batch: `place` fills them)."""

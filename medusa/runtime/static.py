@@ -167,8 +167,8 @@ class CompiledEngine:
 
     def new_rows_cache(self, max_rows: int) -> RowsCache:
         """A batch's cache (torch.compile's graphs take one sequence: a batch runs eagerly on the runner, the
-        pre-packed copy where this engine packs)."""
-        return RowsCache(self.model.config, max_rows)
+        pre-packed copy where this engine packs), its rows kept as one sequence's cache keeps them."""
+        return RowsCache(self.model.config, max_rows, kv_dtype(self.runner))
 
     def batch_forward(self, cache: RowsCache, ids, mask, positions, feature_layers=(), logits_to_keep=None):
         return rows_forward(self.eager_runner, cache, ids, mask, positions, feature_layers, logits_to_keep)
@@ -243,6 +243,14 @@ class CompiledEngine:
         if prefills_in_chunks(self.eager_runner, input_ids.shape[1]):  # a sliding-window model's long prompt
             return prefill_in_chunks(self.eager_runner, cache, input_ids, feature_layers)
         return run_prefill(self.eager_runner, cache, input_ids, feature_layers)
+
+    def prefill_row(self, cache: RowsCache, row: int, at: int, input_ids, feature_layers=()) -> PrefillOutput:
+        """Into a cache of its own as a CPU's new_cache makes it, uncompiled (a compiled size would compile graphs),
+        whatever this engine compiles."""
+        own = self._static_cache(PrefixStaticLayer, input_ids.shape[1])
+        out = self.prefill(own, input_ids, feature_layers)
+        cache.place([row], own.layers, input_ids.shape[1], at)
+        return out
 
     @torch.inference_mode()
     def verify(self, cache, candidates: Candidates, past_length: int, feature_layers=()) -> VerifyOutput:
