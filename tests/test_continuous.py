@@ -101,15 +101,17 @@ def test_a_failing_forward_hands_its_error_to_every_request_decoding_or_joining(
     base, model = heads_model()
     done = Request([12], max_new_tokens=1)  # its first token ends it: delivered before the failure
     running = [Request([5, 6, 7], max_new_tokens=20), Request([8, 9], max_new_tokens=20)]
-    forward = medusa.runtime.eager.EagerEngine.batch_forward
+    engine = medusa.runtime.eager.EagerEngine
+    for name in ("batch_forward", "prefill"):  # rows together, or a row alone (as one sequence's prompt)
+        forward = getattr(engine, name)
 
-    def fails_on_a_four_token_prompt(self, cache, ids, *args, **kwargs):
-        if ids.shape == (1, 4):
-            raise RuntimeError("out of memory")
-        return forward(self, cache, ids, *args, **kwargs)
+        def fails_on_a_four_token_prompt(self, cache, ids, *args, forward=forward, **kwargs):
+            if ids.shape == (1, 4):
+                raise RuntimeError("out of memory")
+            return forward(self, cache, ids, *args, **kwargs)
 
-    monkeypatch.setattr(medusa.runtime.eager.EagerEngine, "batch_forward", fails_on_a_four_token_prompt)
-    joining = Request([5, 6, 7, 8], max_new_tokens=20)  # its prefill fails, after the others' first step
+        monkeypatch.setattr(engine, name, fails_on_a_four_token_prompt)
+    joining = Request([5, 6, 7, 8], max_new_tokens=20)  # its prefill (alone) fails, after the others' first step
     with pytest.raises(RuntimeError, match="out of memory"):
         model.generate_continuously(Arrivals({0: [done] + running, 1: [joining]}), engine="eager")
     assert torch.equal(done.result.result(timeout=0).sequences, alone(base, [12], 1))
