@@ -2,13 +2,15 @@
 
 import pytest
 import torch
+import transformers
 
 from medusa import MedusaModel
 from medusa.acceptance import get_rule
 from medusa.decode import decode
+from medusa.runtime import engine_for
 from medusa.sampling import SamplingConfig
 from medusa.tree import Candidates, TreeSpec, build_buffers, chain
-from tests.conftest import FAMILIES, VOCAB, make_heads, make_tiny_model
+from tests.conftest import _COMMON, FAMILIES, VOCAB, make_heads, make_tiny_model
 
 TREES = {"default": None, "wide": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]], "chain": [[0]]}
 
@@ -66,6 +68,55 @@ def test_oracle_chain_accepts_exactly_the_right_prefix(wrong_at, tau_per_step):
     # every full step commits the accepted prefix + the bonus token; the last step may be cut by max_new_tokens
     assert set(out.stats.accepted_lengths[:-1]) == {tau_per_step}
     assert out.stats.mean_accepted_tokens == pytest.approx(out.stats.new_tokens / out.stats.steps)
+
+
+# Architectures beyond the tiny llama / qwen2 / gemma that every other test runs, each with what sets it apart: q/k
+# norms (Qwen3), q/k/v and gate/up already fused in the checkpoint (Phi-3), a fused q/k/v with partial rotary and a
+# parallel residual (GPT-NeoX), routed experts (Qwen2-MoE), layer norms with a logit scale (Cohere), biased
+# projections and a GELU MLP (Starcoder2). Initialised wider than transformers' default, whose tiny Cohere and
+# Starcoder2 repeat one token whatever they read (a wrong cache row would go unseen)
+MORE_FAMILIES = {
+    "qwen3": lambda: transformers.Qwen3Config(**_COMMON, head_dim=16),
+    "phi3": lambda: transformers.Phi3Config(**_COMMON),
+    "gpt_neox": lambda: transformers.GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4
+    ),
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+        **_COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32
+    ),
+    "cohere": lambda: transformers.CohereConfig(**_COMMON),
+    "starcoder2": lambda: transformers.Starcoder2Config(**_COMMON),
+}
+
+
+@pytest.mark.parametrize("engine", ["eager", "compiled"])
+@pytest.mark.parametrize("family", sorted(MORE_FAMILIES))
+def test_more_architectures_verify_chains_exactly_on_each_engine(family, engine):
+    """A chain right to depth 2 and wrong at 3, every step: each verify accepts 2 guesses and the bonus and rejects the
+    rest; then random heads over a wide tree. Either way the output is transformers' greedy, on the eager engine and
+    on the compiled one (on a CPU: the linears pre-packed, sibling projections fused)."""
+    torch.manual_seed(0)
+    config = MORE_FAMILIES[family]()
+    config._attn_implementation, config.initializer_range = "sdpa", 0.2
+    base = transformers.AutoModelForCausalLM.from_config(config).eval()
+    prompt = torch.tensor([[5, 6, 7, 8, 9]])
+    reference = _reference(base, prompt, 40, pad_token_id=0)
+    out = decode(
+        base,
+        OracleProposer(reference[0].tolist(), depth=4, wrong_at=3),
+        get_rule("greedy"),
+        prompt,
+        max_new_tokens=40,
+        sampling=SamplingConfig(),
+        stop_ids=set(),
+        engine=engine_for(base, engine),
+    )
+    assert torch.equal(out.sequences, reference)
+    assert set(out.stats.accepted_lengths[:-1]) == {3}
+    # random heads on a wide tree: rejections at every depth, an accepted path off the first branch moves cache rows
+    model = MedusaModel(base, make_heads(random=True), tree=TREES["wide"])
+    out = model.generate(prompt, max_new_tokens=40, engine=engine, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, reference)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
