@@ -66,7 +66,9 @@ class InductorEngine(CompiledEngine):
         package = self.package if self.ahead_of_time else None
         if package is None or not aot.takes(rows, past_length, n):
             return super().verify(cache, candidates, past_length, feature_layers)
-        self._start_step(cache, candidates, past_length)
+        # the package writes from `past_length` (an input), not from the cache layers' own counts, which commit sets
+        # (and every forward outside a package sets first): setting them here too cost a step tens of microseconds
+        self._start_step(cache, candidates, past_length, set_length=False)
         # the package attends over the rows written: the mask is as wide as them
         tokens, position_ids, mask = verify_inputs(candidates, past_length, self.model.dtype, past_length + n)
         window = window_mask(self.model.config, mask, position_ids, past_length)  # None: no sliding layers

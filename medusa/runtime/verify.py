@@ -112,10 +112,11 @@ def by_layer_type(config, full, sliding):
     return sliding
 
 
-def base_features(hidden_states: tuple[torch.Tensor, ...], feature_layers=()) -> torch.Tensor:
-    """A base forward's `hidden_states` (embeddings, then each layer's output; the last one post-norm) -> what heads
-    read per position: the last hidden state, then the residual stream after each of `feature_layers`, concatenated
-    on the last axis ((..., H) without feature layers)."""
+def base_features(hidden_states: tuple[torch.Tensor, ...] | torch.Tensor, feature_layers=()) -> torch.Tensor:
+    """A base forward's `hidden_states` (embeddings, then each layer's output; the last one post-norm; or those
+    stacked on a first axis, as a package returns them) -> what heads read per position: the last hidden state, then
+    the residual stream after each of `feature_layers`, concatenated on the last axis ((..., H) without feature
+    layers)."""
     if not feature_layers:
         return hidden_states[-1]
     layers = len(hidden_states) - 1
@@ -241,9 +242,11 @@ def verify_inputs(
     `windowed`: needs_window_masks)."""
     tokens = candidates.tokens[None]
     position_ids = (past_length + candidates.tree.depth)[None]
-    one_token = tokens.shape[1] == 1 and mask_rows is None and not windowed
-    mask = None if one_token else tree_attention_mask(candidates, past_length, dtype, mask_rows)
-    return tokens, position_ids, mask
+    if tokens.shape[1] == 1 and mask_rows is None and not windowed:
+        return tokens, position_ids, None
+    if tokens.shape[1] == 1 and (mask_rows or past_length + 1) == past_length + 1:  # the past and itself: all visible
+        return tokens, position_ids, torch.zeros((1, 1, 1, past_length + 1), dtype=dtype, device=tokens.device)
+    return tokens, position_ids, tree_attention_mask(candidates, past_length, dtype, mask_rows)
 
 
 @torch.inference_mode()
