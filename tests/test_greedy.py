@@ -91,7 +91,7 @@ MORE_FAMILIES = {
 
 @pytest.mark.parametrize("engine", ["eager", "compiled"])
 @pytest.mark.parametrize("family", sorted(MORE_FAMILIES))
-def test_more_architectures_verify_chains_exactly_on_each_engine(family, engine):
+def test_more_architectures_verify_chains_and_trees_exactly_on_each_engine(family, engine):
     """A chain right to depth 2 and wrong at 3, every step: each verify accepts 2 guesses and the bonus and rejects the
     rest; then random heads over a wide tree. Either way the output is transformers' greedy, on the eager engine and
     on the compiled one (on a CPU: the linears pre-packed, sibling projections fused)."""

@@ -75,18 +75,22 @@ def test_the_cache_goes_by_the_name_the_forward_takes():
     assert with_cache(OldForward(), 1) == {"past_key_values": 1}
 
 
-def test_a_one_token_steps_mask_is_the_trees_mask_built_without_it():
-    """verify_inputs builds a one-token step's mask over the past and itself as zeros directly: the values, shape and
-    dtype tree_attention_mask gives it; a wider one (a fixed-width compiled shape) still hides the rows beyond."""
-    from medusa.runtime.verify import tree_attention_mask, verify_inputs  # medusa.runtime.verify: the function
+def test_a_trees_mask_over_exactly_its_rows_is_the_general_masks():
+    """bias_over_rows builds a mask with nothing hidden beyond the tree (a package's step: as wide as the rows written)
+    as the past's zeros and the tree's bias directly: the values, shape and dtype the general placement gives; a wider
+    one (a fixed-width compiled shape) still hides the rows beyond, and a 0-d past takes the general way."""
+    from medusa.runtime.verify import bias_over_rows  # medusa.runtime.verify: the function
     from medusa.tree import chain
 
-    root = Candidates(tokens=torch.tensor([5]), tree=build_buffers(TreeSpec(chain(0)), 1))
-    for dtype in (torch.float32, torch.bfloat16):
-        for past in (0, 3, 100):
-            for rows, windowed in ((past + 1, False), (None, True), (past + 7, False)):
-                _, positions, mask = verify_inputs(root, past, dtype, rows, windowed)
-                want = tree_attention_mask(root, past, dtype, rows)
-                assert mask.dtype == want.dtype and torch.equal(mask, want), (dtype, past, rows)
-                assert positions.tolist() == [[past]]
-    assert verify_inputs(root, 4, torch.float32)[2] is None  # no mask asked for: transformers' one-token path
+    for spec in (TreeSpec(chain(0)), TreeSpec(HAND_TREE)):
+        tree = build_buffers(spec)
+        n = tree.num_nodes
+        for dtype in (torch.float32, torch.bfloat16):
+            bias = tree.attention_bias(dtype, torch.device("cpu"))
+            for past in (0, 3, 100):
+                for rows in (past + n, past + n + 6):
+                    want = torch.full((n, rows), torch.finfo(dtype).min, dtype=dtype)
+                    want[:, :past], want[:, past : past + n] = 0.0, bias
+                    mask = bias_over_rows(bias, past, rows)
+                    assert mask.dtype == dtype and torch.equal(mask, want[None, None]), (n, dtype, past, rows)
+                    assert torch.equal(bias_over_rows(bias, torch.tensor(past), rows), mask)

@@ -230,6 +230,9 @@ def bias_over_rows(bias: torch.Tensor, past_length: int | torch.Tensor, rows: in
     `past_length` may be a 0-d tensor: then no host value enters, and a CUDA graph that builds the mask reads the
     length from that tensor's address at every replay."""
     n = bias.shape[0]
+    if isinstance(past_length, int) and rows == past_length + n:  # nothing hidden: the past, then the tree's bias
+        # two operations where the general case takes eight (a one-token step's mask on a CPU: docs/engines.md)
+        return torch.cat([bias.new_zeros((n, past_length)), bias], dim=1)[None, None]
     place = torch.arange(rows, device=bias.device) - past_length  # each row's place in the tree part
     mask = torch.where(place < n, bias.index_select(1, place.clamp(0, n - 1)), torch.finfo(bias.dtype).min)
     return torch.where(place < 0, 0.0, mask)[None, None]
@@ -242,11 +245,9 @@ def verify_inputs(
     `windowed`: needs_window_masks)."""
     tokens = candidates.tokens[None]
     position_ids = (past_length + candidates.tree.depth)[None]
-    if tokens.shape[1] == 1 and mask_rows is None and not windowed:
-        return tokens, position_ids, None
-    if tokens.shape[1] == 1 and (mask_rows or past_length + 1) == past_length + 1:  # the past and itself: all visible
-        return tokens, position_ids, torch.zeros((1, 1, 1, past_length + 1), dtype=dtype, device=tokens.device)
-    return tokens, position_ids, tree_attention_mask(candidates, past_length, dtype, mask_rows)
+    one_token = tokens.shape[1] == 1 and mask_rows is None and not windowed
+    mask = None if one_token else tree_attention_mask(candidates, past_length, dtype, mask_rows)
+    return tokens, position_ids, mask
 
 
 @torch.inference_mode()
