@@ -174,6 +174,8 @@ def test_unknown_and_slow_precisions_are_refused_with_the_fix(tmp_path, monkeypa
         load_target(str(base_dir), dtype="int3")
     monkeypatch.setattr(medusa.precision, "native_bf16", lambda device="cpu": False)
     monkeypatch.delenv(ALLOW_EMULATED, raising=False)
+    # torch's AVX-512 kernels without bf16 (an AVX-512 CPU before Cooper Lake): the refusals name int8, on any CPU
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     with pytest.raises(ValueError, match=r"no native bf16.*dtype='float32'.*dtype='int8'"):
         load_target(str(base_dir), dtype="bfloat16")
     assert activation_dtype("int8", "cpu") == torch.float32  # int8 weights, fp32 activations where bf16 is emulated

@@ -15,6 +15,7 @@ import medusa.runtime.static
 from medusa import MedusaModel
 from medusa.batch import left_padded
 from medusa.decode import prefill
+from medusa.hardware import native_bf16
 from medusa.runtime import engine_for
 from medusa.runtime.quantize import quantize_target
 from medusa.runtime.static import CompiledEngine, GuardedStaticLayer, PrefixStaticLayer
@@ -247,6 +248,8 @@ def test_a_long_prompt_prefills_in_chunks_bit_for_bit_as_in_one_forward(family, 
     the sliding layers read only their window's key blocks (rows before it turned NaN once written change nothing,
     where a read of them would turn everything NaN). At each precision: w8a8 attends row-invariantly up to
     ROW_INVARIANT_ROWS rows, which a last chunk of a few rows would take."""
+    if precision == "bfloat16" and not native_bf16():
+        pytest.skip("bf16 where the CPU emulates it is refused at load; its engine keeps transformers' attention")
     base = make_tiny_model(family, dtype=torch.float32 if precision == "float32" else torch.bfloat16, sliding=True)
     if precision == "w8a8":
         quantize_target(base, "w8a8")
